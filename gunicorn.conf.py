@@ -1,0 +1,71 @@
+"""gunicorn configuration for greenserve: ``gunicorn -c gunicorn.conf.py``.
+
+Plain names, each with its unit and environment override. Nothing heavy is imported here: gunicorn loads
+this file in the master before gevent patches the workers, and the model is loaded per worker by the app
+factory (no ``preload_app``), so each worker owns its model and its span exporter.
+"""
+
+import os
+
+# numpy reads this at import; one BLAS thread per worker, the workers are the parallelism.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+def _usable_cpus() -> int:
+    """CPUs this container may really use: the cgroup CPU quota first, then the affinity mask."""
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]  # cgroup v2
+        if quota != "max":
+            return max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read())  # cgroup v1
+        period = int(open("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read())
+        if quota > 0 and period > 0:
+            return max(1, -(-quota // period))
+    except (OSError, ValueError):
+        pass
+    return len(os.sched_getaffinity(0)) or 1
+
+
+_host = os.environ.get("HOST", "0.0.0.0")
+_port = int(os.environ.get("PORT", "8000"))
+_health_port = int(os.environ.get("HEALTH_PORT", "9464"))
+
+# The API port, and the health port for probes and scrapes (HEALTH_PORT=0 disables it).
+bind = [f"{_host}:{_port}"] + ([f"{_host}:{_health_port}"] if _health_port else [])
+# Worker processes (WEB_CONCURRENCY); default: the usable CPUs.
+workers = int(os.environ.get("WEB_CONCURRENCY", "0")) or _usable_cpus()
+# Every connection is a greenlet.
+worker_class = "gevent"
+# Simultaneous connections per worker (WORKER_CONNECTIONS), streams and idle keep-alives alike.
+worker_connections = int(os.environ.get("WORKER_CONNECTIONS", "1000"))
+# The app factory runs in each worker, after gevent's monkey-patching.
+wsgi_app = "wsgi_app:create_app()"
+preload_app = False
+# Seconds a worker may go without notifying the arbiter. Under gevent this bounds hub stalls (CPU work
+# that never yields), not request length: requests have their own deadline (REQUEST_TIMEOUT_S).
+timeout = int(os.environ.get("GUNICORN_TIMEOUT_S", "30"))
+# Seconds in-flight streams get to finish after SIGTERM before the worker is killed.
+graceful_timeout = int(os.environ.get("GRACEFUL_TIMEOUT_S", "30"))
+# Seconds an idle keep-alive connection is held open.
+keepalive = int(os.environ.get("KEEPALIVE_S", "5"))
+# Worker recycling would cut in-flight streams.
+max_requests = 0
+# gunicorn's own log to stderr; the app writes one JSON line per request, so no access log.
+errorlog = "-"
+loglevel = os.environ.get("LOG_LEVEL", "info")
+accesslog = None
+# Request line and header limits (bytes, count); the body limit is MAX_BODY_BYTES in the app.
+limit_request_line = 8190
+limit_request_fields = 100
+limit_request_field_size = 8190
+
+
+def worker_exit(server, worker):
+    """Flush the worker's pending spans before it exits (generators' ``finally`` may never run)."""
+    app = getattr(worker, "wsgi", None)
+    state = getattr(app, "extensions", {}).get("greenserve") if app is not None else None
+    if state is not None:
+        state.exporter.shutdown(5.0)

@@ -1,0 +1,98 @@
+"""Build model directories and hand-crafted safetensors files for tests.
+
+Other test modules import these: ``from tests.modelfiles import write_succ_model``.
+"""
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+import numpy as np
+import safetensors.numpy
+
+BIGRAM_CONFIG = MappingProxyType({"tl_arch": "bigram", "tl_tokenizer": "bytes", "vocab_size": 256})
+TINYLLM_METADATA = MappingProxyType({"format": "tinyllm"})
+
+
+def write_safetensors_raw(
+    path: str | os.PathLike,
+    header: dict | str | bytes,
+    data: bytes,
+    header_len: int | None = None,
+    pad_to: int | None = 8,
+) -> None:
+    """Write a safetensors file byte by byte, so tests can craft malformed ones.
+
+    Args:
+        path: File to write.
+        header: The JSON header: a dict (dumped compactly, keys in their order), or the exact
+            text or bytes (for duplicate names or invalid JSON).
+        data: The data buffer, written right after the (padded) header.
+        header_len: The u64 written as the header length; ``None`` means the true padded length
+            (pass a larger value to point past the end of the file).
+        pad_to: Pad the header with spaces to a multiple of this many bytes; ``None`` or 1 for none.
+    """
+    if isinstance(header, dict):
+        header = json.dumps(header, separators=(",", ":"))
+    if isinstance(header, str):
+        header = header.encode("utf-8")
+    if pad_to and pad_to > 1:
+        header += b" " * (-len(header) % pad_to)
+    length = len(header) if header_len is None else header_len
+    Path(path).write_bytes(struct.pack("<Q", length) + header + data)
+
+
+def succ_weight() -> np.ndarray:
+    """Build the "succ" weights: ``W[i][(i + 1) % 256] = 2.0``, all else 0.
+
+    Returns:
+        Shape ``(256, 256)`` float32; greedy decoding after byte ``b`` gives ``b + 1``.
+    """
+    weight = np.zeros((256, 256), dtype=np.float32)
+    ids = np.arange(256)
+    weight[ids, (ids + 1) % 256] = 2.0
+    return weight
+
+
+def write_model_dir(
+    directory: str | os.PathLike,
+    weight: np.ndarray,
+    config: Mapping | None = None,
+    metadata: Mapping[str, str] | None = TINYLLM_METADATA,
+) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (through the safetensors writer).
+
+    Args:
+        directory: Model directory, created if needed.
+        weight: The ``bigram.weight`` tensor to store.
+        config: The config object; ``None`` means the valid bigram config.
+        metadata: The safetensors ``__metadata__``; ``None`` writes none.
+
+    Returns:
+        The model directory.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = BIGRAM_CONFIG if config is None else config
+    (directory / "config.json").write_text(json.dumps(dict(config)), encoding="utf-8")
+    safetensors.numpy.save_file(
+        {"bigram.weight": weight},
+        directory / "model.safetensors",
+        metadata=None if metadata is None else dict(metadata),
+    )
+    return directory
+
+
+def write_succ_model(directory: str | os.PathLike) -> Path:
+    """Write the "succ" test model of DESIGN §2 (metadata ``{"format":"tinyllm"}``).
+
+    Args:
+        directory: Model directory, created if needed.
+
+    Returns:
+        The model directory; ``Bigram.load(it)`` greedily continues ``a`` with ``bcd...``.
+    """
+    return write_model_dir(directory, succ_weight())

@@ -1,0 +1,107 @@
+"""Every invalid request is a 400 in the OpenAI error shape naming its ``param`` (DESIGN §5)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+OK = {"model": "m", "prompt": "a", "max_tokens": 2, "temperature": 0}
+
+BAD_BODIES = [
+    ({"prompt": "a"}, "model"),
+    ({**OK, "model": ""}, "model"),
+    ({**OK, "model": 5}, "model"),
+    ({"model": "m"}, "prompt"),
+    ({**OK, "prompt": ""}, "prompt"),
+    ({**OK, "prompt": 12}, "prompt"),
+    ({**OK, "prompt": [1, 256]}, "prompt"),
+    ({**OK, "prompt": [-1]}, "prompt"),
+    ({**OK, "prompt": ["a", "b"]}, "prompt"),
+    ({**OK, "prompt": []}, "prompt"),
+    ({**OK, "max_tokens": 0}, "max_tokens"),
+    ({**OK, "max_tokens": 4097}, "max_tokens"),
+    ({**OK, "max_tokens": 2.0}, "max_tokens"),
+    ({**OK, "max_tokens": "2"}, "max_tokens"),
+    ({**OK, "max_tokens": True}, "max_tokens"),
+    ({**OK, "temperature": -0.1}, "temperature"),
+    ({**OK, "temperature": 2.01}, "temperature"),
+    ({**OK, "temperature": "hot"}, "temperature"),
+    ({**OK, "temperature": False}, "temperature"),
+    ({**OK, "seed": -1}, "seed"),
+    ({**OK, "seed": 2**64}, "seed"),
+    ({**OK, "seed": 1.5}, "seed"),
+    ({**OK, "seed": True}, "seed"),
+    ({**OK, "stream": 1}, "stream"),
+    ({**OK, "stream": "true"}, "stream"),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"), BAD_BODIES, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD_BODIES)]
+)
+def test_bad_field_is_400_naming_param(succ_server, body, param):
+    status, headers, raw = succ_server.complete(body)
+    assert status == 400, raw
+    assert headers["content-type"] == "application/json"
+    err = json.loads(raw)
+    assert list(err) == ["error"]
+    assert list(err["error"]) == ["message", "type", "param", "code"]
+    assert err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["param"] == param
+    assert err["error"]["code"] is None
+    assert err["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"{",
+        b"[1,2]",
+        b'"a"',
+        b"\xff\xfe",
+        b'{"model":"m","prompt":"a","temperature":NaN}',
+        b'{"model":"m","prompt":"a","prompt":"b"}',
+    ],
+)
+def test_malformed_body_is_400_with_null_param(succ_server, raw):
+    status, _, body = succ_server.post("/v1/completions", raw)
+    assert status == 400
+    err = json.loads(body)["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] is None
+
+
+def test_seed_bounds_are_inclusive(succ_server):
+    for seed in (0, 2**64 - 1):
+        status, _, _ = succ_server.complete({**OK, "seed": seed, "temperature": 1})
+        assert status == 200
+
+
+def test_max_tokens_4096_is_accepted(succ_server):
+    status, _, body = succ_server.complete({**OK, "max_tokens": 4096})
+    assert status == 200
+    assert json.loads(body)["usage"]["completion_tokens"] == 4096
+
+
+def test_unknown_path_is_404_and_wrong_method_405(succ_server):
+    status, headers, body = succ_server.get("/nope")
+    assert status == 404
+    assert json.loads(body) == {
+        "error": {
+            "message": "Not found: no such route.",
+            "type": "not_found_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    assert "x-request-id" in headers
+    status, headers, body = succ_server.get("/v1/completions")
+    assert status == 405
+    assert headers["allow"] == "OPTIONS, POST"
+    err = json.loads(body)["error"]
+    assert (err["type"], err["code"], err["param"]) == (
+        "invalid_request_error",
+        "method_not_allowed",
+        None,
+    )

@@ -1,0 +1,52 @@
+"""The greenserve WSGI app: HTTP routes, validation, SSE, admission.
+
+Use ``create_app()`` as gunicorn's app (``wsgi_app:create_app()``); it builds the per-worker state.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Flask
+
+from model import __version__
+from model.bigram import Bigram
+from model.generate import BigramEngine
+from telemetry.otlp import NullExporter, SpanExporter
+from wsgi_app import completions, lifecycle, ops
+from wsgi_app.errors import register_error_handlers
+from wsgi_app.runtime import EXTENSION, Runtime
+from wsgi_app.settings import Settings
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    """Create the app and load the model (once per worker).
+
+    Args:
+        settings: server settings; ``Settings.from_env()`` when None.
+
+    Raises:
+        ValueError: a setting, the model config or the checkpoint is invalid (the message names it).
+    """
+    settings = settings or Settings.from_env()
+    logging.getLogger("greenserve").setLevel(settings.log_level.upper())
+    model = Bigram.load(settings.model_dir)
+    if settings.otlp_endpoint:
+        exporter = SpanExporter(settings.otlp_endpoint, service_name=settings.service_name)
+    else:
+        exporter = NullExporter()
+
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.extensions[EXTENSION] = Runtime(
+        settings=settings,
+        model=model,
+        engine=BigramEngine(model),
+        exporter=exporter,
+        model_version=f"{model.checksum[:16]}+greenserve-{__version__}",
+    )
+    register_error_handlers(app)
+    lifecycle.install(app)
+    app.register_blueprint(completions.bp)
+    app.register_blueprint(ops.bp)
+    return app

@@ -1,0 +1,301 @@
+"""Turn the engine's token streams into completion choices: text, stop strings, logprobs, usage.
+
+One :class:`Choice` per ``n``; each owns its token stream, its incremental UTF-8 decoder and its stop
+matcher. :class:`Completion` drives the choices and renders the OpenAI wire format, either as one JSON
+body or as SSE chunks (round-robin over the live choices, one token each).
+
+Source: OpenAI API reference, "Completions" (legacy) objects; DESIGN §4 and §5.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from model.generate import GenerationRequest, Step
+from model.stop import StopMatcher
+from model.utf8 import Utf8Decoder
+from wsgi_app.errors import json_bytes
+from wsgi_app.protocol import CompletionRequest
+from wsgi_app.sse import data_event
+
+_BYTES = [bytes((i,)) for i in range(256)]
+
+
+def token_text(token_id: int) -> str:
+    """Show one byte token the way OpenAI shows tokens: the character, or ``bytes:\\xNN`` when the byte is
+    not valid UTF-8 on its own."""
+    return chr(token_id) if token_id < 0x80 else f"bytes:\\x{token_id:02x}"
+
+
+def _dumps(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+class Logprobs:
+    """The legacy ``logprobs`` object of one choice: ``tokens``, ``token_logprobs``, ``top_logprobs``,
+    ``text_offset`` (character offsets into the choice's text)."""
+
+    __slots__ = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
+        self.text_offset: list[int] = []
+
+    def add(self, step: Step, offset: int) -> None:
+        """Append one token's entry; ``step`` carries the logprobs the engine computed."""
+        self.tokens.append(token_text(step.token_id))
+        self.token_logprobs.append(step.logprob)
+        top = step.top_logprobs
+        self.top_logprobs.append(None if top is None else {token_text(t): lp for t, lp in top})
+        self.text_offset.append(offset)
+
+    def as_dict(self, start: int = 0) -> dict[str, Any]:
+        """Return the entries from index ``start`` on, in the wire shape."""
+        return {
+            "tokens": self.tokens[start:],
+            "token_logprobs": self.token_logprobs[start:],
+            "top_logprobs": self.top_logprobs[start:],
+            "text_offset": self.text_offset[start:],
+        }
+
+
+class Choice:
+    """One choice of a completion: advances its token stream one token at a time.
+
+    Args:
+        index: the choice's ``index`` on the wire.
+        stream: the engine's token stream (closed when the choice ends).
+        max_tokens: tokens to generate.
+        stop: stop strings (never returned in the text).
+        echo_text: the prompt text when ``echo`` is set, else "".
+        logprobs: a :class:`Logprobs` to fill, or None.
+    """
+
+    __slots__ = (
+        "index",
+        "_stream",
+        "max_tokens",
+        "_decoder",
+        "_matcher",
+        "parts",
+        "tokens",
+        "finish_reason",
+        "logprobs",
+        "_chars",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        stream: Iterator[Step],
+        max_tokens: int,
+        stop: tuple[str, ...],
+        echo_text: str,
+        logprobs: Logprobs | None,
+    ) -> None:
+        self.index = index
+        self._stream = stream
+        self.max_tokens = max_tokens
+        self._decoder = Utf8Decoder()
+        self._matcher = StopMatcher(stop)
+        self.parts: list[str] = [echo_text] if echo_text else []
+        self.tokens = 0
+        self.finish_reason: str | None = None if max_tokens > 0 else "length"
+        self.logprobs = logprobs
+        self._chars = len(echo_text)  # characters decoded so far, for ``text_offset``
+
+    def advance(self) -> str:
+        """Generate one token and return the text it releases (may be "").
+
+        Sets :attr:`finish_reason` on the last token (``length``) or on a stop match (``stop``).
+
+        Raises:
+            Exception: whatever the engine raises; the caller turns it into an error answer.
+        """
+        step = next(self._stream)
+        self.tokens += 1
+        text = self._decoder.feed(_BYTES[step.token_id])
+        last = self.tokens >= self.max_tokens
+        if last:
+            text += self._decoder.finish()
+        if self.logprobs is not None:
+            self.logprobs.add(step, self._chars)
+        self._chars += len(text)
+        out, stopped = self._matcher.push(text)
+        if stopped:
+            self.finish_reason = "stop"
+            self.close()
+        elif last:
+            out += self._matcher.flush()
+            self.finish_reason = "length"
+            self.close()
+        self.parts.append(out)
+        return out
+
+    def close(self) -> None:
+        """Stop the token stream: no model work happens for this choice after this."""
+        self._stream.close()
+
+
+class Completion:
+    """The ``n`` choices of one request and their rendering on the wire.
+
+    Args:
+        engine: an object with ``stream(GenerationRequest) -> Iterator[Step]`` and
+            ``score(prompt_ids, top_n) -> list[Step]`` (logprobs of the prompt tokens, for ``echo``).
+        req: the validated request.
+        seed: the effective seed, 0..2**64-1.
+        completion_id: ``cmpl-…``, the same for every chunk.
+        created: Unix time in seconds.
+        cooperate: called after every token; lets other greenlets run (the engine is inline).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        req: CompletionRequest,
+        seed: int,
+        completion_id: str,
+        created: int,
+        cooperate: Callable[[], None],
+    ) -> None:
+        self.req = req
+        self.seed = seed
+        self.cooperate = cooperate
+        self.choices: list[Choice] = []
+        echo_text = req.prompt_text if req.echo else ""
+        for i in range(req.n):
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = Logprobs()
+                if req.echo:
+                    for offset, step in zip(
+                        _offsets(req.prompt_ids),
+                        engine.score(req.prompt_ids, req.logprobs),
+                        strict=True,
+                    ):
+                        logprobs.add(step, offset)
+            gen = GenerationRequest(
+                prompt_ids=req.prompt_ids,
+                max_tokens=req.max_tokens,
+                params=req.sampling,
+                seed=seed,
+                seq=54 + i,
+                logprobs=req.logprobs,
+            )
+            stream = engine.stream(gen) if req.max_tokens > 0 else iter(())
+            self.choices.append(Choice(i, stream, req.max_tokens, req.stop, echo_text, logprobs))
+        head = {"id": completion_id, "object": "text_completion", "created": created}
+        self._head = json_bytes(head)[:-1] + b',"model":' + json_bytes(req.model)
+        self._usage_tail = b',"usage":null}' if req.include_usage else b"}"
+
+    # -- accounting ---------------------------------------------------------------------------
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated over all choices."""
+        return sum(c.tokens for c in self.choices)
+
+    def usage(self) -> dict[str, int]:
+        """Return the ``usage`` object: prompt counted once, completions summed over choices."""
+        prompt = len(self.req.prompt_ids)
+        completion = self.completion_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def finish_reasons(self) -> list[str | None]:
+        """Each choice's finish reason (None while it runs)."""
+        return [c.finish_reason for c in self.choices]
+
+    def close(self) -> None:
+        """Close every token stream (idempotent)."""
+        for choice in self.choices:
+            choice.close()
+
+    # -- plain JSON answer ------------------------------------------------------------------------
+
+    def run(self) -> bytes:
+        """Generate every choice to its end and return the JSON body (DESIGN §5 key order)."""
+        for choice in self.choices:
+            while choice.finish_reason is None:
+                choice.advance()
+                self.cooperate()
+        choices = [
+            {
+                "index": c.index,
+                "text": "".join(c.parts),
+                "logprobs": None if c.logprobs is None else c.logprobs.as_dict(),
+                "finish_reason": c.finish_reason,
+            }
+            for c in self.choices
+        ]
+        body = json_bytes({"choices": choices, "usage": self.usage()})
+        return self._head + b"," + body[1:]
+
+    # -- SSE answer -------------------------------------------------------------------------------
+
+    def chunk(self, choice: Choice, text: str, lp_start: int | None) -> bytes:
+        """Render one streamed chunk of ``choice`` as an SSE event."""
+        logprobs = b"null"
+        if choice.logprobs is not None and lp_start is not None:
+            logprobs = json_bytes(choice.logprobs.as_dict(lp_start))
+        finish = (
+            b"null" if choice.finish_reason is None else b'"' + choice.finish_reason.encode() + b'"'
+        )
+        payload = b"".join(
+            (
+                self._head,
+                b',"choices":[{"index":',
+                str(choice.index).encode(),
+                b',"text":',
+                _dumps(text).encode(),
+                b',"logprobs":',
+                logprobs,
+                b',"finish_reason":',
+                finish,
+                b"}]",
+                self._usage_tail,
+            )
+        )
+        return data_event(payload)
+
+    def usage_chunk(self) -> bytes:
+        """Render the ``stream_options.include_usage`` chunk: no choices, the usage."""
+        return data_event(self._head + b',"choices":[],"usage":' + json_bytes(self.usage()) + b"}")
+
+    def chunks(self) -> Iterator[bytes]:
+        """Yield one SSE event per generated token, round-robin over the live choices.
+
+        With ``echo`` each choice first gets a chunk with the prompt text. The caller frames the stream
+        (opening comment, usage chunk, ``[DONE]``) and handles errors.
+        """
+        live = list(self.choices)
+        if self.req.echo:
+            for c in live:
+                yield self.chunk(c, self.req.prompt_text, 0 if c.logprobs is not None else None)
+        while live:
+            for c in live:
+                if c.finish_reason is not None:
+                    continue
+                lp_start = len(c.logprobs.tokens) if c.logprobs is not None else None
+                text = c.advance()
+                yield self.chunk(c, text, lp_start)
+                self.cooperate()
+            live = [c for c in live if c.finish_reason is None]
+
+
+def _offsets(prompt_ids: tuple[int, ...]) -> list[int]:
+    """Character offset at which each prompt byte's text starts (for echoed logprobs)."""
+    decoder = Utf8Decoder()
+    offsets, chars = [], 0
+    for token_id in prompt_ids:
+        offsets.append(chars)
+        chars += len(decoder.feed(_BYTES[token_id]))
+    return offsets

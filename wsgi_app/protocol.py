@@ -1,0 +1,291 @@
+"""OpenAI legacy Completions wire types and their validation (no Flask here).
+
+Precedence for every field: the request's value, else the OpenAI default. ``null`` means absent, booleans are
+not numbers, unknown fields are ignored, and every violation is a 400 naming its ``param``.
+
+Source: OpenAI API reference, "Completions" (legacy); DESIGN §3 and §5.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from model.sampling import SamplingParams
+from wsgi_app.errors import invalid
+
+VOCAB_SIZE = 256  # byte tokens: the only tokenizer the server has so far
+MAX_TOKENS_LIMIT = 4096
+MAX_STOP = 4
+MAX_LOGPROBS = 5
+SEED_LIMIT = 1 << 64
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """A validated ``POST /v1/completions`` request.
+
+    Attributes:
+        model: the requested model name, echoed in every answer.
+        prompt_ids: prompt token ids (bytes for the byte tokenizer), non-empty.
+        prompt_text: the prompt as text (for ``echo``).
+        max_tokens: tokens to generate per choice, 0..4096 (0 only with ``echo``).
+        sampling: the sampling parameters of DESIGN §3.
+        seed: 0..2**64-1, or None when the server should pick one.
+        n: number of choices.
+        stop: up to 4 non-empty stop strings.
+        echo: prepend the prompt to each choice's text.
+        logprobs: number of top alternatives to report per token (0..5), or None for no logprobs.
+        stream: answer as Server-Sent Events.
+        include_usage: with ``stream``, send a final usage chunk before ``[DONE]``.
+    """
+
+    model: str
+    prompt_ids: tuple[int, ...]
+    prompt_text: str
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int | None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    echo: bool = False
+    logprobs: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def decode_json_body(body: bytes) -> dict[str, Any]:
+    """Parse a request body as one strict JSON object.
+
+    Raises:
+        ApiError: 400 when the body is not UTF-8, not JSON, uses ``NaN``/``Infinity`` literals, repeats a
+            key, or is not an object.
+
+    Source: RFC 8259 (JSON), which leaves duplicate names undefined; we refuse them rather than guess.
+    """
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise invalid(
+            f"Request body is not valid UTF-8: {exc.reason} at byte {exc.start}.", None
+        ) from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+    except (ValueError, RecursionError) as exc:
+        raise invalid(f"Request body is not valid JSON: {exc}.", None) from None
+    if not isinstance(obj, dict):
+        raise invalid("Request body must be a JSON object.", None)
+    return obj
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise invalid(f"'{name}' must be an integer, got {type(value).__name__}.", name)
+    if not lo <= value <= hi:
+        raise invalid(f"'{name}' must be in {lo}..{hi}, got {value}.", name)
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_number(value):
+        raise invalid(f"'{name}' must be a number, got {type(value).__name__}.", name)
+    if not lo <= value <= hi:
+        raise invalid(f"'{name}' must be in {lo:g}..{hi:g}, got {value}.", name)
+    return float(value)
+
+
+def _boolean(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise invalid(f"'{name}' must be a boolean, got {type(value).__name__}.", name)
+    return value
+
+
+def _check_unicode(text: str, name: str) -> None:
+    # JSON can carry lone surrogates ("\\ud800") that no UTF-8 answer could echo back.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(f"'{name}' contains a lone surrogate code point.", name) from None
+
+
+def _prompt(value: Any, max_prompt_tokens: int) -> tuple[tuple[int, ...], str]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, str):
+        _check_unicode(value, "prompt")
+        ids = tuple(value.encode("utf-8"))
+        text = value
+    elif isinstance(value, list) and value and all(_is_int(t) for t in value):
+        bad = next((t for t in value if not 0 <= t < VOCAB_SIZE), None)
+        if bad is not None:
+            raise invalid(f"Token id {bad} in 'prompt' is outside the vocabulary 0..255.", "prompt")
+        ids = tuple(value)
+        text = bytes(ids).decode("utf-8", "replace")
+    elif isinstance(value, list) and len(value) > 1 and all(isinstance(p, str) for p in value):
+        raise invalid("Only one prompt per request is supported; send one string.", "prompt")
+    else:
+        raise invalid(
+            "'prompt' must be a non-empty string, a list of token ids, or a list holding one string.",
+            "prompt",
+        )
+    if not ids:
+        raise invalid("'prompt' must not be empty.", "prompt")
+    if len(ids) > max_prompt_tokens:
+        raise invalid(f"'prompt' is {len(ids)} tokens; the limit is {max_prompt_tokens}.", "prompt")
+    return ids, text
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid("'stop' must be a string or a list of strings.", "stop")
+    if len(stops) > MAX_STOP:
+        raise invalid(f"'stop' holds at most {MAX_STOP} strings, got {len(stops)}.", "stop")
+    if any(not s for s in stops):
+        raise invalid("'stop' strings must not be empty.", "stop")
+    for s in stops:
+        _check_unicode(s, "stop")
+    return tuple(stops)
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise invalid("'logit_bias' must be an object mapping token ids to numbers.", "logit_bias")
+    bias: dict[int, float] = {}
+    for key, weight in value.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= VOCAB_SIZE:
+            raise invalid(
+                f"'logit_bias' key {key!r} is not a token id in 0..{VOCAB_SIZE - 1}.", "logit_bias"
+            )
+        if not _is_number(weight) or not -100 <= weight <= 100:
+            raise invalid(
+                f"'logit_bias' value for {key} must be a number in -100..100.", "logit_bias"
+            )
+        bias[int(key)] = float(weight)
+    return tuple(sorted(bias.items()))
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    value = body.get("stream_options")
+    if value is None:
+        return False
+    if not stream:
+        raise invalid("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+    if not isinstance(value, dict):
+        raise invalid("'stream_options' must be an object.", "stream_options")
+    include = value.get("include_usage")
+    if include is None:
+        return False
+    if not isinstance(include, bool):
+        raise invalid("'stream_options.include_usage' must be a boolean.", "stream_options")
+    return include
+
+
+def parse_completion_request(
+    body: dict[str, Any], *, max_prompt_tokens: int = 32_768, max_n: int = 8
+) -> CompletionRequest:
+    """Validate a decoded ``/v1/completions`` body into a :class:`CompletionRequest`.
+
+    Args:
+        body: the decoded JSON object.
+        max_prompt_tokens: prompt length limit in tokens (``MAX_PROMPT_TOKENS``).
+        max_n: largest accepted ``n`` (``MAX_N``).
+
+    Raises:
+        ApiError: 400 naming the first invalid field in ``param``.
+    """
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("'model' must be a non-empty string.", "model")
+    _check_unicode(model, "model")
+    if "prompt" not in body or body["prompt"] is None:
+        raise invalid("'prompt' is required.", "prompt")
+    prompt_ids, prompt_text = _prompt(body["prompt"], max_prompt_tokens)
+
+    for unsupported in ("suffix", "best_of"):
+        value = body.get(unsupported)
+        if value is not None and not (unsupported == "best_of" and value == 1 and _is_int(value)):
+            raise invalid(f"'{unsupported}' is not supported by this server.", unsupported)
+
+    echo = _boolean(body, "echo")
+    max_tokens = _integer(body, "max_tokens", 16, 0, MAX_TOKENS_LIMIT)
+    if max_tokens == 0 and not echo:
+        raise invalid(
+            "'max_tokens' must be at least 1 (0 is allowed only with 'echo').", "max_tokens"
+        )
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    top_k = _integer(body, "top_k", 0, -1, VOCAB_SIZE)
+    min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+    presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    seed = _integer(body, "seed", None, 0, SEED_LIMIT - 1)
+    n = _integer(body, "n", 1, 1, max_n)
+    logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    stream = _boolean(body, "stream")
+    include_usage = _stream_options(body, stream)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise invalid("'user' must be a string.", "user")
+
+    sampling = SamplingParams(
+        temperature=temperature,
+        top_k=max(top_k, 0),  # -1 and 0 both mean "off" (vLLM's convention and ours)
+        top_p=top_p,
+        min_p=min_p,
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+    )
+    return CompletionRequest(
+        model=model,
+        prompt_ids=prompt_ids,
+        prompt_text=prompt_text,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        seed=seed,
+        n=n,
+        stop=_stop(body.get("stop")),
+        echo=echo,
+        logprobs=logprobs,
+        stream=stream,
+        include_usage=include_usage,
+    )

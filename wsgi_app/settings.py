@@ -1,0 +1,121 @@
+"""Server settings read from the environment: the only module of the app that reads it.
+
+Every name, default and meaning follows DESIGN §7 "Settings". Values are validated here so that a typo in a
+deployment fails the worker at start with a message naming the variable, not at the first request.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in {lo}..{hi}, got {value}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+    if not lo <= value <= hi:  # also rejects NaN
+        raise ValueError(f"{name} must be in {lo}..{hi}, got {raw}")
+    return value
+
+
+def _str(env: Mapping[str, str], name: str, default: str) -> str:
+    raw = env.get(name, "").strip()
+    return raw or default
+
+
+def otlp_traces_endpoint(env: Mapping[str, str]) -> str | None:
+    """Return the OTLP/HTTP traces URL configured in ``env``, or None when tracing is off.
+
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is used as-is; otherwise ``/v1/traces`` is appended to
+    ``OTEL_EXPORTER_OTLP_ENDPOINT``.
+
+    Source: OpenTelemetry Protocol Exporter specification, "Endpoint URLs for OTLP/HTTP".
+    """
+    signal = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+    if signal:
+        return signal
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+    if not base:
+        return None
+    return base.rstrip("/") + "/v1/traces"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Immutable server settings (DESIGN §7).
+
+    Attributes:
+        model_dir: model directory, or None for the packaged default model.
+        max_slots: concurrent generations per worker.
+        max_queue: requests allowed to wait for a slot, per worker.
+        max_body_bytes: largest request body accepted, in bytes (413 beyond).
+        max_prompt_tokens: largest prompt, in tokens (bytes for the bigram).
+        max_n: largest ``n`` (choices per request).
+        request_timeout_s: per-request deadline, in seconds.
+        heartbeat_s: SSE ``: ping`` interval while nothing else is written, in seconds.
+        send_timeout_s: how long a blocked write may wait on a stalled reader, in seconds.
+        log_level: Python logging level name.
+        log_prompts: log prompt and completion texts (off by default).
+        otlp_endpoint: full OTLP/HTTP traces URL, or None when tracing is off.
+        service_name: ``service.name`` resource attribute of exported spans.
+        faults: test-only fault injection spec (``GREENSERVE_FAULTS``), empty when off.
+    """
+
+    model_dir: str | None = None
+    max_slots: int = 64
+    max_queue: int = 256
+    max_body_bytes: int = 1_048_576
+    max_prompt_tokens: int = 32_768
+    max_n: int = 8
+    request_timeout_s: float = 60.0
+    heartbeat_s: float = 15.0
+    send_timeout_s: float = 30.0
+    log_level: str = "info"
+    log_prompts: bool = False
+    otlp_endpoint: str | None = None
+    service_name: str = "greenserve"
+    faults: str = ""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Build settings from ``env`` (default ``os.environ``).
+
+        Raises:
+            ValueError: a variable is malformed or out of range; the message names it.
+        """
+        env = os.environ if env is None else env
+        return cls(
+            model_dir=env.get("MODEL_DIR", "").strip() or None,
+            max_slots=_int(env, "MAX_SLOTS", 64, 1, 100_000),
+            max_queue=_int(env, "MAX_QUEUE", 256, 0, 1_000_000),
+            max_body_bytes=_int(env, "MAX_BODY_BYTES", 1_048_576, 1024, 1 << 30),
+            max_prompt_tokens=_int(env, "MAX_PROMPT_TOKENS", 32_768, 1, 1 << 24),
+            max_n=_int(env, "MAX_N", 8, 1, 128),
+            request_timeout_s=_float(env, "REQUEST_TIMEOUT_S", 60.0, 0.001, 86_400.0),
+            heartbeat_s=_float(env, "HEARTBEAT_S", 15.0, 0.01, 3_600.0),
+            send_timeout_s=_float(env, "SEND_TIMEOUT_S", 30.0, 0.01, 3_600.0),
+            log_level=_str(env, "LOG_LEVEL", "info").lower(),
+            log_prompts=_str(env, "LOG_PROMPTS", "0") == "1",
+            otlp_endpoint=otlp_traces_endpoint(env),
+            service_name=_str(env, "OTEL_SERVICE_NAME", "greenserve"),
+            faults=_str(env, "GREENSERVE_FAULTS", ""),
+        )
