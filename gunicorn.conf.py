@@ -69,3 +69,18 @@ def worker_exit(server, worker):
     state = getattr(app, "extensions", {}).get("greenserve") if app is not None else None
     if state is not None:
         state.exporter.shutdown(5.0)
+
+
+def post_worker_init(worker):
+    """Chain the worker's SIGTERM handler so the app learns of the stop and can end its streams with
+    a final event before ``graceful_timeout`` runs out (gunicorn only flips ``worker.alive``)."""
+    import signal
+
+    state = worker.wsgi.extensions["greenserve"]
+    gunicorn_handler = worker.handle_exit
+
+    def handle_exit(sig, frame):
+        state.begin_shutdown(worker.cfg.graceful_timeout)
+        gunicorn_handler(sig, frame)
+
+    signal.signal(signal.SIGTERM, handle_exit)

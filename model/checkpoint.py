@@ -200,6 +200,8 @@ def _read_header(data: bytes, path: str | os.PathLike) -> tuple[dict, int]:
         raise ValueError(f"{path}: header: duplicate name {exc.args[0]!r}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: header is not valid UTF-8 JSON: {exc}") from exc
+    except RecursionError:  # absurdly nested arrays: refuse instead of crashing the worker
+        raise ValueError(f"{path}: header is nested too deeply") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: header must be a JSON object, got {type(header).__name__}")
     return header, data_start

@@ -215,8 +215,10 @@ def sample(
     """Choose the next token id: penalties, then greedy or a tempered, filtered inverse-CDF draw.
 
     Temperature 0 is greedy and draws nothing from `rng`; otherwise exactly one `rng.uniform()`
-    is drawn. With filters active, the survivors' probabilities are renormalised by their
-    left-to-right sum in id order before the draw.
+    is drawn. Top-k, top-p and min-p each judge the same tempered distribution and the
+    survivors are the ids all of them keep. When any filter is set (`top_k > 0`, `top_p < 1` or
+    `min_p > 0`, even if it removes nothing) the survivors' probabilities are renormalised by
+    their left-to-right sum in id order before the draw; with none set, `p` is drawn as is.
 
     Args:
         logits: `(vocab_size,)` float array (float32 from the model); never modified.

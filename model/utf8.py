@@ -14,7 +14,7 @@ class Utf8Decoder:
     invalid sequence becomes one U+FFFD per maximal subpart as soon as it cannot complete; a tail
     that could still complete a character stays pending. CPython's incremental UTF-8 decoder
     follows these rules except for one case, fixed here: it holds `ED A0..BF` (a surrogate
-    prefix) although no byte can complete it. The tests check every 1-, 2- and 3-byte input.
+    prefix) although no byte can complete it. The tests check every 1- and 2-byte input.
 
     Source: Unicode 15 §3.9 "U+FFFD Substitution of Maximal Subparts"; DESIGN §4.
     """

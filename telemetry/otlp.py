@@ -160,6 +160,19 @@ class SpanExporter:
     when retries ran out of ``max_elapsed_s``. ``on_result(kind, n)`` is called with kind
     ``"sent"``, ``"dropped"`` or ``"failed"``; its exceptions are swallowed.
 
+    Args:
+        endpoint: full traces URL (see ``traces_url``).
+        service_name: ``service.name`` resource attribute.
+        headers: extra request headers (e.g. from ``OTEL_EXPORTER_OTLP_HEADERS``).
+        max_queue: queued spans kept at most; beyond it the oldest is dropped.
+        max_batch: spans per POST at most.
+        schedule_delay_s: seconds a partial batch may wait before it is sent.
+        timeout_s: seconds per POST attempt.
+        max_elapsed_s: seconds from a batch's first attempt after which it is given up.
+        initial_backoff_s: first retry delay in seconds, doubled per retry, jittered by ±20 %.
+        max_backoff_s: retry delay cap in seconds (Retry-After may ask for longer).
+        on_result: optional ``(kind, n)`` hook, e.g. for Prometheus counters.
+
     Source: OTLP specification, "OTLP/HTTP" (POST ``application/json``; retry only 429, 502, 503,
     504 and honour Retry-After; jittered exponential backoff).
     """

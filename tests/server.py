@@ -215,3 +215,70 @@ def sse_json(body: bytes) -> list[dict]:
     assert payloads[-1] == b"[DONE]", payloads[-3:]
     assert b"[DONE]" not in payloads[:-1]
     return [json.loads(p) for p in payloads[:-1]]
+
+
+class EventReader:
+    """Read an SSE response event by event over a real connection (http.client decodes chunking).
+
+    Args:
+        port: the server's API port.
+        body: the JSON request body (a dict).
+        rcvbuf: a small ``SO_RCVBUF`` in bytes, to make a non-reading client block the server sooner.
+    """
+
+    def __init__(
+        self,
+        port: int,
+        body: dict,
+        headers: dict[str, str] | None = None,
+        rcvbuf: int | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+        if rcvbuf is not None:
+            import socket
+
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            # Before connect(), so the advertised window stays small.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            sock.settimeout(timeout_s)
+            sock.connect(("127.0.0.1", port))
+            self.conn.sock = sock
+        self.conn.request(
+            "POST",
+            "/v1/completions",
+            body=json.dumps(body),
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        self.sock = self.conn.sock
+        self.resp: http.client.HTTPResponse | None = None
+
+    def open(self) -> http.client.HTTPResponse:
+        """Read the status line and headers."""
+        self.resp = self.conn.getresponse()
+        return self.resp
+
+    def next_frame(self) -> bytes:
+        """Return the next frame (event or comment) without its blank line; b"" at the end."""
+        assert self.resp is not None
+        lines = []
+        while True:
+            line = self.resp.readline()
+            if not line:
+                return b"".join(lines)
+            if line == b"\n":
+                return b"".join(lines)
+            lines.append(line)
+
+    def close(self) -> None:
+        """Close the connection abruptly (as a client that goes away)."""
+        import socket
+
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if self.resp is not None:
+            self.resp.close()
+        self.conn.close()
+        self.sock.close()

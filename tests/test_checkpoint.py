@@ -250,6 +250,9 @@ BAD_FILES = [
     pytest.param(
         "[]", FULL, {}, ["header must be a JSON object, got list"], id="header_not_object"
     ),
+    pytest.param(
+        "[" * 100_000 + "]" * 100_000, FULL, {}, ["nested too deeply"], id="header_too_deep"
+    ),
 ]
 
 

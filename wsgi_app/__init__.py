@@ -14,7 +14,9 @@ from model.bigram import Bigram
 from model.generate import BigramEngine
 from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app import completions, lifecycle, ops
+from wsgi_app.admission import Admission
 from wsgi_app.errors import register_error_handlers
+from wsgi_app.faults import Faults, FaultyEngine
 from wsgi_app.runtime import EXTENSION, Runtime
 from wsgi_app.settings import Settings
 
@@ -38,10 +40,14 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    engine = BigramEngine(model)
+    if settings.faults:
+        engine = FaultyEngine(engine, Faults.parse(settings.faults))
     app.extensions[EXTENSION] = Runtime(
         settings=settings,
         model=model,
-        engine=BigramEngine(model),
+        engine=engine,
+        admission=Admission(settings.max_slots, settings.max_queue),
         exporter=exporter,
         model_version=f"{model.checksum[:16]}+greenserve-{__version__}",
     )

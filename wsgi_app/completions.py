@@ -1,6 +1,10 @@
-"""``POST /v1/completions``: validate, generate, answer as JSON or as Server-Sent Events.
+"""``POST /v1/completions``: validate, admit, generate, answer as JSON or as Server-Sent Events.
 
-Source: OpenAI API reference, "Completions" (legacy); DESIGN §5.
+Stream lifetime (DESIGN §1): the response body owns the generation. Its ``close()`` (called by gunicorn
+after the last byte, after a failed write, or on a stalled reader's send timeout) closes the token streams
+and releases the slot, whether or not the body was ever iterated. Nothing else frees a slot.
+
+Source: OpenAI API reference, "Completions" (legacy); DESIGN §1, §5 and §7.
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import select
 import socket
 import time
 from collections.abc import Iterator
@@ -15,11 +20,13 @@ from collections.abc import Iterator
 from flask import Blueprint, Response, g, request
 
 from wsgi_app import sse
+from wsgi_app.admission import Ticket
 from wsgi_app.choices import Completion
 from wsgi_app.errors import ApiError, json_bytes
+from wsgi_app.faults import EngineFailure
 from wsgi_app.lifecycle import RequestRecord
 from wsgi_app.protocol import decode_json_body, parse_completion_request
-from wsgi_app.runtime import Cooperator, runtime
+from wsgi_app.runtime import Pacer, Runtime, runtime, unavailable
 
 log = logging.getLogger("greenserve.completions")
 bp = Blueprint("completions", __name__)
@@ -32,68 +39,129 @@ def random_seed() -> int:
     return int.from_bytes(os.urandom(8), "little")
 
 
-def engine_error(exc: BaseException) -> ApiError:
-    """Map an exception raised while generating to its OpenAI error (500 engine, 503 memory)."""
+def engine_error(rt: Runtime, exc: BaseException) -> ApiError:
+    """Map an exception raised while generating to its OpenAI error.
+
+    ``ApiError`` (deadline, shutdown) passes through; ``MemoryError`` is a 503 the worker recovers from;
+    anything else is a 500 ``engine_error``, and a fatal engine failure also turns readiness off.
+    """
+    if isinstance(exc, ApiError):
+        return exc
     if isinstance(exc, MemoryError):
-        return ApiError(
-            503,
-            "Out of memory while generating; retry later.",
-            type="server_error",
-            code="unavailable",
-        )
+        return unavailable("Out of memory while generating; retry later.")
+    if isinstance(exc, EngineFailure) and exc.fatal:
+        rt.engine_ok = False
     return ApiError(
         500, f"Generation failed: {type(exc).__name__}.", type="server_error", code="engine_error"
     )
 
 
-def _set_nodelay(environ: dict) -> None:
-    sock = environ.get("gunicorn.socket")
-    if sock is not None:
+def _client_socket() -> socket.socket | None:
+    return request.environ.get("gunicorn.socket")
+
+
+def _tune_socket(sock: socket.socket | None, send_timeout_s: float) -> None:
+    """Send each event at once, and cut a reader that stops reading after ``send_timeout_s``."""
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A blocked sendall raises after this long; gunicorn then closes the body, freeing the slot.
+        sock.settimeout(send_timeout_s)
+    except OSError:  # already closed, or not TCP: nothing to tune
+        pass
+
+
+def _peer_closed(sock: socket.socket | None) -> bool:
+    """True when the client has closed its side (a zero-byte peek); never consumes data."""
+    if sock is None:
+        return False
+    try:
+        # gevent's recv would wait on EAGAIN: ask select first (timeout 0), then peek what is there.
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def _wait_for_slot(ticket: Ticket, pacer: Pacer, heartbeat_s: float, sock) -> bool:
+    """Wait in heartbeat-long slices for a slot; False when the client went away meanwhile.
+
+    Raises:
+        ApiError: 504 past the deadline, 503 when the worker is stopping.
+    """
+    while not ticket.wait(min(heartbeat_s, pacer.deadline - time.perf_counter())):
+        pacer.check(time.perf_counter())
+        if _peer_closed(sock):
+            return False
+    return True
+
+
+class StreamBody:
+    """The SSE response body; ``close()`` always settles the request (see module docstring).
+
+    Events: ``: ok`` at once (so the headers leave before the first token), ``: queued`` every heartbeat
+    while waiting for a slot, one ``data:`` event per token, the usage chunk if asked for, ``[DONE]``. A
+    failure after the first byte cannot change the status: it becomes an error event before ``[DONE]``.
+    """
+
+    def __init__(
+        self,
+        rt: Runtime,
+        completion: Completion,
+        ticket: Ticket,
+        pacer: Pacer,
+        record: RequestRecord,
+    ) -> None:
+        self._rt = rt
+        self._completion = completion
+        self._ticket = ticket
+        self._pacer = pacer
+        self._record = record
+        self._events = self._generate()
+
+    def __iter__(self) -> StreamBody:
+        return self
+
+    def __next__(self) -> bytes:
+        return next(self._events)
+
+    def _generate(self) -> Iterator[bytes]:
+        failure: ApiError | None = None
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:  # already closed, or not TCP (a unix socket): nothing to tune
-            pass
+            yield sse.OPEN
+            while not self._ticket.wait(
+                min(self._rt.settings.heartbeat_s, self._pacer.deadline - time.perf_counter())
+            ):
+                self._pacer.check(time.perf_counter())
+                yield sse.QUEUED  # a write: a client that left is noticed here
+            yield from self._completion.chunks()
+            if self._completion.req.include_usage:
+                yield self._completion.usage_chunk()
+        except Exception as exc:  # noqa: BLE001 - every failure must end the stream cleanly
+            failure = engine_error(self._rt, exc)
+            if failure.status >= 500 and failure.code not in ("timeout", "unavailable"):
+                log.exception("stream %s failed", self._record.request_id)
+            self._record.error = failure.message
+        finally:
+            _settle(self._completion, self._ticket, self._record)
+        if failure is not None:
+            yield sse.data_event(json_bytes(failure.envelope()))
+        yield sse.DONE
+
+    def close(self) -> None:
+        """Stop generation, release the slot, record the counts; idempotent."""
+        try:
+            self._events.close()  # a suspended stream: its ``finally`` runs now, not at GC
+        finally:
+            _settle(self._completion, self._ticket, self._record)
 
 
-def _tracker(record: RequestRecord, cooperate: Cooperator):
-    """Wrap the hub cooperator so that the first call stamps the request's TTFT."""
-
-    def on_token() -> None:
-        if record.ttft_s is None:
-            record.ttft_s = time.perf_counter() - record.started
-        cooperate()
-
-    return on_token
-
-
-def _settle(completion: Completion, record: RequestRecord) -> None:
+def _settle(completion: Completion, ticket: Ticket, record: RequestRecord) -> None:
     completion.close()
+    ticket.release()
     record.completion_tokens = completion.completion_tokens
     record.finish_reasons = completion.finish_reasons()
-
-
-def _events(completion: Completion, record: RequestRecord) -> Iterator[bytes]:
-    """The SSE body: opening comment, one event per token, optional usage chunk, ``[DONE]``.
-
-    A failure after the first byte cannot change the status: it becomes an error event before ``[DONE]``.
-    A client that goes away makes gunicorn close this generator at its current ``yield``; ``finally``
-    then closes the token streams, so generation stops within one token.
-    """
-    failure: ApiError | None = None
-    try:
-        yield sse.OPEN
-        yield from completion.chunks()
-        if completion.req.include_usage:
-            yield completion.usage_chunk()
-    except Exception as exc:  # noqa: BLE001 - any engine failure must end the stream cleanly
-        log.exception("stream %s failed", record.request_id)
-        failure = engine_error(exc)
-        record.error = failure.message
-    finally:
-        _settle(completion, record)
-    if failure is not None:
-        yield sse.data_event(json_bytes(failure.envelope()))
-    yield sse.DONE
 
 
 @bp.post("/v1/completions")
@@ -102,37 +170,52 @@ def create_completion() -> Response:
 
     Raises:
         ApiError: 400 for invalid input (naming ``param``), 413 for a body over ``MAX_BODY_BYTES``,
-            500 ``engine_error`` / 503 when a non-streamed generation fails.
+            429 ``server_busy`` when slots and queue are full, 503 when stopping or out of memory,
+            504 when the deadline passes before the answer, 500 ``engine_error``.
     """
     rt = runtime()
+    settings = rt.settings
     record: RequestRecord = g.record
     req = parse_completion_request(
         decode_json_body(request.get_data(cache=False)),
-        max_prompt_tokens=rt.settings.max_prompt_tokens,
-        max_n=rt.settings.max_n,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        max_n=settings.max_n,
     )
     record.prompt_tokens = len(req.prompt_ids)
     record.span.attributes["gen_ai.request.model"] = req.model
     record.span.attributes["gen_ai.request.max_tokens"] = req.max_tokens
+    if rt.stop_at is not None:
+        raise unavailable("Server is shutting down.")
+    deadline = record.started + settings.request_timeout_s
+    ticket = rt.admission.admit(record.request_id, deadline)
+    sock = _client_socket()
+    _tune_socket(sock, settings.send_timeout_s)
+    pacer = Pacer(rt, record, deadline)
     seed = req.seed if req.seed is not None else random_seed()
-    completion = Completion(
-        rt.engine,
-        req,
-        seed,
-        "cmpl-" + secrets.token_hex(12),
-        int(time.time()),
-        _tracker(record, Cooperator()),
-    )
-    if req.stream:
-        _set_nodelay(request.environ)
-        return Response(
-            _events(completion, record), content_type="text/event-stream", headers=STREAM_HEADERS
-        )
     try:
-        body = completion.run()
+        completion = Completion(
+            rt.engine, req, seed, "cmpl-" + secrets.token_hex(12), int(time.time()), pacer
+        )
+    except BaseException:
+        ticket.release()
+        raise
+    ticket.progress = completion
+    record.span.attributes["gen_ai.request.seed"] = str(seed)
+    if req.stream:
+        body = StreamBody(rt, completion, ticket, pacer, record)
+        return Response(body, content_type="text/event-stream", headers=STREAM_HEADERS)
+    try:
+        if not _wait_for_slot(ticket, pacer, settings.heartbeat_s, sock):
+            record.error = "client disconnected while queued"
+            return Response(status=499)  # nobody is listening; the status is for the log and span
+        answer = completion.run()
+    except ApiError:
+        raise
     except Exception as exc:
-        log.exception("completion %s failed", record.request_id)
-        raise engine_error(exc) from exc
+        err = engine_error(rt, exc)
+        if err.status == 500:
+            log.exception("completion %s failed", record.request_id)
+        raise err from exc
     finally:
-        _settle(completion, record)
-    return Response(body, content_type="application/json")
+        _settle(completion, ticket, record)
+    return Response(answer, content_type="application/json")

@@ -1,0 +1,340 @@
+"""Stream lifetime (DESIGN §1, issue 5): every path gives its slot back, and overload is an honest 429.
+
+Each test drives a real gunicorn, then asserts via ``/debug/state`` that no slot is busy and nothing is
+queued once the traffic stops.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.collector import FakeCollector
+from tests.server import EventReader, GunicornServer, sse_events
+
+SLOW = "slow_step_s=0.02"  # 50 tokens/s: long enough streams to disconnect from, short tests
+
+
+def state(srv: GunicornServer) -> dict:
+    status, _, body = srv.get("/debug/state")
+    assert status == 200, body
+    return json.loads(body)
+
+
+def wait_idle(srv: GunicornServer, timeout_s: float = 10.0) -> dict:
+    """Poll until zero busy slots and an empty queue; return that state."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = state(srv)
+        if s["slots"]["busy"] == 0 and s["queue"]["waiting"] == 0 and not s["requests"]:
+            return s
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle: {s}")
+        time.sleep(0.05)
+
+
+def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def span_of(collector: FakeCollector, request_id: str, timeout_s: float = 10.0) -> dict:
+    def find():
+        for span in collector.spans():
+            attrs = {a["key"]: a["value"] for a in span["attributes"]}
+            if attrs.get("greenserve.request_id") == {"stringValue": request_id}:
+                return {**span, "attrs": attrs}
+        return None
+
+    return wait_until(find, timeout_s, f"span of {request_id}")
+
+
+@pytest.fixture(scope="module")
+def slow(succ_dir, tmp_path_factory):
+    """A server with slow steps, 2 slots, a queue of 2, quick heartbeats, and a collector."""
+    with FakeCollector() as collector:
+        srv = GunicornServer(
+            tmp_path_factory.mktemp("slow"),
+            {
+                "MODEL_DIR": str(succ_dir),
+                "GREENSERVE_FAULTS": SLOW,
+                "MAX_SLOTS": "2",
+                "MAX_QUEUE": "2",
+                "HEARTBEAT_S": "0.2",
+                "SEND_TIMEOUT_S": "1",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
+            },
+        ).start()
+        try:
+            yield srv, collector
+        finally:
+            srv.stop()
+
+
+def test_normal_end_frees_the_slot(slow):
+    srv, _ = slow
+    status, _, body = srv.complete({"model": "m", "prompt": "a", "max_tokens": 5, "stream": True})
+    assert status == 200 and sse_events(body)[-1] == b"[DONE]"
+    s = wait_idle(srv)
+    assert s["slots"] == {"busy": 0, "total": 2}
+    assert s["queue"] == {"waiting": 0, "max": 2}
+
+
+def test_disconnect_mid_stream_stops_generation(slow):
+    srv, collector = slow
+    reader = EventReader(
+        srv.port,
+        {"model": "m", "prompt": "a", "max_tokens": 2000, "stream": True},
+        headers={"X-Request-Id": "disc-mid"},
+    )
+    resp = reader.open()
+    assert resp.status == 200
+    assert reader.next_frame() == b": ok\n"
+    for _ in range(5):
+        assert reader.next_frame().startswith(b"data: {")
+    assert state(srv)["slots"]["busy"] == 1
+    reader.close()
+    wait_idle(srv)
+    span = span_of(collector, "disc-mid")
+    generated = int(span["attrs"]["gen_ai.usage.output_tokens"]["intValue"])
+    # It stopped within a token or two of the disconnect, nowhere near max_tokens.
+    assert 5 <= generated <= 10, generated
+
+
+def test_disconnect_while_queued(slow):
+    srv, _ = slow
+    body = {"model": "m", "prompt": "a", "max_tokens": 2000, "stream": True}
+    holders = [EventReader(srv.port, body) for _ in range(2)]
+    for h in holders:
+        h.open()
+        h.next_frame()
+    queued = EventReader(srv.port, body)
+    assert queued.open().status == 200
+    assert queued.next_frame() == b": ok\n"
+    assert queued.next_frame() == b": queued\n"  # after one heartbeat, still no slot
+    s = state(srv)
+    assert (s["slots"]["busy"], s["queue"]["waiting"]) == (2, 1)
+    queued.close()
+    wait_until(lambda: state(srv)["queue"]["waiting"] == 0, what="queue to empty")
+    for h in holders:
+        h.close()
+    wait_idle(srv)
+
+
+def test_queued_plain_request_runs_when_a_slot_frees(slow):
+    srv, _ = slow
+    holder = EventReader(srv.port, {"model": "m", "prompt": "a", "max_tokens": 30, "stream": True})
+    holder2 = EventReader(srv.port, {"model": "m", "prompt": "a", "max_tokens": 30, "stream": True})
+    holder.open(), holder2.open()
+    status, _, body = srv.complete({"model": "m", "prompt": "a", "max_tokens": 3, "temperature": 0})
+    assert status == 200 and json.loads(body)["choices"][0]["text"] == "bcd"
+    holder.close(), holder2.close()
+    wait_idle(srv)
+
+
+def test_burst_of_ten_times_capacity(slow):
+    srv, _ = slow
+    results: list[tuple[int, dict[str, str], bytes]] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        r = srv.complete({"model": "m", "prompt": "a", "max_tokens": 10, "temperature": 0})
+        with lock:
+            results.append(r)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(40)]  # capacity 2 + 2
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    statuses = sorted(r[0] for r in results)
+    assert len(results) == 40
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses.count(200) >= 4 and statuses.count(429) >= 1
+    for status, headers, body in results:
+        if status == 200:
+            assert json.loads(body)["choices"][0]["text"] == "bcdefghijk"
+        else:
+            err = json.loads(body)["error"]
+            assert (err["type"], err["code"]) == ("rate_limit_error", "server_busy")
+            assert int(headers["retry-after"]) >= 1
+            assert "queued" in err["message"]
+    wait_idle(srv)
+
+
+def test_debug_state_lists_in_flight_requests(slow):
+    srv, _ = slow
+    reader = EventReader(
+        srv.port,
+        {"model": "m", "prompt": "a", "max_tokens": 500, "stream": True},
+        headers={"X-Request-Id": "inflight-1"},
+    )
+    reader.open()
+    for _ in range(4):
+        reader.next_frame()
+    s = state(srv)
+    (entry,) = s["requests"]
+    assert entry["request_id"] == "inflight-1" and entry["state"] == "running"
+    assert entry["tokens"] >= 3 and entry["age_s"] > 0 and 0 < entry["deadline_in_s"] <= 60
+    reader.close()
+    wait_idle(srv)
+
+
+def test_debug_endpoints_refuse_forwarded_requests(slow):
+    srv, _ = slow
+    for method, path in (("GET", "/debug/state"), ("POST", "/debug/drain")):
+        status, _, body = srv.request(method, path, headers={"X-Forwarded-For": "127.0.0.1"})
+        assert status == 404
+        assert json.loads(body)["error"]["type"] == "not_found_error"
+
+
+@pytest.fixture
+def make_server(succ_dir, tmp_path):
+    started: list[GunicornServer] = []
+
+    def make(faults: str = "", **env: str) -> GunicornServer:
+        full = {"MODEL_DIR": str(succ_dir), **env}
+        if faults:
+            full["GREENSERVE_FAULTS"] = faults
+        srv = GunicornServer(tmp_path / str(len(started)), full).start()
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.stop()
+
+
+def test_reader_that_never_reads_is_cut(make_server):
+    srv = make_server(SEND_TIMEOUT_S="1")
+    # 8 choices of 4096 tokens: ~5 MB of events, far more than the socket buffers hold.
+    reader = EventReader(
+        srv.port,
+        {"model": "m", "prompt": "a", "max_tokens": 4096, "n": 8, "stream": True},
+        rcvbuf=4096,
+    )
+    # Never read: the server's writes block and SEND_TIMEOUT_S=1 cuts the stream well before the
+    # 60 s deadline; the slot comes back.
+    wait_until(lambda: state(srv)["slots"]["busy"] == 1, what="stream start")
+    s = wait_idle(srv, timeout_s=20)
+    assert s["slots"]["busy"] == 0
+    reader.close()
+
+
+def test_deadline_before_first_byte_is_504(make_server):
+    srv = make_server(SLOW, REQUEST_TIMEOUT_S="0.3")
+    status, _, body = srv.complete({"model": "m", "prompt": "a", "max_tokens": 100})
+    assert status == 504
+    err = json.loads(body)["error"]
+    assert (err["type"], err["code"]) == ("server_error", "timeout")
+    # After the first byte: a final error event and [DONE].
+    status, _, body = srv.complete({"model": "m", "prompt": "a", "max_tokens": 100, "stream": True})
+    assert status == 200
+    payloads = sse_events(body)
+    assert payloads[-1] == b"[DONE]"
+    assert json.loads(payloads[-2])["error"]["code"] == "timeout"
+    assert 5 <= len(payloads) - 2 <= 20  # ~15 tokens at 50/s in 0.3 s
+    wait_idle(srv)
+
+
+def test_engine_exception(make_server):
+    srv = make_server("fail_at=3")
+    status, _, body = srv.complete({"model": "m", "prompt": "a", "max_tokens": 10})
+    assert status == 500
+    err = json.loads(body)["error"]
+    assert (err["type"], err["code"]) == ("server_error", "engine_error")
+    status, _, body = srv.complete(
+        {"model": "m", "prompt": "a", "max_tokens": 10, "temperature": 0, "stream": True}
+    )
+    payloads = sse_events(body)
+    assert status == 200
+    assert [json.loads(p)["choices"][0]["text"] for p in payloads[:2]] == ["b", "c"]
+    assert json.loads(payloads[2])["error"]["code"] == "engine_error"
+    assert payloads[3:] == [b"[DONE]"]
+    # A non-fatal failure keeps the worker ready.
+    assert srv.get("/ready")[0] == 200
+    wait_idle(srv)
+
+
+def test_fatal_engine_failure_turns_readiness_off(make_server):
+    srv = make_server("fail_at=2,fatal=1")
+    assert srv.complete({"model": "m", "prompt": "a", "max_tokens": 5})[0] == 500
+    status, _, body = srv.get("/ready")
+    assert status == 503 and json.loads(body) == {"status": "not_ready", "reason": "engine_failed"}
+    assert srv.get("/health")[0] == 200  # alive, just not ready
+    wait_idle(srv)
+
+
+def test_memory_error_is_503_and_the_worker_recovers(make_server):
+    srv = make_server("oom_at=3")
+    status, _, body = srv.complete({"model": "m", "prompt": "a", "max_tokens": 10})
+    assert status == 503
+    assert json.loads(body)["error"]["code"] == "unavailable"
+    status, _, body = srv.complete({"model": "m", "prompt": "a", "max_tokens": 2, "temperature": 0})
+    assert status == 200 and json.loads(body)["choices"][0]["text"] == "bc"
+    assert srv.get("/ready")[0] == 200
+    wait_idle(srv)
+
+
+def test_drain_turns_ready_off_while_serving_continues(make_server):
+    srv = make_server()
+    assert srv.get("/ready")[0] == 200
+    status, _, body = srv.post("/debug/drain", b"")
+    assert status == 200 and json.loads(body)["status"] == "draining"
+    status, _, body = srv.get("/ready", port=srv.health_port)
+    assert status == 503 and json.loads(body)["reason"] == "draining"
+    status, _, body = srv.complete({"model": "m", "prompt": "a", "max_tokens": 3, "temperature": 0})
+    assert status == 200 and json.loads(body)["choices"][0]["text"] == "bcd"
+
+
+def test_sigterm_with_streams_in_flight(succ_dir, tmp_path):
+    with FakeCollector() as collector:
+        srv = GunicornServer(
+            tmp_path,
+            {
+                "MODEL_DIR": str(succ_dir),
+                "GREENSERVE_FAULTS": SLOW,
+                "GRACEFUL_TIMEOUT_S": "3",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
+            },
+        ).start()
+        try:
+            readers = []
+            for i in range(20):
+                # Half finish within the grace period, half are ended by the final event.
+                tokens = 20 if i % 2 == 0 else 1000
+                r = EventReader(
+                    srv.port,
+                    {"model": "m", "prompt": "a", "max_tokens": tokens, "stream": True},
+                    headers={"X-Request-Id": f"term-{i}"},
+                )
+                r.open()
+                assert r.next_frame() == b": ok\n"
+                readers.append((tokens, r))
+            wait_until(lambda: state(srv)["slots"]["busy"] == 20, what="20 streams running")
+            srv.signal(signal.SIGTERM)
+            for tokens, r in readers:
+                body = r.resp.read()
+                payloads = sse_events(b": ok\n\n" + body)
+                assert payloads[-1] == b"[DONE]"
+                last = json.loads(payloads[-2])
+                if tokens == 20:
+                    assert last["choices"][0]["finish_reason"] == "length"
+                    assert len(payloads) == 21
+                else:
+                    assert last["error"]["code"] == "unavailable"
+                r.close()
+            assert srv.wait(30) == 0
+            for i in range(20):
+                span_of(collector, f"term-{i}", timeout_s=5)
+        finally:
+            srv.stop()

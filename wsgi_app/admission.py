@@ -1,0 +1,168 @@
+"""Admission control: a bounded number of generation slots per worker and a bounded FIFO wait queue.
+
+A request either gets a slot at once, waits in the queue, or is refused with ``429 server_busy`` and a
+``Retry-After`` computed from the observed service time. A released slot is handed straight to the oldest
+waiter, so the queue is fair and nobody races for it. Every ticket is released exactly once, whatever path
+the request takes (finished, disconnected, timed out, failed, shut down).
+
+Source: DESIGN §1 "Stream lifetime" and §7 "Admission".
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from typing import Any
+
+from gevent.event import Event
+
+from wsgi_app.errors import ApiError
+
+QUEUED, RUNNING, RELEASED = "queued", "running", "released"
+_EWMA_ALPHA = 0.2  # weight of the newest slot-hold time in the service-time estimate
+
+
+class Ticket:
+    """One request's claim on a slot.
+
+    Attributes:
+        request_id: the request's id (for ``/debug/state``).
+        state: ``queued``, ``running`` or ``released``.
+        arrived: ``perf_counter`` at admission, in seconds.
+        deadline: ``perf_counter`` value after which the request times out, in seconds.
+        started: ``perf_counter`` when the slot was granted, or None.
+        progress: an object with ``completion_tokens`` (the live completion), or None.
+    """
+
+    __slots__ = (
+        "_admission",
+        "request_id",
+        "state",
+        "arrived",
+        "deadline",
+        "started",
+        "progress",
+        "_granted",
+    )
+
+    def __init__(self, admission: Admission, request_id: str, deadline: float) -> None:
+        self._admission = admission
+        self.request_id = request_id
+        self.state = QUEUED
+        self.arrived = time.perf_counter()
+        self.deadline = deadline
+        self.started: float | None = None
+        self.progress: Any = None
+        self._granted = Event()
+
+    @property
+    def running(self) -> bool:
+        """True once the ticket holds a slot."""
+        return self.state == RUNNING
+
+    def _grant(self) -> None:
+        self.state = RUNNING
+        self.started = time.perf_counter()
+        self._granted.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block this greenlet until the slot is granted or ``timeout_s`` passes; True when granted."""
+        if self.state == RUNNING:
+            return True
+        return self._granted.wait(max(0.0, timeout_s)) and self.state == RUNNING
+
+    def release(self) -> None:
+        """Give the slot (or the queue place) back; idempotent."""
+        self._admission._release(self)
+
+
+class Admission:
+    """Slots and queue of one worker.
+
+    Args:
+        max_slots: concurrent generations (``MAX_SLOTS``).
+        max_queue: requests allowed to wait (``MAX_QUEUE``).
+    """
+
+    def __init__(self, max_slots: int, max_queue: int) -> None:
+        self.max_slots = max_slots
+        self.max_queue = max_queue
+        self.busy = 0
+        self._waiters: deque[Ticket] = deque()
+        self.tickets: dict[int, Ticket] = {}  # id(ticket) -> ticket, everything not yet released
+        self.service_s = 0.05  # EWMA of slot-hold time, seconds; a neutral start
+        self.served = 0
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._waiters)
+
+    def retry_after_s(self) -> int:
+        """Seconds until a slot is likely free for a new request: the queue ahead, drained at the
+        observed throughput (``max_slots / service_s``), rounded up, at least 1."""
+        wait = (len(self._waiters) + 1) * self.service_s / self.max_slots
+        return max(1, math.ceil(wait))
+
+    def admit(self, request_id: str, deadline: float) -> Ticket:
+        """Return a ticket that is running (a free slot) or queued.
+
+        Raises:
+            ApiError: 429 ``server_busy`` with ``Retry-After`` when the slots and the queue are full.
+        """
+        ticket = Ticket(self, request_id, deadline)
+        if self.busy < self.max_slots and not self._waiters:
+            self.busy += 1
+            ticket._grant()
+        elif len(self._waiters) < self.max_queue:
+            self._waiters.append(ticket)
+        else:
+            retry = self.retry_after_s()
+            raise ApiError(
+                429,
+                f"Server busy: all {self.max_slots} generation slots are in use and "
+                f"{len(self._waiters)} requests are queued; retry after {retry} s.",
+                type="rate_limit_error",
+                code="server_busy",
+                headers={"Retry-After": str(retry)},
+            )
+        self.tickets[id(ticket)] = ticket
+        return ticket
+
+    def _release(self, ticket: Ticket) -> None:
+        if ticket.state == RELEASED:
+            return
+        if ticket.state == QUEUED:
+            self._waiters.remove(ticket)
+        else:
+            held = time.perf_counter() - (ticket.started or ticket.arrived)
+            self.service_s += _EWMA_ALPHA * (held - self.service_s)
+            self.served += 1
+            if self._waiters:
+                self._waiters.popleft()._grant()  # hand the slot over: busy stays the same
+            else:
+                self.busy -= 1
+        ticket.state = RELEASED
+        self.tickets.pop(id(ticket), None)
+
+    def state(self) -> dict[str, Any]:
+        """Return slots, queue and every in-flight request (age, tokens, time to deadline, seconds)."""
+        now = time.perf_counter()
+        requests = []
+        for t in self.tickets.values():
+            requests.append(
+                {
+                    "request_id": t.request_id,
+                    "state": t.state,
+                    "age_s": round(now - t.arrived, 3),
+                    "tokens": 0 if t.progress is None else t.progress.completion_tokens,
+                    "deadline_in_s": round(t.deadline - now, 3),
+                }
+            )
+        return {
+            "slots": {"busy": self.busy, "total": self.max_slots},
+            "queue": {"waiting": len(self._waiters), "max": self.max_queue},
+            "service_time_s": round(self.service_s, 6),
+            "requests": requests,
+        }
