@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -120,6 +120,29 @@ class BigramEngine:
             else:
                 yield _step_with_logprobs(token_id, logits, req.logprobs)
             prev = token_id
+
+    def score(self, prompt_ids: Sequence[int], top_n: int) -> list[Step]:
+        """Return one `Step` per prompt token with its logprob under the model (for `echo`).
+
+        The first token has no context, so its `logprob` and `top_logprobs` are None (as OpenAI
+        reports it); token `k` is scored with the raw logits after token `k - 1`.
+
+        Args:
+            prompt_ids: The prompt's token ids, each in `0..vocab_size - 1`.
+            top_n: How many top alternatives to report per token (0..vocab_size).
+
+        Raises:
+            ValueError: If the prompt is empty or an id is outside the vocabulary.
+        """
+        vocab_size = self.model.vocab_size
+        if not prompt_ids:
+            raise ValueError("prompt_ids: the prompt must not be empty")
+        if any(not 0 <= i < vocab_size for i in prompt_ids):
+            raise ValueError(f"prompt_ids: an id is outside 0..{vocab_size - 1}")
+        steps = [Step(prompt_ids[0])]
+        for prev, token_id in zip(prompt_ids, prompt_ids[1:], strict=False):
+            steps.append(_step_with_logprobs(token_id, self.model.logits(prev), top_n))
+        return steps
 
 
 def _step_with_logprobs(token_id: int, logits: np.ndarray, top_n: int) -> Step:

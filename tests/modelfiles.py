@@ -96,3 +96,17 @@ def write_succ_model(directory: str | os.PathLike) -> Path:
         The model directory; ``Bigram.load(it)`` greedily continues ``a`` with ``bcd...``.
     """
     return write_model_dir(directory, succ_weight())
+
+
+def path_weight(path: bytes, value: float = 2.0) -> np.ndarray:
+    """Return a bigram whose greedy walk follows ``path``: ``W[path[i]][path[i + 1]] = value``.
+
+    Every other logit is 0, so a byte with no successor in ``path`` leads greedily to byte 0 (ties go
+    to the lowest id). Each byte may appear at most once as a source (raises ``ValueError``).
+    """
+    weight = np.zeros((256, 256), dtype=np.float32)
+    if len(set(path[:-1])) != len(path) - 1:
+        raise ValueError("a byte appears twice as a source in path")
+    for prev, nxt in zip(path, path[1:], strict=False):
+        weight[prev][nxt] = value
+    return weight

@@ -146,8 +146,11 @@ def test_burst_of_ten_times_capacity(slow):
     results: list[tuple[int, dict[str, str], bytes]] = []
     lock = threading.Lock()
 
+    start = threading.Barrier(40)
+
     def one(i: int) -> None:
-        r = srv.complete({"model": "m", "prompt": "a", "max_tokens": 10, "temperature": 0})
+        start.wait()  # all 40 arrive together; each needs 1 s of slot time (50 slow tokens)
+        r = srv.complete({"model": "m", "prompt": "a", "max_tokens": 50, "temperature": 0})
         with lock:
             results.append(r)
 
@@ -162,7 +165,9 @@ def test_burst_of_ten_times_capacity(slow):
     assert statuses.count(200) >= 4 and statuses.count(429) >= 1
     for status, headers, body in results:
         if status == 200:
-            assert json.loads(body)["choices"][0]["text"] == "bcdefghijk"
+            assert json.loads(body)["choices"][0]["text"] == bytes(range(98, 148)).decode(
+                "utf-8", "replace"
+            )
         else:
             err = json.loads(body)["error"]
             assert (err["type"], err["code"]) == ("rate_limit_error", "server_busy")

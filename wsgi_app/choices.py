@@ -187,7 +187,7 @@ class Completion:
                 seq=54 + i,
                 logprobs=req.logprobs,
             )
-            stream = engine.stream(gen) if req.max_tokens > 0 else iter(())
+            stream = engine.stream(gen)
             self.choices.append(Choice(i, stream, req.max_tokens, req.stop, echo_text, logprobs))
         head = {"id": completion_id, "object": "text_completion", "created": created}
         self._head = json_bytes(head)[:-1] + b',"model":' + json_bytes(req.model)
