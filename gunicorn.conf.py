@@ -6,9 +6,19 @@ factory (no ``preload_app``), so each worker owns its model and its span exporte
 """
 
 import os
+import tempfile
+
+from telemetry.logs import logging_config
 
 # numpy reads this at import; one BLAS thread per worker, the workers are the parallelism.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR): every worker writes its metrics to
+# files here and /metrics sums them. prometheus_client decides at import, so this is set before any
+# worker imports it; when unset, a private temp dir is made and removed when the master exits.
+if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="greenserve-metrics-")
+    os.environ["GREENSERVE_OWN_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 
 def _usable_cpus() -> int:
@@ -57,18 +67,50 @@ max_requests = 0
 errorlog = "-"
 loglevel = os.environ.get("LOG_LEVEL", "info")
 accesslog = None
+# Every log line, gunicorn's and the app's, is one JSON object on stderr (LOG_LEVEL sets the level).
+logconfig_dict = logging_config(loglevel)
 # Request line and header limits (bytes, count); the body limit is MAX_BODY_BYTES in the app.
 limit_request_line = 8190
 limit_request_fields = 100
 limit_request_field_size = 8190
 
 
+def on_starting(server):
+    """Start from empty metrics (counters count from this start) and pick the client-hash salt that
+    every worker shares (CLIENT_HASH_SALT, else a new random one per server start)."""
+    import glob
+    import secrets
+
+    for path in glob.glob(os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], "*.db")):
+        os.remove(path)
+    os.environ.setdefault("CLIENT_HASH_SALT", secrets.token_hex(16))
+
+
+def child_exit(server, worker):
+    """Drop a dead worker's live gauges (running, queued) from /metrics, however it died."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server):
+    """Remove the metrics dir this config made (never one the operator provided)."""
+    import shutil
+
+    own = os.environ.get("GREENSERVE_OWN_METRICS_DIR")
+    if own and own == os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        shutil.rmtree(own, ignore_errors=True)
+
+
 def worker_exit(server, worker):
-    """Flush the worker's pending spans before it exits (generators' ``finally`` may never run)."""
+    """Flush the worker's pending spans and history before it exits (generators' ``finally`` may
+    never run)."""
     app = getattr(worker, "wsgi", None)
     state = getattr(app, "extensions", {}).get("greenserve") if app is not None else None
     if state is not None:
         state.exporter.shutdown(5.0)
+        if state.observer is not None:
+            state.observer.close()
 
 
 def post_worker_init(worker):
@@ -77,6 +119,11 @@ def post_worker_init(worker):
     import signal
 
     state = worker.wsgi.extensions["greenserve"]
+    from wsgi_app.wire_errors import install_json_errors
+
+    install_json_errors(state.model_version)  # requests gunicorn cannot parse: JSON, not HTML
+    if state.observer is not None:
+        state.observer.flusher.start()  # history and the /stats heartbeat, from the first second
     gunicorn_handler = worker.handle_exit
 
     def handle_exit(sig, frame):

@@ -8,7 +8,8 @@ from typing import Protocol
 
 import numpy as np
 
-from model.pcg32 import PCG32
+from model.pcg32 import PCG32, UNIFORM_BATCH
+from model.rowcache import DrawTable, RowCache, has_fixed_rows
 from model.sampling import SamplingParams, logprobs_of, sample
 
 DEFAULT_SEQ = 54
@@ -33,11 +34,16 @@ class Step:
         logprob: Log-softmax of the raw logits at `token_id`, or None when not requested.
         top_logprobs: The top-N `(id, logprob)` pairs by logprob descending, ties by lower id,
             or None when not requested.
+        finish_reason: None, except on the last step of a stream the engine ends early:
+            `"stop"` when `token_id` is an end-of-sequence or stop id (the consumer must not
+            add its text to the completion), `"length"` when the model's context is full. A
+            stream that simply runs out after `max_tokens` steps has no flagged step.
     """
 
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +58,9 @@ class GenerationRequest:
         seq: Generator stream; choice `i` of `n` uses `54 + i`.
         logprobs: None to skip log-probabilities; 0..5 to report the sampled token's logprob
             and the top-N alternatives.
+        ignore_eos: Keep generating past the model's end-of-sequence ids (Llama engines).
+        stop_ids: Extra token ids that end the choice with `finish_reason "stop"`, even with
+            `ignore_eos` (Llama engines; the bigram has no EOS and ignores both fields).
     """
 
     prompt_ids: tuple[int, ...]
@@ -60,6 +69,8 @@ class GenerationRequest:
     seed: int
     seq: int = DEFAULT_SEQ
     logprobs: int | None = None
+    ignore_eos: bool = False
+    stop_ids: frozenset[int] = frozenset()
 
 
 class BigramEngine:
@@ -75,6 +86,10 @@ class BigramEngine:
     def __init__(self, model: LogitsModel) -> None:
         """Wrap a loaded model (shared, read-only) that gives `logits(prev)`."""
         self.model = model
+        # Steps without logprobs carry only the id: share one immutable Step per id.
+        self._plain_steps = tuple(Step(i) for i in range(model.vocab_size))
+        # Rows that never change let penalty-free requests reuse per-row sampling work.
+        self._rows = RowCache(model.logits, model.vocab_size) if has_fixed_rows(model) else None
 
     def stream(self, req: GenerationRequest) -> Iterator[Step]:
         """Validate `req` now and return a generator yielding one `Step` per token.
@@ -107,16 +122,46 @@ class BigramEngine:
         """Yield the steps of an already-validated request."""
         logits_of = self.model.logits
         params = req.params
+        prev = req.prompt_ids[-1]
+        plain = self._plain_steps if req.logprobs is None else None
+        table = self._rows.table(params) if self._rows is not None else None
+        if isinstance(table, DrawTable):
+            # Same ids as sample() (model.rowcache explains why) from the same uniforms, drawn in
+            # batches (PCG32.uniforms); one model call per step still.
+            draw_with = table.draw_with
+            left = req.max_tokens
+            while left > 0:
+                batch = rng.uniforms(min(left, UNIFORM_BATCH))
+                left -= len(batch)
+                for u in batch:
+                    logits = logits_of(prev)
+                    token_id = draw_with(prev, u)
+                    if plain is not None:
+                        yield plain[token_id]
+                    else:
+                        yield _step_with_logprobs(token_id, logits, req.logprobs)
+                    prev = token_id
+            return
+        if table is not None:  # greedy: no uniforms at all
+            draw = table.draw
+            for _ in range(req.max_tokens):
+                logits = logits_of(prev)
+                token_id = draw(prev, rng)
+                if plain is not None:
+                    yield plain[token_id]
+                else:
+                    yield _step_with_logprobs(token_id, logits, req.logprobs)
+                prev = token_id
+            return
         # OpenAI's penalties count the tokens generated in this choice, not the prompt.
         counts = np.zeros(self.model.vocab_size, np.int64) if params.has_penalties else None
-        prev = req.prompt_ids[-1]
         for _ in range(req.max_tokens):
             logits = logits_of(prev)
             token_id = sample(logits, params, rng, counts)
             if counts is not None:
                 counts[token_id] += 1
-            if req.logprobs is None:
-                yield Step(token_id)
+            if plain is not None:
+                yield plain[token_id]
             else:
                 yield _step_with_logprobs(token_id, logits, req.logprobs)
             prev = token_id

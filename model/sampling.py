@@ -237,11 +237,32 @@ def sample(
     z = apply_penalties(logits, params, counts)
     if params.temperature == 0.0:
         return greedy(z)
+    return _draw(draw_probs(z, params), rng.uniform())
+
+
+def draw_probs(z: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Return the distribution `sample()` draws from: tempered, then filtered and renormalised.
+
+    Shared by `sample()` and the per-row caches of `model.rowcache`, so both draw from the very
+    same float64 values.
+
+    Args:
+        z: `(vocab_size,)` float64 adjusted logits (after `apply_penalties`); never modified.
+        params: Sampling parameters with `temperature > 0`.
+
+    Returns:
+        A new `(vocab_size,)` float64 array of probabilities; NaN and filtered ids get 0.
+
+    Raises:
+        ValueError: If every logit is NaN.
+
+    Source: DESIGN §3 "Sampling" and "Exactness".
+    """
     p = _tempered_probs(z, params.temperature)
     if params.has_filters:
         p = np.where(_filter_mask(z, p, params), p, 0.0)
         p /= np.add.accumulate(p)[-1]
-    return _draw(p, rng.uniform())
+    return p
 
 
 def logprobs_of(logits: np.ndarray) -> np.ndarray:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import codecs
 
 _SURROGATE_PREFIX_TEXT = "\ufffd\ufffd"
+# With nothing pending, a single ASCII byte is its own character: no decoder call needed.
+_ASCII_TEXT = {bytes((i,)): chr(i) for i in range(0x80)}
 
 
 class Utf8Decoder:
@@ -19,11 +21,12 @@ class Utf8Decoder:
     Source: Unicode 15 §3.9 "U+FFFD Substitution of Maximal Subparts"; DESIGN §4.
     """
 
-    __slots__ = ("_decoder",)
+    __slots__ = ("_decoder", "_clean")
 
     def __init__(self) -> None:
         """Start with no pending bytes."""
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._clean = True  # nothing pending: the ASCII fast path of feed() applies
 
     @property
     def pending(self) -> bytes:
@@ -39,6 +42,10 @@ class Utf8Decoder:
         Returns:
             The newly completed text, with U+FFFD for each maximal invalid subpart.
         """
+        if self._clean and type(data) is bytes:  # bytearray is unhashable; it takes the slow path
+            text = _ASCII_TEXT.get(data)
+            if text is not None:
+                return text
         text = self._decoder.decode(data, False)
         held = self._decoder.getstate()[0]
         if len(held) == 2 and held[0] == 0xED and held[1] >= 0xA0:
@@ -46,6 +53,8 @@ class Utf8Decoder:
             # no byte can complete it: both bytes are maximal subparts, so replace them now.
             self._decoder.reset()
             text += _SURROGATE_PREFIX_TEXT
+            held = b""
+        self._clean = not held
         return text
 
     def finish(self) -> str:
@@ -54,4 +63,5 @@ class Utf8Decoder:
         Returns:
             One U+FFFD for an incomplete trailing sequence, or "" when nothing is pending.
         """
+        self._clean = True
         return self._decoder.decode(b"", True)

@@ -47,9 +47,18 @@ class GunicornServer:
         self.log_path = self.workdir / "gunicorn.log"
         # The test decides tracing and every setting: nothing leaks in from the caller's shell.
         self.env = {
-            k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "GREENSERVE"))
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("OTEL_", "GREENSERVE", "PROMETHEUS_MULTIPROC_DIR"))
         }
-        self.env.update({"WEB_CONCURRENCY": str(workers), **(env or {})})
+        # A private history database per server, so parallel test servers never share counts.
+        self.env.update(
+            {
+                "WEB_CONCURRENCY": str(workers),
+                "STATS_DB": str(self.workdir / "stats.db"),
+                **(env or {}),
+            }
+        )
         binds = ["--bind", "127.0.0.1:0"] + (["--bind", "127.0.0.1:0"] if health_port else [])
         self.cmd = [
             sys.executable,

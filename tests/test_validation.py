@@ -96,9 +96,11 @@ def test_unknown_path_is_404_and_wrong_method_405(succ_server):
         }
     }
     assert "x-request-id" in headers
-    status, headers, body = succ_server.get("/v1/completions")
+    # GET is the EventSource stream now (tests/test_eventsource.py): without
+    # ``Accept: text/event-stream`` it is a 400, so a wrong method here is PUT.
+    status, headers, body = succ_server.request("PUT", "/v1/completions", body=b"{}")
     assert status == 405
-    assert headers["allow"] == "OPTIONS, POST"
+    assert headers["allow"] == "GET, HEAD, OPTIONS, POST"
     err = json.loads(body)["error"]
     assert (err["type"], err["code"], err["param"]) == (
         "invalid_request_error",

@@ -6,6 +6,8 @@ Use ``create_app()`` as gunicorn's app (``wsgi_app:create_app()``); it builds th
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 from flask import Flask
 
@@ -13,19 +15,32 @@ from model import __version__
 from model.bigram import Bigram
 from model.generate import BigramEngine
 from telemetry.otlp import NullExporter, SpanExporter
-from wsgi_app import completions, lifecycle, ops
+from wsgi_app import (
+    auth,
+    completions,
+    cors,
+    eventsource,
+    lifecycle,
+    models,
+    openapi,
+    ops,
+    ratelimit,
+    stats,
+)
 from wsgi_app.admission import Admission
 from wsgi_app.errors import register_error_handlers
 from wsgi_app.faults import Faults, FaultyEngine
+from wsgi_app.observe import build_observer
 from wsgi_app.runtime import EXTENSION, Runtime
 from wsgi_app.settings import Settings
 
 
-def create_app(settings: Settings | None = None) -> Flask:
+def create_app(settings: Settings | None = None, clock: Callable[[], float] | None = None) -> Flask:
     """Create the app and load the model (once per worker).
 
     Args:
         settings: server settings; ``Settings.from_env()`` when None.
+        clock: Unix time in seconds for the request history; ``time.time`` when None (tests step it).
 
     Raises:
         ValueError: a setting, the model config or the checkpoint is invalid (the message names it).
@@ -33,8 +48,13 @@ def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
     logging.getLogger("greenserve").setLevel(settings.log_level.upper())
     model = Bigram.load(settings.model_dir)
+    observer = build_observer(settings, clock or time.time)
     if settings.otlp_endpoint:
-        exporter = SpanExporter(settings.otlp_endpoint, service_name=settings.service_name)
+        exporter = SpanExporter(
+            settings.otlp_endpoint,
+            service_name=settings.service_name,
+            on_result=observer.metrics.on_span_result,
+        )
     else:
         exporter = NullExporter()
 
@@ -47,12 +67,23 @@ def create_app(settings: Settings | None = None) -> Flask:
         settings=settings,
         model=model,
         engine=engine,
-        admission=Admission(settings.max_slots, settings.max_queue),
+        admission=Admission(settings.max_slots, settings.max_queue, observer.set_load),
         exporter=exporter,
         model_version=f"{model.checksum[:16]}+greenserve-{__version__}",
+        observer=observer,
     )
+    observer.flusher.worker_state = app.extensions[EXTENSION].worker_state
     register_error_handlers(app)
     lifecycle.install(app)
+    # CORS preflights are answered before keys and limits: browsers send them without credentials.
+    cors.install(app, settings.cors_origins)
+    # Keys before limits: a request is authenticated (or refused) before it counts against a bucket.
+    auth.install(app, settings.api_keys)
+    ratelimit.install(app, app.extensions[EXTENSION])
     app.register_blueprint(completions.bp)
+    app.register_blueprint(eventsource.bp)
+    app.register_blueprint(models.bp)
+    app.register_blueprint(openapi.bp)
     app.register_blueprint(ops.bp)
+    app.register_blueprint(stats.bp)
     return app

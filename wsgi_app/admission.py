@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from gevent.event import Event
@@ -83,11 +84,19 @@ class Admission:
     Args:
         max_slots: concurrent generations (``MAX_SLOTS``).
         max_queue: requests allowed to wait (``MAX_QUEUE``).
+        on_change: called with ``(busy slots, queued requests)`` after every admission and release
+            (e.g. to set gauges); must not raise.
     """
 
-    def __init__(self, max_slots: int, max_queue: int) -> None:
+    def __init__(
+        self,
+        max_slots: int,
+        max_queue: int,
+        on_change: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.max_slots = max_slots
         self.max_queue = max_queue
+        self.on_change = on_change
         self.busy = 0
         self._waiters: deque[Ticket] = deque()
         self.tickets: dict[int, Ticket] = {}  # id(ticket) -> ticket, everything not yet released
@@ -128,6 +137,8 @@ class Admission:
                 headers={"Retry-After": str(retry)},
             )
         self.tickets[id(ticket)] = ticket
+        if self.on_change is not None:
+            self.on_change(self.busy, len(self._waiters))
         return ticket
 
     def _release(self, ticket: Ticket) -> None:
@@ -145,6 +156,8 @@ class Admission:
                 self.busy -= 1
         ticket.state = RELEASED
         self.tickets.pop(id(ticket), None)
+        if self.on_change is not None:
+            self.on_change(self.busy, len(self._waiters))
 
     def state(self) -> dict[str, Any]:
         """Return slots, queue and every in-flight request (age, tokens, time to deadline, seconds)."""

@@ -18,7 +18,7 @@ from model.stop import StopMatcher
 from model.utf8 import Utf8Decoder
 from wsgi_app.errors import json_bytes
 from wsgi_app.protocol import CompletionRequest
-from wsgi_app.sse import data_event
+from wsgi_app.sse import PLAIN, Framing
 
 _BYTES = [bytes((i,)) for i in range(256)]
 
@@ -31,6 +31,21 @@ def token_text(token_id: int) -> str:
 
 def _dumps(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
+
+
+# JSON of the short texts most chunks carry (one token releases at most a character or two).
+_TEXT_JSON: dict[str, bytes] = {}
+_TEXT_JSON_MAX = 4096
+
+
+def _text_json(text: str) -> bytes:
+    """Return ``_dumps(text).encode()``, memoised for texts of up to two characters."""
+    encoded = _TEXT_JSON.get(text)
+    if encoded is None:
+        encoded = _dumps(text).encode()
+        if len(text) <= 2 and len(_TEXT_JSON) < _TEXT_JSON_MAX:
+            _TEXT_JSON[text] = encoded
+    return encoded
 
 
 class Logprobs:
@@ -152,6 +167,8 @@ class Completion:
         completion_id: ``cmpl-…``, the same for every chunk.
         created: Unix time in seconds.
         cooperate: called after every token; lets other greenlets run (the engine is inline).
+        framing: how SSE events are framed (:data:`~wsgi_app.sse.PLAIN` for POST streams,
+            :class:`~wsgi_app.sse.EventIds` for the ``EventSource`` stream).
     """
 
     def __init__(
@@ -162,8 +179,10 @@ class Completion:
         completion_id: str,
         created: int,
         cooperate: Callable[[], None],
+        framing: Framing = PLAIN,
     ) -> None:
         self.req = req
+        self.framing = framing
         self.seed = seed
         self.cooperate = cooperate
         self.choices: list[Choice] = []
@@ -192,6 +211,21 @@ class Completion:
         head = {"id": completion_id, "object": "text_completion", "created": created}
         self._head = json_bytes(head)[:-1] + b',"model":' + json_bytes(req.model)
         self._usage_tail = b',"usage":null}' if req.include_usage else b"}"
+        # The constant bytes around the text of a running chunk without logprobs, per choice; for
+        # POST streams they include the SSE framing, so such a chunk is one join.
+        plain = framing is PLAIN
+        self._chunk_heads = [
+            (b"data: " if plain else b"")
+            + self._head
+            + b',"choices":[{"index":%d,"text":' % c.index
+            for c in self.choices
+        ]
+        self._chunk_tail = (
+            b',"logprobs":null,"finish_reason":null}]'
+            + self._usage_tail
+            + (b"\n\n" if plain else b"")
+        )
+        self._plain = plain
 
     # -- accounting ---------------------------------------------------------------------------
 
@@ -242,7 +276,12 @@ class Completion:
     # -- SSE answer -------------------------------------------------------------------------------
 
     def chunk(self, choice: Choice, text: str, lp_start: int | None) -> bytes:
-        """Render one streamed chunk of ``choice`` as an SSE event."""
+        """Render one streamed chunk of ``choice`` as an SSE event (b"" when the framing drops it)."""
+        if choice.finish_reason is None and (choice.logprobs is None or lp_start is None):
+            body = (self._chunk_heads[choice.index], _text_json(text), self._chunk_tail)
+            if self._plain:
+                return b"".join(body)
+            return self.framing.frame(b"".join(body))
         logprobs = b"null"
         if choice.logprobs is not None and lp_start is not None:
             logprobs = json_bytes(choice.logprobs.as_dict(lp_start))
@@ -255,7 +294,7 @@ class Completion:
                 b',"choices":[{"index":',
                 str(choice.index).encode(),
                 b',"text":',
-                _dumps(text).encode(),
+                _text_json(text),
                 b',"logprobs":',
                 logprobs,
                 b',"finish_reason":',
@@ -264,29 +303,36 @@ class Completion:
                 self._usage_tail,
             )
         )
-        return data_event(payload)
+        return self.framing.frame(payload)
 
     def usage_chunk(self) -> bytes:
         """Render the ``stream_options.include_usage`` chunk: no choices, the usage."""
-        return data_event(self._head + b',"choices":[],"usage":' + json_bytes(self.usage()) + b"}")
+        return self.framing.frame(
+            self._head + b',"choices":[],"usage":' + json_bytes(self.usage()) + b"}"
+        )
 
     def chunks(self) -> Iterator[bytes]:
         """Yield one SSE event per generated token, round-robin over the live choices.
 
         With ``echo`` each choice first gets a chunk with the prompt text. The caller frames the stream
-        (opening comment, usage chunk, ``[DONE]``) and handles errors.
+        (opening comment, usage chunk, ``[DONE]``) and handles errors. Events the framing drops (a
+        resumed ``EventSource`` stream) are generated but not yielded.
         """
         live = list(self.choices)
         if self.req.echo:
             for c in live:
-                yield self.chunk(c, self.req.prompt_text, 0 if c.logprobs is not None else None)
+                event = self.chunk(c, self.req.prompt_text, 0 if c.logprobs is not None else None)
+                if event:
+                    yield event
         while live:
             for c in live:
                 if c.finish_reason is not None:
                     continue
                 lp_start = len(c.logprobs.tokens) if c.logprobs is not None else None
                 text = c.advance()
-                yield self.chunk(c, text, lp_start)
+                event = self.chunk(c, text, lp_start)
+                if event:
+                    yield event
                 self.cooperate()
             live = [c for c in live if c.finish_reason is None]
 

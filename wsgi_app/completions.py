@@ -21,11 +21,12 @@ from flask import Blueprint, Response, g, request
 
 from wsgi_app import sse
 from wsgi_app.admission import Ticket
+from wsgi_app.body import read_body
 from wsgi_app.choices import Completion
 from wsgi_app.errors import ApiError, json_bytes
 from wsgi_app.faults import EngineFailure
 from wsgi_app.lifecycle import RequestRecord
-from wsgi_app.protocol import decode_json_body, parse_completion_request
+from wsgi_app.protocol import CompletionRequest, decode_json_body, parse_completion_request
 from wsgi_app.runtime import Pacer, Runtime, runtime, unavailable
 
 log = logging.getLogger("greenserve.completions")
@@ -103,6 +104,8 @@ class StreamBody:
     Events: ``: ok`` at once (so the headers leave before the first token), ``: queued`` every heartbeat
     while waiting for a slot, one ``data:`` event per token, the usage chunk if asked for, ``[DONE]``. A
     failure after the first byte cannot change the status: it becomes an error event before ``[DONE]``.
+    The completion's framing decides the opening bytes and the event ids (``retry:`` and ``id:`` on the
+    ``EventSource`` stream).
     """
 
     def __init__(
@@ -129,7 +132,7 @@ class StreamBody:
     def _generate(self) -> Iterator[bytes]:
         failure: ApiError | None = None
         try:
-            yield sse.OPEN
+            yield self._completion.framing.opening()
             while not self._ticket.wait(
                 min(self._rt.settings.heartbeat_s, self._pacer.deadline - time.perf_counter())
             ):
@@ -147,7 +150,7 @@ class StreamBody:
             _settle(self._completion, self._ticket, self._record)
         if failure is not None:
             yield sse.data_event(json_bytes(failure.envelope()))
-        yield sse.DONE
+        yield self._completion.framing.done()
 
     def close(self) -> None:
         """Stop generation, release the slot, record the counts; idempotent."""
@@ -162,6 +165,11 @@ def _settle(completion: Completion, ticket: Ticket, record: RequestRecord) -> No
     ticket.release()
     record.completion_tokens = completion.completion_tokens
     record.finish_reasons = completion.finish_reasons()
+    if record.queue_wait_s is None:  # the first settle fixes the wait (a second one may follow)
+        record.slot_at = ticket.started
+        record.queue_wait_s = (ticket.started or time.perf_counter()) - ticket.arrived
+    if record.prompt is not None:  # LOG_PROMPTS=1
+        record.texts = ["".join(c.parts) for c in completion.choices]
 
 
 @bp.post("/v1/completions")
@@ -177,35 +185,17 @@ def create_completion() -> Response:
     settings = rt.settings
     record: RequestRecord = g.record
     req = parse_completion_request(
-        decode_json_body(request.get_data(cache=False)),
+        decode_json_body(read_body(request.environ, settings.max_body_bytes)),
         max_prompt_tokens=settings.max_prompt_tokens,
         max_n=settings.max_n,
     )
-    record.prompt_tokens = len(req.prompt_ids)
-    record.span.attributes["gen_ai.request.model"] = req.model
-    record.span.attributes["gen_ai.request.max_tokens"] = req.max_tokens
-    if rt.stop_at is not None:
-        raise unavailable("Server is shutting down.")
-    deadline = record.started + settings.request_timeout_s
-    ticket = rt.admission.admit(record.request_id, deadline)
-    sock = _client_socket()
-    _tune_socket(sock, settings.send_timeout_s)
-    pacer = Pacer(rt, record, deadline)
     seed = req.seed if req.seed is not None else random_seed()
-    try:
-        completion = Completion(
-            rt.engine, req, seed, "cmpl-" + secrets.token_hex(12), int(time.time()), pacer
-        )
-    except BaseException:
-        ticket.release()
-        raise
-    ticket.progress = completion
-    record.span.attributes["gen_ai.request.seed"] = str(seed)
+    completion, ticket, pacer = admit(rt, req, record, seed)
     if req.stream:
         body = StreamBody(rt, completion, ticket, pacer, record)
         return Response(body, content_type="text/event-stream", headers=STREAM_HEADERS)
     try:
-        if not _wait_for_slot(ticket, pacer, settings.heartbeat_s, sock):
+        if not _wait_for_slot(ticket, pacer, settings.heartbeat_s, _client_socket()):
             record.error = "client disconnected while queued"
             return Response(status=499)  # nobody is listening; the status is for the log and span
         answer = completion.run()
@@ -219,3 +209,55 @@ def create_completion() -> Response:
     finally:
         _settle(completion, ticket, record)
     return Response(answer, content_type="application/json")
+
+
+def admit(
+    rt: Runtime,
+    req: CompletionRequest,
+    record: RequestRecord,
+    seed: int,
+    framing: sse.Framing = sse.PLAIN,
+) -> tuple[Completion, Ticket, Pacer]:
+    """Take a place in the worker's slots or queue for ``req`` and set up its generation.
+
+    The caller owns the returned ticket: a :class:`StreamBody` or ``_settle`` must release it.
+
+    Args:
+        rt: the worker's runtime.
+        req: the validated request.
+        record: the request's record (counts and span attributes are stamped on it).
+        seed: the effective seed, 0..2**64-1.
+        framing: the SSE framing of a streamed answer.
+
+    Raises:
+        ApiError: 429 ``server_busy`` when slots and queue are full, 503 when the worker is stopping.
+    """
+    settings = rt.settings
+    record.prompt_tokens = len(req.prompt_ids)
+    record.model = req.model
+    if settings.log_prompts:
+        record.prompt = req.prompt_text
+    record.span.attributes["gen_ai.request.model"] = req.model
+    record.span.attributes["gen_ai.request.max_tokens"] = req.max_tokens
+    if rt.stop_at is not None:
+        raise unavailable("Server is shutting down.")
+    deadline = record.started + settings.request_timeout_s
+    ticket = rt.admission.admit(record.request_id, deadline)
+    _tune_socket(_client_socket(), settings.send_timeout_s)
+    pacer = Pacer.make(rt, record, deadline)
+    try:
+        completion = Completion(
+            rt.engine,
+            req,
+            seed,
+            "cmpl-" + secrets.token_hex(12),
+            int(time.time()),
+            pacer,
+            framing,
+        )
+    except BaseException:
+        ticket.release()
+        raise
+    ticket.progress = completion
+    record.span.attributes["gen_ai.request.seed"] = str(seed)
+    return completion, ticket, pacer

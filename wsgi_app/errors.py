@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from flask import Flask, Response
+from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
 
@@ -105,6 +106,16 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Response:
         return error_response(_from_http_exception(exc))
+
+    @app.errorhandler(ParseException)
+    def _bad_framing(exc: ParseException) -> Response:
+        # gunicorn parses a chunked body lazily, so a malformed one raises while the view reads it:
+        # the client's fault, a 400 (DESIGN §8). gunicorn closes the connection afterwards.
+        return error_response(invalid(f"Malformed request body: {exc}.", None))
+
+    @app.errorhandler(NoMoreData)
+    def _truncated(exc: NoMoreData) -> Response:
+        return error_response(invalid("Request body ended before its last chunk.", None))
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception) -> Response:

@@ -9,20 +9,21 @@ Source: W3C Trace Context (``traceparent``); OpenTelemetry semantic conventions 
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 import uuid
+from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 from flask import Flask, Response, g, request
 
 from telemetry import traceparent
+from telemetry.logs import client_hash
 from telemetry.spans import Span, start_server_span
-from wsgi_app.errors import json_bytes
+from wsgi_app.clients import forwarded_client
+from wsgi_app.observe import log_request
 from wsgi_app.runtime import runtime
-
-log = logging.getLogger("greenserve.access")
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 STATUS_UNSET, STATUS_OK, STATUS_ERROR = 0, 1, 2
@@ -41,6 +42,14 @@ class RequestRecord:
         finish_reasons: one per choice.
         error: message of a failure after the first byte (the status cannot change then), or None.
         ttft_s: seconds from arrival to the first generated token, or None.
+        method, path, route: the HTTP method, the path (no query string) and the matched rule or None.
+        client_hash: salted hash of the client's address (``telemetry.logs.client_hash``).
+        model: the request's ``model`` once validated, else None.
+        prompt: the prompt text, kept only with ``LOG_PROMPTS=1`` (else None).
+        texts: each choice's text, kept only with ``LOG_PROMPTS=1`` (else None).
+        token_times: ``perf_counter`` of every generated token (all choices), ``array('d')``, seconds.
+        queue_wait_s: seconds from admission to a slot (or to leaving the queue), None if never queued.
+        slot_at: ``perf_counter`` when the slot was granted, or None.
     """
 
     request_id: str
@@ -53,6 +62,16 @@ class RequestRecord:
     error: str | None = None
     ttft_s: float | None = None
     done: bool = False
+    method: str = ""
+    path: str = ""
+    route: str | None = None
+    client_hash: str = ""
+    model: str | None = None
+    prompt: str | None = None
+    texts: list[str] | None = None
+    token_times: array = field(default_factory=lambda: array("d"))
+    queue_wait_s: float | None = None
+    slot_at: float | None = None
 
 
 def request_id_from(value: str | None) -> str:
@@ -78,7 +97,18 @@ def _begin() -> None:
     )
     if rule:
         span.attributes["http.route"] = rule
-    g.record = RequestRecord(request_id=rid, span=span)
+    settings = runtime().settings
+    peer = forwarded_client(
+        request.remote_addr, request.headers.get("X-Forwarded-For"), settings.trusted_proxies
+    )
+    g.record = RequestRecord(
+        request_id=rid,
+        span=span,
+        method=request.method,
+        path=request.path,
+        route=rule,
+        client_hash=client_hash(settings.client_hash_salt, peer),
+    )
 
 
 def _headers(response: Response) -> Response:
@@ -91,17 +121,19 @@ def _headers(response: Response) -> Response:
     response.headers["X-Request-Id"] = record.request_id
     record.status = response.status_code
     # Close callbacks run after the request context is gone: pass the exporter explicitly.
-    exporter = rt.exporter
-    response.call_on_close(lambda: finish(record, exporter))
+    exporter, observer = rt.exporter, rt.observer
+    response.call_on_close(lambda: finish(record, exporter, observer))
     return response
 
 
-def finish(record: RequestRecord, exporter: object) -> None:
-    """End ``record``'s span, hand it to ``exporter``, and write the request's log line (idempotent).
+def finish(record: RequestRecord, exporter: object, observer: Any = None) -> None:
+    """End ``record``'s span, hand it to ``exporter``, and observe the request (idempotent).
 
     Args:
         record: the request's record.
         exporter: an object with ``export(span)`` that never blocks nor raises.
+        observer: a ``wsgi_app.observe.Observer`` (log line, metrics, history), or None to write the
+            log line only.
     """
     if record.done:
         return
@@ -120,24 +152,10 @@ def finish(record: RequestRecord, exporter: object) -> None:
     span.end(STATUS_ERROR if failed else STATUS_UNSET, record.error or "")
     elapsed = time.perf_counter() - record.started
     exporter.export(span)
-    log.info(
-        "%s",
-        json_bytes(
-            {
-                "request_id": record.request_id,
-                "trace_id": span.trace_id,
-                "span_id": span.span_id,
-                "route": span.name,
-                "status": record.status,
-                "prompt_tokens": record.prompt_tokens,
-                "completion_tokens": record.completion_tokens,
-                "finish_reasons": record.finish_reasons,
-                "ttft_s": None if record.ttft_s is None else round(record.ttft_s, 6),
-                "latency_s": round(elapsed, 6),
-                "error": record.error,
-            }
-        ).decode(),
-    )
+    if observer is not None:
+        observer.request_done(record, elapsed)
+    else:
+        log_request(record, elapsed)
 
 
 def install(app: Flask) -> None:

@@ -64,6 +64,7 @@ def debug_state() -> Response:
     require_loopback()
     rt = runtime()
     state = rt.admission.state()
+    state["rate_limit"] = {"storage_errors": rt.rate_limit_storage_errors}
     return _json({"pid": os.getpid(), "ready": rt.ready, "draining": rt.draining, **state})
 
 

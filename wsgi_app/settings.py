@@ -7,8 +7,10 @@ deployment fails the worker at start with a message naming the variable, not at 
 from __future__ import annotations
 
 import os
+import secrets
+import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
@@ -40,6 +42,29 @@ def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: flo
 def _str(env: Mapping[str, str], name: str, default: str) -> str:
     raw = env.get(name, "").strip()
     return raw or default
+
+
+def _api_keys(env: Mapping[str, str]) -> tuple[str, ...]:
+    raw = env.get("API_KEYS", "")
+    keys = tuple(k.strip() for k in raw.split(",") if k.strip())
+    if raw.strip() and not keys:
+        raise ValueError("API_KEYS must list at least one non-empty key")
+    return keys
+
+
+def _cors_origins(env: Mapping[str, str]) -> tuple[str, ...]:
+    raw = env.get("CORS_ORIGINS", "")
+    origins = tuple(o.strip().rstrip("/") for o in raw.split(",") if o.strip())
+    for origin in origins:
+        scheme, _, host = origin.partition("://")
+        if origin != "*" and (scheme not in ("http", "https") or not host or "/" in host):
+            raise ValueError(f"CORS_ORIGINS entries are * or scheme://host[:port], got {origin!r}")
+    return origins
+
+
+def default_stats_db() -> str:
+    """Return the default ``STATS_DB``: ``greenserve-stats.db`` in the system temp directory."""
+    return os.path.join(tempfile.gettempdir(), "greenserve-stats.db")
 
 
 def otlp_traces_endpoint(env: Mapping[str, str]) -> str | None:
@@ -78,6 +103,21 @@ class Settings:
         otlp_endpoint: full OTLP/HTTP traces URL, or None when tracing is off.
         service_name: ``service.name`` resource attribute of exported spans.
         faults: test-only fault injection spec (``GREENSERVE_FAULTS``), empty when off.
+        rate_limit: per-client limit on the API routes, e.g. ``600/minute``; empty when off.
+        rate_limit_storage_uri: where the limiter counts: ``memory://`` (per worker) or ``redis://…``.
+        trusted_proxies: how many ``X-Forwarded-For`` hops (from the right) to trust; 0 ignores it.
+        api_keys: accepted API keys; empty when authentication is off.
+        cors_origins: origins allowed cross-origin access (``scheme://host[:port]`` or ``*``); empty
+            when CORS is off.
+        slow_request_s: requests taking longer than this log their timeline, in seconds.
+        stats_db: the SQLite history file shared by the host's workers (``/stats/history``).
+        stats_flush_s: seconds between a worker's writes to ``stats_db``.
+        slo_ttft_s: time-to-first-token objective, in seconds; slower requests spend error budget.
+        slo_target: fraction of requests promised good (no 5xx, TTFT within ``slo_ttft_s``).
+        client_hash_salt: salt of the client hashes in logs; the same in every worker (gunicorn.conf.py
+            generates one per server start when ``CLIENT_HASH_SALT`` is unset).
+        prometheus_multiproc_dir: ``prometheus_client``'s multiprocess directory, or None for
+            single-process metrics (set by gunicorn.conf.py).
     """
 
     model_dir: str | None = None
@@ -94,6 +134,19 @@ class Settings:
     otlp_endpoint: str | None = None
     service_name: str = "greenserve"
     faults: str = ""
+    rate_limit: str = ""
+    # Secrets (a Redis password in the URI, the keys) stay out of reprs and so out of logs.
+    rate_limit_storage_uri: str = field(default="memory://", repr=False)
+    trusted_proxies: int = 0
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    cors_origins: tuple[str, ...] = ()
+    slow_request_s: float = 10.0
+    stats_db: str = field(default_factory=lambda: default_stats_db())
+    stats_flush_s: float = 1.0
+    slo_ttft_s: float = 1.0
+    slo_target: float = 0.99
+    client_hash_salt: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    prometheus_multiproc_dir: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -118,4 +171,16 @@ class Settings:
             otlp_endpoint=otlp_traces_endpoint(env),
             service_name=_str(env, "OTEL_SERVICE_NAME", "greenserve"),
             faults=_str(env, "GREENSERVE_FAULTS", ""),
+            rate_limit=_str(env, "RATE_LIMIT", ""),
+            rate_limit_storage_uri=_str(env, "RATE_LIMIT_STORAGE_URI", "memory://"),
+            trusted_proxies=_int(env, "TRUSTED_PROXIES", 0, 0, 32),
+            api_keys=_api_keys(env),
+            cors_origins=_cors_origins(env),
+            slow_request_s=_float(env, "SLOW_REQUEST_S", 10.0, 0.0, 86_400.0),
+            stats_db=_str(env, "STATS_DB", default_stats_db()),
+            stats_flush_s=_float(env, "STATS_FLUSH_S", 1.0, 0.01, 3_600.0),
+            slo_ttft_s=_float(env, "SLO_TTFT_S", 1.0, 0.001, 3_600.0),
+            slo_target=_float(env, "SLO_TARGET", 0.99, 0.5, 0.999999),
+            client_hash_salt=_str(env, "CLIENT_HASH_SALT", "") or secrets.token_hex(16),
+            prometheus_multiproc_dir=_str(env, "PROMETHEUS_MULTIPROC_DIR", "") or None,
         )

@@ -35,3 +35,65 @@ def data_event(payload: bytes, event_id: str | None = None) -> bytes:
 def comment(text: str) -> bytes:
     """Return an SSE comment line (ignored by clients; keeps proxies and disconnect detection alive)."""
     return b": " + text.encode() + b"\n\n"
+
+
+class Framing:
+    """Frame the events of a POST stream: ``: ok`` first, then bare ``data:`` events and ``[DONE]``.
+
+    The GET stream swaps in :class:`EventIds`; ``Completion`` and ``StreamBody`` ask their framing for
+    every event, so one streaming loop serves both.
+    """
+
+    def opening(self) -> bytes:
+        """Return the stream's first bytes (sent at once, so the headers leave before a token)."""
+        return OPEN
+
+    def frame(self, payload: bytes) -> bytes:
+        """Return ``payload`` as one data event; b"" means "generated but not sent" (never written)."""
+        return data_event(payload)
+
+    def done(self) -> bytes:
+        """Return the final ``[DONE]`` event."""
+        return DONE
+
+
+class EventIds(Framing):
+    """Frame the ``EventSource`` stream: ``retry:`` first, ``id: <seed>-<index>`` on every data event,
+    ``id: <seed>-done`` on ``[DONE]``, and resumption after the event a reconnect names.
+
+    The stream is a pure function of the request and its seed, so a reconnect regenerates it and this
+    framing drops the events up to and including ``resume_after``: no server-side state.
+
+    Args:
+        seed: the effective seed, 0..2**64-1 (reported in every id, so every stream can be replayed).
+        retry_ms: the reconnection delay the client should use, in milliseconds.
+        resume_after: index of the last event the client has, or -1 for a fresh stream.
+
+    Source: WHATWG HTML Living Standard, §9.2 "Server-sent events" (``id``, ``retry``,
+    ``Last-Event-ID``); DESIGN §7 "Browser EventSource".
+    """
+
+    def __init__(self, seed: int, retry_ms: int, resume_after: int = -1) -> None:
+        self.seed = seed
+        self.retry_ms = retry_ms
+        self.resume_after = resume_after
+        self.next_index = 0
+
+    def opening(self) -> bytes:
+        """Return ``retry: <ms>``; a block with no ``data`` dispatches no event in the browser."""
+        return b"retry: %d\n\n" % self.retry_ms
+
+    def frame(self, payload: bytes) -> bytes:
+        """Number the event; return b"" for events the client already has."""
+        index = self.next_index
+        self.next_index += 1
+        if index <= self.resume_after:
+            return b""
+        return data_event(payload, f"{self.seed}-{index}")
+
+    def done(self) -> bytes:
+        """Return ``[DONE]`` with ``id: <seed>-done`` (a reconnect naming it gets a 204)."""
+        return data_event(b"[DONE]", f"{self.seed}-done")
+
+
+PLAIN = Framing()

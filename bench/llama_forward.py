@@ -1,0 +1,128 @@
+"""Micro-benchmark: tokens/s of the bare Llama forward pass (no sampling, no HTTP), batch 1 and 8.
+
+Decode: ``batch`` sequences, each prefilled with a ``--prompt-len`` prompt, then ``--steps``
+calls of ``Llama.decode`` (one new token per sequence per call, the argmax fed back);
+tokens/s = batch * steps / seconds. Prefill: one ``--prefill-len`` prompt in one pass.
+The best of ``--repeats`` runs is reported. OpenBLAS is pinned to one thread (as in a worker).
+
+Run: ``python -m bench.llama_forward [--model-dir DIR | --synthetic 288,6,6,6,768,32000]``;
+without either it converts ``../shared/data/stories260K`` into a temporary directory first.
+``--synthetic dim,n_layers,n_heads,n_kv_heads,hidden_dim,vocab_size`` writes a model of that shape
+with seeded random weights (stories15M's shape above) to time a bigger network.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy is imported
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import safetensors.numpy  # noqa: E402
+
+from model.convert import convert_llama2c  # noqa: E402
+from model.llama import Llama, tensor_shapes  # noqa: E402
+from model.llama_config import LlamaConfig  # noqa: E402
+
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "stories260K"
+
+
+def write_synthetic(directory: str, shape: str, seed: int = 0) -> str:
+    """Write a Llama directory of the given shape with random weights; return its path."""
+    dim, n_layers, n_heads, n_kv_heads, hidden_dim, vocab_size = map(int, shape.split(","))
+    config = {
+        "model_type": "llama",
+        "hidden_size": dim,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "intermediate_size": hidden_dim,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": True,
+    }
+    rng = np.random.default_rng(seed)
+    shapes = tensor_shapes(LlamaConfig.from_hf(config))
+    tensors = {
+        name: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)
+        for name, s in shapes.items()
+    }
+    Path(directory, "config.json").write_text(json.dumps(config))
+    safetensors.numpy.save_file(tensors, Path(directory, "model.safetensors"))
+    return directory
+
+
+def decode_tokens_per_s(model: Llama, batch: int, prompt_len: int, steps: int) -> float:
+    """Return decode tokens/s for ``batch`` sequences advanced ``steps`` times together."""
+    vocab = model.vocab_size
+    caches = [model.new_cache(prompt_len + steps) for _ in range(batch)]
+    # Distinct prompts (ids spread over the vocabulary) so the sequences really differ.
+    ids = []
+    for b, cache in enumerate(caches):
+        prompt = [(1 + 37 * b + 11 * t) % vocab for t in range(prompt_len)]
+        ids.append(int(np.argmax(model.prefill(prompt, cache))))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        ids = [int(i) for i in np.argmax(model.decode(ids, caches), axis=1)]
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def prefill_tokens_per_s(model: Llama, prompt_len: int) -> float:
+    """Return prefill tokens/s for one prompt of ``prompt_len`` tokens."""
+    prompt = [(1 + 11 * t) % model.vocab_size for t in range(prompt_len)]
+    cache = model.new_cache(prompt_len)
+    t0 = time.perf_counter()
+    model.prefill(prompt, cache)
+    return prompt_len / (time.perf_counter() - t0)
+
+
+def _weights(model: Llama) -> list[np.ndarray]:
+    """Return every distinct weight array of the model."""
+    arrays = [model.tok_embeddings, model.rms_final]
+    if model.wcls is not model.tok_embeddings:
+        arrays.append(model.wcls)
+    for layer in model.layers:
+        arrays += [getattr(layer, f) for f in layer.__slots__]
+    return arrays
+
+
+def main() -> None:
+    """Parse arguments, run the measurements, print one JSON object."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", help="Hugging Face Llama directory (default: stories260K)")
+    parser.add_argument("--synthetic", help="dim,n_layers,n_heads,n_kv_heads,hidden_dim,vocab")
+    parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--prefill-len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, name = args.model_dir, args.model_dir
+        if args.synthetic:
+            model_dir, name = write_synthetic(tmp, args.synthetic), f"synthetic {args.synthetic}"
+        elif model_dir is None:
+            model_dir = convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", tmp)
+            name = "stories260K (converted)"
+        model = Llama.load(model_dir)
+        result = {"model": name, "params": sum(w.size for w in _weights(model))}
+        result["openblas_threads"] = os.environ["OPENBLAS_NUM_THREADS"]
+        for batch in (int(b) for b in args.batches.split(",")):
+            best = max(
+                decode_tokens_per_s(model, batch, args.prompt_len, args.steps)
+                for _ in range(args.repeats)
+            )
+            result[f"decode_batch{batch}_tokens_per_s"] = round(best, 1)
+        best = max(prefill_tokens_per_s(model, args.prefill_len) for _ in range(args.repeats))
+        result[f"prefill_{args.prefill_len}_tokens_per_s"] = round(best, 1)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,409 @@
+"""A closed-loop load generator in one process: raw non-blocking sockets on one epoll selector.
+
+Each of ``concurrency`` slots sends ``POST /v1/completions`` (``Connection: close``), reads the answer,
+and starts the next request as soon as the previous one ends, until the measurement window closes.
+Parsing is minimal on purpose, so the client costs far less CPU than the server: a streamed answer is
+counted by its ``data: {`` events (split across reads is handled), checked for ``data: [DONE]`` and
+for error events; a plain answer by the ``completion_tokens`` of its usage. The client measures its
+own CPU, and (from /proc) the server's CPU and RSS over the same window.
+
+Source: RFC 9112 (HTTP/1.1 messages, chunked coding); WHATWG HTML §9.2 (event streams).
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+import selectors
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench import procstat
+
+_DATA = b"data: {"
+_ERROR = b'data: {"error"'
+_DONE = b"data: [DONE]"
+_TAIL = len(_ERROR) - 1  # bytes kept between reads so a split pattern is still seen once
+_USAGE = re.compile(rb'"completion_tokens":(\d+)')
+_STATUS = re.compile(rb"HTTP/1\.[01] (\d{3})")
+_RECV = 262144
+
+
+@dataclass
+class LoadSpec:
+    """One load run.
+
+    Attributes:
+        port: the server's API port on 127.0.0.1.
+        body: the JSON request body.
+        stream: whether the body asks for a stream.
+        expect_tokens: tokens every answer must carry (``max_tokens``).
+        concurrency: requests in flight.
+        warmup_s: seconds of load before the measurement window opens.
+        duration_s: length of the measurement window, seconds.
+        drain_s: after the window, seconds to let in-flight requests finish (then they are dropped).
+        timeout_s: per-request limit, seconds.
+        spin: poll without sleeping (keeps the client core awake; see the README).
+        probe_ports: ports to send ``GET /healthz`` to, one at a time each, every ``probe_every_s``.
+        server_pids: processes whose CPU and RSS are reported.
+    """
+
+    port: int
+    body: bytes
+    stream: bool
+    expect_tokens: int
+    concurrency: int
+    warmup_s: float = 1.0
+    duration_s: float = 5.0
+    drain_s: float = 5.0
+    timeout_s: float = 60.0
+    spin: bool = True
+    probe_ports: tuple[int, ...] = ()
+    probe_every_s: float = 0.02
+    server_pids: list[int] = field(default_factory=list)
+    server_cores: list[int] = field(default_factory=list)
+
+
+def http_request(method: str, path: str, port: int, body: bytes = b"") -> bytes:
+    """Return one HTTP/1.1 request (``Connection: close``) as bytes."""
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n"
+    if body:
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+class Conn:
+    """One request on one socket."""
+
+    __slots__ = (
+        "sock",
+        "out",
+        "t0",
+        "t_first",
+        "t_last",
+        "status",
+        "tokens",
+        "events",
+        "errors",
+        "done",
+        "tail",
+        "head",
+        "body",
+        "probe",
+        "fd",
+    )
+
+    def __init__(self, sock: socket.socket, out: bytes, t0: float, probe: int = 0) -> None:
+        self.sock = sock
+        self.out = out
+        self.t0 = t0
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.status = 0
+        self.tokens = 0
+        self.events = 0
+        self.errors = 0
+        self.done = False
+        self.tail = b""
+        self.head: bytes | None = b""  # None once the status line and headers are read
+        self.body: list[bytes] = []
+        self.probe = probe  # the probed port, or 0 for a load request
+        self.fd = sock.fileno()
+
+
+class Results:
+    """Counters and samples of one run (times in seconds)."""
+
+    def __init__(self) -> None:
+        self.completed = 0
+        self.completed_in_window = 0
+        self.errors: dict[str, int] = {}
+        self.tokens_in_window = 0
+        self.ttft: list[float] = []
+        self.latency: list[float] = []
+        self.gaps: list[float] = []
+        self.zero_gaps = 0
+        self.probes: dict[int, list[float]] = {}
+        self.probe_errors = 0
+
+    def error(self, kind: str) -> None:
+        """Count one failed request of ``kind``."""
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+
+def _connect(sel: selectors.BaseSelector, port: int, out: bytes, probe: int = 0) -> Conn:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn = Conn(sock, out, time.perf_counter(), probe)
+    err = sock.connect_ex(("127.0.0.1", port))
+    if err not in (0, errno.EINPROGRESS):
+        sock.close()
+        raise ConnectionRefusedError(err)
+    sel.register(sock, selectors.EVENT_WRITE, conn)
+    return conn
+
+
+def _on_event(
+    sel: selectors.BaseSelector, conn: Conn, mask: int, now: float, res: Results, w
+) -> str:
+    """Advance ``conn``; return "" while it runs, "ok" when finished well, else an error kind."""
+    sock = conn.sock
+    if conn.out:
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            return "connect"
+        try:
+            sent = sock.send(conn.out)
+        except BlockingIOError:
+            return ""
+        except OSError:
+            return "reset"
+        conn.out = conn.out[sent:]
+        if not conn.out:
+            sel.modify(sock, selectors.EVENT_READ, conn)
+        return ""
+    try:
+        data = sock.recv(_RECV)
+    except BlockingIOError:
+        return ""
+    except OSError:
+        return "reset"
+    if not data:
+        return _judge(conn, res, w)
+    if conn.head is not None:
+        head = conn.head + data
+        end = head.find(b"\r\n\r\n")
+        if end < 0:
+            conn.head = head
+            return ""
+        match = _STATUS.match(head)
+        conn.status = int(match.group(1)) if match else -1
+        conn.head = None
+        data = head[end + 4 :]
+        if conn.t_first is None and not conn.probe and not w.stream_spec:
+            conn.t_first = now  # a plain answer: its first byte
+    if conn.probe or not w.stream_spec or conn.status != 200:
+        conn.body.append(data)
+        return ""
+    buf = conn.tail + data
+    n = buf.count(_DATA) - conn.tail.count(_DATA)
+    if n:
+        errs = buf.count(_ERROR) - conn.tail.count(_ERROR)
+        conn.errors += errs
+        n -= errs
+    if not conn.done and _DONE in buf:
+        conn.done = True
+    conn.tail = buf[-_TAIL:]
+    if n:
+        conn.tokens += n
+        if conn.t_first is None:
+            conn.t_first = now
+        elif w.start <= now < w.end:
+            res.gaps.append(now - conn.t_last)
+        if w.start <= now < w.end:
+            res.tokens_in_window += n
+            res.zero_gaps += n - 1
+        conn.t_last = now
+    return ""
+
+
+def _judge(conn: Conn, res: Results, w) -> str:
+    if conn.probe:
+        return "ok" if conn.status == 200 else f"http_{conn.status}"
+    if conn.status != 200:
+        return f"http_{conn.status}"
+    if w.stream_spec:
+        if conn.errors:
+            return "error_event"
+        if not conn.done:
+            return "no_done"
+        if conn.tokens != w.expect:
+            return "short_stream"
+        return "ok"
+    match = _USAGE.search(b"".join(conn.body))
+    if match is None:
+        return "bad_body"
+    conn.tokens = int(match.group(1))
+    return "ok" if conn.tokens == w.expect else "short_answer"
+
+
+class _Window:
+    __slots__ = ("start", "end", "stream_spec", "expect")
+
+    def __init__(self, start: float, end: float, stream: bool, expect: int) -> None:
+        self.start, self.end, self.stream_spec, self.expect = start, end, stream, expect
+
+
+def run_load(spec: LoadSpec) -> dict[str, Any]:
+    """Run ``spec`` and return its results (see the README's column list)."""
+    procstat.raise_nofile()
+    sel = selectors.EpollSelector()
+    request = http_request("POST", "/v1/completions", spec.port, spec.body)
+    probe_req = {p: http_request("GET", "/healthz", p) for p in spec.probe_ports}
+    res = Results()
+    res.probes = {p: [] for p in spec.probe_ports}
+    t_begin = time.perf_counter()
+    w = _Window(
+        t_begin + spec.warmup_s,
+        t_begin + spec.warmup_s + spec.duration_s,
+        spec.stream,
+        spec.expect_tokens,
+    )
+    hard_end = w.end + spec.drain_s
+    live: dict[int, Conn] = {}  # fileno -> conn
+    probing: dict[int, Conn] = {}  # port -> probe in flight
+    next_probe = t_begin
+    snap: dict[str, float] = {}
+    busy = 0.0
+    poll = 0.0 if spec.spin else 0.005
+
+    def launch() -> None:
+        try:
+            c = _connect(sel, spec.port, request)
+        except OSError:
+            res.error("connect")
+            return
+        live[c.sock.fileno()] = c
+
+    for _ in range(spec.concurrency):
+        launch()
+    last_sweep = t_begin
+    while True:
+        now = time.perf_counter()
+        if not snap and now >= w.start:
+            snap.update(
+                cpu=procstat.own_cpu_s(),
+                server=procstat.cpu_s(spec.server_pids),
+                core=procstat.core_busy_s(spec.server_cores),
+                t=now,
+                busy=busy,
+            )
+        if "end_t" not in snap and now >= w.end:
+            snap.update(
+                end_t=now,
+                end_cpu=procstat.own_cpu_s(),
+                end_server=procstat.cpu_s(spec.server_pids),
+                end_core=procstat.core_busy_s(spec.server_cores),
+                end_busy=busy,
+                rss=procstat.rss_bytes(spec.server_pids),
+                threads=procstat.threads(spec.server_pids),
+            )
+        if now >= hard_end or (now >= w.end and not live):
+            break
+        if spec.probe_ports and now >= next_probe and now < w.end:
+            next_probe = now + spec.probe_every_s
+            for p in spec.probe_ports:
+                if p not in probing:
+                    try:
+                        probing[p] = _connect(sel, p, probe_req[p], probe=p)
+                    except OSError:
+                        res.probe_errors += 1
+        events = sel.select(poll)
+        if not events:
+            continue
+        t_work = time.perf_counter()
+        for key, mask in events:
+            conn: Conn = key.data
+            outcome = _on_event(sel, conn, mask, t_work, res, w)
+            if not outcome:
+                continue
+            sel.unregister(conn.sock)
+            conn.sock.close()
+            if conn.probe:
+                del probing[conn.probe]
+                if outcome == "ok" and w.start <= conn.t0 < w.end:
+                    res.probes[conn.probe].append(t_work - conn.t0)
+                elif outcome != "ok":
+                    res.probe_errors += 1
+                continue
+            del live[conn.fd]
+            _account(conn, outcome, t_work, res, w)
+            if t_work < w.end:
+                launch()
+        done = time.perf_counter()
+        busy += done - t_work
+        if done - last_sweep > 0.1:
+            last_sweep = done
+            for fd, conn in list(live.items()):
+                if done - conn.t0 > spec.timeout_s:
+                    sel.unregister(conn.sock)
+                    conn.sock.close()
+                    del live[fd]
+                    _account(conn, "timeout", done, res, w)
+                    if done < w.end:
+                        launch()
+    dropped = len(live)
+    for conn in live.values():
+        if w.start <= conn.t0 < w.end and conn.t_first is not None:
+            res.ttft.append(conn.t_first - conn.t0)
+        sel.unregister(conn.sock)
+        conn.sock.close()
+    for conn in probing.values():
+        sel.unregister(conn.sock)
+        conn.sock.close()
+    sel.close()
+    return _report(spec, res, snap, dropped)
+
+
+def _account(conn: Conn, outcome: str, now: float, res: Results, w: _Window) -> None:
+    if outcome != "ok":
+        res.error(outcome)
+        return
+    res.completed += 1
+    if w.start <= now < w.end:
+        res.completed_in_window += 1
+        if not w.stream_spec:
+            res.tokens_in_window += conn.tokens
+    if w.start <= conn.t0 < w.end:
+        if conn.t_first is not None:
+            res.ttft.append(conn.t_first - conn.t0)
+        res.latency.append(now - conn.t0)
+
+
+def _report(spec: LoadSpec, res: Results, snap: dict[str, float], dropped: int) -> dict[str, Any]:
+    window = snap.get("end_t", 0.0) - snap.get("t", 0.0)
+    if window <= 0:
+        raise RuntimeError("the measurement window never closed")
+    qs = (0.5, 0.9, 0.99)
+    client_cpu = snap["end_cpu"] - snap["cpu"]
+    server_cpu = snap["end_server"] - snap["server"]
+    out: dict[str, Any] = {
+        "concurrency": spec.concurrency,
+        "stream": spec.stream,
+        "max_tokens": spec.expect_tokens,
+        "window_s": round(window, 3),
+        "completed": res.completed,
+        "completed_in_window": res.completed_in_window,
+        "errors": dict(sorted(res.errors.items())),
+        "dropped_at_end": dropped,
+        "tokens_per_s": round(res.tokens_in_window / window, 1),
+        "requests_per_s": round(res.completed_in_window / window, 2),
+        "ttft_ms": procstat.ms(res.ttft, qs),
+        "latency_ms": procstat.ms(res.latency, (0.5, 0.99)),
+        "itl_ms": procstat.ms(res.gaps, (0.5, 0.99, 1.0), res.zero_gaps),
+        "client_cpu_s": round(client_cpu, 3),
+        "client_busy": round((snap["end_busy"] - snap["busy"]) / window, 3),
+        "spin": spec.spin,
+        "server_cpu_s": round(server_cpu, 3),
+        "server_cpu_util": round(server_cpu / window, 3),
+        # Tokens per CPU-second the server used: its efficiency, much less disturbed than tokens/s
+        # when something else shares the server's core.
+        "tokens_per_server_cpu_s": round(res.tokens_in_window / server_cpu, 1)
+        if server_cpu
+        else None,
+        # Busy time of the server's core(s) that the server itself did not use: other processes,
+        # interrupts. Near 0 in a clean run.
+        "server_core_other_util": round((snap["end_core"] - snap["core"] - server_cpu) / window, 3),
+        "server_rss_mb": round(snap["rss"] / 2**20, 1),
+        "server_threads": snap["threads"],
+    }
+    for port, lat in res.probes.items():
+        out.setdefault("healthz_ms", {})[str(port)] = {
+            **procstat.ms(lat, (0.5, 0.99, 1.0)),
+            "n": len(lat),
+        }
+    if spec.probe_ports:
+        out["healthz_errors"] = res.probe_errors
+    return out

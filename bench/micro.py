@@ -1,0 +1,120 @@
+"""Micro-benchmark: model work per token (sampling, UTF-8 decoding, chunk encoding), no sockets.
+
+Drives the server's own per-token path: ``BigramEngine`` steps through ``Completion.chunks()`` (which
+calls ``Choice.advance`` and ``Completion.chunk``) with a no-op ``cooperate``. A straightforward numpy
+version of the same work is timed beside it for scale.
+
+Run: ``python -m bench.micro``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from model.bigram import Bigram
+from model.generate import BigramEngine
+from model.pcg32 import PCG32
+from wsgi_app.choices import Completion
+from wsgi_app.protocol import parse_completion_request
+
+PROMPT = "ROMEO:"
+MAX_TOKENS = 256
+
+
+def _completion(engine: BigramEngine, temperature: float, seed: int) -> Completion:
+    body = {
+        "model": "bigram",
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": temperature,
+        "seed": seed,
+        "stream": True,
+    }
+    req = parse_completion_request(body)
+    return Completion(engine, req, seed, "cmpl-" + "0" * 24, 1_700_000_000, lambda: None)
+
+
+def server_path(engine: BigramEngine, temperature: float, requests: int) -> float:
+    """Return seconds per token of the server's per-token path over ``requests`` streams."""
+    tokens = 0
+    elapsed = 0.0
+    for seed in range(requests):
+        completion = _completion(engine, temperature, seed)
+        t0 = time.perf_counter()
+        for _frame in completion.chunks():
+            pass
+        elapsed += time.perf_counter() - t0
+        tokens += completion.completion_tokens
+    return elapsed / tokens
+
+
+def naive_path(weight: np.ndarray, temperature: float, requests: int) -> float:
+    """Return seconds per token of a straightforward numpy version of the same work."""
+    tokens = 0
+    t0 = time.perf_counter()
+    for seed in range(requests):
+        rng = PCG32(seed, 54)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        prev = PROMPT.encode()[-1]
+        for i in range(MAX_TOKENS):
+            z = weight[prev].astype(np.float64)
+            if temperature == 0.0:
+                token = int(np.argmax(z))
+            else:
+                e = np.exp((z - z.max()) / temperature)
+                cum = np.cumsum(e / e.sum())
+                token = min(int(np.searchsorted(cum, rng.uniform(), "right")), len(cum) - 1)
+            text = decoder.decode(bytes([token]), i == MAX_TOKENS - 1)
+            chunk = {
+                "id": "cmpl-" + "0" * 24,
+                "object": "text_completion",
+                "created": 1_700_000_000,
+                "model": "bigram",
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
+            }
+            frame = b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+            assert frame
+            prev = token
+            tokens += 1
+    return (time.perf_counter() - t0) / tokens
+
+
+def best_of(fn: Callable[[], float], repeats: int) -> float:
+    """Return the smallest of ``repeats`` measurements (the least disturbed one)."""
+    return min(fn() for _ in range(repeats))
+
+
+def run(requests: int = 40, repeats: int = 5) -> dict[str, float]:
+    """Measure both paths for greedy and T=1; return microseconds per token by name."""
+    model = Bigram.load()
+    engine = BigramEngine(model)
+    weight = np.asarray(model.weight)
+    out: dict[str, float] = {}
+    for name, temperature in (("greedy", 0.0), ("t1", 1.0)):
+        server_path(engine, temperature, 2)  # warm caches, imports
+        out[f"{name}_us_per_token"] = 1e6 * best_of(
+            lambda t=temperature: server_path(engine, t, requests), repeats
+        )
+        out[f"naive_{name}_us_per_token"] = 1e6 * best_of(
+            lambda t=temperature: naive_path(weight, t, requests // 4 or 1), max(1, repeats // 2)
+        )
+    return out
+
+
+def main() -> None:
+    """Print the micro-benchmark as one JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=40, help="streams of 256 tokens per repeat")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(json.dumps({k: round(v, 3) for k, v in run(args.requests, args.repeats).items()}))
+
+
+if __name__ == "__main__":
+    main()

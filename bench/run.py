@@ -1,0 +1,188 @@
+"""Run the whole benchmark with one command: ``python -m bench.run`` (full, < 10 min) or ``--quick``.
+
+Starts each server on its own core (greenserve with one gevent worker, the canned-frames
+``gevent.pywsgi`` ceiling, the FastAPI + uvicorn reference), drives it from this process on another
+core, and writes ``bench/results/<UTC time>-<mode>.json`` plus the Markdown table beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import micro, report, servers
+from bench.hold import run_hold
+from bench.loadgen import LoadSpec, run_load
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# Benchmark-only server settings: room for every stream of every scenario on one worker.
+GREENSERVE_ENV = {"WORKER_CONNECTIONS": "12000", "MAX_SLOTS": "12000", "MAX_QUEUE": "12000"}
+# The hold scenario's streams are read slowly for longer than the default send timeout allows.
+HOLD_ENV = {**GREENSERVE_ENV, "SEND_TIMEOUT_S": "600", "REQUEST_TIMEOUT_S": "600"}
+
+MODES: dict[str, dict[str, Any]] = {
+    "full": {
+        "stream": (1, 16, 128, 1024),
+        "plain": (1, 16, 128, 1024),
+        "warmup_s": 2.0,
+        "window_s": 8.0,
+        "drain_s": 3.0,
+        "healthz_streams": 1000,
+        "hold": {"target": 10_000, "ramp_s": 10.0, "hold_s": 10.0},
+        "micro": {"requests": 40, "repeats": 5},
+    },
+    "quick": {
+        "stream": (1, 128),
+        "plain": (16,),
+        "warmup_s": 0.5,
+        "window_s": 2.0,
+        "drain_s": 1.0,
+        "healthz_streams": 1000,
+        "hold": {"target": 2_000, "ramp_s": 3.0, "hold_s": 3.0},
+        "micro": {"requests": 10, "repeats": 3},
+    },
+}
+
+
+def _body(stream: bool, max_tokens: int) -> bytes:
+    return json.dumps(
+        {"model": "bigram", "prompt": "ROMEO:", "max_tokens": max_tokens, "stream": stream}
+    ).encode()
+
+
+def _load(srv: servers.Server, mode: dict, stream: bool, conc: int, probes=()) -> dict[str, Any]:
+    max_tokens = 256 if stream else 64
+    spec = LoadSpec(
+        port=srv.port,
+        body=_body(stream, max_tokens),
+        stream=stream,
+        expect_tokens=max_tokens,
+        concurrency=conc,
+        warmup_s=mode["warmup_s"],
+        duration_s=mode["window_s"],
+        drain_s=mode["drain_s"],
+        probe_ports=tuple(probes),
+        server_pids=srv.serving_pids(),
+        server_cores=servers.cores()[0],
+    )
+    result = run_load(spec)
+    srv.wait_idle()
+    return result
+
+
+def _family(name: str, mode: dict, logdir: Path, log) -> list[dict[str, Any]]:
+    srv = servers.start(name, logdir, GREENSERVE_ENV if name == "greenserve" else None)
+    runs = []
+    try:
+        for stream, concs in ((True, mode["stream"]), (False, mode["plain"])):
+            for conc in concs:
+                result = _load(srv, mode, stream, conc)
+                runs.append({"server": name, "scenario": "stream" if stream else "plain", **result})
+                log(
+                    f"{name:10s} {runs[-1]['scenario']:6s} c={conc:<5d} "
+                    f"{result['tokens_per_s']:>9.0f} tok/s  ttft p99 {result['ttft_ms']['p99']} ms  "
+                    f"errors {result['errors']}  client busy {result['client_busy']}"
+                )
+        if name == "greenserve" and mode["healthz_streams"]:
+            result = _load(
+                srv, mode, True, mode["healthz_streams"], probes=(srv.port, srv.health_port)
+            )
+            runs.append({"server": name, "scenario": "healthz", **result})
+            log(
+                f"{name:10s} healthz with {mode['healthz_streams']} streams: {result['healthz_ms']}"
+            )
+    finally:
+        srv.stop()
+    return runs
+
+
+def _hold(mode: dict, logdir: Path) -> dict[str, Any]:
+    srv = servers.start("greenserve", logdir / "hold", HOLD_ENV)
+    try:
+        return run_hold(
+            srv.port,
+            server_pids=srv.serving_pids(),
+            probe_ports=(srv.port, srv.health_port),
+            **mode["hold"],
+        )
+    finally:
+        srv.stop()
+
+
+def _meta(mode_name: str, argv: list[str]) -> dict[str, Any]:
+    def sh(*cmd: str) -> str:
+        try:
+            return subprocess.run(
+                cmd, capture_output=True, text=True, cwd=servers.ROOT
+            ).stdout.strip()
+        except OSError:
+            return ""
+
+    server_cores, client_cores = servers.cores()
+    return {
+        "mode": mode_name,
+        "command": "python -m bench.run " + " ".join(argv),
+        "utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "git": sh("git", "rev-parse", "--short", "HEAD")
+        + ("+dirty" if sh("git", "status", "--porcelain", "--untracked-files=no") else ""),
+        "python": platform.python_version(),
+        "cpu": sh("sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2").strip(),
+        "cpus": os.cpu_count(),
+        "server_cores": server_cores,
+        "client_cores": client_cores,
+        "server_env": GREENSERVE_ENV,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; print progress and the table; return the results."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short smoke run (about 1.5 min)")
+    parser.add_argument("--servers", default=",".join(servers.NAMES), help="comma-separated subset")
+    parser.add_argument("--no-hold", action="store_true", help="skip the hold scenario")
+    parser.add_argument("--no-micro", action="store_true", help="skip the micro-benchmark")
+    parser.add_argument("--out", type=Path, help="results file (default bench/results/<time>.json)")
+    args = parser.parse_args(argv)
+    mode_name = "quick" if args.quick else "full"
+    mode = MODES[mode_name]
+    _, client_cores = servers.cores()
+    os.sched_setaffinity(0, client_cores)
+    t0 = time.monotonic()
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = args.out or RESULTS / f"{stamp}-{mode_name}.json"
+    logdir = Path("/tmp") / f"greenserve-bench-{stamp}"
+
+    def log(line: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {line}", flush=True)
+
+    results: dict[str, Any] = {"meta": _meta(mode_name, argv), "runs": []}
+    if not args.no_micro:
+        results["micro"] = micro.run(**mode["micro"])
+        log(f"micro: {results['micro']}")
+    for name in args.servers.split(","):
+        results["runs"] += _family(name.strip(), mode, logdir, log)
+    if not args.no_hold and "greenserve" in args.servers:
+        results["hold"] = _hold(mode, logdir)
+        log(f"hold: {results['hold']}")
+    results["meta"]["duration_s"] = round(time.monotonic() - t0, 1)
+    results["summary"] = report.summary(results)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    table = report.markdown(results)
+    out.with_suffix(".md").write_text(table)
+    print(table)
+    log(f"wrote {out} and {out.with_suffix('.md').name}; server logs in {logdir}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""The Llama architecture in numpy float32: prefill one prompt, decode a batch of sequences.
+
+The model object is shared and read-only (weights memory-mapped from safetensors); every
+sequence brings its own :class:`~model.kv_cache.KVCache`. Layout and names follow Hugging Face
+``LlamaForCausalLM`` (rotate-half RoPE, ``[out, in]`` weight matrices, ``y = x @ W.T``); the
+variable names follow llama2.c and nanoGPT.
+
+Source: Touvron et al. 2023, "Llama 2" (RMSNorm, RoPE, GQA, SwiGLU); transformers
+`modeling_llama.py` (the reference implementation the tests compare against); llama2.c `run.c`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+import numpy as np
+
+from model.kv_cache import KVCache
+from model.llama_config import LlamaConfig, read_json_object
+from model.llama_ops import apply_rope, attention, decode_attention, rmsnorm, silu
+from model.weights import load_weights
+
+CONFIG_NAME = "config.json"
+# Buffers some checkpoints carry that the forward pass recomputes instead.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LayerWeights:
+    """One transformer block's read-only float32 weights (``[out, in]`` matrices).
+
+    Attributes:
+        rms_att: ``(dim,)`` RMSNorm weight before attention (``input_layernorm``).
+        wq: ``(n_heads * head_dim, dim)`` query projection.
+        wk: ``(n_kv_heads * head_dim, dim)`` key projection.
+        wv: ``(n_kv_heads * head_dim, dim)`` value projection.
+        wo: ``(dim, n_heads * head_dim)`` attention output projection.
+        rms_ffn: ``(dim,)`` RMSNorm weight before the MLP (``post_attention_layernorm``).
+        w1: ``(hidden_dim, dim)`` SwiGLU gate (``gate_proj``).
+        w2: ``(dim, hidden_dim)`` SwiGLU down projection (``down_proj``).
+        w3: ``(hidden_dim, dim)`` SwiGLU up projection (``up_proj``).
+    """
+
+    rms_att: np.ndarray
+    wq: np.ndarray
+    wk: np.ndarray
+    wv: np.ndarray
+    wo: np.ndarray
+    rms_ffn: np.ndarray
+    w1: np.ndarray
+    w2: np.ndarray
+    w3: np.ndarray
+
+
+def tensor_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Return every tensor a Hugging Face Llama checkpoint must hold, with its shape.
+
+    ``lm_head.weight`` is included only when the head is not tied to the embedding.
+    """
+    c = config
+    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.dim)}
+    for i in range(c.n_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (c.dim,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_dim, c.dim)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_dim, c.dim)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_dim, c.dim)
+        shapes[p + "self_attn.o_proj.weight"] = (c.dim, q_dim)
+        shapes[p + "post_attention_layernorm.weight"] = (c.dim,)
+        shapes[p + "mlp.gate_proj.weight"] = (c.hidden_dim, c.dim)
+        shapes[p + "mlp.down_proj.weight"] = (c.dim, c.hidden_dim)
+        shapes[p + "mlp.up_proj.weight"] = (c.hidden_dim, c.dim)
+    shapes["model.norm.weight"] = (c.dim,)
+    if not c.tie_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.dim)
+    return shapes
+
+
+def check_tensors(
+    tensors: dict[str, np.ndarray], config: LlamaConfig, where: str
+) -> dict[str, np.ndarray]:
+    """Check names and shapes against the config; return exactly the tensors the model uses.
+
+    Raises:
+        ValueError: Naming the first missing tensor, a tensor with the wrong shape, or a
+            tensor the architecture does not have (``lm_head.weight`` is tolerated and unused
+            when the head is tied).
+    """
+    shapes = tensor_shapes(config)
+    for name, shape in shapes.items():
+        if name not in tensors:
+            raise ValueError(f"{where}: missing tensor {name!r}")
+        if tensors[name].shape != shape:
+            raise ValueError(
+                f"{where}: tensor {name!r} has shape {list(tensors[name].shape)}, "
+                f"expected {list(shape)}"
+            )
+    for name in tensors:
+        tolerated = name.endswith(_IGNORED_SUFFIXES) or name == "lm_head.weight"
+        if name not in shapes and not tolerated:
+            raise ValueError(f"{where}: unexpected tensor {name!r} (not part of a Llama model)")
+    return {name: tensors[name] for name in shapes}
+
+
+class Llama:
+    """A loaded Llama model: immutable, shared by every sequence of a worker.
+
+    Attributes:
+        config: The hyper-parameters.
+        tok_embeddings: ``(vocab_size, dim)`` float32 token embedding.
+        layers: One :class:`LayerWeights` per block.
+        rms_final: ``(dim,)`` final RMSNorm weight.
+        wcls: ``(vocab_size, dim)`` output head (the embedding itself when tied).
+    """
+
+    def __init__(self, config: LlamaConfig, tensors: dict[str, np.ndarray]) -> None:
+        """Build the model from checked tensors (see :func:`check_tensors`).
+
+        Args:
+            config: The hyper-parameters.
+            tensors: Hugging Face name -> read-only float32 array of the right shape.
+        """
+        self.config = config
+        self.tok_embeddings = tensors["model.embed_tokens.weight"]
+        self.layers = tuple(_layer(tensors, f"model.layers.{i}.") for i in range(config.n_layers))
+        self.rms_final = tensors["model.norm.weight"]
+        self.wcls = self.tok_embeddings if config.tie_embeddings else tensors["lm_head.weight"]
+        # inv_freq_j = theta^(-2j / head_dim), rounded to float32 as both references keep it.
+        exponents = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
+        self._inv_freq = (1.0 / config.rope_theta**exponents).astype(np.float32)
+
+    @classmethod
+    def load(cls, model_dir: str | os.PathLike) -> Self:
+        """Load a Hugging Face Llama directory (``config.json`` + safetensors weights).
+
+        Returns:
+            The model; its weights stay memory-mapped (F32) so workers share pages.
+
+        Raises:
+            ValueError: If the config is invalid or unsupported, or the weights are malformed,
+                miss a tensor, or have a wrong shape (the message names it).
+        """
+        return cls.load_with_files(Path(model_dir))[0]
+
+    @classmethod
+    def load_with_files(cls, model_dir: Path) -> tuple[Self, tuple[Path, ...]]:
+        """Load like :meth:`load`; also return the weight files read (for the checksum)."""
+        config_path = model_dir / CONFIG_NAME
+        config = LlamaConfig.from_hf(read_json_object(config_path), str(config_path))
+        tensors, files = load_weights(model_dir)
+        return cls(config, check_tensors(tensors, config, str(model_dir))), files
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids."""
+        return self.config.vocab_size
+
+    def new_cache(self, max_seq_len: int | None = None) -> KVCache:
+        """Allocate an empty KV cache for one sequence.
+
+        Args:
+            max_seq_len: Capacity in tokens; at most (and by default) the context length.
+
+        Raises:
+            ValueError: If ``max_seq_len`` is not in ``1..config.max_seq_len``.
+        """
+        c = self.config
+        n = c.max_seq_len if max_seq_len is None else max_seq_len
+        if not 0 < n <= c.max_seq_len:
+            raise ValueError(f"max_seq_len must be in 1..{c.max_seq_len}, got {n}")
+        return KVCache(c.n_layers, n, c.n_kv_heads, c.head_dim)
+
+    def prefill(self, token_ids: Sequence[int], cache: KVCache) -> np.ndarray:
+        """Run the prompt through the model in one pass and return the next token's logits.
+
+        The tokens take positions ``cache.length ..`` (0 for a fresh cache); their keys and
+        values are added to ``cache``.
+
+        Args:
+            token_ids: One or more token ids.
+            cache: This sequence's cache, with room for the tokens.
+
+        Returns:
+            ``(vocab_size,)`` float32 logits after the last token.
+
+        Raises:
+            ValueError: If there are no tokens, an id is outside the vocabulary, the cache does
+                not fit this model or has no room.
+        """
+        return self._head(self._prefill_hidden(token_ids, cache)[-1:])[0]
+
+    def prompt_logits(self, token_ids: Sequence[int], cache: KVCache) -> np.ndarray:
+        """Prefill like :meth:`prefill` but return the logits after every token (for ``echo``).
+
+        Returns:
+            ``(len(token_ids), vocab_size)`` float32; row ``t`` predicts token ``t + 1``.
+
+        Raises:
+            ValueError: As :meth:`prefill`.
+        """
+        return self._head(self._prefill_hidden(token_ids, cache))
+
+    def decode(self, tokens: Sequence[int], caches: Sequence[KVCache]) -> np.ndarray:
+        """Feed one new token to each of a batch of sequences, batched per layer.
+
+        Sequence ``b`` may be at any position: ``tokens[b]`` goes to position
+        ``caches[b].length``. Projections and the MLP run as one matrix product for the whole
+        batch; attention runs per sequence over its own cache.
+
+        Args:
+            tokens: One token id per sequence.
+            caches: One distinct cache per sequence, each with room for one more token.
+
+        Returns:
+            ``(batch, vocab_size)`` float32 logits of each sequence's next token.
+
+        Raises:
+            ValueError: If the lengths differ or are 0, a cache repeats, is full or does not
+                fit this model, or an id is outside the vocabulary.
+        """
+        if not tokens or len(tokens) != len(caches):
+            raise ValueError(f"decode: {len(tokens)} tokens for {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("decode: the same cache appears twice in one batch")
+        for cache in caches:
+            self._check_cache(cache, 1)
+        ids = self._check_ids(tokens)
+        pos = np.array([c.length for c in caches])
+        x = self.tok_embeddings[ids]  # (batch, dim)
+        cos, sin = self._rope(pos)
+        for layer_index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            att = np.empty((len(caches), q.shape[1] * q.shape[2]), dtype=np.float32)
+            for b, cache in enumerate(caches):
+                p = cache.length
+                cache.k[layer_index, p] = k[b]
+                cache.v[layer_index, p] = v[b]
+                att[b] = decode_attention(
+                    q[b], cache.k[layer_index, : p + 1], cache.v[layer_index, : p + 1]
+                )
+            x = self._block_tail(layer, x, att)
+        for cache in caches:
+            cache.length += 1
+        return self._head(x)
+
+    def _prefill_hidden(self, token_ids: Sequence[int], cache: KVCache) -> np.ndarray:
+        """Run the blocks over the new tokens; return the ``(T, dim)`` hidden states."""
+        ids = self._check_ids(token_ids)
+        self._check_cache(cache, len(ids))
+        start, end = cache.length, cache.length + len(ids)
+        x = self.tok_embeddings[ids]  # (T, dim)
+        cos, sin = self._rope(np.arange(start, end))
+        for layer_index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            cache.k[layer_index, start:end] = k
+            cache.v[layer_index, start:end] = v
+            kc, vc = cache.k[layer_index, :end], cache.v[layer_index, :end]
+            x = self._block_tail(layer, x, attention(q, kc, vc, start))
+        cache.length = end
+        return x
+
+    def _qkv(
+        self, layer: LayerWeights, x: np.ndarray, cos: np.ndarray, sin: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Return RoPE'd queries ``(n, n_heads, hd)``, keys and values ``(n, n_kv_heads, hd)``."""
+        c = self.config
+        xb = rmsnorm(x, layer.rms_att, c.norm_eps)
+        n = x.shape[0]
+        q = (xb @ layer.wq.T).reshape(n, c.n_heads, c.head_dim)  # (n, H*hd) -> (n, H, hd)
+        k = (xb @ layer.wk.T).reshape(n, c.n_kv_heads, c.head_dim)  # (n, Hkv*hd) -> (n, Hkv, hd)
+        v = (xb @ layer.wv.T).reshape(n, c.n_kv_heads, c.head_dim)  # (n, Hkv*hd) -> (n, Hkv, hd)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _block_tail(self, layer: LayerWeights, x: np.ndarray, att: np.ndarray) -> np.ndarray:
+        """Add the attention output and the SwiGLU MLP to the residual ``x`` ``(n, dim)``."""
+        x = x + att @ layer.wo.T
+        xb = rmsnorm(x, layer.rms_ffn, self.config.norm_eps)
+        return x + (silu(xb @ layer.w1.T) * (xb @ layer.w3.T)) @ layer.w2.T
+
+    def _head(self, x: np.ndarray) -> np.ndarray:
+        """Return ``(n, vocab_size)`` float32 logits of hidden states ``(n, dim)``."""
+        return rmsnorm(x, self.rms_final, self.config.norm_eps) @ self.wcls.T
+
+    def _rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Return ``(n, head_dim / 2)`` float32 cos and sin of the rotation angles."""
+        # The angle is a float32 product, as in both references; cos/sin are rounded once.
+        angles = positions.astype(np.float32)[:, None] * self._inv_freq[None, :]
+        angles = angles.astype(np.float64)
+        return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+    def _check_ids(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Return the ids as an int64 array, refusing an empty list or an out-of-range id."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError("token_ids must be a non-empty list of ids")
+        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside 0..{self.vocab_size - 1}")
+        return ids
+
+    def _check_cache(self, cache: KVCache, n_new: int) -> None:
+        """Refuse a cache of another model's shape or without room for ``n_new`` tokens."""
+        c = self.config
+        if cache.k.shape[0] != c.n_layers or cache.k.shape[2:] != (c.n_kv_heads, c.head_dim):
+            raise ValueError(f"KV cache of shape {cache.k.shape} does not fit this model")
+        if cache.length + n_new > cache.capacity:
+            raise ValueError(
+                f"KV cache full: {cache.length} + {n_new} tokens exceed {cache.capacity}"
+            )
+
+
+def _layer(tensors: dict[str, np.ndarray], prefix: str) -> LayerWeights:
+    """Collect one block's tensors."""
+    return LayerWeights(
+        rms_att=tensors[prefix + "input_layernorm.weight"],
+        wq=tensors[prefix + "self_attn.q_proj.weight"],
+        wk=tensors[prefix + "self_attn.k_proj.weight"],
+        wv=tensors[prefix + "self_attn.v_proj.weight"],
+        wo=tensors[prefix + "self_attn.o_proj.weight"],
+        rms_ffn=tensors[prefix + "post_attention_layernorm.weight"],
+        w1=tensors[prefix + "mlp.gate_proj.weight"],
+        w2=tensors[prefix + "mlp.down_proj.weight"],
+        w3=tensors[prefix + "mlp.up_proj.weight"],
+    )

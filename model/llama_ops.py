@@ -1,0 +1,122 @@
+"""The numpy building blocks of the Llama forward pass: RMSNorm, SiLU, RoPE, attention.
+
+Pure functions of float32 arrays; ``model.llama`` composes them.
+
+Source: Touvron et al. 2023, "Llama 2"; transformers `modeling_llama.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# Query rows per attention block during prefill: bounds the score matrix to
+# n_heads * ATTN_BLOCK * seq_len floats however long the prompt is.
+ATTN_BLOCK = 256
+
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Return ``x / sqrt(mean(x^2) + eps) * weight`` over the last axis, in float32.
+
+    Args:
+        x: ``(..., dim)`` float32.
+        weight: ``(dim,)`` float32.
+        eps: Added to the mean square.
+
+    Source: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization".
+    """
+    ms = np.mean(np.square(x), axis=-1, keepdims=True)  # (..., 1)
+    return x * (1.0 / np.sqrt(ms + eps)) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """Return ``x * sigmoid(x)`` elementwise (exp overflow for very negative x gives -0.0)."""
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-x))
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate each head's halves ``(x1, x2)`` by the position's angles (rotate-half layout).
+
+    Args:
+        x: ``(n, heads, head_dim)`` float32.
+        cos: ``(n, head_dim / 2)`` float32.
+        sin: ``(n, head_dim / 2)`` float32.
+
+    Returns:
+        ``(n, heads, head_dim)`` float32: ``[x1 cos - x2 sin, x2 cos + x1 sin]``.
+
+    Source: Su et al. 2021, "RoFormer"; transformers `apply_rotary_pos_emb` / `rotate_half`.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]  # (n, half) -> (n, 1, half), broadcast over heads
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """Causal grouped-query attention of new queries over a sequence's cached keys and values.
+
+    Query head ``h`` uses key/value head ``h // (n_heads / n_kv_heads)``; the query at row
+    ``t`` sits at position ``start + t`` and sees keys ``0..start + t``.
+
+    Args:
+        q: ``(T, n_heads, head_dim)`` float32 queries (after RoPE).
+        k: ``(S, n_kv_heads, head_dim)`` float32 keys, ``S = start + T``.
+        v: ``(S, n_kv_heads, head_dim)`` float32 values.
+        start: Position of the first query.
+
+    Returns:
+        ``(T, n_heads * head_dim)`` float32, heads concatenated in order.
+
+    Source: Vaswani et al. 2017 (scaled dot-product attention); Ainslie et al. 2023 (GQA).
+    """
+    n_q, n_heads, head_dim = q.shape
+    n_kv = k.shape[1]
+    group = n_heads // n_kv
+    scale = 1.0 / math.sqrt(head_dim)
+    kt = k.transpose(1, 2, 0)  # (S, Hkv, hd) -> (Hkv, hd, S)
+    vt = v.transpose(1, 0, 2)  # (S, Hkv, hd) -> (Hkv, S, hd)
+    out = np.empty((n_q, n_heads * head_dim), dtype=np.float32)
+    for b0 in range(0, n_q, ATTN_BLOCK):
+        qb = q[b0 : b0 + ATTN_BLOCK]
+        t = qb.shape[0]
+        seen = start + b0 + t  # keys visible to the block's last query
+        # (t, H, hd) -> (t, Hkv, group, hd) -> (Hkv, group, t, hd) -> (Hkv, group*t, hd)
+        qg = qb.reshape(t, n_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(n_kv, -1, head_dim)
+        scores = (qg @ kt[:, :, :seen]) * scale  # (Hkv, group*t, seen)
+        if t > 1:
+            future = np.arange(seen)[None, :] > (start + b0 + np.arange(t))[:, None]  # (t, seen)
+            scores.reshape(n_kv, group, t, seen)[:, :, future] = -np.inf  # view of scores
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        ob = scores @ vt[:, :seen]  # (Hkv, group*t, hd)
+        # (Hkv, group*t, hd) -> (Hkv, group, t, hd) -> (t, Hkv, group, hd) -> (t, H*hd)
+        out[b0 : b0 + t] = ob.reshape(n_kv, group, t, head_dim).transpose(2, 0, 1, 3).reshape(t, -1)
+    return out
+
+
+def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Attention of one new query over all of its sequence's keys (the decode case of
+    :func:`attention`, without the causal mask or the block loop).
+
+    Args:
+        q: ``(n_heads, head_dim)`` float32 query (after RoPE) of the newest position.
+        k: ``(S, n_kv_heads, head_dim)`` float32 keys up to and including that position.
+        v: ``(S, n_kv_heads, head_dim)`` float32 values.
+
+    Returns:
+        ``(n_heads * head_dim,)`` float32, heads concatenated in order.
+    """
+    n_heads, head_dim = q.shape
+    n_kv = k.shape[1]
+    qg = q.reshape(n_kv, n_heads // n_kv, head_dim)  # (H, hd) -> (Hkv, group, hd)
+    scores = qg @ k.transpose(1, 2, 0)  # (S, Hkv, hd) -> (Hkv, hd, S); scores (Hkv, group, S)
+    scores *= 1.0 / math.sqrt(head_dim)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = scores @ v.transpose(1, 0, 2)  # (S, Hkv, hd) -> (Hkv, S, hd); out (Hkv, group, hd)
+    return out.reshape(-1)  # (Hkv, group, hd) -> (H*hd,)

@@ -1,0 +1,116 @@
+"""Load any supported model directory: the byte bigram or a Hugging Face Llama.
+
+``load_model`` reads ``config.json`` and dispatches: ``"tl_arch"`` present -> the bigram
+(DESIGN §2), ``"model_type": "llama"`` -> :class:`model.llama.Llama` with its
+``tokenizer.json`` and optional ``generation_config.json``. Everything is validated here, at
+start-up, so a bad directory fails the worker with a ``ValueError`` naming the file and field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from model.bigram import Bigram, default_model_dir
+from model.checkpoint import file_sha256
+from model.generate import BigramEngine
+from model.llama import CONFIG_NAME, Llama
+from model.llama_config import read_json_object, token_id_field, token_ids_field
+from model.llama_engine import LlamaEngine
+from model.tokenizer import ByteTokenizer, HFTokenizer
+
+TOKENIZER_NAME = "tokenizer.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """A validated model with its tokenizer, ready to serve.
+
+    Attributes:
+        model: The shared, read-only model (``Bigram`` or ``Llama``).
+        tokenizer: ``ByteTokenizer`` for the bigram, ``HFTokenizer`` for Llama.
+        engine_kind: ``"bigram"`` or ``"llama"``.
+        context_length: The most tokens (prompt + generated) per sequence; None for the
+            bigram, which has no context limit.
+        checksum: Lower-case hex SHA-256 naming the model version. Bigram: of
+            ``model.safetensors``. Llama: of the lines ``"<file name> <sha256>\\n"`` for the
+            config files, ``tokenizer.json`` and every weight file, in that order.
+        model_dir: The directory it was loaded from.
+    """
+
+    model: Bigram | Llama
+    tokenizer: ByteTokenizer | HFTokenizer
+    engine_kind: Literal["bigram", "llama"]
+    context_length: int | None
+    checksum: str
+    model_dir: Path
+
+    def make_engine(self) -> BigramEngine | LlamaEngine:
+        """Return the simple inline engine for this model (one sequence at a time)."""
+        if isinstance(self.model, Llama):
+            return LlamaEngine(self.model, self.tokenizer.eos_ids)
+        return BigramEngine(self.model)
+
+
+def load_model(model_dir: str | os.PathLike | None = None) -> LoadedModel:
+    """Load and validate a model directory of any supported kind.
+
+    Args:
+        model_dir: The directory; None means the packaged default bigram.
+
+    Returns:
+        The loaded model.
+
+    Raises:
+        ValueError: If ``config.json`` is missing or names no supported architecture, or the
+            directory is invalid for its architecture; the message names the file and field.
+    """
+    directory = default_model_dir() if model_dir is None else Path(model_dir)
+    config_path = directory / CONFIG_NAME
+    config = read_json_object(config_path)
+    if "tl_arch" in config:
+        bigram = Bigram.load(directory)
+        return LoadedModel(bigram, ByteTokenizer(), "bigram", None, bigram.checksum, directory)
+    if "model_type" in config:
+        return _load_llama(directory)
+    raise ValueError(
+        f"{config_path}: names no architecture: needs 'tl_arch' (bigram) or 'model_type' (llama)"
+    )
+
+
+def _load_llama(directory: Path) -> LoadedModel:
+    """Load a Hugging Face Llama directory with its tokenizer and generation config."""
+    model, weight_files = Llama.load_with_files(directory)
+    config = model.config
+    gen_path = directory / GENERATION_CONFIG_NAME
+    gen = read_json_object(gen_path) if gen_path.is_file() else {}
+    bos_id = config.bos_id
+    if bos_id is None:
+        bos_id = token_id_field(gen, "bos_token_id", str(gen_path))
+    eos_ids = config.eos_ids | token_ids_field(gen, "eos_token_id", str(gen_path))
+    for token_id in eos_ids | ({bos_id} - {None}):
+        if token_id >= config.vocab_size:
+            raise ValueError(
+                f"{gen_path}: token id {token_id} is outside vocab_size={config.vocab_size}"
+            )
+    tokenizer_path = directory / TOKENIZER_NAME
+    if not tokenizer_path.is_file():
+        raise ValueError(f"{directory}: missing {TOKENIZER_NAME}")
+    tokenizer = HFTokenizer.from_file(tokenizer_path, bos_id, eos_ids, config.vocab_size)
+    files = [directory / CONFIG_NAME]
+    if gen_path.is_file():
+        files.append(gen_path)
+    files += [tokenizer_path, *weight_files]
+    return LoadedModel(
+        model, tokenizer, "llama", config.max_seq_len, _files_checksum(files), directory
+    )
+
+
+def _files_checksum(files: list[Path]) -> str:
+    """Return the SHA-256 of ``"<name> <sha256 of the file>\\n"`` for each file, in order."""
+    lines = "".join(f"{path.name} {file_sha256(path)}\n" for path in files)
+    return hashlib.sha256(lines.encode("utf-8")).hexdigest()

@@ -1,0 +1,101 @@
+"""Structured logs: one JSON object per line, for gunicorn's own messages and the app's alike.
+
+The formatter is ``python-json-logger``'s, configured so every line starts with ``time`` (ISO 8601 UTC,
+milliseconds), ``level``, ``logger``, ``pid`` and ``message``, followed by the record's ``extra`` fields
+(``request_id``, ``trace_id``, ``status``, …). ``logging_config()`` is the ``logconfig_dict`` that
+``gunicorn.conf.py`` hands to gunicorn, so its master and workers log in the same shape.
+
+Source: python-json-logger documentation (``pythonjsonlogger.json.JsonFormatter``); Python
+``logging.config`` dictionary schema; gunicorn settings, ``logconfig_dict``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+from pythonjsonlogger.json import JsonFormatter as _JsonFormatter
+
+__all__ = ["CLIENT_HASH_HEX", "JsonFormatter", "client_hash", "logging_config"]
+
+CLIENT_HASH_HEX = (
+    16  # hex characters kept of the salted SHA-256: 64 bits, enough to tell clients apart
+)
+
+
+class JsonFormatter(_JsonFormatter):
+    """Format a record as one JSON line: ``time``, ``level``, ``logger``, ``pid``, ``message``, extras.
+
+    Exceptions appear as ``exc_info`` (the formatted traceback). Non-ASCII text is written as is.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(
+            ["levelname", "name", "process", "message"],
+            rename_fields={"levelname": "level", "name": "logger", "process": "pid"},
+            json_ensure_ascii=False,
+        )
+
+    def add_fields(
+        self, log_data: dict[str, Any], record: logging.LogRecord, message_dict: dict[str, Any]
+    ) -> None:
+        """Put ``time`` first, then the library's fields (see the class docstring)."""
+        stamp = datetime.fromtimestamp(record.created, tz=UTC)
+        log_data["time"] = stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        super().add_fields(log_data, record, message_dict)
+
+
+def client_hash(salt: str, peer: str | None) -> str:
+    """Return the salted, truncated SHA-256 of a client's address, safe to log.
+
+    Args:
+        salt: ``CLIENT_HASH_SALT`` (the same in every worker of a server).
+        peer: the client's address (``REMOTE_ADDR``), or None when unknown (hashed as "").
+
+    Returns:
+        ``CLIENT_HASH_HEX`` lower-case hex characters of ``sha256(salt + peer)``.
+    """
+    digest = hashlib.sha256((salt + (peer or "")).encode("utf-8")).hexdigest()
+    return digest[:CLIENT_HASH_HEX]
+
+
+def logging_config(level: str) -> dict[str, Any]:
+    """Return the ``logging.config.dictConfig`` schema for gunicorn's ``logconfig_dict``.
+
+    Everything goes to stderr as JSON lines: the root logger, ``gunicorn.error`` and the app's
+    ``greenserve.*`` loggers. ``gunicorn.access`` only passes warnings: a ``logconfig_dict`` turns
+    gunicorn's access log on, and the app already writes one richer line per request.
+
+    Args:
+        level: a level name (``debug``, ``info``, ``warning``, ``error``, ``critical``; any case).
+
+    Raises:
+        ValueError: ``level`` is not a logging level name.
+    """
+    name = level.upper()
+    if not isinstance(logging.getLevelName(name), int):
+        raise ValueError(f"LOG_LEVEL must be a logging level name, got {level!r}")
+
+    def logger(lvl: str) -> dict[str, Any]:
+        return {"level": lvl, "handlers": ["stderr"], "propagate": False}
+
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"json": {"()": "telemetry.logs.JsonFormatter"}},
+        "handlers": {
+            "stderr": {
+                "class": "logging.StreamHandler",
+                "formatter": "json",
+                "stream": "ext://sys.stderr",
+            }
+        },
+        "root": {"level": name, "handlers": ["stderr"]},
+        "loggers": {
+            "gunicorn.error": logger(name),
+            "gunicorn.access": logger("WARNING"),
+            "greenserve": logger(name),
+        },
+    }

@@ -1,0 +1,320 @@
+"""Prometheus metrics of one worker, summed over all workers when scraped.
+
+``Metrics.create(registry)`` makes the metric objects (never at import: module-level metrics break
+multiprocess mode and tests). Under gunicorn, ``PROMETHEUS_MULTIPROC_DIR`` is set before any worker
+imports ``prometheus_client``, so every value lives in a per-process memory-mapped file; ``render()``
+merges the files of all workers (counters and histograms summed, gauges ``livesum``: only live
+workers count, because the master's ``child_exit`` hook calls ``mark_process_dead``).
+
+Source: prometheus/client_python, "Multiprocess Mode (E.g. Gunicorn)"; Prometheus naming
+conventions (base units, ``_total`` and ``_seconds`` suffixes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from telemetry.quantiles import histogram_quantile
+
+__all__ = [
+    "E2E_BUCKETS",
+    "ITL_BUCKETS",
+    "QUEUE_BUCKETS",
+    "TTFT_BUCKETS",
+    "Metrics",
+    "add_bucket_counts",
+    "render",
+    "scrape_registry",
+    "summarize",
+]
+
+# Upper bounds in seconds. The bigram makes a token in ~10 us, a Llama step takes tens of ms: the
+# inter-token buckets span both.
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (
+    0.00001,
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
+E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+QUEUE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
+SPAN_RESULTS = ("sent", "dropped", "failed")
+_QUANTILES = (0.5, 0.9, 0.99)
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """The worker's metric objects (names as exposed).
+
+    Attributes:
+        requests: ``greenserve_requests_total{status,finish_reason}``, completion requests answered.
+        prompt_tokens: ``greenserve_prompt_tokens_total``, prompt tokens of requests that got a slot.
+        generation_tokens: ``greenserve_generation_tokens_total``, tokens generated.
+        ttft: ``greenserve_time_to_first_token_seconds``, arrival to first generated token.
+        itl: ``greenserve_inter_token_latency_seconds``, gap between consecutive tokens of a request.
+        e2e: ``greenserve_e2e_request_latency_seconds``, arrival to last byte, admitted requests.
+        queue_wait: ``greenserve_queue_wait_seconds``, arrival to slot (or to giving up waiting).
+        running: ``greenserve_requests_running``, generation slots in use (livesum over workers).
+        queued: ``greenserve_requests_queued``, requests waiting for a slot (livesum over workers).
+        spans: ``greenserve_exported_spans_total{result}``, spans ``sent``/``dropped``/``failed``.
+    """
+
+    requests: Counter
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queue_wait: Histogram
+    running: Gauge
+    queued: Gauge
+    spans: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None) -> Metrics:
+        """Make every metric, registered in ``registry`` (None: registered nowhere).
+
+        In multiprocess mode the values go to the worker's files whatever the registry; scrape with
+        :func:`render`, which reads the files, never ``registry``.
+
+        Raises:
+            ValueError: a metric of the same name is already in ``registry``.
+        """
+        r = registry
+        m = cls(
+            requests=Counter(
+                "greenserve_requests",
+                "Completion requests answered, by HTTP status and finish reason.",
+                ["status", "finish_reason"],
+                registry=r,
+            ),
+            prompt_tokens=Counter(
+                "greenserve_prompt_tokens", "Prompt tokens of requests that got a slot.", registry=r
+            ),
+            generation_tokens=Counter(
+                "greenserve_generation_tokens", "Tokens generated, over all choices.", registry=r
+            ),
+            ttft=Histogram(
+                "greenserve_time_to_first_token_seconds",
+                "Seconds from arrival to the first generated token.",
+                buckets=TTFT_BUCKETS,
+                registry=r,
+            ),
+            itl=Histogram(
+                "greenserve_inter_token_latency_seconds",
+                "Seconds between consecutive generated tokens of one request.",
+                buckets=ITL_BUCKETS,
+                registry=r,
+            ),
+            e2e=Histogram(
+                "greenserve_e2e_request_latency_seconds",
+                "Seconds from arrival to the end of the answer, for admitted requests.",
+                buckets=E2E_BUCKETS,
+                registry=r,
+            ),
+            queue_wait=Histogram(
+                "greenserve_queue_wait_seconds",
+                "Seconds from arrival to a generation slot (or to leaving the queue without one).",
+                buckets=QUEUE_BUCKETS,
+                registry=r,
+            ),
+            running=Gauge(
+                "greenserve_requests_running",
+                "Generation slots in use.",
+                multiprocess_mode="livesum",
+                registry=r,
+            ),
+            queued=Gauge(
+                "greenserve_requests_queued",
+                "Requests waiting for a generation slot.",
+                multiprocess_mode="livesum",
+                registry=r,
+            ),
+            spans=Counter(
+                "greenserve_exported_spans",
+                "Spans handed to the OTLP exporter, by result: sent, dropped, failed.",
+                ["result"],
+                registry=r,
+            ),
+        )
+        for result in SPAN_RESULTS:  # present from the start, at 0
+            m.spans.labels(result=result)
+        m.set_load(0, 0)
+        return m
+
+    def observe_request(
+        self,
+        *,
+        status: int,
+        finish_reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        ttft_s: float | None,
+        e2e_s: float | None,
+        queue_wait_s: float | None,
+        itl_counts: Sequence[int] = (),
+        itl_sum_s: float = 0.0,
+    ) -> None:
+        """Record one finished completion request.
+
+        Args:
+            status: the HTTP status sent.
+            finish_reason: the request's finish reason label (``length``, ``stop``, ``error``, …).
+            prompt_tokens: prompt tokens counted (0 when the request never got a slot).
+            completion_tokens: tokens generated over all choices.
+            ttft_s: seconds to the first token, or None when no token was generated.
+            e2e_s: seconds from arrival to the end, or None when not admitted.
+            queue_wait_s: seconds spent waiting for a slot, or None when not admitted.
+            itl_counts: inter-token gaps per bucket of ``ITL_BUCKETS`` (+Inf last), or empty.
+            itl_sum_s: the sum of those gaps, seconds.
+        """
+        self.requests.labels(status=str(status), finish_reason=finish_reason).inc()
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
+        if completion_tokens:
+            self.generation_tokens.inc(completion_tokens)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if e2e_s is not None:
+            self.e2e.observe(e2e_s)
+        if queue_wait_s is not None:
+            self.queue_wait.observe(queue_wait_s)
+        if itl_counts:
+            add_bucket_counts(self.itl, itl_counts, itl_sum_s)
+
+    def set_load(self, running: int, queued: int) -> None:
+        """Set this worker's running and queued request gauges."""
+        self.running.set(running)
+        self.queued.set(queued)
+
+    def on_span_result(self, kind: str, n: int) -> None:
+        """Count ``n`` spans with result ``kind`` (the ``SpanExporter.on_result`` hook)."""
+        self.spans.labels(result=kind).inc(n)
+
+
+def add_bucket_counts(histogram: Histogram, counts: Sequence[int], total: float) -> None:
+    """Add many observations at once, given per-bucket counts and their sum.
+
+    Equivalent to calling ``observe()`` once per observation, at one write per bucket instead of two
+    per observation: a 4096-token stream adds its gaps for the cost of a few ``observe()`` calls.
+    Relies on ``Histogram._buckets`` (per-bucket, non-cumulative values) and ``_sum``, which
+    ``observe()`` itself updates; ``tests/test_metrics.py`` checks the equivalence.
+
+    Args:
+        histogram: an unlabelled histogram (or one labelled child).
+        counts: observations per bucket, one entry per bucket including ``+Inf``.
+        total: the sum of the observations.
+
+    Raises:
+        ValueError: ``counts`` has the wrong length.
+    """
+    buckets = histogram._buckets
+    if len(counts) != len(buckets):
+        raise ValueError(f"counts: expected {len(buckets)} entries, got {len(counts)}")
+    for value, n in zip(buckets, counts, strict=True):
+        if n:
+            value.inc(n)
+    histogram._sum.inc(total)
+
+
+def scrape_registry(registry: CollectorRegistry, multiproc_dir: str | None) -> CollectorRegistry:
+    """Return the registry to read: every worker's files in multiprocess mode, else ``registry``."""
+    if not multiproc_dir:
+        return registry
+    merged = CollectorRegistry()
+    MultiProcessCollector(merged, path=multiproc_dir)
+    return merged
+
+
+def render(registry: CollectorRegistry, multiproc_dir: str | None) -> tuple[bytes, str]:
+    """Return the Prometheus text exposition of all workers and its content type."""
+    return generate_latest(scrape_registry(registry, multiproc_dir)), CONTENT_TYPE_LATEST
+
+
+def _samples(registry: CollectorRegistry) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def _latency(samples: dict[str, list[Any]], name: str) -> dict[str, float | int | None]:
+    buckets: dict[float, float] = {}
+    for s in samples.get(name + "_bucket", []):
+        le = math.inf if s.labels["le"] == "+Inf" else float(s.labels["le"])
+        buckets[le] = buckets.get(le, 0.0) + s.value
+    count = int(sum(s.value for s in samples.get(name + "_count", [])))
+    total = sum(s.value for s in samples.get(name + "_sum", []))
+    out: dict[str, float | int | None] = {"count": count, "mean": total / count if count else None}
+    for q in _QUANTILES:
+        value = histogram_quantile(q, buckets.items())
+        out[f"p{round(q * 100)}"] = value
+    return out
+
+
+def summarize(registry: CollectorRegistry) -> dict[str, Any]:
+    """Read totals, load and latency quantiles (interpolated in buckets) from a scrape registry.
+
+    Returns:
+        ``{"requests", "failed", "by_status", "prompt_tokens", "generation_tokens", "running",
+        "queued", "spans", "latency"}``; ``failed`` counts 5xx answers and streams that ended with an
+        error event (``finish_reason="error"``); ``latency`` maps ``ttft``, ``itl``, ``e2e`` and
+        ``queue_wait`` to ``count``, ``mean``, ``p50``, ``p90``, ``p99`` in seconds (None when empty).
+    """
+    samples = _samples(registry)
+    by_status: dict[str, int] = {}
+    failed = 0
+    for s in samples.get("greenserve_requests_total", []):
+        n = int(s.value)
+        by_status[s.labels["status"]] = by_status.get(s.labels["status"], 0) + n
+        if s.labels["status"].startswith("5") or s.labels["finish_reason"] == "error":
+            failed += n
+
+    def total(name: str) -> int:
+        return int(sum(s.value for s in samples.get(name, [])))
+
+    spans = {r: 0 for r in SPAN_RESULTS}
+    for s in samples.get("greenserve_exported_spans_total", []):
+        spans[s.labels["result"]] = spans.get(s.labels["result"], 0) + int(s.value)
+    return {
+        "requests": sum(by_status.values()),
+        "failed": failed,
+        "by_status": dict(sorted(by_status.items())),
+        "prompt_tokens": total("greenserve_prompt_tokens_total"),
+        "generation_tokens": total("greenserve_generation_tokens_total"),
+        "running": total("greenserve_requests_running"),
+        "queued": total("greenserve_requests_queued"),
+        "spans": spans,
+        "latency": {
+            "ttft": _latency(samples, "greenserve_time_to_first_token_seconds"),
+            "itl": _latency(samples, "greenserve_inter_token_latency_seconds"),
+            "e2e": _latency(samples, "greenserve_e2e_request_latency_seconds"),
+            "queue_wait": _latency(samples, "greenserve_queue_wait_seconds"),
+        },
+    }

@@ -1,0 +1,122 @@
+"""In-memory per-minute aggregates of one worker's finished requests, waiting for the next flush.
+
+``HistoryRecorder.observe`` is a few dict updates per request; ``telemetry.flusher.Flusher`` moves the
+sums into the SQLite store (``telemetry.history``) every ``STATS_FLUSH_S`` seconds. Time comes from an
+injectable ``clock`` (Unix seconds), so tests can step through minutes and days.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from telemetry.quantiles import bucket_index
+
+__all__ = ["COLUMNS", "LATENCY_BUCKETS", "Batch", "HistoryRecorder"]
+
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+COLUMNS = (
+    "requests",
+    "failed",
+    "slow_ttft",
+    "bad",
+    "prompt_tokens",
+    "completion_tokens",
+    "ttft_count",
+    "ttft_sum_s",
+    "e2e_count",
+    "e2e_sum_s",
+)
+
+
+@dataclass
+class Batch:
+    """Per-minute sums not yet written: ``rows[minute][column]`` and ``buckets[(minute, metric, le)]``."""
+
+    rows: dict[int, dict[str, float]] = field(default_factory=dict)
+    buckets: dict[tuple[int, str, float], int] = field(default_factory=dict)
+
+    def merge(self, other: Batch) -> None:
+        """Add ``other``'s sums to this batch."""
+        for minute, row in other.rows.items():
+            mine = self.rows.setdefault(minute, dict.fromkeys(COLUMNS, 0))
+            for c, v in row.items():
+                mine[c] += v
+        for key, n in other.buckets.items():
+            self.buckets[key] = self.buckets.get(key, 0) + n
+
+
+class HistoryRecorder:
+    """Aggregate finished requests per minute in memory until the next flush.
+
+    Args:
+        clock: returns Unix time in seconds (``time.time``; a fake in tests).
+        slo_ttft_s: a request whose first token came later than this is ``slow_ttft`` (``SLO_TTFT_S``).
+    """
+
+    def __init__(self, clock: Callable[[], float], slo_ttft_s: float) -> None:
+        self.clock = clock
+        self.slo_ttft_s = slo_ttft_s
+        self._batch = Batch()
+
+    def observe(
+        self,
+        *,
+        failed: bool,
+        ttft_s: float | None,
+        e2e_s: float | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
+        """Count one finished request in the current minute.
+
+        Args:
+            failed: a 5xx, or an error after the first byte.
+            ttft_s: seconds to the first token, or None.
+            e2e_s: seconds from arrival to the end, or None when it was never admitted.
+            prompt_tokens, completion_tokens: usage counts.
+        """
+        minute = int(self.clock() // 60)
+        row = self._batch.rows.get(minute)
+        if row is None:
+            row = self._batch.rows[minute] = dict.fromkeys(COLUMNS, 0)
+        slow = ttft_s is not None and ttft_s > self.slo_ttft_s
+        row["requests"] += 1
+        row["failed"] += failed
+        row["slow_ttft"] += slow
+        row["bad"] += failed or slow
+        row["prompt_tokens"] += prompt_tokens
+        row["completion_tokens"] += completion_tokens
+        for metric, value in (("ttft", ttft_s), ("e2e", e2e_s)):
+            if value is None:
+                continue
+            row[f"{metric}_count"] += 1
+            row[f"{metric}_sum_s"] += value
+            i = bucket_index(LATENCY_BUCKETS, value)
+            le = LATENCY_BUCKETS[i] if i < len(LATENCY_BUCKETS) else float("inf")
+            key = (minute, metric, le)
+            self._batch.buckets[key] = self._batch.buckets.get(key, 0) + 1
+
+    def drain(self) -> Batch:
+        """Return everything counted since the last drain and start afresh."""
+        batch, self._batch = self._batch, Batch()
+        return batch
+
+    def restore(self, batch: Batch) -> None:
+        """Put back a batch that could not be written (it is retried at the next flush)."""
+        self._batch.merge(batch)

@@ -1,0 +1,129 @@
+"""Check real HTTP answers against the OpenAPI document (``wsgi_app/openapi.json``).
+
+Each answer is looked up by (path template, method, status): its required headers must be there and match
+their schemas, its ``Content-Type`` must be one the document lists, and its body must validate: a JSON
+body against the media type's schema, an event stream event by event (each event as
+``{"data", "event", "id"?, "retry"?}``, OpenAPI 3.2's reading of ``text/event-stream``) and each JSON
+``data`` against the ``contentSchema`` it declares.
+
+Source: OpenAPI Specification 3.1.0 and 3.2.0 (sequential media types); JSON Schema 2020-12.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+BASE = "urn:greenserve:openapi"
+
+
+def _escape(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+def parse_events(body: bytes) -> list[dict[str, Any]]:
+    """Parse an event stream the way ``EventSource`` does (ids carry over; blocks without data skipped)."""
+    events, fields, data, last_id = [], {}, [], None
+    for line in body.decode().split("\n"):
+        if line == "":
+            if data:
+                event = {"data": "\n".join(data), "event": fields.get("event", "message")}
+                if last_id is not None:
+                    event["id"] = last_id
+                if "retry" in fields:
+                    event["retry"] = int(fields["retry"])
+                events.append(event)
+            fields, data = {}, []
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "data":
+            data.append(value)
+        elif name == "id":
+            last_id = value
+        else:
+            fields[name] = value
+    return events
+
+
+class Contract:
+    """The OpenAPI document, with a JSON Schema registry that resolves its internal ``$ref``\\ s."""
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.doc = doc
+        resource = Resource.from_contents(doc, default_specification=DRAFT202012)
+        self.registry = Registry().with_resource(BASE, resource)
+
+    def validator(self, pointer: str) -> Draft202012Validator:
+        """A validator for the schema at JSON pointer ``pointer`` of the document."""
+        return Draft202012Validator({"$ref": f"{BASE}#{pointer}"}, registry=self.registry)
+
+    def _resolve(self, pointer: str) -> tuple[str, dict[str, Any]]:
+        node: Any = self.doc
+        for token in pointer.lstrip("/").split("/"):
+            node = node[token.replace("~1", "/").replace("~0", "~")]
+        if "$ref" in node:
+            return self._resolve(node["$ref"].removeprefix("#"))
+        return pointer, node
+
+    def response(self, path: str, method: str, status: int) -> tuple[str, dict[str, Any]]:
+        """Return (pointer, response object) documented for ``method path`` answering ``status``.
+
+        Raises:
+            AssertionError: the document lists no such path, method or status.
+        """
+        paths = self.doc["paths"]
+        assert path in paths, f"{path} is not documented"
+        assert method.lower() in paths[path], f"{method} {path} is not documented"
+        responses = paths[path][method.lower()]["responses"]
+        assert str(status) in responses, f"{method} {path} does not document {status}"
+        return self._resolve(f"/paths/{_escape(path)}/{method.lower()}/responses/{status}")
+
+    def check(
+        self, path: str, method: str, status: int, headers: dict[str, str], body: bytes
+    ) -> int:
+        """Validate one answer (``headers`` with lower-case names); return how many values were checked.
+
+        Raises:
+            AssertionError, jsonschema.ValidationError: the answer breaks the document.
+        """
+        pointer, response = self.response(path, method, status)
+        checked = 0
+        for name in response.get("headers", {}):
+            hpointer, header = self._resolve(f"{pointer}/headers/{_escape(name)}")
+            value = headers.get(name.lower())
+            if header.get("required"):
+                assert value is not None, f"{status} lacks required header {name}"
+            if value is not None:
+                self.validator(f"{hpointer}/schema").validate(value)
+                checked += 1
+        content = response.get("content")
+        if not content:
+            assert body == b"", body[:80]
+            return checked
+        ctype = headers.get("content-type", "").split(";")[0].strip()
+        assert ctype in content, f"{status} answered {ctype!r}, documented: {list(content)}"
+        media = f"{pointer}/content/{_escape(ctype)}"
+        if ctype == "application/json":
+            self.validator(f"{media}/schema").validate(json.loads(body))
+            return checked + 1
+        if ctype == "text/plain":
+            self.validator(f"{media}/schema").validate(body.decode())
+            return checked + 1
+        assert ctype == "text/event-stream"
+        data_schema = content[ctype]["schema"]["properties"]["data"]["else"]
+        payload = self.validator(f"{media}/schema/properties/data/else/contentSchema")
+        assert data_schema["contentMediaType"] == "application/json"
+        events = parse_events(body)
+        for event in events:
+            self.validator(f"{media}/schema").validate(event)
+            if event["data"] != "[DONE]":
+                payload.validate(json.loads(event["data"]))
+        assert events and events[-1]["data"] == "[DONE]"
+        return checked + len(events)

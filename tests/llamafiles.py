@@ -1,0 +1,76 @@
+"""Build Llama model directories for tests: the committed tiny fixture and converted stories260K.
+
+Other test modules import these: ``from tests.llamafiles import write_tiny_llama``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from model.convert import convert_llama2c
+from model.llama2c import build_hf_tokenizer
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+TINY_DIR = FIXTURES / "tiny_llama"
+# The shared data folder sits next to the repository (../shared/data from the repo root).
+STORIES_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "stories260K"
+STORIES_FILES = ("stories260K.bin", "tok512.bin", "expected_greedy.json")
+
+
+def tiny_reference() -> tuple[list[list[int]], np.ndarray]:
+    """Return the fixture's two token sequences and HF's ``(2, 16, 300)`` float32 logits."""
+    tokens = json.loads((FIXTURES / "tiny_llama_tokens.json").read_text())
+    return tokens, np.load(FIXTURES / "tiny_llama_logits.npy")
+
+
+def tiny_pieces() -> list[bytes]:
+    """Return 300 llama2.c-style pieces: specials, 256 byte tokens, letters, space, merges."""
+    pieces = [b"<unk>", b"\n<s>\n", b"\n</s>\n"] + [b"<0x%02X>" % b for b in range(256)]
+    pieces += [bytes((c,)) for c in b" abcdefghijklmnopqrstuvwxyz"]
+    pieces += [b" t", b"he", b" the", b" a", b"in", b"er", b"on", b" s", b"an", b"re"]
+    pieces += [b"at", b"en", b"ed", b" w"]
+    assert len(pieces) == 300
+    return pieces
+
+
+def write_tiny_tokenizer(directory: Path) -> Path:
+    """Write a 300-token ``tokenizer.json``; earlier merges score higher, as in sentencepiece."""
+    pieces = tiny_pieces()
+    first_merge = 259 + 27
+    scores = [0.0] * first_merge + [-float(i) for i in range(len(pieces) - first_merge)]
+    path = directory / "tokenizer.json"
+    build_hf_tokenizer(pieces, scores).save(str(path))
+    return path
+
+
+def write_tiny_llama(directory: Path) -> Path:
+    """Copy the committed tiny Llama fixture into ``directory`` and add a tokenizer."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copyfile(TINY_DIR / name, directory / name)
+    write_tiny_tokenizer(directory)
+    return directory
+
+
+def stories_or_skip() -> Path:
+    """Return the shared stories260K folder, or skip the test when it is not there."""
+    missing = [name for name in STORIES_FILES if not (STORIES_DIR / name).is_file()]
+    if missing:
+        pytest.skip(f"shared data {STORIES_DIR} is absent (missing {', '.join(missing)})")
+    return STORIES_DIR
+
+
+def convert_stories(out: Path) -> Path:
+    """Convert the shared stories260K checkpoint and tokenizer into ``out``."""
+    src = stories_or_skip()
+    return convert_llama2c(src / "stories260K.bin", src / "tok512.bin", out)
+
+
+def expected_greedy() -> dict:
+    """Return the ``cases`` of the shared ``expected_greedy.json``."""
+    return json.loads((stories_or_skip() / "expected_greedy.json").read_text())["cases"]

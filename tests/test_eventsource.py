@@ -1,0 +1,266 @@
+"""The ``EventSource`` stream: ``GET /v1/completions?…`` with ids, ``retry:`` and resumption (DESIGN §7)."""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import urlencode
+
+import pytest
+from werkzeug.datastructures import MultiDict
+
+from wsgi_app.errors import ApiError
+from wsgi_app.eventsource import parse_last_event_id, query_body
+from wsgi_app.sse import EventIds
+
+SSE = {"Accept": "text/event-stream"}
+GREEDY = {"model": "m", "prompt": "a", "max_tokens": 3, "temperature": 0}
+
+
+def frames(body: bytes) -> list[dict[str, str]]:
+    """Split an event stream into frames of ``{field: value}`` (comment lines dropped)."""
+    assert body.endswith(b"\n\n"), body[-40:]
+    out = []
+    for block in body[:-2].decode().split("\n\n"):
+        fields = {}
+        for line in block.split("\n"):
+            if line.startswith(":"):
+                continue
+            name, _, value = line.partition(": ")
+            assert name not in fields, block
+            fields[name] = value
+        if fields:
+            out.append(fields)
+    return out
+
+
+def url(params: dict | list) -> str:
+    return "/v1/completions?" + urlencode(params)
+
+
+def texts(fs: list[dict[str, str]]) -> list[str]:
+    data = [f["data"] for f in fs if "data" in f]
+    return [json.loads(d)["choices"][0]["text"] for d in data if d != "[DONE]"]
+
+
+def test_worked_example_frames(succ_server):
+    status, headers, body = succ_server.get(url({**GREEDY, "seed": 5}), headers=SSE)
+    assert status == 200
+    assert headers["content-type"] == "text/event-stream"
+    assert headers["cache-control"] == "no-cache"
+    assert "content-length" not in headers
+    assert body.startswith(b"retry: 3000\n\nid: 5-0\ndata: {")
+    fs = frames(body)
+    assert fs[0] == {"retry": "3000"}
+    assert [f["id"] for f in fs[1:]] == ["5-0", "5-1", "5-2", "5-done"]
+    assert fs[-1]["data"] == "[DONE]"
+    chunks = [json.loads(f["data"]) for f in fs[1:-1]]
+    assert [c["choices"][0] for c in chunks] == [
+        {"index": 0, "text": "b", "logprobs": None, "finish_reason": None},
+        {"index": 0, "text": "c", "logprobs": None, "finish_reason": None},
+        {"index": 0, "text": "d", "logprobs": None, "finish_reason": "length"},
+    ]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+
+
+def test_get_stream_equals_post_stream(default_server):
+    params = {"model": "m", "prompt": "ROMEO:", "max_tokens": 40, "seed": 11, "temperature": 0.9}
+    _, _, got = default_server.get(url(params), headers=SSE)
+    _, _, posted = default_server.complete({**params, "stream": True})
+    post_texts = [
+        json.loads(p)["choices"][0]["text"]
+        for p in posted.split(b"\n\n")
+        if p.startswith(b"data: {")
+        for p in [p[len(b"data: ") :]]
+    ]
+    assert texts(frames(got)) == post_texts
+    assert len(post_texts) == 40
+
+
+def test_resume_after_an_event(succ_server):
+    status, _, body = succ_server.get(
+        url(GREEDY), headers={**SSE, "Last-Event-ID": "77-0"}
+    )  # no seed parameter: the id's seed is the stream's
+    assert status == 200
+    fs = frames(body)
+    assert fs[0] == {"retry": "3000"}
+    assert [f["id"] for f in fs[1:]] == ["77-1", "77-2", "77-done"]
+    assert texts(fs[1:]) == ["c", "d"]
+
+
+def test_resume_after_the_last_data_event_sends_only_done(succ_server):
+    _, _, body = succ_server.get(url(GREEDY), headers={**SSE, "Last-Event-ID": "9-2"})
+    assert frames(body) == [{"retry": "3000"}, {"id": "9-done", "data": "[DONE]"}]
+
+
+def test_reconnect_after_done_is_204(succ_server):
+    status, headers, body = succ_server.get(
+        url({**GREEDY, "seed": 9}), headers={**SSE, "Last-Event-ID": "9-done"}
+    )
+    assert (status, body) == (204, b"")
+    assert "content-type" not in headers
+    assert "x-request-id" in headers
+
+
+def test_without_seed_the_reported_seed_replays_the_stream(default_server):
+    params = {"model": "m", "prompt": "The ", "max_tokens": 30}
+    _, _, body = default_server.get(url(params), headers=SSE)
+    fs = frames(body)
+    seed = fs[1]["id"].split("-")[0]
+    assert [f["id"] for f in fs[1:]] == [f"{seed}-{i}" for i in range(30)] + [f"{seed}-done"]
+    _, _, again = default_server.get(url(params), headers={**SSE, "Last-Event-ID": f"{seed}-9"})
+    assert texts(frames(again)) == texts(fs)[10:]
+    _, _, seeded = default_server.get(url({**params, "seed": seed}), headers=SSE)
+    assert texts(frames(seeded)) == texts(fs)
+
+
+def test_n_choices_are_numbered_in_event_order(succ_server):
+    _, _, body = succ_server.get(url({**GREEDY, "n": 2, "max_tokens": 2, "seed": 3}), headers=SSE)
+    fs = frames(body)[1:-1]
+    assert [f["id"] for f in fs] == ["3-0", "3-1", "3-2", "3-3"]
+    assert [json.loads(f["data"])["choices"][0]["index"] for f in fs] == [0, 1, 0, 1]
+
+
+def test_query_values_follow_json_types(succ_server):
+    params = [("model", "m"), ("prompt", "a"), ("temperature", "0"), ("max_tokens", "")]
+    params += [("stop", "e"), ("stop", "zz"), ("seed", ""), ("echo", "true"), ("api_key", "k")]
+    _, _, body = succ_server.get(url(params), headers=SSE)
+    fs = frames(body)
+    assert "".join(texts(fs)) == "abcd"  # echo, then b c d before the stop string "e"
+    assert json.loads(fs[-2]["data"])["choices"][0]["finish_reason"] == "stop"
+
+
+BAD_QUERIES = [
+    (
+        {"max_tokens": "abc"},
+        "max_tokens",
+        "Query parameter 'max_tokens' must be a number, got 'abc'.",
+    ),
+    (
+        {"temperature": "nan"},
+        "temperature",
+        "Query parameter 'temperature' must be a number, got 'nan'.",
+    ),
+    ({"temperature": "inf"}, "temperature", None),
+    ({"top_k": "0x10"}, "top_k", None),
+    ({"max_tokens": "2.0"}, "max_tokens", "'max_tokens' must be an integer, got float."),
+    ({"max_tokens": "1" + "0" * 5000}, "max_tokens", None),
+    ({"seed": "-1"}, "seed", None),
+    ({"seed": str(2**64)}, "seed", None),
+    ({"temperature": "3"}, "temperature", None),
+    ({"echo": "yes"}, "echo", "Query parameter 'echo' must be true or false, got 'yes'."),
+    ({"prompt": ""}, "prompt", None),
+    ({"model": ""}, "model", None),
+    ({"stop": ""}, "stop", None),
+]
+
+
+@pytest.mark.parametrize(("change", "param", "message"), BAD_QUERIES)
+def test_bad_query_value_is_400_naming_it(succ_server, change, param, message):
+    status, _, body = succ_server.get(url({**GREEDY, **change}), headers=SSE)
+    assert status == 400, body
+    err = json.loads(body)["error"]
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, None)
+    if message is not None:
+        assert err["message"] == message
+
+
+def test_repeated_parameter_is_400(succ_server):
+    status, _, body = succ_server.get(
+        url([*GREEDY.items(), ("seed", "1"), ("seed", "2")]), headers=SSE
+    )
+    assert status == 400
+    assert json.loads(body)["error"]["message"] == "Query parameter 'seed' is given more than once."
+
+
+def test_missing_required_parameter_is_400(succ_server):
+    status, _, body = succ_server.get(url({"model": "m"}), headers=SSE)
+    assert status == 400
+    assert json.loads(body)["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize("value", ["abc", "5", "5-x", "-1", f"{2**64}-0", "5-done-1"])
+def test_malformed_last_event_id_is_400(succ_server, value):
+    status, _, body = succ_server.get(url(GREEDY), headers={**SSE, "Last-Event-ID": value})
+    assert status == 400
+    assert json.loads(body)["error"]["param"] == "Last-Event-ID"
+
+
+def test_last_event_id_of_another_seed_is_400(succ_server):
+    status, _, body = succ_server.get(
+        url({**GREEDY, "seed": 5}), headers={**SSE, "Last-Event-ID": "6-1"}
+    )
+    assert status == 400
+    assert json.loads(body)["error"]["message"] == "'Last-Event-ID' names another seed than 'seed'."
+
+
+@pytest.mark.parametrize("accept", [None, "*/*", "application/json", "text/event-stream;q=0"])
+def test_get_without_event_stream_accept_is_400(succ_server, accept):
+    headers = {} if accept is None else {"Accept": accept}
+    status, got, body = succ_server.get(url(GREEDY), headers=headers)
+    assert status == 400
+    assert got["content-type"] == "application/json"
+    assert json.loads(body)["error"] == {
+        "message": "GET /v1/completions is the EventSource stream: send 'Accept: "
+        "text/event-stream', or POST a JSON body for a JSON answer.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+
+
+def test_browser_accept_header_is_enough(succ_server):
+    # What Chrome's EventSource sends (with no other Accept entries).
+    headers = {"Accept": "text/event-stream", "Cache-Control": "no-cache"}
+    assert succ_server.get(url(GREEDY), headers=headers)[0] == 200
+
+
+def test_head_validates_and_sends_no_body(succ_server):
+    status, headers, body = succ_server.request("HEAD", url(GREEDY), headers=SSE)
+    assert (status, body, headers["content-type"]) == (200, b"", "text/event-stream")
+    assert succ_server.request("HEAD", url({"model": "m"}), headers=SSE)[0] == 400
+
+
+def test_api_key_is_accepted_and_never_logged(succ_server):
+    secret = "sk-eventsource-secret-4711"
+    status, _, _ = succ_server.get(url({**GREEDY, "api_key": secret}), headers=SSE)
+    assert status == 200
+    assert succ_server.get("/healthz")[0] == 200  # the request's log line is written by now
+    assert secret not in succ_server.log_text()
+
+
+# -- pure parts -----------------------------------------------------------------------------------
+
+
+def test_query_body_converts_by_field_type():
+    args = MultiDict(
+        [("model", "m"), ("prompt", "1"), ("max_tokens", "7"), ("temperature", "0.5")]
+        + [("top_p", "1e-1"), ("echo", "false"), ("stop", "x"), ("stop", "y"), ("n", "")]
+        + [("stream", "false"), ("api_key", "k"), ("unknown", "1")]
+    )
+    assert query_body(args) == {
+        "stream": True,
+        "model": "m",
+        "prompt": "1",
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.1,
+        "echo": False,
+        "stop": ["x", "y"],
+    }
+
+
+def test_parse_last_event_id():
+    assert parse_last_event_id(None) is None
+    assert parse_last_event_id("") is None
+    assert parse_last_event_id("42-0") == (42, 0)
+    assert parse_last_event_id(f"{2**64 - 1}-17") == (2**64 - 1, 17)
+    assert parse_last_event_id("42-done") == (42, None)
+    with pytest.raises(ApiError):
+        parse_last_event_id("42-")
+
+
+def test_event_ids_framing():
+    ids = EventIds(seed=8, retry_ms=1500, resume_after=1)
+    assert ids.opening() == b"retry: 1500\n\n"
+    assert [ids.frame(b"{}") for _ in range(3)] == [b"", b"", b"id: 8-2\ndata: {}\n\n"]
+    assert ids.done() == b"id: 8-done\ndata: [DONE]\n\n"

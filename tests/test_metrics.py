@@ -1,0 +1,342 @@
+"""Prometheus metrics (issue 7): exact counts summed over gunicorn workers, parseable exposition, no gauge
+left behind by a killed worker, span-export counters; plus the pure pieces (quantiles, bucket adds)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.parser import text_string_to_metric_families
+
+from telemetry.metrics import ITL_BUCKETS, Metrics, add_bucket_counts, render, summarize
+from telemetry.quantiles import bucket_index, cumulate, histogram_quantile
+from tests.collector import FakeCollector
+from tests.server import ROOT, EventReader, GunicornServer, sse_json
+
+BUCKETS = [(0.1, 2), (0.5, 6), (1.0, 8), (math.inf, 10)]
+
+
+# -- pure pieces ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("q", "expected"),
+    [(0.1, 0.05), (0.5, 0.4), (0.7, 0.75), (0.8, 1.0), (0.95, 1.0), (1.0, 1.0)],
+)
+def test_histogram_quantile_known_answers(q, expected):
+    # rank q*10; linear inside the bucket; the lowest bucket starts at 0; +Inf answers the top bound.
+    assert histogram_quantile(q, BUCKETS) == pytest.approx(expected, abs=1e-12)
+
+
+def test_histogram_quantile_edge_cases():
+    assert histogram_quantile(0.5, []) is None
+    assert histogram_quantile(0.5, [(1.0, 0), (math.inf, 0)]) is None
+    assert histogram_quantile(0.5, [(1.0, 3)]) is None  # no +Inf bucket
+    assert histogram_quantile(0.5, list(reversed(BUCKETS))) == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="q must be in 0..1"):
+        histogram_quantile(1.5, BUCKETS)
+
+
+def test_bucket_index_and_cumulate():
+    bounds = (0.1, 0.5, 1.0)
+    assert [bucket_index(bounds, v) for v in (0.0, 0.1, 0.10001, 0.5, 1.0, 7.0)] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        3,
+    ]
+    assert cumulate(bounds, [2, 4, 2, 2]) == BUCKETS
+    with pytest.raises(ValueError, match="expected 4 entries, got 3"):
+        cumulate(bounds, [1, 2, 3])
+
+
+def _samples(registry: CollectorRegistry) -> dict[tuple, float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in registry.collect()
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+def test_add_bucket_counts_equals_one_observe_per_value():
+    values = [0.000004, 0.00001, 0.00003, 0.0007, 0.0007, 0.2, 3.0, 0.01]
+    one, many = CollectorRegistry(), CollectorRegistry()
+    h1 = Histogram("itl_seconds", "x", buckets=ITL_BUCKETS, registry=one)
+    h2 = Histogram("itl_seconds", "x", buckets=ITL_BUCKETS, registry=many)
+    for v in values:
+        h1.observe(v)
+    counts = [0] * (len(ITL_BUCKETS) + 1)
+    for v in values:
+        counts[bucket_index(ITL_BUCKETS, v)] += 1
+    add_bucket_counts(h2, counts, sum(values))
+    assert _samples(one) == _samples(many)
+    assert _samples(many)[("itl_seconds_count", ())] == 8
+    with pytest.raises(ValueError, match="expected 16 entries"):
+        add_bucket_counts(h2, [1, 2], 0.0)
+
+
+def test_metrics_are_per_registry_and_summarize_exactly():
+    reg = CollectorRegistry()
+    m = Metrics.create(reg)
+    Metrics.create(CollectorRegistry())  # no module-level state: a second set is independent
+    with pytest.raises(ValueError):
+        Metrics.create(reg)  # the same names twice in one registry
+    m.observe_request(
+        status=200,
+        finish_reason="length",
+        prompt_tokens=3,
+        completion_tokens=5,
+        ttft_s=0.004,
+        e2e_s=0.02,
+        queue_wait_s=0.0,
+        itl_counts=[0] * 5 + [4] + [0] * 10,
+        itl_sum_s=0.001,
+    )
+    m.observe_request(
+        status=500,
+        finish_reason="error",
+        prompt_tokens=2,
+        completion_tokens=1,
+        ttft_s=0.004,
+        e2e_s=0.03,
+        queue_wait_s=0.5,
+    )
+    m.observe_request(
+        status=400,
+        finish_reason="none",
+        prompt_tokens=0,
+        completion_tokens=0,
+        ttft_s=None,
+        e2e_s=None,
+        queue_wait_s=None,
+    )
+    m.set_load(3, 1)
+    m.on_span_result("sent", 7)
+    m.on_span_result("dropped", 2)
+    s = summarize(reg)
+    assert (s["requests"], s["failed"], s["by_status"]) == (3, 1, {"200": 1, "400": 1, "500": 1})
+    assert (s["prompt_tokens"], s["generation_tokens"]) == (5, 6)
+    assert (s["running"], s["queued"]) == (3, 1)
+    assert s["spans"] == {"sent": 7, "dropped": 2, "failed": 0}
+    ttft = s["latency"]["ttft"]
+    assert ttft["count"] == 2 and ttft["mean"] == pytest.approx(0.004)
+    # Both in the (0.0025, 0.005] bucket: the median interpolates to its middle.
+    assert ttft["p50"] == pytest.approx(0.00375)
+    itl = s["latency"]["itl"]
+    assert itl["count"] == 4 and itl["p50"] == pytest.approx(0.000375)  # in (0.00025, 0.0005]
+    assert s["latency"]["queue_wait"]["count"] == 2
+    body, content_type = render(reg, None)
+    assert content_type.startswith("text/plain")
+    names = {f.name for f in text_string_to_metric_families(body.decode())}
+    assert {
+        "greenserve_requests",
+        "greenserve_requests_running",
+        "greenserve_exported_spans",
+    } <= names
+
+
+def test_telemetry_modules_import_no_flask_nor_app():
+    code = (
+        "import sys, telemetry.metrics, telemetry.logs, telemetry.history, telemetry.recorder, telemetry.flusher;"
+        "print(sorted(m for m in ('flask', 'wsgi_app', 'model', 'requests') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+# -- against a real gunicorn with two workers -------------------------------------------------------
+
+
+def scrape(srv: GunicornServer, port: int | None = None) -> dict[str, dict[tuple, float]]:
+    """Parse ``/metrics`` with prometheus_client's own parser: {family: {(sample, labels): value}}."""
+    status, headers, body = srv.get("/metrics", port=port)
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(body.decode()):
+        out[family.name] = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples
+        }
+    return out
+
+
+def value(metrics: dict, family: str, sample: str | None = None, **labels: str) -> float:
+    return metrics[family][(sample or family, tuple(sorted(labels.items())))]
+
+
+@pytest.fixture(scope="module")
+def two_workers(succ_dir, tmp_path_factory):
+    srv = GunicornServer(
+        tmp_path_factory.mktemp("metrics2"),
+        {"MODEL_DIR": str(succ_dir), "GREENSERVE_FAULTS": "slow_step_s=0.001"},
+        workers=2,
+    ).start()
+    yield srv
+    srv.stop()
+
+
+def wait_workers(srv: GunicornServer, n: int, timeout_s: float = 20.0) -> set[int]:
+    """Poll ``/debug/state`` until ``n`` different workers have answered (one may boot late)."""
+    pids: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(pids) < n:
+        assert time.monotonic() < deadline, pids
+        pids.add(json.loads(srv.get("/debug/state")[2])["pid"])
+    return pids
+
+
+def test_forty_requests_over_two_workers_count_exactly(two_workers):
+    srv = two_workers
+    wait_workers(srv, 2)  # both serve: the counts below are sums over two processes
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        body = {"model": "m", "prompt": "ab"[: 1 + i % 2], "max_tokens": 1 + i % 7}
+        if i % 3 == 0:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+            status, _, raw = srv.complete(body)
+            usage = sse_json(raw)[-1]["usage"]
+        else:
+            status, _, raw = srv.complete(body)
+            usage = json.loads(raw)["usage"]
+        assert status == 200
+        with lock:
+            results.append(usage)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 40
+    for port in (srv.port, srv.health_port):  # both ports answer with the sum of both workers
+        m = scrape(srv, port)
+        assert (
+            value(
+                m,
+                "greenserve_requests",
+                "greenserve_requests_total",
+                status="200",
+                finish_reason="length",
+            )
+            == 40
+        )
+        assert sum(m["greenserve_requests"].values()) == 40
+        assert value(
+            m, "greenserve_generation_tokens", "greenserve_generation_tokens_total"
+        ) == sum(u["completion_tokens"] for u in results)
+        assert value(m, "greenserve_prompt_tokens", "greenserve_prompt_tokens_total") == sum(
+            u["prompt_tokens"] for u in results
+        )
+        for hist in (
+            "greenserve_time_to_first_token_seconds",
+            "greenserve_e2e_request_latency_seconds",
+            "greenserve_queue_wait_seconds",
+        ):
+            assert value(m, hist, hist + "_count") == 40
+            assert value(m, hist, hist + "_bucket", le="+Inf") == 40
+        itl = "greenserve_inter_token_latency_seconds"
+        assert value(m, itl, itl + "_count") == sum(u["completion_tokens"] - 1 for u in results)
+        assert value(m, "greenserve_requests_running") == 0
+        assert value(m, "greenserve_requests_queued") == 0
+
+
+def master_children(master_pid: int) -> set[int]:
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == master_pid:
+                pids.add(int(entry))
+    return pids
+
+
+def test_killed_worker_leaves_no_running_gauge(succ_dir, tmp_path):
+    srv = GunicornServer(
+        tmp_path, {"MODEL_DIR": str(succ_dir), "GREENSERVE_FAULTS": "slow_step_s=0.02"}, workers=2
+    ).start()
+    readers = []
+    try:
+        body = {"model": "m", "prompt": "a", "max_tokens": 3000, "stream": True}
+        for _ in range(6):
+            r = EventReader(srv.port, body)
+            r.open()
+            assert r.next_frame() == b": ok\n"
+            readers.append(r)
+        assert value(scrape(srv), "greenserve_requests_running") == 6
+        # The worker that answers /debug/state while busy holds some of the streams: kill it.
+        deadline = time.monotonic() + 10
+        while True:
+            state = json.loads(srv.get("/debug/state")[2])
+            if state["slots"]["busy"] > 0:
+                break
+            assert time.monotonic() < deadline, "no busy worker answered"
+        victim = state["pid"]
+        assert victim in master_children(srv.proc.pid)
+        os.kill(victim, signal.SIGKILL)
+        for r in readers:
+            r.close()
+        # gunicorn respawns the worker; child_exit dropped its gauge file, the streams on the other
+        # worker ended with their readers: nothing is left running anywhere.
+        deadline = time.monotonic() + 20
+        while True:
+            m = scrape(srv)
+            children = master_children(srv.proc.pid)
+            if value(m, "greenserve_requests_running") == 0 and len(children) == 2:
+                break
+            assert time.monotonic() < deadline, m["greenserve_requests_running"]
+            time.sleep(0.1)
+        assert victim not in children
+        assert value(m, "greenserve_requests_queued") == 0
+        assert srv.complete({"model": "m", "prompt": "a", "max_tokens": 2})[0] == 200
+    finally:
+        for r in readers:
+            r.close()
+        srv.stop()
+
+
+def test_span_export_counters_match_the_collector(succ_dir, tmp_path):
+    # The first POST is refused with a non-retryable 400 (failed); later ones are accepted (sent).
+    with FakeCollector(statuses=[400]) as collector:
+        srv = GunicornServer(
+            tmp_path, {"MODEL_DIR": str(succ_dir), "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url}
+        ).start()
+        try:
+            assert srv.complete({"model": "m", "prompt": "a", "max_tokens": 2})[0] == 200
+            deadline = time.monotonic() + 20
+            while True:
+                m = scrape(srv)
+                got = {
+                    r: value(
+                        m, "greenserve_exported_spans", "greenserve_exported_spans_total", result=r
+                    )
+                    for r in ("sent", "dropped", "failed")
+                }
+                attempts = collector.attempts()
+                want = {
+                    "sent": sum(len(a.spans) for a in attempts if a.status == 200),
+                    "dropped": 0,
+                    "failed": sum(len(a.spans) for a in attempts if a.status == 400),
+                }
+                if got == want and want["sent"] >= 1 and want["failed"] >= 1:
+                    break
+                assert time.monotonic() < deadline, (got, want)
+                time.sleep(0.1)
+        finally:
+            srv.stop()

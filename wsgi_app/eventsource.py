@@ -1,0 +1,177 @@
+"""``GET /v1/completions?…``: the completion stream for browsers' ``EventSource`` (DESIGN §7).
+
+``EventSource`` can only GET and cannot send headers (besides ``Last-Event-ID``), so the request is the
+query string: each parameter is converted by its field's type and then validated exactly like a POST
+body (``protocol.parse_completion_request``). The answer is always a stream, framed by
+:class:`~wsgi_app.sse.EventIds`: ``retry:``, ``id: <seed>-<index>`` on every data event, ``[DONE]`` with
+``id: <seed>-done``. A reconnect sends ``Last-Event-ID``: the same seed regenerates the same stream, which
+resumes after that event, or the request gets a ``204`` (which stops the browser) when it names ``done``.
+
+Query values: numbers as in JSON (``0.5``, ``1e-3``; not ``nan``, ``inf`` or ``0x1``), booleans as
+``true``/``false``, ``stop`` repeatable (up to 4); an empty value for a number or boolean means "absent";
+every other parameter may appear once. Unknown parameters are ignored; ``api_key`` is for the API-key
+check and is never logged (logs and spans carry the path, not the query).
+
+A GET without ``Accept: text/event-stream`` is a 400: JSON answers come from ``POST``.
+
+Source: WHATWG HTML Living Standard, §9.2 "Server-sent events"; DESIGN §5 and §7.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from flask import Blueprint, Response, g, request
+from werkzeug.datastructures import MultiDict
+
+from wsgi_app.completions import STREAM_HEADERS, StreamBody, admit, random_seed
+from wsgi_app.errors import invalid
+from wsgi_app.lifecycle import RequestRecord
+from wsgi_app.protocol import SEED_LIMIT, parse_completion_request
+from wsgi_app.runtime import runtime
+from wsgi_app.sse import EventIds
+
+bp = Blueprint("eventsource", __name__)
+
+RETRY_MS = 3000  # EventSource's reconnection delay after a dropped stream, in milliseconds
+TEXT_PARAMS = ("model", "prompt", "user")
+NUMBER_PARAMS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "n",
+    "logprobs",
+)
+BOOLEAN_PARAMS = ("echo",)
+LIST_PARAMS = ("stop",)
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_EVENT_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,10}|done)")
+
+
+def _number(name: str, raw: str) -> int | float:
+    if _JSON_NUMBER.fullmatch(raw):
+        try:
+            # int for integer literals, float otherwise: the types a JSON body would have
+            return json.loads(raw)
+        except ValueError:  # an integer past Python's digit limit
+            pass
+    raise invalid(f"Query parameter '{name}' must be a number, got {raw[:40]!r}.", name)
+
+
+def _boolean(name: str, raw: str) -> bool:
+    if raw not in ("true", "false"):
+        raise invalid(f"Query parameter '{name}' must be true or false, got {raw[:40]!r}.", name)
+    return raw == "true"
+
+
+def query_body(args: MultiDict) -> dict[str, Any]:
+    """Convert a query string into the JSON body it stands for (``stream`` always true).
+
+    Args:
+        args: the parsed query string.
+
+    Returns:
+        A dict for :func:`~wsgi_app.protocol.parse_completion_request`.
+
+    Raises:
+        ApiError: 400 naming the parameter that repeats or does not convert to its field's type.
+    """
+    body: dict[str, Any] = {"stream": True}
+    for name in (*TEXT_PARAMS, *NUMBER_PARAMS, *BOOLEAN_PARAMS):
+        values = args.getlist(name)
+        if not values:
+            continue
+        if len(values) > 1:
+            raise invalid(f"Query parameter '{name}' is given more than once.", name)
+        raw = values[0]
+        if name in TEXT_PARAMS:
+            body[name] = raw
+        elif raw == "":
+            continue  # an empty form field: absent, as JSON null is
+        elif name in NUMBER_PARAMS:
+            body[name] = _number(name, raw)
+        else:
+            body[name] = _boolean(name, raw)
+    for name in LIST_PARAMS:
+        values = args.getlist(name)
+        if values:
+            body[name] = values
+    return body
+
+
+def parse_last_event_id(value: str | None) -> tuple[int, int | None] | None:
+    """Parse ``Last-Event-ID`` into ``(seed, index)``; ``index`` is None for the ``done`` event.
+
+    Returns:
+        None when the header is absent or empty (a fresh stream).
+
+    Raises:
+        ApiError: 400 when it is not an id this server sent (``<seed>-<index>`` or ``<seed>-done``).
+    """
+    if not value:
+        return None
+    match = _EVENT_ID.fullmatch(value.strip())
+    if match is None or int(match.group(1)) >= SEED_LIMIT:
+        raise invalid(
+            "'Last-Event-ID' must be an event id of this stream: <seed>-<index> or <seed>-done.",
+            "Last-Event-ID",
+        )
+    index = match.group(2)
+    return int(match.group(1)), None if index == "done" else int(index)
+
+
+def no_content() -> Response:
+    """Return an empty ``204`` (without the default ``Content-Type`` of a body it does not have)."""
+    response = Response(status=204)
+    del response.headers["Content-Type"]
+    return response
+
+
+def wants_event_stream() -> bool:
+    """True when the client named ``text/event-stream`` in ``Accept`` (as ``EventSource`` does)."""
+    return any(mime == "text/event-stream" and q > 0 for mime, q in request.accept_mimetypes)
+
+
+@bp.get("/v1/completions")
+def stream_completion() -> Response:
+    """Stream a completion to an ``EventSource``.
+
+    Raises:
+        ApiError: 400 without ``Accept: text/event-stream``, for an invalid parameter (naming it), for
+            a malformed ``Last-Event-ID`` or one whose seed contradicts ``seed``; 429 ``server_busy``;
+            503 when stopping.
+    """
+    if not wants_event_stream():
+        raise invalid(
+            "GET /v1/completions is the EventSource stream: send 'Accept: text/event-stream', "
+            "or POST a JSON body for a JSON answer.",
+            None,
+        )
+    rt = runtime()
+    settings = rt.settings
+    record: RequestRecord = g.record
+    req = parse_completion_request(
+        query_body(request.args), max_prompt_tokens=settings.max_prompt_tokens, max_n=settings.max_n
+    )
+    last = parse_last_event_id(request.headers.get("Last-Event-ID"))
+    if last is not None and req.seed is not None and last[0] != req.seed:
+        raise invalid("'Last-Event-ID' names another seed than 'seed'.", "Last-Event-ID")
+    if last is not None and last[1] is None:
+        return no_content()  # the stream had ended: 204 tells EventSource to stop
+    if req.seed is not None:
+        seed = req.seed
+    else:
+        seed = last[0] if last is not None else random_seed()
+    if request.method == "HEAD":  # headers only: no generation for a body nobody gets
+        return Response(content_type="text/event-stream", headers=STREAM_HEADERS)
+    framing = EventIds(seed, RETRY_MS, resume_after=-1 if last is None else last[1])
+    completion, ticket, pacer = admit(rt, req, record, seed, framing)
+    body = StreamBody(rt, completion, ticket, pacer, record)
+    return Response(body, content_type="text/event-stream", headers=STREAM_HEADERS)

@@ -1,0 +1,92 @@
+"""``GET /v1/models`` and ``GET /v1/models/{model}``: the one model this server serves.
+
+The served id is the model's ``config.json`` ``name`` when it is a non-empty string; otherwise
+``bigram`` for the packaged default model and the model directory's name for a ``MODEL_DIR`` (so
+``MODEL_DIR=my-model`` serves ``my-model``). Completions still accept any ``model`` string and echo it
+(DESIGN §5): the list tells clients what to send, it does not police them.
+
+Source: OpenAI API reference, "Models" (list, retrieve; the ``model`` object).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from flask import Blueprint, Response
+
+from model.bigram import default_model_dir
+from model.checkpoint import WEIGHTS_NAME
+from wsgi_app.errors import ApiError, json_bytes
+from wsgi_app.runtime import runtime
+
+bp = Blueprint("models", __name__)
+
+DEFAULT_MODEL_ID = "bigram"
+OWNER = "greenserve"
+
+
+def model_id(config: Mapping[str, Any], model_dir: Path, packaged: bool) -> str:
+    """Return the id the server lists its model under.
+
+    Args:
+        config: the model's ``config.json``.
+        model_dir: the directory the model was loaded from.
+        packaged: True for the default model shipped with the ``model`` package.
+    """
+    name = config.get("name")
+    if isinstance(name, str) and name.strip():
+        return name.strip()
+    if packaged:
+        return DEFAULT_MODEL_ID
+    return Path(model_dir).resolve().name or DEFAULT_MODEL_ID
+
+
+def model_card(model: Any) -> dict[str, Any]:
+    """Return the OpenAI ``model`` object of a loaded model.
+
+    ``created`` is the checkpoint file's modification time (Unix seconds): the same in every worker.
+    """
+    directory = Path(model.model_dir)
+    packaged = directory.resolve() == Path(str(default_model_dir())).resolve()
+    try:
+        created = int(os.stat(directory / WEIGHTS_NAME).st_mtime)
+    except OSError:  # the file went away after loading: the model in memory still serves
+        created = 0
+    return {
+        "id": model_id(model.config, directory, packaged),
+        "object": "model",
+        "created": created,
+        "owned_by": OWNER,
+    }
+
+
+def _json(obj: object) -> Response:
+    return Response(json_bytes(obj), content_type="application/json")
+
+
+@bp.get("/v1/models")
+def list_models() -> Response:
+    """List the served models: ``{"object":"list","data":[<model>]}``."""
+    return _json({"object": "list", "data": [model_card(runtime().model)]})
+
+
+@bp.get("/v1/models/<path:model>")
+def retrieve_model(model: str) -> Response:
+    """Describe one model.
+
+    Raises:
+        ApiError: 404 ``model_not_found`` when ``model`` is not the served id.
+    """
+    card = model_card(runtime().model)
+    if model != card["id"]:
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{card['id']}'.",
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+    return _json(card)

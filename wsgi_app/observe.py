@@ -1,0 +1,275 @@
+"""What the server tells operators about each finished request: the JSON log line, the Prometheus
+metrics and the per-minute history.
+
+Called once per request from ``lifecycle.finish`` (after the last byte, on the request's greenlet). The
+per-token work during generation is one ``perf_counter`` append (``Pacer``); everything derived from the
+token times (inter-token gaps, their percentiles and histogram buckets) is computed here, with numpy, once.
+Nothing here raises into the request: a telemetry failure is logged and forgotten.
+
+Source: DESIGN §7 (one JSON log line per request; slow requests log their timeline); issue 7.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from telemetry.flusher import Flusher
+from telemetry.history import HistoryStore
+from telemetry.recorder import HistoryRecorder
+from telemetry.metrics import ITL_BUCKETS, Metrics
+
+__all__ = [
+    "API_ROUTES",
+    "Gaps",
+    "Observer",
+    "build_observer",
+    "finish_reason",
+    "is_failed",
+    "log_request",
+    "summarize",
+]
+
+access_log = logging.getLogger("greenserve.access")
+slow_log = logging.getLogger("greenserve.slow")
+
+# Generation routes: counted in metrics and history. Probes and scrapes only get a debug log line.
+API_ROUTES = frozenset({"/v1/completions"})
+QUIET_ROUTES = frozenset({"/health", "/healthz", "/ready", "/metrics", "/stats", "/stats/history"})
+_ITL_BOUNDS = np.asarray(ITL_BUCKETS, dtype=np.float64)
+_TOP_GAPS = 3  # the longest stalls a slow request's timeline shows
+
+
+@dataclass(frozen=True)
+class Gaps:
+    """The inter-token gaps of one request, reduced.
+
+    Attributes:
+        p50_s, p95_s: linear-interpolated percentiles of the gaps, seconds.
+        counts: gaps per bucket of ``telemetry.metrics.ITL_BUCKETS`` (+Inf last).
+        sum_s: the sum of the gaps, seconds.
+        top: the longest gaps as ``(token index, seconds)``, longest first (the gap ends at that token).
+    """
+
+    p50_s: float
+    p95_s: float
+    counts: list[int]
+    sum_s: float
+    top: list[tuple[int, float]]
+
+
+def summarize(token_times: Any) -> Gaps | None:
+    """Reduce the per-token ``perf_counter`` stamps of a request; None with fewer than two tokens.
+
+    Args:
+        token_times: ``(n,) float64`` stamps in seconds (an ``array('d')`` or anything numpy reads).
+    """
+    times = np.frombuffer(token_times, dtype=np.float64) if len(token_times) else None
+    if times is None or times.size < 2:
+        return None
+    gaps = np.diff(times)  # (n-1,) float64, seconds
+    p50, p95 = np.percentile(gaps, [50.0, 95.0])
+    # side="left": a gap equal to a bound belongs to that bucket, as in Prometheus (le = "<=").
+    counts = np.bincount(
+        np.searchsorted(_ITL_BOUNDS, gaps, side="left"), minlength=len(ITL_BUCKETS) + 1
+    )
+    k = min(_TOP_GAPS, gaps.size)
+    # The k longest in O(n) (a full sort of a 32k-token request costs milliseconds), then ordered:
+    # longest first, the earlier token first among equals.
+    top = np.argpartition(gaps, gaps.size - k)[gaps.size - k :]
+    top = sorted(top.tolist(), key=lambda i: (-gaps[i], i))
+    return Gaps(
+        p50_s=float(p50),
+        p95_s=float(p95),
+        counts=[int(c) for c in counts],
+        sum_s=float(gaps.sum()),
+        top=[(i + 1, round(float(gaps[i]), 6)) for i in top],
+    )
+
+
+def is_failed(record: Any) -> bool:
+    """True for a 5xx, or an error after the first byte (not a client that went away: 499)."""
+    return record.status >= 500 or (record.error is not None and record.status != 499)
+
+
+def finish_reason(record: Any) -> str:
+    """The request's finish reason label: ``error`` (failed), ``none`` (nothing generated, e.g. a 4xx),
+    ``abort`` (a choice never finished: the client left), else the choices' reasons, sorted and
+    comma-joined (``length``, ``stop``, ``length,stop``)."""
+    if is_failed(record):
+        return "error"
+    reasons = record.finish_reasons
+    if not reasons:
+        return "none"
+    if any(r is None for r in reasons):
+        return "abort"
+    return ",".join(sorted(set(reasons)))
+
+
+def _r(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+def request_fields(record: Any, elapsed_s: float, gaps: Gaps | None) -> dict[str, Any]:
+    """Return the request log line's fields (see README, "Logs")."""
+    fields: dict[str, Any] = {
+        "request_id": record.request_id,
+        "trace_id": record.span.trace_id,
+        "span_id": record.span.span_id,
+        "client_hash": record.client_hash,
+        "method": record.method,
+        "path": record.path,
+        "status": record.status,
+        "model": record.model,
+        "prompt_tokens": record.prompt_tokens,
+        "completion_tokens": record.completion_tokens,
+        "ttft_s": _r(record.ttft_s),
+        "latency_s": round(elapsed_s, 6),
+        "itl_p50_s": None if gaps is None else round(gaps.p50_s, 6),
+        "itl_p95_s": None if gaps is None else round(gaps.p95_s, 6),
+        "finish_reason": finish_reason(record),
+        "queue_wait_s": _r(record.queue_wait_s),
+        "error": record.error,
+    }
+    if record.prompt is not None:  # only with LOG_PROMPTS=1
+        fields["prompt"] = record.prompt
+        fields["texts"] = record.texts
+    return fields
+
+
+def timeline(record: Any, elapsed_s: float, gaps: Gaps | None) -> list[list[Any]]:
+    """Return a slow request's events as ``[name, seconds since arrival]``, in order of time."""
+    events: list[list[Any]] = [["arrived", 0.0]]
+    if record.slot_at is not None:
+        events.append(["slot", _r(record.slot_at - record.started)])
+    times = record.token_times
+    if len(times):
+        events.append(["first_token", _r(times[0] - record.started)])
+        events.append(["last_token", _r(times[-1] - record.started)])
+    events.append(["closed", round(elapsed_s, 6)])
+    return events
+
+
+def log_request(
+    record: Any, elapsed_s: float, gaps: Gaps | None = None, slow_s: float = 0.0
+) -> None:
+    """Write the request's log line, and its timeline when it took longer than ``slow_s`` (> 0)."""
+    quiet = record.route in QUIET_ROUTES and record.status < 400
+    access_log.log(
+        logging.DEBUG if quiet else logging.INFO,
+        "request",
+        extra=request_fields(record, elapsed_s, gaps),
+    )
+    if slow_s > 0 and elapsed_s > slow_s and record.route not in QUIET_ROUTES:
+        slow_log.warning(
+            "slow request",
+            extra={
+                "request_id": record.request_id,
+                "trace_id": record.span.trace_id,
+                "latency_s": round(elapsed_s, 6),
+                "timeline": timeline(record, elapsed_s, gaps),
+                "longest_gaps": [] if gaps is None else [list(t) for t in gaps.top],
+            },
+        )
+
+
+class Observer:
+    """The worker's request observer: log lines, Prometheus metrics and the history recorder.
+
+    Args:
+        registry: the registry ``metrics`` were made in.
+        metrics: the worker's metrics.
+        flusher: writes its recorder (the per-minute aggregates) to its store.
+        slow_request_s: ``SLOW_REQUEST_S``; 0 turns the slow-request timeline off.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        metrics: Metrics,
+        flusher: Flusher,
+        slow_request_s: float,
+    ) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.flusher = flusher
+        self.recorder = flusher.recorder
+        self.store = flusher.store
+        self.slow_request_s = slow_request_s
+
+    def request_done(self, record: Any, elapsed_s: float) -> None:
+        """Log, count and record one finished request; never raises."""
+        gaps = None
+        try:
+            gaps = summarize(record.token_times)
+            log_request(record, elapsed_s, gaps, self.slow_request_s)
+        except Exception:  # telemetry never breaks a request
+            access_log.exception("could not log request %s", record.request_id)
+        if record.route not in API_ROUTES:
+            return
+        try:
+            self._count(record, elapsed_s, gaps)
+        except Exception:
+            access_log.exception("could not count request %s", record.request_id)
+
+    def _count(self, record: Any, elapsed_s: float, gaps: Gaps | None) -> None:
+        admitted = record.queue_wait_s is not None
+        prompt_tokens = record.prompt_tokens if record.slot_at is not None else 0
+        failed = is_failed(record)
+        self.metrics.observe_request(
+            status=record.status,
+            finish_reason=finish_reason(record),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=record.completion_tokens,
+            ttft_s=record.ttft_s,
+            e2e_s=elapsed_s if admitted else None,
+            queue_wait_s=record.queue_wait_s,
+            itl_counts=() if gaps is None else gaps.counts,
+            itl_sum_s=0.0 if gaps is None else gaps.sum_s,
+        )
+        self.recorder.observe(
+            failed=failed,
+            ttft_s=record.ttft_s,
+            e2e_s=elapsed_s if admitted else None,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=record.completion_tokens,
+        )
+
+    def set_load(self, running: int, queued: int) -> None:
+        """The admission listener: update the running and queued gauges."""
+        try:
+            self.metrics.set_load(running, queued)
+        except Exception:
+            access_log.exception("could not set the load gauges")
+
+    def close(self) -> None:
+        """Write the pending history and remove this worker's heartbeat (gunicorn ``worker_exit``)."""
+        self.flusher.close()
+
+
+def build_observer(settings: Any, clock: Callable[[], float]) -> Observer:
+    """Make a worker's observer from its settings: a fresh metrics registry, the history recorder and
+    the flusher over ``STATS_DB``.
+
+    Args:
+        settings: the worker's ``Settings``.
+        clock: Unix time in seconds (``time.time``; a fake in tests).
+
+    Raises:
+        ValueError: ``STATS_DB`` cannot be opened or created (the message names it).
+    """
+    registry = CollectorRegistry()
+    metrics = Metrics.create(registry)
+    try:
+        store = HistoryStore(settings.stats_db)
+    except sqlite3.Error as exc:
+        raise ValueError(f"STATS_DB: cannot open {settings.stats_db!r}: {exc}") from exc
+    recorder = HistoryRecorder(clock, settings.slo_ttft_s)
+    flusher = Flusher(recorder, store, settings.stats_flush_s)
+    return Observer(registry, metrics, flusher, settings.slow_request_s)

@@ -1,0 +1,120 @@
+"""``/metrics``, ``/stats`` and ``/stats/history``: what the workers of this server have done.
+
+Served on both ports (the health port exists so scrapes never queue behind API traffic). Every answer
+covers all workers, whichever worker answers: ``/metrics`` and the ``/stats`` totals merge the workers'
+Prometheus files, the rates, the per-worker state and the history come from the host's SQLite store.
+File and SQLite reads run on the hub's thread pool.
+
+Source: DESIGN §7 "Endpoints"; Prometheus text exposition format.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from flask import Blueprint, Response, request
+
+from telemetry.flusher import run_in_thread
+from telemetry.metrics import render, scrape_registry, summarize
+from wsgi_app.errors import invalid, json_bytes
+from wsgi_app.runtime import Runtime, runtime
+
+bp = Blueprint("stats", __name__)
+
+HISTORY_MAX_MINUTES = 1440  # ``?minutes=`` is capped at a day
+
+
+def _json(obj: object) -> Response:
+    return Response(json_bytes(obj), content_type="application/json")
+
+
+def _now(rt: Runtime) -> float:
+    return rt.observer.recorder.clock()
+
+
+@bp.get("/metrics")
+def metrics() -> Response:
+    """Prometheus text exposition of every worker's metrics (counters and histograms summed, the
+    running/queued gauges summed over live workers)."""
+    obs = runtime().observer
+    body, content_type = run_in_thread(
+        render, obs.registry, runtime().settings.prometheus_multiproc_dir
+    )
+    return Response(body, content_type=content_type)
+
+
+def _summary(rt: Runtime) -> dict[str, Any]:
+    registry = scrape_registry(rt.observer.registry, rt.settings.prometheus_multiproc_dir)
+    return summarize(registry)
+
+
+@bp.get("/stats")
+def stats() -> Response:
+    """Totals since the server started, rates over the last minute, latency percentiles, load and the
+    state of every live worker.
+
+    ``totals`` and ``latency`` come from the Prometheus metrics (percentiles interpolated in the
+    histogram buckets, seconds); ``rates`` (per second) and ``workers`` from the history store, which
+    every worker updates each ``STATS_FLUSH_S`` seconds (this worker's own data is flushed first).
+    """
+    rt = runtime()
+    obs = rt.observer
+    obs.flusher.flush(in_thread=True)
+    now = _now(rt)
+    summary = run_in_thread(_summary, rt)
+    max_age_s = max(5.0, 5 * rt.settings.stats_flush_s)
+    workers = run_in_thread(obs.store.workers, os.getppid(), now, max_age_s)
+    return _json(
+        {
+            "now": now,
+            "totals": {
+                "requests": summary["requests"],
+                "failed": summary["failed"],
+                "by_status": summary["by_status"],
+                "prompt_tokens": summary["prompt_tokens"],
+                "generation_tokens": summary["generation_tokens"],
+            },
+            "rates": run_in_thread(obs.store.rates, now),
+            "latency": summary["latency"],
+            "load": {"running": summary["running"], "queued": summary["queued"]},
+            "spans": summary["spans"],
+            "workers": workers,
+        }
+    )
+
+
+def _minutes_param() -> int:
+    raw = request.args.get("minutes")
+    if raw is None:
+        return 60
+    try:
+        minutes = int(raw)
+    except ValueError:
+        raise invalid("minutes must be an integer.", "minutes") from None
+    if minutes < 1:
+        raise invalid("minutes must be at least 1.", "minutes")
+    return min(minutes, HISTORY_MAX_MINUTES)
+
+
+@bp.get("/stats/history")
+def history() -> Response:
+    """Per-minute series for the last hour (``?minutes=`` up to 1440) and the 7-day error budget.
+
+    Raises:
+        ApiError: 400 when ``minutes`` is not a positive integer.
+    """
+    rt = runtime()
+    minutes = _minutes_param()
+    obs = rt.observer
+    obs.flusher.flush(in_thread=True)
+    now = _now(rt)
+    settings = rt.settings
+    return _json(
+        {
+            "now": now,
+            "slo": {"ttft_s": settings.slo_ttft_s, "target": settings.slo_target},
+            "minutes": run_in_thread(obs.store.series, now, minutes),
+            "error_budget": run_in_thread(obs.store.budget, now, settings.slo_target),
+        }
+    )
