@@ -44,6 +44,8 @@ class LoadSpec:
         warmup_s: seconds of load before the measurement window opens.
         duration_s: length of the measurement window, seconds.
         drain_s: after the window, seconds to let in-flight requests finish (then they are dropped).
+        ramp_s: the first ``concurrency`` requests start evenly over this many seconds, so that a
+            closed loop does not keep them in lockstep (all finishing, and restarting, at once).
         timeout_s: per-request limit, seconds.
         spin: poll without sleeping (keeps the client core awake; see the README).
         probe_ports: ports to send ``GET /healthz`` to, one at a time each, every ``probe_every_s``.
@@ -62,6 +64,7 @@ class LoadSpec:
     spin: bool = True
     probe_ports: tuple[int, ...] = ()
     probe_every_s: float = 0.02
+    ramp_s: float = 0.0
     server_pids: list[int] = field(default_factory=list)
     server_cores: list[int] = field(default_factory=list)
 
@@ -93,6 +96,7 @@ class Conn:
         "body",
         "probe",
         "fd",
+        "t_head",
     )
 
     def __init__(self, sock: socket.socket, out: bytes, t0: float, probe: int = 0) -> None:
@@ -111,6 +115,7 @@ class Conn:
         self.body: list[bytes] = []
         self.probe = probe  # the probed port, or 0 for a load request
         self.fd = sock.fileno()
+        self.t_head: float | None = None
 
 
 class Results:
@@ -122,6 +127,7 @@ class Results:
         self.errors: dict[str, int] = {}
         self.tokens_in_window = 0
         self.ttft: list[float] = []
+        self.ttfb: list[float] = []
         self.latency: list[float] = []
         self.gaps: list[float] = []
         self.zero_gaps = 0
@@ -181,6 +187,7 @@ def _on_event(
         match = _STATUS.match(head)
         conn.status = int(match.group(1)) if match else -1
         conn.head = None
+        conn.t_head = now
         data = head[end + 4 :]
         if conn.t_first is None and not conn.probe and not w.stream_spec:
             conn.t_first = now  # a plain answer: its first byte
@@ -259,19 +266,25 @@ def run_load(spec: LoadSpec) -> dict[str, Any]:
     busy = 0.0
     poll = 0.0 if spec.spin else 0.005
 
-    def launch() -> None:
-        try:
-            c = _connect(sel, spec.port, request)
-        except OSError:
-            res.error("connect")
+    def top_up(now: float) -> None:
+        """Start requests until ``concurrency`` (or the ramp's share of it) are in flight."""
+        if now >= w.end:
             return
-        live[c.sock.fileno()] = c
+        want = spec.concurrency
+        if spec.ramp_s > 0 and now - t_begin < spec.ramp_s:
+            want = min(want, 1 + int(spec.concurrency * (now - t_begin) / spec.ramp_s))
+        while len(live) < want:
+            try:
+                c = _connect(sel, spec.port, request)
+            except OSError:
+                res.error("connect")
+                return
+            live[c.fd] = c
 
-    for _ in range(spec.concurrency):
-        launch()
     last_sweep = t_begin
     while True:
         now = time.perf_counter()
+        top_up(now)
         if not snap and now >= w.start:
             snap.update(
                 cpu=procstat.own_cpu_s(),
@@ -320,8 +333,6 @@ def run_load(spec: LoadSpec) -> dict[str, Any]:
                 continue
             del live[conn.fd]
             _account(conn, outcome, t_work, res, w)
-            if t_work < w.end:
-                launch()
         done = time.perf_counter()
         busy += done - t_work
         if done - last_sweep > 0.1:
@@ -332,12 +343,12 @@ def run_load(spec: LoadSpec) -> dict[str, Any]:
                     conn.sock.close()
                     del live[fd]
                     _account(conn, "timeout", done, res, w)
-                    if done < w.end:
-                        launch()
     dropped = len(live)
     for conn in live.values():
         if w.start <= conn.t0 < w.end and conn.t_first is not None:
             res.ttft.append(conn.t_first - conn.t0)
+        if w.start <= conn.t0 < w.end and conn.t_head is not None:
+            res.ttfb.append(conn.t_head - conn.t0)
         sel.unregister(conn.sock)
         conn.sock.close()
     for conn in probing.values():
@@ -359,6 +370,8 @@ def _account(conn: Conn, outcome: str, now: float, res: Results, w: _Window) -> 
     if w.start <= conn.t0 < w.end:
         if conn.t_first is not None:
             res.ttft.append(conn.t_first - conn.t0)
+        if conn.t_head is not None:
+            res.ttfb.append(conn.t_head - conn.t0)
         res.latency.append(now - conn.t0)
 
 
@@ -381,6 +394,8 @@ def _report(spec: LoadSpec, res: Results, snap: dict[str, float], dropped: int) 
         "tokens_per_s": round(res.tokens_in_window / window, 1),
         "requests_per_s": round(res.completed_in_window / window, 2),
         "ttft_ms": procstat.ms(res.ttft, qs),
+        # Time to the response's status line and headers (a stream's opening comment comes with them).
+        "ttfb_ms": procstat.ms(res.ttfb, qs),
         "latency_ms": procstat.ms(res.latency, (0.5, 0.99)),
         "itl_ms": procstat.ms(res.gaps, (0.5, 0.99, 1.0), res.zero_gaps),
         "client_cpu_s": round(client_cpu, 3),

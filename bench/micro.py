@@ -1,8 +1,9 @@
 """Micro-benchmark: model work per token (sampling, UTF-8 decoding, chunk encoding), no sockets.
 
 Drives the server's own per-token path: ``BigramEngine`` steps through ``Completion.chunks()`` (which
-calls ``Choice.advance`` and ``Completion.chunk``) with a no-op ``cooperate``. A straightforward numpy
-version of the same work is timed beside it for scale.
+calls ``Choice.advance`` and ``Completion.chunk``) with a no-op ``cooperate``. The straightforward
+numpy version of the same work (``bench.straightforward``, what the FastAPI reference runs) is timed
+beside it for scale.
 
 Run: ``python -m bench.micro``.
 """
@@ -10,16 +11,15 @@ Run: ``python -m bench.micro``.
 from __future__ import annotations
 
 import argparse
-import codecs
 import json
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from bench import straightforward
 from model.bigram import Bigram
 from model.generate import BigramEngine
-from model.pcg32 import PCG32
 from wsgi_app.choices import Completion
 from wsgi_app.protocol import parse_completion_request
 
@@ -55,32 +55,14 @@ def server_path(engine: BigramEngine, temperature: float, requests: int) -> floa
 
 
 def naive_path(weight: np.ndarray, temperature: float, requests: int) -> float:
-    """Return seconds per token of a straightforward numpy version of the same work."""
+    """Return seconds per token of the straightforward version (``bench.straightforward``)."""
     tokens = 0
     t0 = time.perf_counter()
     for seed in range(requests):
-        rng = PCG32(seed, 54)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        prev = PROMPT.encode()[-1]
-        for i in range(MAX_TOKENS):
-            z = weight[prev].astype(np.float64)
-            if temperature == 0.0:
-                token = int(np.argmax(z))
-            else:
-                e = np.exp((z - z.max()) / temperature)
-                cum = np.cumsum(e / e.sum())
-                token = min(int(np.searchsorted(cum, rng.uniform(), "right")), len(cum) - 1)
-            text = decoder.decode(bytes([token]), i == MAX_TOKENS - 1)
-            chunk = {
-                "id": "cmpl-" + "0" * 24,
-                "object": "text_completion",
-                "created": 1_700_000_000,
-                "model": "bigram",
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
-            }
-            frame = b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
-            assert frame
-            prev = token
+        texts = straightforward.token_texts(weight, PROMPT.encode(), MAX_TOKENS, temperature, seed)
+        for i, text in enumerate(texts):
+            finish = "length" if i == MAX_TOKENS - 1 else None
+            straightforward.chunk_event("cmpl-" + "0" * 24, 1_700_000_000, "bigram", text, finish)
             tokens += 1
     return (time.perf_counter() - t0) / tokens
 

@@ -1,9 +1,11 @@
 """What many users would write instead: a straightforward FastAPI + uvicorn server of the same contract.
 
-Same model package as greenserve (``Bigram``, ``BigramEngine``, ``Utf8Decoder``), same wire format for
-the fields the benchmark sends (``model``, ``prompt``, ``max_tokens``, ``temperature``, ``seed``,
-``stream``): a pydantic body, one ``json.dumps`` per chunk, a ``StreamingResponse`` over an async
-generator that awaits ``asyncio.sleep(0)`` after every token so one stream does not starve the others.
+A pydantic body; the model loaded once with ``Bigram.load``; per token the straightforward numpy
+softmax and inverse-CDF draw of ``bench.straightforward`` (DESIGN §3 exact, so the same seed gives the
+same text as greenserve), CPython's incremental UTF-8 decoder and one ``json.dumps`` of the chunk dict;
+a ``StreamingResponse`` over an async generator that awaits ``asyncio.sleep(0)`` after every token so
+one stream does not starve the others. Fields the benchmark sends: ``model``, ``prompt``,
+``max_tokens``, ``temperature``, ``seed``, ``stream``.
 
 Run: ``python -m uvicorn bench.ref_fastapi:app --port PORT --no-access-log`` (uvloop and httptools
 when installed, as ``uvicorn[standard]`` does).
@@ -17,18 +19,17 @@ import os
 import secrets
 import time
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
+from bench.straightforward import chunk_event, token_texts
 from model.bigram import Bigram
-from model.generate import BigramEngine, GenerationRequest
-from model.sampling import SamplingParams
-from model.utf8 import Utf8Decoder
 
 app = FastAPI()
-engine = BigramEngine(Bigram.load(os.environ.get("MODEL_DIR") or None))
+weight = np.asarray(Bigram.load(os.environ.get("MODEL_DIR") or None).weight)
 
 
 class CompletionBody(BaseModel):
@@ -45,9 +46,10 @@ class CompletionBody(BaseModel):
 @app.exception_handler(RequestValidationError)
 async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     """Answer a bad body with the OpenAI error envelope (400), not FastAPI's 422."""
-    loc = exc.errors()[0].get("loc", ())
+    first = exc.errors()[0]
+    loc = first.get("loc", ())
     error = {
-        "message": str(exc.errors()[0].get("msg")),
+        "message": str(first.get("msg")),
         "type": "invalid_request_error",
         "param": loc[-1] if len(loc) > 1 else None,
         "code": None,
@@ -61,28 +63,12 @@ async def healthz() -> Response:
     return Response(b'{"status":"ok"}', media_type="application/json")
 
 
-def _chunk(cid: str, created: int, model: str, text: str, finish: str | None) -> bytes:
-    chunk = {
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-    }
-    return (
-        b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-    )
-
-
-async def _events(gen: GenerationRequest, cid: str, created: int, model: str):
+async def _events(body: CompletionBody, seed: int, cid: str, created: int):
     yield b": ok\n\n"
-    decoder = Utf8Decoder()
-    for i, step in enumerate(engine.stream(gen)):
-        last = i == gen.max_tokens - 1
-        text = decoder.feed(bytes([step.token_id]))
-        if last:
-            text += decoder.finish()
-        yield _chunk(cid, created, model, text, "length" if last else None)
+    texts = token_texts(weight, body.prompt.encode(), body.max_tokens, body.temperature, seed)
+    for i, text in enumerate(texts):
+        finish = "length" if i == body.max_tokens - 1 else None
+        yield chunk_event(cid, created, body.model, text, finish)
         await asyncio.sleep(0)
     yield b"data: [DONE]\n\n"
 
@@ -91,30 +77,28 @@ async def _events(gen: GenerationRequest, cid: str, created: int, model: str):
 async def completions(body: CompletionBody):
     """Generate a completion, streamed as Server-Sent Events or as one JSON body."""
     seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(8), "little")
-    prompt_ids = tuple(body.prompt.encode())
-    gen = GenerationRequest(
-        prompt_ids, body.max_tokens, SamplingParams(temperature=body.temperature), seed
-    )
     cid, created = "cmpl-" + secrets.token_hex(12), int(time.time())
     if body.stream:
         return StreamingResponse(
-            _events(gen, cid, created, body.model),
+            _events(body, seed, cid, created),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    decoder = Utf8Decoder()
-    text = "".join(decoder.feed(bytes([s.token_id])) for s in engine.stream(gen)) + decoder.finish()
-    return JSONResponse(
-        {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": body.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}],
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": body.max_tokens,
-                "total_tokens": len(prompt_ids) + body.max_tokens,
-            },
-        }
+    prompt = body.prompt.encode()
+    text = "".join(token_texts(weight, prompt, body.max_tokens, body.temperature, seed))
+    answer = {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": body.model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}],
+        "usage": {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": body.max_tokens,
+            "total_tokens": len(prompt) + body.max_tokens,
+        },
+    }
+    return Response(
+        json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode(),
+        media_type="application/json",
     )

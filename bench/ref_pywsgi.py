@@ -3,7 +3,7 @@
 ``POST /v1/completions`` reads ``model``, ``max_tokens`` and ``stream`` from the JSON body and answers with
 frames of the same shape and size as greenserve's (one ``data:`` event per token, the last one with
 ``"finish_reason":"length"``, then ``[DONE]``), pre-formatted once per request. Like greenserve it
-gives the hub a turn once a stream has run for its slice (``REF_HUB_SLICE_S``, shrunk to
+gives the hub a turn (``gevent.idle()``) once a stream has run for its slice (``REF_HUB_SLICE_S``, shrunk to
 ``REF_HUB_ROUND_S`` divided by the running streams; the benchmark passes greenserve's values), so the
 comparison is the same scheduling with no model, no Flask and no gunicorn. ``GET /healthz`` answers
 ``{"status":"ok"}``.
@@ -49,7 +49,7 @@ def _stream(model: str, max_tokens: int):
         for _ in range(max_tokens - 1):
             yield running
             if time.perf_counter() - since >= slice_s:
-                gevent.sleep(0)
+                gevent.idle()
                 since = time.perf_counter()
                 slice_s = min(HUB_SLICE_S, HUB_ROUND_S / _running[0])
         yield final

@@ -33,9 +33,11 @@ MODES: dict[str, dict[str, Any]] = {
         "stream": (1, 16, 128, 1024),
         "plain": (1, 16, 128, 1024),
         "warmup_s": 2.0,
+        "ramp_s": 2.0,
         "window_s": 8.0,
         "drain_s": 3.0,
         "healthz_streams": 1000,
+        "healthz_window_s": 6.0,
         "hold": {"target": 10_000, "ramp_s": 10.0, "hold_s": 10.0},
         "micro": {"requests": 40, "repeats": 5},
     },
@@ -43,9 +45,11 @@ MODES: dict[str, dict[str, Any]] = {
         "stream": (1, 128),
         "plain": (16,),
         "warmup_s": 0.5,
+        "ramp_s": 0.5,
         "window_s": 2.0,
         "drain_s": 1.0,
         "healthz_streams": 1000,
+        "healthz_window_s": 2.0,
         "hold": {"target": 2_000, "ramp_s": 3.0, "hold_s": 3.0},
         "micro": {"requests": 10, "repeats": 3},
     },
@@ -58,7 +62,7 @@ def _body(stream: bool, max_tokens: int) -> bytes:
     ).encode()
 
 
-def _load(srv: servers.Server, mode: dict, stream: bool, conc: int, probes=()) -> dict[str, Any]:
+def _load(srv: servers.Server, mode: dict, stream: bool, conc: int) -> dict[str, Any]:
     max_tokens = 256 if stream else 64
     spec = LoadSpec(
         port=srv.port,
@@ -67,9 +71,30 @@ def _load(srv: servers.Server, mode: dict, stream: bool, conc: int, probes=()) -
         expect_tokens=max_tokens,
         concurrency=conc,
         warmup_s=mode["warmup_s"],
+        ramp_s=mode["ramp_s"],
         duration_s=mode["window_s"],
         drain_s=mode["drain_s"],
-        probe_ports=tuple(probes),
+        server_pids=srv.serving_pids(),
+        server_cores=servers.cores()[0],
+    )
+    result = run_load(spec)
+    srv.wait_idle()
+    return result
+
+
+def _healthz(srv: servers.Server, mode: dict) -> dict[str, Any]:
+    """Probe ``/healthz`` on both ports while ``healthz_streams`` long streams run (none ends)."""
+    spec = LoadSpec(
+        port=srv.port,
+        body=_body(True, 4096),
+        stream=True,
+        expect_tokens=4096,
+        concurrency=mode["healthz_streams"],
+        warmup_s=3.0,
+        ramp_s=2.0,
+        duration_s=mode["healthz_window_s"],
+        drain_s=0.0,
+        probe_ports=(srv.port, srv.health_port),
         server_pids=srv.serving_pids(),
         server_cores=servers.cores()[0],
     )
@@ -92,9 +117,7 @@ def _family(name: str, mode: dict, logdir: Path, log) -> list[dict[str, Any]]:
                     f"errors {result['errors']}  client busy {result['client_busy']}"
                 )
         if name == "greenserve" and mode["healthz_streams"]:
-            result = _load(
-                srv, mode, True, mode["healthz_streams"], probes=(srv.port, srv.health_port)
-            )
+            result = _healthz(srv, mode)
             runs.append({"server": name, "scenario": "healthz", **result})
             log(
                 f"{name:10s} healthz with {mode['healthz_streams']} streams: {result['healthz_ms']}"

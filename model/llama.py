@@ -107,6 +107,23 @@ def check_tensors(
     return {name: tensors[name] for name in shapes}
 
 
+DECODE_BLOCK = 8  # rows per BLAS call in decode; see Llama.decode
+
+
+def matmul_t(x: np.ndarray, w: np.ndarray, block: int | None = None) -> np.ndarray:
+    """Return ``x @ w.T`` (``(n, in) x (out, in) -> (n, out)`` float32).
+
+    With ``block``, ``n`` must be a multiple of it and the product runs as ``n / block`` BLAS calls of
+    exactly ``block`` rows, so each row's result is the same bits whatever the other rows are.
+    """
+    if block is None or x.shape[0] == block:
+        return x @ w.T
+    out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+    for start in range(0, x.shape[0], block):
+        np.matmul(x[start : start + block], w.T, out=out[start : start + block])
+    return out
+
+
 class Llama:
     """A loaded Llama model: immutable, shared by every sequence of a worker.
 
@@ -231,11 +248,19 @@ class Llama:
             self._check_cache(cache, 1)
         ids = self._check_ids(tokens)
         pos = np.array([c.length for c in caches])
-        x = self.tok_embeddings[ids]  # (batch, dim)
+        # BLAS picks its kernel (GEMV, small-matrix or blocked GEMM) from the matrix sizes, and
+        # they round differently. Every decode product therefore runs on blocks of exactly
+        # DECODE_BLOCK rows (padded by repeating the last sequence): a row's bits then depend on
+        # nothing but the row, so a sequence's logits never depend on its batch.
+        n = len(caches)
+        rows = -(-n // DECODE_BLOCK) * DECODE_BLOCK
+        ids = np.concatenate([ids, np.repeat(ids[-1:], rows - n)])
+        pos = np.concatenate([pos, np.repeat(pos[-1:], rows - n)])
+        x = self.tok_embeddings[ids]  # (rows, dim)
         cos, sin = self._rope(pos)
         for layer_index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin)
-            att = np.empty((len(caches), q.shape[1] * q.shape[2]), dtype=np.float32)
+            q, k, v = self._qkv(layer, x, cos, sin, DECODE_BLOCK)
+            att = np.empty((rows, q.shape[1] * q.shape[2]), dtype=np.float32)
             for b, cache in enumerate(caches):
                 p = cache.length
                 cache.k[layer_index, p] = k[b]
@@ -243,10 +268,11 @@ class Llama:
                 att[b] = decode_attention(
                     q[b], cache.k[layer_index, : p + 1], cache.v[layer_index, : p + 1]
                 )
-            x = self._block_tail(layer, x, att)
+            att[n:] = att[n - 1]  # padding rows mirror the last sequence
+            x = self._block_tail(layer, x, att, DECODE_BLOCK)
         for cache in caches:
             cache.length += 1
-        return self._head(x)
+        return self._head(x, DECODE_BLOCK)[:n]
 
     def _prefill_hidden(self, token_ids: Sequence[int], cache: KVCache) -> np.ndarray:
         """Run the blocks over the new tokens; return the ``(T, dim)`` hidden states."""
@@ -265,26 +291,40 @@ class Llama:
         return x
 
     def _qkv(
-        self, layer: LayerWeights, x: np.ndarray, cos: np.ndarray, sin: np.ndarray
+        self,
+        layer: LayerWeights,
+        x: np.ndarray,
+        cos: np.ndarray,
+        sin: np.ndarray,
+        block: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Return RoPE'd queries ``(n, n_heads, hd)``, keys and values ``(n, n_kv_heads, hd)``."""
         c = self.config
         xb = rmsnorm(x, layer.rms_att, c.norm_eps)
         n = x.shape[0]
-        q = (xb @ layer.wq.T).reshape(n, c.n_heads, c.head_dim)  # (n, H*hd) -> (n, H, hd)
-        k = (xb @ layer.wk.T).reshape(n, c.n_kv_heads, c.head_dim)  # (n, Hkv*hd) -> (n, Hkv, hd)
-        v = (xb @ layer.wv.T).reshape(n, c.n_kv_heads, c.head_dim)  # (n, Hkv*hd) -> (n, Hkv, hd)
+        q = matmul_t(xb, layer.wq, block).reshape(
+            n, c.n_heads, c.head_dim
+        )  # (n, H*hd) -> (n, H, hd)
+        k = matmul_t(xb, layer.wk, block).reshape(
+            n, c.n_kv_heads, c.head_dim
+        )  # (n, Hkv*hd) -> (n, Hkv, hd)
+        v = matmul_t(xb, layer.wv, block).reshape(
+            n, c.n_kv_heads, c.head_dim
+        )  # (n, Hkv*hd) -> (n, Hkv, hd)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def _block_tail(self, layer: LayerWeights, x: np.ndarray, att: np.ndarray) -> np.ndarray:
+    def _block_tail(
+        self, layer: LayerWeights, x: np.ndarray, att: np.ndarray, block: int | None = None
+    ) -> np.ndarray:
         """Add the attention output and the SwiGLU MLP to the residual ``x`` ``(n, dim)``."""
-        x = x + att @ layer.wo.T
+        x = x + matmul_t(att, layer.wo, block)
         xb = rmsnorm(x, layer.rms_ffn, self.config.norm_eps)
-        return x + (silu(xb @ layer.w1.T) * (xb @ layer.w3.T)) @ layer.w2.T
+        gate = silu(matmul_t(xb, layer.w1, block)) * matmul_t(xb, layer.w3, block)
+        return x + matmul_t(gate, layer.w2, block)
 
-    def _head(self, x: np.ndarray) -> np.ndarray:
+    def _head(self, x: np.ndarray, block: int | None = None) -> np.ndarray:
         """Return ``(n, vocab_size)`` float32 logits of hidden states ``(n, dim)``."""
-        return rmsnorm(x, self.rms_final, self.config.norm_eps) @ self.wcls.T
+        return matmul_t(rmsnorm(x, self.rms_final, self.config.norm_eps), self.wcls, block)
 
     def _rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Return ``(n, head_dim / 2)`` float32 cos and sin of the rotation angles."""

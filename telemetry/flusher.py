@@ -1,9 +1,9 @@
 """The per-worker greenlet that moves the in-memory history into SQLite every few seconds.
 
-SQLite calls run on the gevent hub's thread pool (``run_in_thread``), so a slow disk or another worker's
-lock never freezes this worker's connections. A batch that cannot be written goes back to the recorder and
-is retried at the next flush; ``close()`` (from gunicorn's ``worker_exit``) writes what is left and removes
-the worker's heartbeat row.
+SQLite calls run on the gevent hub's thread pool (``run_in_thread``), so a slow disk or another
+worker's lock never freezes this worker's connections. A batch that cannot be written goes back to the
+recorder and is retried at the next flush. gunicorn's ``post_worker_init`` starts the greenlet;
+``close()`` (from ``worker_exit``) writes what is left and removes the worker's heartbeat row.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Per-minute request history in SQLite, shared by every worker of a host and kept across restarts.
 
 Each worker aggregates finished requests per minute in memory (``telemetry.recorder``, a few dict
-updates per request) and a ``telemetry.flusher.Flusher`` greenlet adds them to the database every ``STATS_FLUSH_S``
-seconds in one short transaction, run on the hub's thread pool so SQLite never blocks the hub. Rows are
-sums, so any number of workers (and restarts) add up. The same flush writes the worker's heartbeat row
-for ``/stats``. The database is in WAL mode: readers never block the writers. Every query takes ``now``
-(Unix seconds) from the caller's injectable clock.
+updates per request) and a ``telemetry.flusher.Flusher`` greenlet adds them to the database every
+``STATS_FLUSH_S`` seconds in one short transaction, run on the hub's thread pool so SQLite never
+blocks the hub. Rows are sums, so any number of workers (and restarts) add up. The same flush writes
+the worker's heartbeat row for ``/stats``. The database is in WAL mode: readers never block the
+writers. Every query takes ``now`` (Unix seconds) from the caller's injectable clock.
 
 Source: SQLite documentation, "Write-Ahead Logging" and "UPSERT"; DESIGN §7.
 """

@@ -14,6 +14,7 @@ from telemetry.quantiles import bucket_index
 
 __all__ = ["COLUMNS", "LATENCY_BUCKETS", "Batch", "HistoryRecorder"]
 
+# Upper bounds of the per-minute TTFT and end-to-end latency buckets, seconds.
 LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -30,6 +31,7 @@ LATENCY_BUCKETS = (
     10.0,
     30.0,
 )
+# The per-minute sums, one ``minutes`` column each (``_s`` columns are seconds, the rest counts).
 COLUMNS = (
     "requests",
     "failed",

@@ -247,3 +247,18 @@ def test_precomputed_chunk_framing_equals_the_general_encoder(text):
         ids = _completion({"n": 2, "stream_options": {"include_usage": True}}, EventIds(7, 1000))
         event = ids.chunk(ids.choices[choice.index], text, None)
         assert event == b"id: 7-0\ndata: " + expected + b"\n\n"
+
+
+def test_the_benchmarks_straightforward_sampler_draws_the_same_ids():
+    from bench.straightforward import sample_row  # the FastAPI reference's per-token work
+
+    model = Bigram.load()
+    engine = BigramEngine(model)
+    for t in (0.0, 0.6, 1.0, 1.9):
+        for seed in range(5):
+            req = GenerationRequest(tuple(b"ROMEO:"), 100, SamplingParams(temperature=t), seed)
+            rng, prev, ids = PCG32(seed, 54), ord(":"), []
+            for _ in range(100):
+                prev = sample_row(model.logits(prev), t, rng)
+                ids.append(prev)
+            assert generate_ids(engine, req) == ids

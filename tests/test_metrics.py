@@ -148,7 +148,8 @@ def test_metrics_are_per_registry_and_summarize_exactly():
 
 def test_telemetry_modules_import_no_flask_nor_app():
     code = (
-        "import sys, telemetry.metrics, telemetry.logs, telemetry.history, telemetry.recorder, telemetry.flusher;"
+        "import sys, telemetry.metrics, telemetry.logs, telemetry.history, telemetry.recorder,"
+        " telemetry.flusher;"
         "print(sorted(m for m in ('flask', 'wsgi_app', 'model', 'requests') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

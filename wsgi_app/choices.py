@@ -101,6 +101,7 @@ class Choice:
         "finish_reason",
         "logprobs",
         "_chars",
+        "_stops",
     )
 
     def __init__(
@@ -117,6 +118,7 @@ class Choice:
         self.max_tokens = max_tokens
         self._decoder = Utf8Decoder()
         self._matcher = StopMatcher(stop)
+        self._stops = bool(stop)  # without stop strings the matcher releases text unchanged
         self.parts: list[str] = [echo_text] if echo_text else []
         self.tokens = 0
         self.finish_reason: str | None = None if max_tokens > 0 else "length"
@@ -140,7 +142,7 @@ class Choice:
         if self.logprobs is not None:
             self.logprobs.add(step, self._chars)
         self._chars += len(text)
-        out, stopped = self._matcher.push(text)
+        out, stopped = self._matcher.push(text) if self._stops else (text, False)
         if stopped:
             self.finish_reason = "stop"
             self.close()
@@ -324,6 +326,20 @@ class Completion:
                 event = self.chunk(c, self.req.prompt_text, 0 if c.logprobs is not None else None)
                 if event:
                     yield event
+        if len(live) == 1 and live[0].logprobs is None and self._plain:
+            # The common stream (one choice, no logprobs, a POST stream): the same events as the loop
+            # below, with the constant parts of every running chunk joined once per request.
+            c = live[0]
+            advance, cooperate = c.advance, self.cooperate
+            head, tail = self._chunk_heads[0], self._chunk_tail
+            while c.finish_reason is None:
+                text = advance()
+                if c.finish_reason is None:
+                    yield b"".join((head, _text_json(text), tail))
+                else:
+                    yield self.chunk(c, text, None)
+                cooperate()
+            return
         while live:
             for c in live:
                 if c.finish_reason is not None:

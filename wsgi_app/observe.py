@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry
 
 from telemetry.flusher import Flusher
 from telemetry.history import HistoryStore
-from telemetry.recorder import HistoryRecorder
 from telemetry.metrics import ITL_BUCKETS, Metrics
+from telemetry.recorder import HistoryRecorder
 
 __all__ = [
     "API_ROUTES",
