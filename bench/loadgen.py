@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench import procstat
+from bench.loadstats import Results, Window, account, report
 
 _DATA = b"data: {"
 _ERROR = b'data: {"error"'
@@ -116,27 +117,6 @@ class Conn:
         self.probe = probe  # the probed port, or 0 for a load request
         self.fd = sock.fileno()
         self.t_head: float | None = None
-
-
-class Results:
-    """Counters and samples of one run (times in seconds)."""
-
-    def __init__(self) -> None:
-        self.completed = 0
-        self.completed_in_window = 0
-        self.errors: dict[str, int] = {}
-        self.tokens_in_window = 0
-        self.ttft: list[float] = []
-        self.ttfb: list[float] = []
-        self.latency: list[float] = []
-        self.gaps: list[float] = []
-        self.zero_gaps = 0
-        self.probes: dict[int, list[float]] = {}
-        self.probe_errors = 0
-
-    def error(self, kind: str) -> None:
-        """Count one failed request of ``kind``."""
-        self.errors[kind] = self.errors.get(kind, 0) + 1
 
 
 def _connect(sel: selectors.BaseSelector, port: int, out: bytes, probe: int = 0) -> Conn:
@@ -236,13 +216,6 @@ def _judge(conn: Conn, res: Results, w) -> str:
     return "ok" if conn.tokens == w.expect else "short_answer"
 
 
-class _Window:
-    __slots__ = ("start", "end", "stream_spec", "expect")
-
-    def __init__(self, start: float, end: float, stream: bool, expect: int) -> None:
-        self.start, self.end, self.stream_spec, self.expect = start, end, stream, expect
-
-
 def run_load(spec: LoadSpec) -> dict[str, Any]:
     """Run ``spec`` and return its results (see the README's column list)."""
     procstat.raise_nofile()
@@ -252,7 +225,7 @@ def run_load(spec: LoadSpec) -> dict[str, Any]:
     res = Results()
     res.probes = {p: [] for p in spec.probe_ports}
     t_begin = time.perf_counter()
-    w = _Window(
+    w = Window(
         t_begin + spec.warmup_s,
         t_begin + spec.warmup_s + spec.duration_s,
         spec.stream,
@@ -332,7 +305,7 @@ def run_load(spec: LoadSpec) -> dict[str, Any]:
                     res.probe_errors += 1
                 continue
             del live[conn.fd]
-            _account(conn, outcome, t_work, res, w)
+            account(conn, outcome, t_work, res, w)
         done = time.perf_counter()
         busy += done - t_work
         if done - last_sweep > 0.1:
@@ -342,7 +315,7 @@ def run_load(spec: LoadSpec) -> dict[str, Any]:
                     sel.unregister(conn.sock)
                     conn.sock.close()
                     del live[fd]
-                    _account(conn, "timeout", done, res, w)
+                    account(conn, "timeout", done, res, w)
     dropped = len(live)
     for conn in live.values():
         if w.start <= conn.t0 < w.end and conn.t_first is not None:
@@ -355,70 +328,4 @@ def run_load(spec: LoadSpec) -> dict[str, Any]:
         sel.unregister(conn.sock)
         conn.sock.close()
     sel.close()
-    return _report(spec, res, snap, dropped)
-
-
-def _account(conn: Conn, outcome: str, now: float, res: Results, w: _Window) -> None:
-    if outcome != "ok":
-        res.error(outcome)
-        return
-    res.completed += 1
-    if w.start <= now < w.end:
-        res.completed_in_window += 1
-        if not w.stream_spec:
-            res.tokens_in_window += conn.tokens
-    if w.start <= conn.t0 < w.end:
-        if conn.t_first is not None:
-            res.ttft.append(conn.t_first - conn.t0)
-        if conn.t_head is not None:
-            res.ttfb.append(conn.t_head - conn.t0)
-        res.latency.append(now - conn.t0)
-
-
-def _report(spec: LoadSpec, res: Results, snap: dict[str, float], dropped: int) -> dict[str, Any]:
-    window = snap.get("end_t", 0.0) - snap.get("t", 0.0)
-    if window <= 0:
-        raise RuntimeError("the measurement window never closed")
-    qs = (0.5, 0.9, 0.99)
-    client_cpu = snap["end_cpu"] - snap["cpu"]
-    server_cpu = snap["end_server"] - snap["server"]
-    out: dict[str, Any] = {
-        "concurrency": spec.concurrency,
-        "stream": spec.stream,
-        "max_tokens": spec.expect_tokens,
-        "window_s": round(window, 3),
-        "completed": res.completed,
-        "completed_in_window": res.completed_in_window,
-        "errors": dict(sorted(res.errors.items())),
-        "dropped_at_end": dropped,
-        "tokens_per_s": round(res.tokens_in_window / window, 1),
-        "requests_per_s": round(res.completed_in_window / window, 2),
-        "ttft_ms": procstat.ms(res.ttft, qs),
-        # Time to the response's status line and headers (a stream's opening comment comes with them).
-        "ttfb_ms": procstat.ms(res.ttfb, qs),
-        "latency_ms": procstat.ms(res.latency, (0.5, 0.99)),
-        "itl_ms": procstat.ms(res.gaps, (0.5, 0.99, 1.0), res.zero_gaps),
-        "client_cpu_s": round(client_cpu, 3),
-        "client_busy": round((snap["end_busy"] - snap["busy"]) / window, 3),
-        "spin": spec.spin,
-        "server_cpu_s": round(server_cpu, 3),
-        "server_cpu_util": round(server_cpu / window, 3),
-        # Tokens per CPU-second the server used: its efficiency, much less disturbed than tokens/s
-        # when something else shares the server's core.
-        "tokens_per_server_cpu_s": round(res.tokens_in_window / server_cpu, 1)
-        if server_cpu
-        else None,
-        # Busy time of the server's core(s) that the server itself did not use: other processes,
-        # interrupts. Near 0 in a clean run.
-        "server_core_other_util": round((snap["end_core"] - snap["core"] - server_cpu) / window, 3),
-        "server_rss_mb": round(snap["rss"] / 2**20, 1),
-        "server_threads": snap["threads"],
-    }
-    for port, lat in res.probes.items():
-        out.setdefault("healthz_ms", {})[str(port)] = {
-            **procstat.ms(lat, (0.5, 0.99, 1.0)),
-            "n": len(lat),
-        }
-    if spec.probe_ports:
-        out["healthz_errors"] = res.probe_errors
-    return out
+    return report(spec, res, snap, dropped)

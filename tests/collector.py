@@ -148,6 +148,23 @@ class FakeCollector:
                 self._cond.wait(remaining)
             return self.spans()
 
+    def span_for(self, request_id: str, timeout_s: float = 10.0) -> dict[str, Any]:
+        """Wait for the span whose ``greenserve.request_id`` is ``request_id``; return it with its
+        attributes flattened under ``"attrs"`` (key -> OTLP value object).
+
+        Raises:
+            AssertionError: no such span arrived within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for span in self.spans():
+                attrs = {a["key"]: a["value"] for a in span.get("attributes", [])}
+                if attrs.get("greenserve.request_id") == {"stringValue": request_id}:
+                    return {**span, "attrs": attrs}
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no span for {request_id}; got {len(self.spans())} spans")
+            time.sleep(0.02)
+
     def _next_answer(self) -> tuple[int, Mapping[str, str]]:
         with self._cond:
             answer = self._answers.pop(0) if self._answers else 200

@@ -291,3 +291,18 @@ class EventReader:
             self.resp.close()
         self.conn.close()
         self.sock.close()
+
+
+def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
+    """Poll ``predicate`` every 20 ms until it returns something truthy; return that.
+
+    Raises:
+        AssertionError: ``timeout_s`` passed first.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.collector import FakeCollector
-from tests.server import EventReader, GunicornServer, sse_events
+from tests.server import EventReader, GunicornServer, sse_events, wait_until
 
 SLOW = "slow_step_s=0.02"  # 50 tokens/s: long enough streams to disconnect from, short tests
 
@@ -35,27 +35,6 @@ def wait_idle(srv: GunicornServer, timeout_s: float = 10.0) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"server not idle: {s}")
         time.sleep(0.05)
-
-
-def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def span_of(collector: FakeCollector, request_id: str, timeout_s: float = 10.0) -> dict:
-    def find():
-        for span in collector.spans():
-            attrs = {a["key"]: a["value"] for a in span["attributes"]}
-            if attrs.get("greenserve.request_id") == {"stringValue": request_id}:
-                return {**span, "attrs": attrs}
-        return None
-
-    return wait_until(find, timeout_s, f"span of {request_id}")
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +83,7 @@ def test_disconnect_mid_stream_stops_generation(slow):
     assert state(srv)["slots"]["busy"] == 1
     reader.close()
     wait_idle(srv)
-    span = span_of(collector, "disc-mid")
+    span = collector.span_for("disc-mid")
     generated = int(span["attrs"]["gen_ai.usage.output_tokens"]["intValue"])
     # It stopped within a token or two of the disconnect, nowhere near max_tokens.
     assert 5 <= generated <= 10, generated
@@ -340,6 +319,6 @@ def test_sigterm_with_streams_in_flight(succ_dir, tmp_path):
                 r.close()
             assert srv.wait(30) == 0
             for i in range(20):
-                span_of(collector, f"term-{i}", timeout_s=5)
+                collector.span_for(f"term-{i}", timeout_s=5)
         finally:
             srv.stop()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.collector import FakeCollector
-from tests.server import ROOT, EventReader, GunicornServer
+from tests.server import ROOT, EventReader, GunicornServer, wait_until
 from tests.services import NGINX_SITE, NginxServer
 
 STEP_S = 0.2  # GREENSERVE_FAULTS slow step: each token takes at least this long
@@ -54,16 +54,6 @@ def in_flight(srv: GunicornServer, request_id: str) -> dict | None:
     assert status == 200, body
     state = json.loads(body)
     return next((r for r in state["requests"] if r["request_id"] == request_id), None)
-
-
-def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_each_event_arrives_before_the_next_token(stack):
@@ -131,14 +121,7 @@ def test_disconnect_at_nginx_stops_generation(stack):
     reader.close()
     wait_until(lambda: in_flight(srv, "nginx-hangup") is None, what="generation to stop")
 
-    def span():
-        for s in collector.spans():
-            attrs = {a["key"]: a["value"] for a in s["attributes"]}
-            if attrs.get("greenserve.request_id") == {"stringValue": "nginx-hangup"}:
-                return attrs
-        return None
-
-    attrs = wait_until(span, what="the span")
+    attrs = collector.span_for("nginx-hangup")["attrs"]
     generated = int(attrs["gen_ai.usage.output_tokens"]["intValue"])
     # Stopped within a couple of tokens of the hang-up, nowhere near max_tokens.
     assert 3 <= generated <= 6, generated

@@ -31,17 +31,6 @@ def traced(succ_dir, tmp_path_factory):
             srv.stop()
 
 
-def _span_for(collector: FakeCollector, request_id: str, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for span in collector.spans():
-            attrs = {a["key"]: a["value"] for a in span["attributes"]}
-            if attrs.get("greenserve.request_id") == {"stringValue": request_id}:
-                return span
-        time.sleep(0.05)
-    raise AssertionError(f"no span for {request_id}; got {collector.spans()}")
-
-
 def _attrs(span: dict) -> dict:
     return {a["key"]: a["value"] for a in span["attributes"]}
 
@@ -53,7 +42,7 @@ def test_span_joins_the_callers_trace(traced):
         headers={"traceparent": PARENT, "X-Request-Id": "trace-child-1"},
     )
     assert status == 200
-    span = _span_for(collector, "trace-child-1")
+    span = collector.span_for("trace-child-1")
     assert span["traceId"] == "4bf92f3577b34da6a3ce929d0e0e4736"
     assert span["parentSpanId"] == "00f067aa0ba902b7"
     assert re.fullmatch(r"[0-9a-f]{16}", span["spanId"]) and span["spanId"] != "00f067aa0ba902b7"
@@ -90,7 +79,7 @@ def test_invalid_traceparent_starts_a_new_trace(traced, header):
         {"model": "m", "prompt": "a", "max_tokens": 1},
         headers={"traceparent": header, "X-Request-Id": rid},
     )
-    span = _span_for(collector, rid)
+    span = collector.span_for(rid)
     assert "parentSpanId" not in span
     assert re.fullmatch(r"[0-9a-f]{32}", span["traceId"])
     assert span["traceId"] != "0" * 32 and span["traceId"] != "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -102,13 +91,13 @@ def test_stream_span_and_error_status(traced):
         {"model": "m", "prompt": "a", "max_tokens": 4, "stream": True},
         headers={"X-Request-Id": "trace-stream"},
     )
-    span = _span_for(collector, "trace-stream")
+    span = collector.span_for("trace-stream")
     assert _attrs(span)["gen_ai.usage.output_tokens"] == {"intValue": "4"}
     srv.complete({"model": "m"}, headers={"X-Request-Id": "trace-400"})
-    span = _span_for(collector, "trace-400")
+    span = collector.span_for("trace-400")
     assert _attrs(span)["http.response.status_code"] == {"intValue": "400"}
     srv.get("/nope", headers={"X-Request-Id": "trace-404"})
-    assert _span_for(collector, "trace-404")["name"] == "GET"
+    assert collector.span_for("trace-404")["name"] == "GET"
 
 
 @pytest.mark.parametrize("mode", ["down", "slow"])

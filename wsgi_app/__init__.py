@@ -8,12 +8,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from flask import Flask
 
 from model import __version__
-from model.bigram import Bigram
-from model.generate import BigramEngine
+from model.batching import BatchScheduler
+from model.loader import LoadedModel, load_model
 from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app import (
     auth,
@@ -24,6 +25,7 @@ from wsgi_app import (
     models,
     openapi,
     ops,
+    pages,
     ratelimit,
     stats,
 )
@@ -33,6 +35,18 @@ from wsgi_app.faults import Faults, FaultyEngine
 from wsgi_app.observe import build_observer
 from wsgi_app.runtime import EXTENSION, Runtime
 from wsgi_app.settings import Settings
+
+
+def make_engine(model: LoadedModel, settings: Settings) -> Any:
+    """Return the engine for ``model``: the bigram runs inline in each request's greenlet; a Llama
+    runs on one native thread per worker with continuous batching (up to ``MAX_SLOTS`` requests of
+    ``MAX_N`` choices each)."""
+    if model.engine_kind == "llama":
+        from wsgi_app.engine_thread import ThreadedEngine
+
+        batch = settings.max_slots * settings.max_n
+        return ThreadedEngine(BatchScheduler(model.model, model.tokenizer.eos_ids, batch))
+    return model.make_engine()
 
 
 def create_app(settings: Settings | None = None, clock: Callable[[], float] | None = None) -> Flask:
@@ -47,7 +61,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     """
     settings = settings or Settings.from_env()
     logging.getLogger("greenserve").setLevel(settings.log_level.upper())
-    model = Bigram.load(settings.model_dir)
+    model = load_model(settings.model_dir)
     observer = build_observer(settings, clock or time.time)
     if settings.otlp_endpoint:
         exporter = SpanExporter(
@@ -60,7 +74,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
 
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    engine = BigramEngine(model)
+    engine = make_engine(model, settings)
     if settings.faults:
         engine = FaultyEngine(engine, Faults.parse(settings.faults))
     app.extensions[EXTENSION] = Runtime(
@@ -86,4 +100,6 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     app.register_blueprint(openapi.bp)
     app.register_blueprint(ops.bp)
     app.register_blueprint(stats.bp)
+    if settings.pages:  # PAGES=0: no demo, no status page, no assets (all 404)
+        app.register_blueprint(pages.bp)
     return app

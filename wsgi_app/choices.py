@@ -10,23 +10,19 @@ Source: OpenAI API reference, "Completions" (legacy) objects; DESIGN §4 and §5
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from model.generate import GenerationRequest, Step
 from model.stop import StopMatcher
+from model.tokenizer import ByteTokenizer, TextTokenizer
 from model.utf8 import Utf8Decoder
 from wsgi_app.errors import json_bytes
 from wsgi_app.protocol import CompletionRequest
-from wsgi_app.sse import PLAIN, Framing
+from wsgi_app.sse import PING, PLAIN, Framing
 
-_BYTES = [bytes((i,)) for i in range(256)]
-
-
-def token_text(token_id: int) -> str:
-    """Show one byte token the way OpenAI shows tokens: the character, or ``bytes:\\xNN`` when the byte is
-    not valid UTF-8 on its own."""
-    return chr(token_id) if token_id < 0x80 else f"bytes:\\x{token_id:02x}"
+BYTE_TOKENIZER = ByteTokenizer()
 
 
 def _dumps(text: str) -> str:
@@ -52,9 +48,12 @@ class Logprobs:
     """The legacy ``logprobs`` object of one choice: ``tokens``, ``token_logprobs``, ``top_logprobs``,
     ``text_offset`` (character offsets into the choice's text)."""
 
-    __slots__ = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    __slots__ = ("tokens", "token_logprobs", "top_logprobs", "text_offset", "_token_str")
 
-    def __init__(self) -> None:
+    def __init__(self, token_str: Callable[[int], str] = BYTE_TOKENIZER.token_str) -> None:
+        self._token_str = (
+            token_str  # how a token shows: its text, or ``bytes:\\xNN`` for partial UTF-8
+        )
         self.tokens: list[str] = []
         self.token_logprobs: list[float | None] = []
         self.top_logprobs: list[dict[str, float] | None] = []
@@ -62,6 +61,7 @@ class Logprobs:
 
     def add(self, step: Step, offset: int) -> None:
         """Append one token's entry; ``step`` carries the logprobs the engine computed."""
+        token_text = self._token_str
         self.tokens.append(token_text(step.token_id))
         self.token_logprobs.append(step.logprob)
         top = step.top_logprobs
@@ -88,6 +88,7 @@ class Choice:
         stop: stop strings (never returned in the text).
         echo_text: the prompt text when ``echo`` is set, else "".
         logprobs: a :class:`Logprobs` to fill, or None.
+        token_bytes: the bytes each token id adds to the text (the tokenizer's ``token_bytes``).
     """
 
     __slots__ = (
@@ -102,6 +103,7 @@ class Choice:
         "logprobs",
         "_chars",
         "_stops",
+        "_token_bytes",
     )
 
     def __init__(
@@ -112,8 +114,10 @@ class Choice:
         stop: tuple[str, ...],
         echo_text: str,
         logprobs: Logprobs | None,
+        token_bytes: list[bytes] = BYTE_TOKENIZER.token_bytes,
     ) -> None:
         self.index = index
+        self._token_bytes = token_bytes
         self._stream = stream
         self.max_tokens = max_tokens
         self._decoder = Utf8Decoder()
@@ -125,18 +129,24 @@ class Choice:
         self.logprobs = logprobs
         self._chars = len(echo_text)  # characters decoded so far, for ``text_offset``
 
-    def advance(self) -> str:
-        """Generate one token and return the text it releases (may be "").
+    def advance(self) -> str | None:
+        """Generate one token and return the text it releases (may be ""), or None for an engine tick
+        (no token yet: the engine is still working, e.g. prefilling a long prompt).
 
-        Sets :attr:`finish_reason` on the last token (``length``) or on a stop match (``stop``).
+        Sets :attr:`finish_reason` on the last token (``length``), on a stop string (``stop``), or
+        when the engine ends the stream: an end-of-sequence token (``stop``; it adds no text) or a full
+        context (``length``).
 
         Raises:
             Exception: whatever the engine raises; the caller turns it into an error answer.
         """
         step = next(self._stream)
+        if step is None:
+            return None
         self.tokens += 1
-        text = self._decoder.feed(_BYTES[step.token_id])
-        last = self.tokens >= self.max_tokens
+        ended = step.finish_reason
+        text = "" if ended == "stop" else self._decoder.feed(self._token_bytes[step.token_id])
+        last = ended is not None or self.tokens >= self.max_tokens
         if last:
             text += self._decoder.finish()
         if self.logprobs is not None:
@@ -148,7 +158,7 @@ class Choice:
             self.close()
         elif last:
             out += self._matcher.flush()
-            self.finish_reason = "length"
+            self.finish_reason = ended or "length"
             self.close()
         self.parts.append(out)
         return out
@@ -169,6 +179,9 @@ class Completion:
         completion_id: ``cmpl-…``, the same for every chunk.
         created: Unix time in seconds.
         cooperate: called after every token; lets other greenlets run (the engine is inline).
+        on_tick: called on an engine tick (no token yet); may raise to end the request (deadline).
+        heartbeat_s: while only ticks come, a ``: ping`` is streamed this often, in seconds.
+        tokenizer: the model's tokenizer (bytes for the bigram).
         framing: how SSE events are framed (:data:`~wsgi_app.sse.PLAIN` for POST streams,
             :class:`~wsgi_app.sse.EventIds` for the ``EventSource`` stream).
     """
@@ -182,8 +195,15 @@ class Completion:
         created: int,
         cooperate: Callable[[], None],
         framing: Framing = PLAIN,
+        *,
+        on_tick: Callable[[], None] | None = None,
+        heartbeat_s: float = 15.0,
+        tokenizer: TextTokenizer = BYTE_TOKENIZER,
     ) -> None:
         self.req = req
+        self.on_tick = on_tick or (lambda: None)
+        self.heartbeat_s = heartbeat_s
+        self._quiet_since = time.perf_counter()
         self.framing = framing
         self.seed = seed
         self.cooperate = cooperate
@@ -192,10 +212,10 @@ class Completion:
         for i in range(req.n):
             logprobs = None
             if req.logprobs is not None:
-                logprobs = Logprobs()
+                logprobs = Logprobs(tokenizer.token_str)
                 if req.echo:
                     for offset, step in zip(
-                        _offsets(req.prompt_ids),
+                        _offsets(req.prompt_ids, tokenizer.token_bytes),
                         engine.score(req.prompt_ids, req.logprobs),
                         strict=True,
                     ):
@@ -207,27 +227,22 @@ class Completion:
                 seed=seed,
                 seq=54 + i,
                 logprobs=req.logprobs,
+                ignore_eos=req.ignore_eos,
             )
             stream = engine.stream(gen)
-            self.choices.append(Choice(i, stream, req.max_tokens, req.stop, echo_text, logprobs))
+            self.choices.append(
+                Choice(
+                    i, stream, req.max_tokens, req.stop, echo_text, logprobs, tokenizer.token_bytes
+                )
+            )
         head = {"id": completion_id, "object": "text_completion", "created": created}
         self._head = json_bytes(head)[:-1] + b',"model":' + json_bytes(req.model)
         self._usage_tail = b',"usage":null}' if req.include_usage else b"}"
-        # The constant bytes around the text of a running chunk without logprobs, per choice; for
-        # POST streams they include the SSE framing, so such a chunk is one join.
-        plain = framing is PLAIN
-        self._chunk_heads = [
-            (b"data: " if plain else b"")
-            + self._head
-            + b',"choices":[{"index":%d,"text":' % c.index
-            for c in self.choices
-        ]
-        self._chunk_tail = (
-            b',"logprobs":null,"finish_reason":null}]'
-            + self._usage_tail
-            + (b"\n\n" if plain else b"")
-        )
-        self._plain = plain
+        # The constant bytes around the text of a running chunk without logprobs, so that such a
+        # chunk is one join (POST streams also frame it in that join: data_event's bytes).
+        self._chunk_mids = [b',"choices":[{"index":%d,"text":' % c.index for c in self.choices]
+        self._chunk_tail = b',"logprobs":null,"finish_reason":null}]' + self._usage_tail
+        self._plain = framing is PLAIN
 
     # -- accounting ---------------------------------------------------------------------------
 
@@ -261,8 +276,10 @@ class Completion:
         """Generate every choice to its end and return the JSON body (DESIGN §5 key order)."""
         for choice in self.choices:
             while choice.finish_reason is None:
-                choice.advance()
-                self.cooperate()
+                if choice.advance() is None:
+                    self.on_tick()
+                else:
+                    self.cooperate()
         choices = [
             {
                 "index": c.index,
@@ -280,10 +297,10 @@ class Completion:
     def chunk(self, choice: Choice, text: str, lp_start: int | None) -> bytes:
         """Render one streamed chunk of ``choice`` as an SSE event (b"" when the framing drops it)."""
         if choice.finish_reason is None and (choice.logprobs is None or lp_start is None):
-            body = (self._chunk_heads[choice.index], _text_json(text), self._chunk_tail)
+            mid, text_json = self._chunk_mids[choice.index], _text_json(text)
             if self._plain:
-                return b"".join(body)
-            return self.framing.frame(b"".join(body))
+                return b"".join((b"data: ", self._head, mid, text_json, self._chunk_tail, b"\n\n"))
+            return self.framing.frame(b"".join((self._head, mid, text_json, self._chunk_tail)))
         logprobs = b"null"
         if choice.logprobs is not None and lp_start is not None:
             logprobs = json_bytes(choice.logprobs.as_dict(lp_start))
@@ -313,6 +330,15 @@ class Completion:
             self._head + b',"choices":[],"usage":' + json_bytes(self.usage()) + b"}"
         )
 
+    def _tick(self) -> Iterator[bytes]:
+        """Handle an engine tick: enforce deadlines, and stream a ``: ping`` at most every
+        ``heartbeat_s`` (a write: a client that left during a long prefill is noticed)."""
+        self.on_tick()
+        now = time.perf_counter()
+        if now - self._quiet_since >= self.heartbeat_s:
+            self._quiet_since = now
+            yield PING
+
     def chunks(self) -> Iterator[bytes]:
         """Yield one SSE event per generated token, round-robin over the live choices.
 
@@ -331,11 +357,14 @@ class Completion:
             # below, with the constant parts of every running chunk joined once per request.
             c = live[0]
             advance, cooperate = c.advance, self.cooperate
-            head, tail = self._chunk_heads[0], self._chunk_tail
+            head, mid, tail = self._head, self._chunk_mids[0], self._chunk_tail
             while c.finish_reason is None:
                 text = advance()
+                if text is None:
+                    yield from self._tick()
+                    continue
                 if c.finish_reason is None:
-                    yield b"".join((head, _text_json(text), tail))
+                    yield b"".join((b"data: ", head, mid, _text_json(text), tail, b"\n\n"))
                 else:
                     yield self.chunk(c, text, None)
                 cooperate()
@@ -346,6 +375,9 @@ class Completion:
                     continue
                 lp_start = len(c.logprobs.tokens) if c.logprobs is not None else None
                 text = c.advance()
+                if text is None:
+                    yield from self._tick()
+                    continue
                 event = self.chunk(c, text, lp_start)
                 if event:
                     yield event
@@ -353,11 +385,11 @@ class Completion:
             live = [c for c in live if c.finish_reason is None]
 
 
-def _offsets(prompt_ids: tuple[int, ...]) -> list[int]:
-    """Character offset at which each prompt byte's text starts (for echoed logprobs)."""
+def _offsets(prompt_ids: tuple[int, ...], token_bytes: list[bytes]) -> list[int]:
+    """Character offset at which each prompt token's text starts (for echoed logprobs)."""
     decoder = Utf8Decoder()
     offsets, chars = [], 0
     for token_id in prompt_ids:
         offsets.append(chars)
-        chars += len(decoder.feed(_BYTES[token_id]))
+        chars += len(decoder.feed(token_bytes[token_id]))
     return offsets

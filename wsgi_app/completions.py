@@ -123,8 +123,10 @@ class StreamBody:
         self._record = record
         self._events = self._generate()
 
-    def __iter__(self) -> StreamBody:
-        return self
+    def __iter__(self) -> Iterator[bytes]:
+        # The generator itself: the server's next() then skips a Python-level __next__ per event.
+        # close() still reaches this object (werkzeug closes the body it was given).
+        return self._events
 
     def __next__(self) -> bytes:
         return next(self._events)
@@ -186,8 +188,7 @@ def create_completion() -> Response:
     record: RequestRecord = g.record
     req = parse_completion_request(
         decode_json_body(read_body(request.environ, settings.max_body_bytes)),
-        max_prompt_tokens=settings.max_prompt_tokens,
-        max_n=settings.max_n,
+        **rt.parse_limits,
     )
     seed = req.seed if req.seed is not None else random_seed()
     completion, ticket, pacer = admit(rt, req, record, seed)
@@ -254,6 +255,9 @@ def admit(
             int(time.time()),
             pacer,
             framing,
+            on_tick=pacer.tick,
+            heartbeat_s=settings.heartbeat_s,
+            tokenizer=rt.model.tokenizer,
         )
     except BaseException:
         ticket.release()

@@ -49,7 +49,7 @@ NUMBER_PARAMS = (
     "n",
     "logprobs",
 )
-BOOLEAN_PARAMS = ("echo",)
+BOOLEAN_PARAMS = ("echo", "ignore_eos")
 LIST_PARAMS = ("stop",)
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _EVENT_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,10}|done)")
@@ -155,11 +155,8 @@ def stream_completion() -> Response:
             None,
         )
     rt = runtime()
-    settings = rt.settings
     record: RequestRecord = g.record
-    req = parse_completion_request(
-        query_body(request.args), max_prompt_tokens=settings.max_prompt_tokens, max_n=settings.max_n
-    )
+    req = parse_completion_request(query_body(request.args), **rt.parse_limits)
     last = parse_last_event_id(request.headers.get("Last-Event-ID"))
     if last is not None and req.seed is not None and last[0] != req.seed:
         raise invalid("'Last-Event-ID' names another seed than 'seed'.", "Last-Event-ID")

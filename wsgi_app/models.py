@@ -18,7 +18,9 @@ from typing import Any
 from flask import Blueprint, Response
 
 from model.bigram import default_model_dir
-from model.checkpoint import WEIGHTS_NAME
+from model.llama import CONFIG_NAME
+from model.llama_config import read_json_object
+from model.loader import LoadedModel
 from wsgi_app.errors import ApiError, json_bytes
 from wsgi_app.runtime import runtime
 
@@ -44,23 +46,29 @@ def model_id(config: Mapping[str, Any], model_dir: Path, packaged: bool) -> str:
     return Path(model_dir).resolve().name or DEFAULT_MODEL_ID
 
 
-def model_card(model: Any) -> dict[str, Any]:
+def model_card(model: LoadedModel) -> dict[str, Any]:
     """Return the OpenAI ``model`` object of a loaded model.
 
-    ``created`` is the checkpoint file's modification time (Unix seconds): the same in every worker.
+    ``created`` is the config file's modification time (Unix seconds): the same in every worker.
+    ``context_length`` (an extension, like vLLM's ``max_model_len``) is the most tokens a prompt
+    and its completion may hold together; the bigram has no such limit and omits it.
     """
     directory = Path(model.model_dir)
     packaged = directory.resolve() == Path(str(default_model_dir())).resolve()
     try:
-        created = int(os.stat(directory / WEIGHTS_NAME).st_mtime)
-    except OSError:  # the file went away after loading: the model in memory still serves
-        created = 0
-    return {
-        "id": model_id(model.config, directory, packaged),
+        config = read_json_object(directory / CONFIG_NAME)
+        created = int(os.stat(directory / CONFIG_NAME).st_mtime)
+    except (OSError, ValueError):  # the file went away after loading: the model still serves
+        config, created = {}, 0
+    card = {
+        "id": model_id(config, directory, packaged),
         "object": "model",
         "created": created,
         "owned_by": OWNER,
     }
+    if model.context_length is not None:
+        card["context_length"] = model.context_length
+    return card
 
 
 def _json(obj: object) -> Response:

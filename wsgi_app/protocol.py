@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.sampling import SamplingParams
+from model.tokenizer import ByteTokenizer, TextTokenizer
 from wsgi_app.errors import invalid
 
-VOCAB_SIZE = 256  # byte tokens: the only tokenizer the server has so far
 MAX_TOKENS_LIMIT = 4096
 MAX_STOP = 4
 MAX_LOGPROBS = 5
@@ -29,7 +29,7 @@ class CompletionRequest:
 
     Attributes:
         model: the requested model name, echoed in every answer.
-        prompt_ids: prompt token ids (bytes for the byte tokenizer), non-empty.
+        prompt_ids: prompt token ids (the model tokenizer's; bytes for the bigram), non-empty.
         prompt_text: the prompt as text (for ``echo``).
         max_tokens: tokens to generate per choice, 0..4096 (0 only with ``echo``).
         sampling: the sampling parameters of DESIGN §3.
@@ -40,6 +40,7 @@ class CompletionRequest:
         logprobs: number of top alternatives to report per token (0..5), or None for no logprobs.
         stream: answer as Server-Sent Events.
         include_usage: with ``stream``, send a final usage chunk before ``[DONE]``.
+        ignore_eos: keep generating past the model's end-of-sequence token (vLLM's extension).
     """
 
     model: str
@@ -54,6 +55,7 @@ class CompletionRequest:
     logprobs: int | None = None
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False
 
 
 def _reject_constant(name: str) -> Any:
@@ -142,19 +144,27 @@ def _check_unicode(text: str, name: str) -> None:
         raise invalid(f"'{name}' contains a lone surrogate code point.", name) from None
 
 
-def _prompt(value: Any, max_prompt_tokens: int) -> tuple[tuple[int, ...], str]:
+def _prompt(
+    value: Any, max_prompt_tokens: int, tokenizer: TextTokenizer
+) -> tuple[tuple[int, ...], str]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         value = value[0]
+    vocab_size = tokenizer.vocab_size
     if isinstance(value, str):
         _check_unicode(value, "prompt")
-        ids = tuple(value.encode("utf-8"))
+        if not value:
+            raise invalid("'prompt' must not be empty.", "prompt")
+        ids = tuple(tokenizer.encode(value))
         text = value
     elif isinstance(value, list) and value and all(_is_int(t) for t in value):
-        bad = next((t for t in value if not 0 <= t < VOCAB_SIZE), None)
+        bad = next((t for t in value if not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise invalid(f"Token id {bad} in 'prompt' is outside the vocabulary 0..255.", "prompt")
+            raise invalid(
+                f"Token id {bad} in 'prompt' is outside the vocabulary 0..{vocab_size - 1}.",
+                "prompt",
+            )
         ids = tuple(value)
-        text = bytes(ids).decode("utf-8", "replace")
+        text = b"".join(tokenizer.token_bytes[t] for t in ids).decode("utf-8", "replace")
     elif isinstance(value, list) and len(value) > 1 and all(isinstance(p, str) for p in value):
         raise invalid("Only one prompt per request is supported; send one string.", "prompt")
     else:
@@ -184,16 +194,16 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
         raise invalid("'logit_bias' must be an object mapping token ids to numbers.", "logit_bias")
     bias: dict[int, float] = {}
     for key, weight in value.items():
-        if not (key.isascii() and key.isdigit()) or int(key) >= VOCAB_SIZE:
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
             raise invalid(
-                f"'logit_bias' key {key!r} is not a token id in 0..{VOCAB_SIZE - 1}.", "logit_bias"
+                f"'logit_bias' key {key!r} is not a token id in 0..{vocab_size - 1}.", "logit_bias"
             )
         if not _is_number(weight) or not -100 <= weight <= 100:
             raise invalid(
@@ -220,7 +230,12 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
 
 
 def parse_completion_request(
-    body: dict[str, Any], *, max_prompt_tokens: int = 32_768, max_n: int = 8
+    body: dict[str, Any],
+    *,
+    max_prompt_tokens: int = 32_768,
+    max_n: int = 8,
+    tokenizer: TextTokenizer | None = None,
+    context_length: int | None = None,
 ) -> CompletionRequest:
     """Validate a decoded ``/v1/completions`` body into a :class:`CompletionRequest`.
 
@@ -228,6 +243,8 @@ def parse_completion_request(
         body: the decoded JSON object.
         max_prompt_tokens: prompt length limit in tokens (``MAX_PROMPT_TOKENS``).
         max_n: largest accepted ``n`` (``MAX_N``).
+        tokenizer: the model's tokenizer (default: bytes, the bigram's).
+        context_length: the model's context in tokens (prompt + completion), or None for no limit.
 
     Raises:
         ApiError: 400 naming the first invalid field in ``param``.
@@ -238,7 +255,9 @@ def parse_completion_request(
     _check_unicode(model, "model")
     if "prompt" not in body or body["prompt"] is None:
         raise invalid("'prompt' is required.", "prompt")
-    prompt_ids, prompt_text = _prompt(body["prompt"], max_prompt_tokens)
+    tokenizer = tokenizer or ByteTokenizer()
+    vocab_size = tokenizer.vocab_size
+    prompt_ids, prompt_text = _prompt(body["prompt"], max_prompt_tokens, tokenizer)
 
     for unsupported in ("suffix", "best_of"):
         value = body.get(unsupported)
@@ -253,7 +272,7 @@ def parse_completion_request(
         )
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    top_k = _integer(body, "top_k", 0, -1, VOCAB_SIZE)
+    top_k = _integer(body, "top_k", 0, -1, vocab_size)
     min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
     presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
     frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
@@ -265,13 +284,16 @@ def parse_completion_request(
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid("'user' must be a string.", "user")
+    ignore_eos = _boolean(body, "ignore_eos")
+    if context_length is not None:
+        _check_context(len(prompt_ids), max_tokens, context_length)
 
     sampling = SamplingParams(
         temperature=temperature,
         top_k=max(top_k, 0),  # -1 and 0 both mean "off" (vLLM's convention and ours)
         top_p=top_p,
         min_p=min_p,
-        logit_bias=_logit_bias(body.get("logit_bias")),
+        logit_bias=_logit_bias(body.get("logit_bias"), vocab_size),
         presence_penalty=presence,
         frequency_penalty=frequency,
     )
@@ -288,4 +310,22 @@ def parse_completion_request(
         logprobs=logprobs,
         stream=stream,
         include_usage=include_usage,
+        ignore_eos=ignore_eos,
     )
+
+
+def _check_context(prompt_tokens: int, max_tokens: int, context_length: int) -> None:
+    """Refuse a prompt that leaves no room, or a prompt + completion beyond the model's context."""
+    if prompt_tokens >= context_length:
+        raise invalid(
+            f"This model's maximum context length is {context_length} tokens; the prompt has "
+            f"{prompt_tokens} tokens, which leaves no room for a completion.",
+            "prompt",
+        )
+    if prompt_tokens + max_tokens > context_length:
+        raise invalid(
+            f"This model's maximum context length is {context_length} tokens; you requested "
+            f"{prompt_tokens + max_tokens} ({prompt_tokens} in the prompt, {max_tokens} for the "
+            f"completion). Reduce the prompt or 'max_tokens'.",
+            "max_tokens",
+        )

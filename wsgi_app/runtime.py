@@ -43,8 +43,9 @@ class Runtime:
 
     Attributes:
         settings: the frozen settings.
-        model: the loaded model (``model.bigram.Bigram``).
-        engine: the token-stream engine over ``model``.
+        model: the loaded model and its tokenizer (``model.loader.LoadedModel``).
+        engine: the token-stream engine over it: the bigram's inline engine, or the Llama batching
+            engine on its native thread (``wsgi_app.engine_thread.ThreadedEngine``).
         exporter: the span exporter (``telemetry.otlp.SpanExporter`` or ``NullExporter``).
         model_version: ``X-Model-Version`` value: checkpoint hash + code version.
         admission: the worker's slots and queue.
@@ -70,6 +71,16 @@ class Runtime:
     stop_at: float | None = None
     rate_limit_storage_errors: int = 0
     observer: Any = None
+
+    @property
+    def parse_limits(self) -> dict[str, Any]:
+        """Keyword arguments for ``protocol.parse_completion_request``: the limits and tokenizer."""
+        return {
+            "max_prompt_tokens": self.settings.max_prompt_tokens,
+            "max_n": self.settings.max_n,
+            "tokenizer": self.model.tokenizer,
+            "context_length": self.model.context_length,
+        }
 
     @property
     def ready(self) -> bool:
@@ -157,6 +168,10 @@ class Pacer:
             gevent.idle()
             self._since = time.perf_counter()
             self._slice = hub_slice(self._rt.admission.busy)
+
+    def tick(self) -> None:
+        """Called while the engine has no token yet (a tick): enforce the deadlines only."""
+        self.check(time.perf_counter())
 
     def check(self, now: float) -> None:
         """Raise if the request's deadline or the worker's stop time has passed at ``now``."""

@@ -118,6 +118,7 @@ class Settings:
             generates one per server start when ``CLIENT_HASH_SALT`` is unset).
         prometheus_multiproc_dir: ``prometheus_client``'s multiprocess directory, or None for
             single-process metrics (set by gunicorn.conf.py).
+        pages: serve the demo page ``/`` and the status page ``/status`` (``PAGES``, 1 or 0).
     """
 
     model_dir: str | None = None
@@ -147,6 +148,7 @@ class Settings:
     slo_target: float = 0.99
     client_hash_salt: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     prometheus_multiproc_dir: str | None = None
+    pages: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -183,4 +185,5 @@ class Settings:
             slo_target=_float(env, "SLO_TARGET", 0.99, 0.5, 0.999999),
             client_hash_salt=_str(env, "CLIENT_HASH_SALT", "") or secrets.token_hex(16),
             prometheus_multiproc_dir=_str(env, "PROMETHEUS_MULTIPROC_DIR", "") or None,
+            pages=_int(env, "PAGES", 1, 0, 1) == 1,
         )

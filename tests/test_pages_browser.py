@@ -1,0 +1,310 @@
+"""The demo (``/``) and status (``/status``) pages in a real browser: headless Chromium from Debian's
+``chromium`` package, driven by Playwright with that system executable (``.ci/run`` installs it; a
+Playwright-downloaded browser is never used).
+
+The server streams slowly (``GREENSERVE_FAULTS=slow_step_s=0.05``) so that every token is its own update
+on the page, and requires an API key, which the demo passes as ``api_key``. Screenshots of both pages,
+wide and narrow, are saved under ``test-artifacts/`` at the repository root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Browser, Page, sync_playwright
+
+from tests.server import ROOT, GunicornServer
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ARTIFACTS = ROOT / "test-artifacts"
+KEY = "demo-key-1"
+SLOW_STEP_S = 0.05
+WIDE = {"width": 1280, "height": 900}
+NARROW = {"width": 390, "height": 844}
+
+pytestmark = pytest.mark.skipif(
+    not os.access(CHROMIUM, os.X_OK),
+    reason=f"{CHROMIUM} is missing: install Debian's chromium package (.ci/run does)",
+)
+
+# Record every change of the continuation's text (its length and the page's state at that moment).
+RECORD = """() => {
+  window.samples = [];
+  const completion = document.getElementById("completion");
+  new MutationObserver(() => window.samples.push({
+    length: completion.textContent.length,
+    state: document.getElementById("demo").dataset.state,
+  })).observe(completion, { childList: true, characterData: true, subtree: true });
+}"""
+
+# WCAG 2.x contrast of every visible text (4.5:1) and every chart mark (3:1) against the nearest
+# opaque background; controls that are disabled are exempt, as in WCAG.
+CONTRAST = """() => {
+  const rgb = (s) => (s.match(/[\\d.]+/g) || []).map(Number);
+  const lum = ([r, g, b]) => {
+    const f = (c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; };
+    return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+  };
+  const ratio = (a, b) => {
+    const [x, y] = [lum(a), lum(b)].sort((p, q) => q - p);
+    return (x + 0.05) / (y + 0.05);
+  };
+  const background = (el) => {
+    for (let n = el; n; n = n.parentElement) {
+      const c = rgb(getComputedStyle(n).backgroundColor);
+      if (c.length === 3 || (c.length === 4 && c[3] === 1)) return c.slice(0, 3);
+    }
+    return [255, 255, 255];
+  };
+  const visible = (el) => {
+    const r = el.getBoundingClientRect();
+    return r.width > 0 && r.height > 0 && getComputedStyle(el).visibility !== "hidden";
+  };
+  const failures = [];
+  let checked = 0;
+  for (const el of document.querySelectorAll("body *")) {
+    if (!visible(el) || el.closest("[disabled], .visually-hidden, .skip")) continue;
+    const svg = el instanceof SVGElement;
+    const hasText = [...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
+    const mark = svg && el.classList.contains("mark");
+    if (!hasText && !mark) continue;
+    const color = rgb(getComputedStyle(el)[svg ? "fill" : "color"]).slice(0, 3);
+    const value = ratio(color, background(el));
+    checked += 1;
+    if (value < (mark ? 3 : 4.5)) {
+      failures.push(`${el.tagName}.${el.getAttribute("class")} "${el.textContent.trim().slice(0, 30)}" ${value.toFixed(2)}`);
+    }
+  }
+  return { checked, failures };
+}"""
+
+# Every form control has a label, every chart a name, the page a language.
+LABELS = """() => ({
+  lang: document.documentElement.lang,
+  unlabelled: [...document.querySelectorAll("input, textarea, select")]
+    .filter((c) => !c.labels.length && !c.getAttribute("aria-label")).map((c) => c.id),
+  charts: [...document.querySelectorAll("svg[role=img]")].map((s) => s.getAttribute("aria-label")),
+  overflow: document.documentElement.scrollWidth - window.innerWidth,
+})"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GunicornServer]:
+    env = {
+        "GREENSERVE_FAULTS": f"slow_step_s={SLOW_STEP_S}",
+        "API_KEYS": KEY,
+        "STATS_FLUSH_S": "0.2",
+        "SLO_TTFT_S": "0.5",
+    }
+    srv = GunicornServer(tmp_path_factory.mktemp("pages-browser"), env).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+class Watch:
+    """What a page loaded and complained about."""
+
+    def __init__(self, page: Page) -> None:
+        self.urls: list[str] = []
+        self.errors: list[str] = []
+        page.on("request", lambda r: self.urls.append(r.url))
+        page.on("pageerror", lambda e: self.errors.append(str(e)))
+        page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[tuple[Page, Watch]]:
+    context = browser.new_context(viewport=WIDE, color_scheme="light")
+    pg = context.new_page()
+    pg.set_default_timeout(15_000)
+    yield pg, Watch(pg)
+    context.close()
+
+
+def bearer() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def screenshot(pg: Page, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / name
+    pg.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def check_page(pg: Page, watch: Watch, server: GunicornServer) -> dict:
+    """Assert what every page owes: same-origin loads only, no errors, labels, contrast."""
+    assert [u for u in watch.urls if not u.startswith(server.url + "/")] == []
+    assert watch.errors == []
+    labels = pg.evaluate(LABELS)
+    assert labels["lang"] == "en" and labels["unlabelled"] == [] and labels["overflow"] <= 0
+    contrast = pg.evaluate(CONTRAST)
+    assert contrast["failures"] == [] and contrast["checked"] > 20
+    return labels
+
+
+def fill_request(pg: Page, max_tokens: int, seed: int, key: str = KEY) -> None:
+    pg.fill("#prompt", "ROMEO:")
+    pg.fill("#temperature", "0.8")
+    pg.fill("#max_tokens", str(max_tokens))
+    pg.fill("#seed", str(seed))
+    pg.fill("#api_key", key)
+
+
+def debug_state(server: GunicornServer) -> dict:
+    status, _, body = server.get("/debug/state")
+    assert status == 200
+    return json.loads(body)
+
+
+def test_demo_streams_the_continuation_token_by_token(server, page):
+    pg, watch = page
+    params = {"model": "bigram", "prompt": "ROMEO:", "max_tokens": 30, "temperature": 0.8, "seed": 11}
+    status, _, body = server.complete(params, headers=bearer())
+    assert status == 200
+    expected = json.loads(body)["choices"][0]["text"]
+
+    pg.goto(server.url + "/")
+    assert pg.get_attribute("#demo", "data-state") == "idle"
+    fill_request(pg, 30, 11)
+    pg.evaluate(RECORD)
+    pg.click("#generate")
+    pg.wait_for_selector('#demo[data-state="done"]')
+
+    assert pg.text_content("#completion") == expected
+    assert pg.text_content("#prompt-echo") == "ROMEO:"
+    samples = pg.evaluate("window.samples")
+    lengths = [s["length"] for s in samples]
+    # The text grew in many separate updates, all while the page said it was streaming.
+    assert len(lengths) >= 10 and lengths == sorted(set(lengths)) and lengths[-1] == len(expected)
+    assert {s["state"] for s in samples} == {"streaming"}
+    assert pg.text_content("#tokens") == "30"
+    assert pg.text_content("#seed-used") == "11"
+    assert re.fullmatch(r"\d+ ms|\d+\.\d\d s", pg.text_content("#ttft"))
+    assert re.fullmatch(r"\d+\.\d", pg.text_content("#tps"))
+    assert pg.text_content("#state") == "Done: 30 tokens, finish reason “length”."
+    # The page closed the stream on [DONE]: no reconnect, one request for the stream.
+    assert pg.evaluate("window.greenserve.source.readyState") == 2
+    assert [u for u in watch.urls if "/v1/completions" in u] == [
+        server.url + "/v1/completions?model=bigram&prompt=ROMEO%3A&max_tokens=30&temperature=0.8"
+        f"&seed=11&api_key={KEY}"
+    ]
+    check_page(pg, watch, server)
+    screenshot(pg, "demo.png")
+    pg.set_viewport_size(NARROW)
+    check_page(pg, watch, server)
+    screenshot(pg, "demo-narrow.png")
+
+
+def test_stop_closes_the_stream_and_frees_the_slot(server, page):
+    pg, watch = page
+    pg.goto(server.url + "/")
+    fill_request(pg, 4096, 3)  # about 200 s of tokens at the injected pace
+    pg.click("#generate")
+    pg.wait_for_function("() => document.getElementById('completion').textContent.length >= 5")
+    held = debug_state(server)
+    assert held["slots"]["busy"] == 1 and [r["state"] for r in held["requests"]] == ["running"]
+
+    pg.click("#stop")
+    assert pg.get_attribute("#demo", "data-state") == "stopped"
+    assert pg.evaluate("window.greenserve.source.readyState") == 2
+    tokens = int(pg.text_content("#tokens"))
+    assert pg.text_content("#state") == f"Stopped after {tokens} tokens."
+    text = pg.text_content("#completion")
+    deadline = time.monotonic() + 10
+    while (state := debug_state(server))["slots"]["busy"] or state["requests"]:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+    pg.wait_for_timeout(4 * SLOW_STEP_S * 1000)
+    assert pg.text_content("#completion") == text  # nothing arrived after Stop
+    assert pg.is_enabled("#generate") and not pg.is_enabled("#stop")
+    assert watch.errors == []
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("wrong", "401: Invalid API key."),
+        ("", "401: Missing API key: send it as 'Authorization: Bearer <key>'."),
+    ],
+)
+def test_a_refused_stream_shows_the_servers_message(server, page, key, message):
+    pg, _ = page
+    pg.goto(server.url + "/")
+    assert pg.get_attribute("#api_key", "required") is not None  # this server requires a key
+    fill_request(pg, 5, 1, key)
+    pg.evaluate("document.getElementById('api_key').required = false")  # submit it anyway
+    pg.click("#generate")
+    pg.wait_for_selector('#demo[data-state="error"]')
+    pg.wait_for_selector("#error:not([hidden])")
+    assert pg.text_content("#error") == message
+    assert pg.text_content("#state") == "The server refused the request."
+    assert pg.evaluate("window.greenserve.source.readyState") == 2
+
+
+def test_status_page_draws_the_charts(server, page):
+    pg, watch = page
+    for seed in range(4):
+        body = {"model": "bigram", "prompt": "KING:", "max_tokens": 4, "seed": seed}
+        assert server.complete(body, headers=bearer())[0] == 200
+    assert server.complete({"model": "bigram"}, headers=bearer())[0] == 400
+    assert server.complete({"model": "bigram", "prompt": "x"})[0] == 401
+
+    pg.goto(server.url + "/status")
+    pg.wait_for_function("() => Number(document.getElementById('status').dataset.updates) >= 1")
+    history = json.loads(server.get("/stats/history")[2])
+    stats = json.loads(server.get("/stats")[2])
+    minutes = history["minutes"]
+    requests = sum(m["requests"] for m in minutes)
+    failed = sum(m["failed"] for m in minutes)
+    generated = sum(m["completion_tokens"] for m in minutes)
+    prompt = sum(m["prompt_tokens"] for m in minutes)
+
+    def marks(chart: str) -> int:
+        return pg.locator(f"#chart-{chart} .mark").count()
+
+    assert 1 <= marks("requests") <= 2 * len([m for m in minutes if m["requests"]])
+    assert 1 <= marks("tokens") <= 2 * len([m for m in minutes if m["completion_tokens"]])
+    assert marks("ttft") == sum((m["ttft_p50_s"] is not None) + (m["ttft_p95_s"] is not None) for m in minutes)
+    assert marks("ttft") >= 1
+    assert marks("latency") == 12  # p50, p90 and p99 of TTFT, inter-token, end-to-end, queue wait
+    assert marks("statuses") == len(stats["totals"]["by_status"])
+    assert {"200", "400", "401"} <= set(stats["totals"]["by_status"])
+    labels = check_page(pg, watch, server)
+    assert labels["charts"][:2] == [
+        f"Requests per minute over the last 60 minutes: {requests} requests, {failed} failed.",
+        f"Tokens per minute over the last 60 minutes: {generated} generated, {prompt} prompt tokens.",
+    ]
+    assert "objective 500 ms" in pg.text_content("#chart-ttft")
+    assert pg.text_content("#tile-budget .value") == "100%"
+    assert "within 0.5 s (SLO_TTFT_S)" in pg.text_content("#objective")
+    assert pg.locator("#workers tr").count() == 1
+    assert pg.text_content("#workers tr td:nth-child(2)") == "ready"
+    screenshot(pg, "status.png")
+    pg.set_viewport_size(NARROW)
+    pg.wait_for_timeout(200)  # the charts are redrawn at the new width
+    check_page(pg, watch, server)
+    screenshot(pg, "status-narrow.png")
