@@ -12,10 +12,10 @@ def _find(results: dict, server: str, scenario: str, conc: int) -> dict | None:
     return None
 
 
-def _ratio(a: dict | None, b: dict | None) -> float | None:
-    if a is None or b is None or not b["tokens_per_s"]:
+def _ratio(a: dict | None, b: dict | None, key: str = "tokens_per_s") -> float | None:
+    if a is None or b is None or not b.get(key) or a.get(key) is None:
         return None
-    return round(a["tokens_per_s"] / b["tokens_per_s"], 2)
+    return round(a[key] / b[key], 2)
 
 
 def summary(results: dict[str, Any]) -> dict[str, Any]:
@@ -26,9 +26,12 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
             continue
         key = f"{run['scenario']}_c{run['concurrency']}"
         args = (run["scenario"], run["concurrency"])
+        canned, fastapi = _find(results, "pywsgi", *args), _find(results, "fastapi", *args)
         out[key] = {
-            "vs_pywsgi_ceiling": _ratio(run, _find(results, "pywsgi", *args)),
-            "vs_fastapi": _ratio(run, _find(results, "fastapi", *args)),
+            "vs_pywsgi_ceiling": _ratio(run, canned),
+            "vs_fastapi": _ratio(run, fastapi),
+            "per_cpu_s_vs_pywsgi_ceiling": _ratio(run, canned, "tokens_per_server_cpu_s"),
+            "per_cpu_s_vs_fastapi": _ratio(run, fastapi, "tokens_per_server_cpu_s"),
         }
     return out
 
@@ -47,23 +50,25 @@ def markdown(results: dict[str, Any]) -> str:
     """Return the comparison table, greenserve's detail table, and the healthz, hold and micro lines."""
     lines = [
         "| scenario | conc | greenserve tok/s | pywsgi canned tok/s | FastAPI tok/s "
-        "| ÷ canned | ÷ FastAPI |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| ÷ canned | ÷ FastAPI | ÷ canned, per CPU-s | ÷ FastAPI, per CPU-s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     detail = [
-        "| server | scenario | conc | tok/s | req/s | TTFT p50 / p90 / p99 ms | ITL p50 / p99 ms "
-        "| errors | server CPU s (util) | RSS MB | client busy |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| server | scenario | conc | tok/s | tok per CPU-s | req/s | TTFT p50 / p90 / p99 ms "
+        "| ITL p50 / p99 ms | errors | server CPU util | other load on its core | RSS MB "
+        "| client busy |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     seen = set()
     for run in results.get("runs", []):
         r = run
+        per_cpu = r.get("tokens_per_server_cpu_s")
         detail.append(
             f"| {r['server']} | {r['scenario']} | {r['concurrency']} | {r['tokens_per_s']:.0f} "
-            f"| {r['requests_per_s']:.1f} | {_ms(r['ttft_ms'], 'p50', 'p90', 'p99')} "
-            f"| {_ms(r['itl_ms'], 'p50', 'p99')} | {_errors(r)} "
-            f"| {r['server_cpu_s']:.1f} ({r['server_cpu_util']:.2f}) | {r['server_rss_mb']:.0f} "
-            f"| {r['client_busy']:.2f} |"
+            f"| {'–' if per_cpu is None else f'{per_cpu:.0f}'} | {r['requests_per_s']:.1f} "
+            f"| {_ms(r['ttft_ms'], 'p50', 'p90', 'p99')} | {_ms(r['itl_ms'], 'p50', 'p99')} "
+            f"| {_errors(r)} | {r['server_cpu_util']:.2f} | {r['server_core_other_util']:.2f} "
+            f"| {r['server_rss_mb']:.0f} | {r['client_busy']:.2f} |"
         )
         key = (r["scenario"], r["concurrency"])
         if r["scenario"] == "healthz" or key in seen:
@@ -72,6 +77,7 @@ def markdown(results: dict[str, Any]) -> str:
         cells = [_find(results, s, *key) for s in ("greenserve", "pywsgi", "fastapi")]
         tps = ["–" if c is None else f"{c['tokens_per_s']:.0f}" for c in cells]
         ratios = [_ratio(cells[0], cells[1]), _ratio(cells[0], cells[2])]
+        ratios += [_ratio(cells[0], c, "tokens_per_server_cpu_s") for c in cells[1:]]
         lines.append(
             f"| {key[0]} {256 if key[0] == 'stream' else 64} tok | {key[1]} | {' | '.join(tps)} | "
             + " | ".join("–" if x is None else f"{x:.2f}×" for x in ratios)

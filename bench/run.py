@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import micro, report, servers
+from bench import micro, procstat, report, servers
 from bench.hold import run_hold
 from bench.loadgen import LoadSpec, run_load
 
@@ -188,6 +188,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"[{time.monotonic() - t0:6.1f}s] {line}", flush=True)
 
     results: dict[str, Any] = {"meta": _meta(mode_name, argv), "runs": []}
+    all_cores = servers.cores()[0] + servers.cores()[1]
+    before = procstat.core_busy_s(all_cores)
+    time.sleep(1.0)
+    results["meta"]["busy_cores_before"] = round(procstat.core_busy_s(all_cores) - before, 2)
+    if results["meta"]["busy_cores_before"] > 0.1:
+        log(
+            f"warning: {results['meta']['busy_cores_before']} cores busy before the run; other "
+            "processes will disturb it (see server_core_other_util in each result)"
+        )
     if not args.no_micro:
         results["micro"] = micro.run(**mode["micro"])
         log(f"micro: {results['micro']}")

@@ -164,7 +164,7 @@ def readme_block(language: str, marker: str) -> str:
 
 
 def test_readme_curl_line(default_server):
-    command = readme_block("sh", "curl -N")
+    command = readme_block("sh", f"curl -N {README_URL}/v1/completions")
     assert README_URL in command
     run = subprocess.run(
         ["bash", "-c", command.replace(README_URL, default_server.url)],

@@ -11,22 +11,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import gevent
 from flask import current_app
 
 from wsgi_app.admission import Admission
 from wsgi_app.errors import ApiError
+from wsgi_app.hubturn import HubTurn
 from wsgi_app.settings import Settings
 
 EXTENSION = "greenserve"
 # The bigram engine runs inline in the request's greenlet: give the hub a turn at least this often, so
 # one fast stream never holds the other connections (and /healthz) for more than about a millisecond.
 HUB_SLICE_S = 0.0005
-# Streams yield with gevent.idle(), which resumes them only when the hub has nothing else pending: new
-# connections, /healthz probes and other I/O go first, and the hub polls for I/O once per round of the
-# running streams. So that a round stays near HUB_ROUND_S however many streams run, the slice shrinks to
-# HUB_ROUND_S divided by the busy slots (down to one token). Chosen with bench/ (README, Performance).
+# Streams yield with a HubTurn (wsgi_app/hubturn.py), which resumes them when the hub has nothing else
+# pending: new connections, /healthz probes and other I/O go first, and the hub polls for I/O once per
+# round of the running streams. So that a round stays near HUB_ROUND_S however many streams run, the
+# slice shrinks to HUB_ROUND_S divided by the busy slots (down to one token). While new work keeps the
+# hub busy, a turn still comes after HUB_MAX_WAIT_S. Chosen with bench/ (README, Performance).
 HUB_ROUND_S = 0.01
+HUB_MAX_WAIT_S = 0.05
 
 
 def hub_slice(busy: int) -> float:
@@ -129,10 +131,11 @@ def unavailable(message: str) -> ApiError:
 
 class Pacer:
     """Called after every generated token of one request: stamps TTFT, enforces the request's deadline
-    and the shutdown deadline, and yields the gevent hub a turn (``gevent.idle()``: pending I/O and new
-    requests first) once this greenlet has run for its slice (:func:`hub_slice`: ``HUB_SLICE_S``, less
-    when many streams run). Every token's ``perf_counter`` is appended to ``record.token_times``
-    (8 bytes a token); the inter-token statistics are computed from it once, when the request ends.
+    and the shutdown deadline, and yields the gevent hub a turn (:class:`~wsgi_app.hubturn.HubTurn`:
+    pending I/O and new requests first) once this greenlet has run for its slice (:func:`hub_slice`:
+    ``HUB_SLICE_S``, less when many streams run). Every token's ``perf_counter`` is appended to
+    ``record.token_times`` (8 bytes a token); the inter-token statistics are computed from it once,
+    when the request ends.
 
     The common path costs one ``perf_counter`` read, one array append and three comparisons.
 
@@ -140,7 +143,7 @@ class Pacer:
         ApiError: 504 ``timeout`` past the deadline; 503 ``unavailable`` when the worker is stopping.
     """
 
-    __slots__ = ("_rt", "_record", "_times", "deadline", "_since", "_slice")
+    __slots__ = ("_rt", "_record", "_times", "deadline", "_since", "_slice", "_turn")
 
     def __init__(self, rt: Runtime, record: Any, deadline: float) -> None:
         self._rt = rt
@@ -149,6 +152,7 @@ class Pacer:
         self.deadline = deadline
         self._since = time.perf_counter()
         self._slice = hub_slice(rt.admission.busy)
+        self._turn = HubTurn(HUB_MAX_WAIT_S)
 
     @staticmethod
     def make(rt: Runtime, record: Any, deadline: float) -> Pacer:
@@ -165,7 +169,7 @@ class Pacer:
         if now >= self.deadline or self._rt.stop_at is not None:
             self.check(now)
         if now - self._since >= self._slice:
-            gevent.idle()
+            self._turn()
             self._since = time.perf_counter()
             self._slice = hub_slice(self._rt.admission.busy)
 

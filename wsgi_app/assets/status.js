@@ -195,6 +195,7 @@ function renderWorkers(workers) {
       } else {
         td.textContent = text;
       }
+      if (i === 5) td.className = "wide-only";
       tr.append(td);
     });
     return tr;
