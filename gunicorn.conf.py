@@ -75,11 +75,38 @@ limit_request_fields = 100
 limit_request_field_size = 8190
 
 
+# gunicorn's control socket, one per API port so two servers on a host never take over each other's
+# (GUNICORN_CONTROL_SOCKET; the default is one shared path per user).
+control_socket = os.environ.get("GUNICORN_CONTROL_SOCKET") or os.path.join(
+    tempfile.gettempdir(), f"greenserve-{_port}.ctl"
+)
+
+
+def _check_config_or_exit():
+    """Fail fast, once, in the master: a bad setting or model directory is one clear line on stderr
+    and exit code 1, not a traceback from every worker. Workers load the model again for themselves
+    (memory-mapped, so this costs little)."""
+    import sys
+
+    from model.loader import load_model
+    from wsgi_app.settings import Settings
+
+    try:
+        settings = Settings.from_env()
+        load_model(settings.model_dir)
+    except ValueError as exc:
+        print(f"greenserve: cannot start: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
 def on_starting(server):
-    """Start from empty metrics (counters count from this start) and pick the client-hash salt that
-    every worker shares (CLIENT_HASH_SALT, else a new random one per server start)."""
+    """Check the settings and the model, start from empty metrics (counters count from this start)
+    and pick the client-hash salt that every worker shares (CLIENT_HASH_SALT, else a new random one
+    per server start)."""
     import glob
     import secrets
+
+    _check_config_or_exit()
 
     for path in glob.glob(os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], "*.db")):
         os.remove(path)

@@ -3,9 +3,10 @@
 ``POST /v1/completions`` reads ``model``, ``max_tokens`` and ``stream`` from the JSON body and answers with
 frames of the same shape and size as greenserve's (one ``data:`` event per token, the last one with
 ``"finish_reason":"length"``, then ``[DONE]``), pre-formatted once per request. Like greenserve it
-gives the hub a turn (``gevent.idle()``) once a stream has run for its slice (``REF_HUB_SLICE_S``, shrunk to
-``REF_HUB_ROUND_S`` divided by the running streams; the benchmark passes greenserve's values), so the
-comparison is the same scheduling with no model, no Flask and no gunicorn. ``GET /healthz`` answers
+gives the hub a turn once a stream has run for its slice (``REF_HUB_SLICE_S``, shrunk to
+``REF_HUB_ROUND_S`` divided by the running streams), resuming when the hub is idle or after
+``REF_HUB_MAX_WAIT_S`` (greenserve's ``wsgi_app.hubturn``; the benchmark passes greenserve's values), so
+the comparison is the same scheduling with no model, no Flask and no gunicorn. ``GET /healthz`` answers
 ``{"status":"ok"}``.
 
 Run: ``python -m bench.ref_pywsgi PORT`` (one process, one core).
@@ -19,11 +20,12 @@ import socket
 import sys
 import time
 
-import gevent
+from gevent.hub import Waiter, get_hub
 from gevent.pywsgi import WSGIHandler, WSGIServer
 
 HUB_SLICE_S = float(os.environ.get("REF_HUB_SLICE_S", "0.0005"))
 HUB_ROUND_S = float(os.environ.get("REF_HUB_ROUND_S", "0.01"))
+HUB_MAX_WAIT_S = float(os.environ.get("REF_HUB_MAX_WAIT_S", "0.05"))
 _running = [0]  # streams in progress (greenserve reads its busy slots)
 _ID = b'{"id":"cmpl-000000000000000000000000","object":"text_completion","created":1700000000,'
 _OK = b'{"status":"ok"}'
@@ -39,6 +41,20 @@ def _frames(model: str) -> tuple[bytes, bytes]:
     )
 
 
+def _turn() -> None:
+    """Wait until the hub is idle, or at most HUB_MAX_WAIT_S (as greenserve's HubTurn)."""
+    hub = get_hub()
+    idle, timer = hub.loop.idle(), hub.loop.timer(HUB_MAX_WAIT_S)
+    waiter = Waiter(hub)
+    idle.start(waiter.switch, None)
+    timer.start(waiter.switch, None)
+    try:
+        waiter.get()
+    finally:
+        idle.stop()
+        timer.stop()
+
+
 def _stream(model: str, max_tokens: int):
     running, final = _frames(model)
     _running[0] += 1
@@ -49,7 +65,7 @@ def _stream(model: str, max_tokens: int):
         for _ in range(max_tokens - 1):
             yield running
             if time.perf_counter() - since >= slice_s:
-                gevent.idle()
+                _turn()
                 since = time.perf_counter()
                 slice_s = min(HUB_SLICE_S, HUB_ROUND_S / _running[0])
         yield final

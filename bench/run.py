@@ -62,8 +62,26 @@ def _body(stream: bool, max_tokens: int) -> bytes:
     ).encode()
 
 
+def wait_quiet(max_s: float, busy_cores: float = 0.1) -> float:
+    """Wait up to ``max_s`` until the machine's cores are idle (under ``busy_cores`` busy over 2 s).
+
+    On a shared machine other processes disturb a run; this waits them out. Returns the busy cores
+    measured last.
+    """
+    cores = servers.cores()[0] + servers.cores()[1]
+    deadline = time.monotonic() + max_s
+    while True:
+        before = procstat.core_busy_s(cores)
+        time.sleep(2.0)
+        busy = (procstat.core_busy_s(cores) - before) / 2.0
+        if busy < busy_cores or time.monotonic() >= deadline:
+            return busy
+
+
 def _load(srv: servers.Server, mode: dict, stream: bool, conc: int) -> dict[str, Any]:
     max_tokens = 256 if stream else 64
+    if mode.get("wait_quiet_s"):
+        wait_quiet(mode["wait_quiet_s"])
     spec = LoadSpec(
         port=srv.port,
         body=_body(stream, max_tokens),
@@ -84,6 +102,8 @@ def _load(srv: servers.Server, mode: dict, stream: bool, conc: int) -> dict[str,
 
 def _healthz(srv: servers.Server, mode: dict) -> dict[str, Any]:
     """Probe ``/healthz`` on both ports while ``healthz_streams`` long streams run (none ends)."""
+    if mode.get("wait_quiet_s"):
+        wait_quiet(mode["wait_quiet_s"])
     spec = LoadSpec(
         port=srv.port,
         body=_body(True, 4096),
@@ -128,6 +148,8 @@ def _family(name: str, mode: dict, logdir: Path, log) -> list[dict[str, Any]]:
 
 
 def _hold(mode: dict, logdir: Path) -> dict[str, Any]:
+    if mode.get("wait_quiet_s"):
+        wait_quiet(mode["wait_quiet_s"])
     srv = servers.start("greenserve", logdir / "hold", HOLD_ENV)
     try:
         return run_hold(
@@ -174,9 +196,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-hold", action="store_true", help="skip the hold scenario")
     parser.add_argument("--no-micro", action="store_true", help="skip the micro-benchmark")
     parser.add_argument("--out", type=Path, help="results file (default bench/results/<time>.json)")
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="before each run, wait up to S seconds for other processes to leave the cores idle",
+    )
     args = parser.parse_args(argv)
     mode_name = "quick" if args.quick else "full"
-    mode = MODES[mode_name]
+    mode = {**MODES[mode_name], "wait_quiet_s": args.wait_quiet}
     _, client_cores = servers.cores()
     os.sched_setaffinity(0, client_cores)
     t0 = time.monotonic()
@@ -198,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "processes will disturb it (see server_core_other_util in each result)"
         )
     if not args.no_micro:
+        if mode["wait_quiet_s"]:
+            wait_quiet(mode["wait_quiet_s"])
         results["micro"] = micro.run(**mode["micro"])
         log(f"micro: {results['micro']}")
     for name in args.servers.split(","):

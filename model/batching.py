@@ -108,6 +108,10 @@ class BatchScheduler:
             self.live.append(seq)
         return seq
 
+    def prune(self) -> None:
+        """Drop cancelled sequences now (before new ones are added: they free batch places)."""
+        self.live = [s for s in self.live if not s.cancelled]
+
     @property
     def idle(self) -> bool:
         """True when no sequence needs work."""
@@ -122,7 +126,7 @@ class BatchScheduler:
         Raises:
             Exception: whatever the model raises; the caller fails the sequences still live.
         """
-        self.live = [s for s in self.live if not s.cancelled]
+        self.prune()
         touched: list[Sequence] = []
         decoding = [s for s in self.live if s.prefilled == len(s.req.prompt_ids)]
         for seq in self.live:

@@ -55,6 +55,8 @@ def convert_llama2c(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     safetensors.numpy.save_file(ckpt.tensors, out / "model.safetensors", metadata={"format": "pt"})
+    # The writer creates the file 0600; the model is read by the serving user, like its config.
+    os.chmod(out / "model.safetensors", 0o644)
     hf_tokenizer.save(str(out / "tokenizer.json"))
     _write_json(out / "config.json", _config(ckpt))
     _write_json(

@@ -184,9 +184,17 @@ class BigramEngine:
             raise ValueError("prompt_ids: the prompt must not be empty")
         if any(not 0 <= i < vocab_size for i in prompt_ids):
             raise ValueError(f"prompt_ids: an id is outside 0..{vocab_size - 1}")
+        # A bigram has one distribution per previous token: score each distinct row once, so a long
+        # prompt costs at most vocab_size log-softmaxes, then a lookup per token.
+        rows: dict[int, tuple[np.ndarray, tuple[tuple[int, float], ...]]] = {}
         steps = [Step(prompt_ids[0])]
         for prev, token_id in zip(prompt_ids, prompt_ids[1:], strict=False):
-            steps.append(_step_with_logprobs(token_id, self.model.logits(prev), top_n))
+            row = rows.get(prev)
+            if row is None:
+                lp = logprobs_of(self.model.logits(prev))
+                top = np.argsort(-lp, kind="stable")[:top_n]  # logprob descending, ties by lower id
+                row = rows[prev] = (lp, tuple((int(i), float(lp[i])) for i in top))
+            steps.append(Step(token_id, float(row[0][token_id]), row[1]))
         return steps
 
 

@@ -244,3 +244,45 @@ def test_sigterm_drains_engine_streams(stories_dir, tmp_path):
         assert srv.wait(30) == 0
     finally:
         srv.stop()
+
+
+def test_a_leaving_client_frees_its_batch_places_for_the_next(stories_dir, tmp_path):
+    # One slot: A streams 8 choices, B waits in the queue; A hangs up; B must be served, not refused
+    # by a batch that still counts A's cancelled sequences.
+    srv = GunicornServer(tmp_path, {"MODEL_DIR": str(stories_dir), "MAX_SLOTS": "1"}).start()
+    try:
+        for _ in range(3):
+            a = EventReader(
+                srv.port,
+                {
+                    "model": "s",
+                    "prompt": "Once upon a time",
+                    "n": 8,
+                    "max_tokens": 400,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            )
+            a.open()
+            for _ in range(3):
+                a.next_frame()
+            b = EventReader(
+                srv.port,
+                {
+                    "model": "s",
+                    "prompt": "Once",
+                    "max_tokens": 20,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            )
+            b.open()
+            a.close()
+            payloads = sse_events(b": ok\n\n" + b.resp.read())
+            b.close()
+            chunks = [json.loads(p) for p in payloads[:-1]]
+            assert payloads[-1] == b"[DONE]" and "error" not in chunks[-1], chunks[-1]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "Traceback" not in srv.log_text()
+    finally:
+        srv.stop()

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import gevent
+
 from wsgi_app.errors import ApiError
 
 READ_SIZE = 65_536  # bytes per read of the input stream
@@ -27,19 +29,34 @@ def too_large(limit: int) -> ApiError:
     return ApiError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
 
 
-def read_body(environ: Mapping[str, Any], limit: int) -> bytes:
+def read_body(environ: Mapping[str, Any], limit: int, timeout_s: float | None = None) -> bytes:
     """Return the whole request body of ``environ``, at most ``limit`` bytes.
 
     Args:
         environ: the WSGI environ; ``wsgi.input`` must end at the body's end (gunicorn's does, for
             ``Content-Length`` and chunked bodies alike).
         limit: the largest accepted body, in bytes (``MAX_BODY_BYTES``).
+        timeout_s: how long the whole body may take to arrive, in seconds (None: no limit). A client
+            that sends a body slowly, or never finishes it, would otherwise hold a connection forever.
 
     Raises:
         ApiError: 413 ``request_too_large`` when ``Content-Length`` or the bytes actually sent exceed
-            ``limit`` (the rest of the body is not read).
+            ``limit`` (the rest of the body is not read); 408 ``request_timeout`` when the body has
+            not arrived within ``timeout_s``.
         gunicorn.http.errors.ParseException: a malformed chunked body (answered 400 by ``errors.py``).
     """
+    if timeout_s is None:
+        return _read(environ, limit)
+    try:
+        with gevent.Timeout(max(timeout_s, 0.001)):
+            return _read(environ, limit)
+    except gevent.Timeout:
+        raise ApiError(
+            408, f"Request body not received within {timeout_s:.3g} s.", code="request_timeout"
+        ) from None
+
+
+def _read(environ: Mapping[str, Any], limit: int) -> bytes:
     declared = environ.get("CONTENT_LENGTH", "")
     if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)

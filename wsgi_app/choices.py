@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import gevent
+
 from model.generate import GenerationRequest, Step
 from model.stop import StopMatcher
 from model.tokenizer import ByteTokenizer, TextTokenizer
@@ -67,6 +69,27 @@ class Logprobs:
         top = step.top_logprobs
         self.top_logprobs.append(None if top is None else {token_text(t): lp for t, lp in top})
         self.text_offset.append(offset)
+
+    def extend(self, other: Logprobs) -> None:
+        """Append ``other``'s entries (shared, read-only ``top_logprobs`` dicts)."""
+        self.tokens.extend(other.tokens)
+        self.token_logprobs.extend(other.token_logprobs)
+        self.top_logprobs.extend(other.top_logprobs)
+        self.text_offset.extend(other.text_offset)
+
+    def encode(self, pause: Callable[[], None], slice_len: int = 2048) -> bytes:
+        """Return ``json_bytes(self.as_dict())``, encoded a slice of entries at a time with ``pause()``
+        between slices, so that a huge answer (echo + logprobs of a long prompt) never holds the hub
+        for long."""
+        parts = []
+        for key in self.__slots__[:4]:
+            values = getattr(self, key)
+            slices = []
+            for start in range(0, len(values), slice_len):
+                slices.append(json_bytes(values[start : start + slice_len])[1:-1])
+                pause()
+            parts.append(b'"%s":[%s]' % (key.encode(), b",".join(slices)))
+        return b"{" + b",".join(parts) + b"}"
 
     def as_dict(self, start: int = 0) -> dict[str, Any]:
         """Return the entries from index ``start`` on, in the wire shape."""
@@ -201,6 +224,9 @@ class Completion:
         tokenizer: TextTokenizer = BYTE_TOKENIZER,
     ) -> None:
         self.req = req
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._echo_scored = not (req.echo and req.logprobs is not None)
         self.on_tick = on_tick or (lambda: None)
         self.heartbeat_s = heartbeat_s
         self._quiet_since = time.perf_counter()
@@ -210,16 +236,7 @@ class Completion:
         self.choices: list[Choice] = []
         echo_text = req.prompt_text if req.echo else ""
         for i in range(req.n):
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = Logprobs(tokenizer.token_str)
-                if req.echo:
-                    for offset, step in zip(
-                        _offsets(req.prompt_ids, tokenizer.token_bytes),
-                        engine.score(req.prompt_ids, req.logprobs),
-                        strict=True,
-                    ):
-                        logprobs.add(step, offset)
+            logprobs = None if req.logprobs is None else Logprobs(tokenizer.token_str)
             gen = GenerationRequest(
                 prompt_ids=req.prompt_ids,
                 max_tokens=req.max_tokens,
@@ -272,25 +289,53 @@ class Completion:
 
     # -- plain JSON answer ------------------------------------------------------------------------
 
-    def run(self) -> bytes:
-        """Generate every choice to its end and return the JSON body (DESIGN §5 key order)."""
+    def _score_echo(self) -> None:
+        """With ``echo`` and ``logprobs``: score the prompt once (after the slot is granted, not at
+        admission) and give every choice its prompt entries."""
+        if self._echo_scored:
+            return
+        self._echo_scored = True
+        req = self.req
+        scored = self._engine.score(req.prompt_ids, req.logprobs)
+        prompt = Logprobs(self._tokenizer.token_str)
+        offsets = _offsets(req.prompt_ids, self._tokenizer.token_bytes)
+        for i, (offset, step) in enumerate(zip(offsets, scored, strict=True)):
+            prompt.add(step, offset)
+            if i % 2048 == 2047:
+                _pause()
         for choice in self.choices:
-            while choice.finish_reason is None:
+            choice.logprobs.extend(prompt)  # C-level list copies: n choices cost one scoring
+
+    def run(self) -> bytes:
+        """Generate every choice to its end and return the JSON body (DESIGN §5 key order).
+
+        The choices advance round-robin, one token each, so an engine that batches (Llama) has them
+        all in flight at once.
+        """
+        self._score_echo()
+        live = [c for c in self.choices if c.finish_reason is None]
+        while live:
+            for choice in live:
                 if choice.advance() is None:
                     self.on_tick()
                 else:
                     self.cooperate()
-        choices = [
-            {
-                "index": c.index,
-                "text": "".join(c.parts),
-                "logprobs": None if c.logprobs is None else c.logprobs.as_dict(),
-                "finish_reason": c.finish_reason,
-            }
-            for c in self.choices
-        ]
-        body = json_bytes({"choices": choices, "usage": self.usage()})
-        return self._head + b"," + body[1:]
+            live = [c for c in live if c.finish_reason is None]
+        parts = [self._head, b',"choices":[']
+        for c in self.choices:
+            logprobs = b"null" if c.logprobs is None else c.logprobs.encode(_pause)
+            parts += (
+                b'{"index":%d,"text":' % c.index,
+                json_bytes("".join(c.parts)),
+                b',"logprobs":',
+                logprobs,
+                b',"finish_reason":',
+                json_bytes(c.finish_reason),
+                b"},",
+            )
+        parts[-1] = b"}"  # no comma after the last choice
+        parts += (b'],"usage":', json_bytes(self.usage()), b"}")
+        return b"".join(parts)
 
     # -- SSE answer -------------------------------------------------------------------------------
 
@@ -346,6 +391,7 @@ class Completion:
         (opening comment, usage chunk, ``[DONE]``) and handles errors. Events the framing drops (a
         resumed ``EventSource`` stream) are generated but not yielded.
         """
+        self._score_echo()
         live = list(self.choices)
         if self.req.echo:
             for c in live:
@@ -383,6 +429,10 @@ class Completion:
                     yield event
                 self.cooperate()
             live = [c for c in live if c.finish_reason is None]
+
+
+def _pause() -> None:
+    gevent.sleep(0)  # let other greenlets (and /healthz) run between slices of a huge answer
 
 
 def _offsets(prompt_ids: tuple[int, ...], token_bytes: list[bytes]) -> list[int]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import select
 import socket
 import time
 from collections.abc import Iterator
@@ -23,11 +22,11 @@ from wsgi_app import sse
 from wsgi_app.admission import Ticket
 from wsgi_app.body import read_body
 from wsgi_app.choices import Completion
-from wsgi_app.errors import ApiError, json_bytes
+from wsgi_app.errors import ApiError, error_response, json_bytes
 from wsgi_app.faults import EngineFailure
 from wsgi_app.lifecycle import RequestRecord
 from wsgi_app.protocol import CompletionRequest, decode_json_body, parse_completion_request
-from wsgi_app.runtime import Pacer, Runtime, runtime, unavailable
+from wsgi_app.runtime import ClientGone, Pacer, Runtime, peer_closed, runtime, unavailable
 
 log = logging.getLogger("greenserve.completions")
 bp = Blueprint("completions", __name__)
@@ -73,18 +72,6 @@ def _tune_socket(sock: socket.socket | None, send_timeout_s: float) -> None:
         pass
 
 
-def _peer_closed(sock: socket.socket | None) -> bool:
-    """True when the client has closed its side (a zero-byte peek); never consumes data."""
-    if sock is None:
-        return False
-    try:
-        # gevent's recv would wait on EAGAIN: ask select first (timeout 0), then peek what is there.
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
-    except OSError:
-        return True
-
-
 def _wait_for_slot(ticket: Ticket, pacer: Pacer, heartbeat_s: float, sock) -> bool:
     """Wait in heartbeat-long slices for a slot; False when the client went away meanwhile.
 
@@ -93,7 +80,7 @@ def _wait_for_slot(ticket: Ticket, pacer: Pacer, heartbeat_s: float, sock) -> bo
     """
     while not ticket.wait(min(heartbeat_s, pacer.deadline - time.perf_counter())):
         pacer.check(time.perf_counter())
-        if _peer_closed(sock):
+        if peer_closed(sock):
             return False
     return True
 
@@ -187,7 +174,13 @@ def create_completion() -> Response:
     settings = rt.settings
     record: RequestRecord = g.record
     req = parse_completion_request(
-        decode_json_body(read_body(request.environ, settings.max_body_bytes)),
+        decode_json_body(
+            read_body(
+                request.environ,
+                settings.max_body_bytes,
+                record.started + settings.request_timeout_s - time.perf_counter(),
+            )
+        ),
         **rt.parse_limits,
     )
     seed = req.seed if req.seed is not None else random_seed()
@@ -195,11 +188,14 @@ def create_completion() -> Response:
     if req.stream:
         body = StreamBody(rt, completion, ticket, pacer, record)
         return Response(body, content_type="text/event-stream", headers=STREAM_HEADERS)
+    sock = _client_socket()
     try:
-        if not _wait_for_slot(ticket, pacer, settings.heartbeat_s, _client_socket()):
-            record.error = "client disconnected while queued"
-            return Response(status=499)  # nobody is listening; the status is for the log and span
+        if not _wait_for_slot(ticket, pacer, settings.heartbeat_s, sock):
+            return _gone(record, "client disconnected while queued")
+        pacer.peer = sock  # no write until the end: look for a vanished client while generating
         answer = completion.run()
+    except ClientGone:
+        return _gone(record, "client disconnected while generating")
     except ApiError:
         raise
     except Exception as exc:
@@ -210,6 +206,12 @@ def create_completion() -> Response:
     finally:
         _settle(completion, ticket, record)
     return Response(answer, content_type="application/json")
+
+
+def _gone(record: RequestRecord, why: str) -> Response:
+    """Answer a request whose client left: nobody reads it, the 499 is for the log and the span."""
+    record.error = why
+    return error_response(ApiError(499, "Client closed the connection.", code="client_closed"))
 
 
 def admit(
@@ -240,7 +242,9 @@ def admit(
         record.prompt = req.prompt_text
     record.span.attributes["gen_ai.request.model"] = req.model
     record.span.attributes["gen_ai.request.max_tokens"] = req.max_tokens
-    if rt.stop_at is not None:
+    # A worker that is stopping still serves what reaches it during the grace period (a reload's old
+    # workers accept for a moment after SIGTERM); only past the stop time is it too late.
+    if rt.stop_at is not None and time.perf_counter() >= rt.stop_at:
         raise unavailable("Server is shutting down.")
     deadline = record.started + settings.request_timeout_s
     ticket = rt.admission.admit(record.request_id, deadline)

@@ -144,6 +144,7 @@ class ThreadedEngine:
     def _run(self) -> None:
         scheduler = self._scheduler
         while not self._stopping:
+            scheduler.prune()  # a client that left frees its place before a newcomer asks for one
             while self._inbox:
                 req, stream = self._inbox.popleft()
                 if stream.items and stream.items[-1] is END:  # cancelled before it started

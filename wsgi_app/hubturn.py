@@ -9,7 +9,7 @@ seconds. :class:`HubTurn` waits for whichever comes first: the idle watcher, or 
 ``max_wait_s``.
 
 Source: libev documentation, "ev_idle" (invoked when no other events of the same or higher priority
-are pending) and "ev_timer"; gevent's ``gevent.idle`` and ``Hub.wait``.
+are pending) and "ev_timer" (``ev_timer_again``); gevent's ``gevent.idle`` and ``Hub.wait``.
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ class HubTurn:
         if self._hub is None:
             self._hub = get_hub()
             self._idle = self._hub.loop.idle()
-            self._timer = self._hub.loop.timer(self.max_wait_s)
+            # A repeating timer restarted with again(): libev's ev_timer_stop keeps only the time that
+            # was left, so a plain start() of a reused timer would fire sooner after every early stop.
+            self._timer = self._hub.loop.timer(self.max_wait_s, self.max_wait_s)
         waiter = Waiter(self._hub)
         self._idle.start(waiter.switch, None)
-        self._timer.start(waiter.switch, None)
+        self._timer.again(waiter.switch, None)
         try:
             waiter.get()
         finally:

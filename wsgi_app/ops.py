@@ -44,7 +44,7 @@ def ready() -> Response:
 
 
 def require_loopback() -> None:
-    """Allow only a direct loopback peer: never a request that came through a proxy.
+    """Allow only a direct loopback peer: never a request that came through a proxy or from a page.
 
     Raises:
         ApiError: 404 for anyone else (the route does not exist for them).
@@ -54,7 +54,10 @@ def require_loopback() -> None:
     except ValueError:
         direct = False
     forwarded = any(h in request.headers for h in ("X-Forwarded-For", "Forwarded", "X-Real-IP"))
-    if not direct or forwarded:
+    # A browser sends Origin with every cross-site POST: a page open on the host must not be able to
+    # drain the server (the operator's curl sends no Origin).
+    from_page = "Origin" in request.headers
+    if not direct or forwarded or from_page:
         raise ApiError(404, "Not found: no such route.", type="not_found_error")
 
 

@@ -18,6 +18,7 @@ from model.tokenizer import ByteTokenizer, TextTokenizer
 from wsgi_app.errors import invalid
 
 MAX_TOKENS_LIMIT = 4096
+MAX_MODEL_CHARS = 256
 MAX_STOP = 4
 MAX_LOGPROBS = 5
 SEED_LIMIT = 1 << 64
@@ -201,7 +202,10 @@ def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
         raise invalid("'logit_bias' must be an object mapping token ids to numbers.", "logit_bias")
     bias: dict[int, float] = {}
     for key, weight in value.items():
-        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+        # Canonical decimal only ("1", not "01" or "+1"), checked before int(): no aliases of one id,
+        # and no 5000-digit key for int() to choke on.
+        canonical = key.isascii() and key.isdigit() and (key == "0" or not key.startswith("0"))
+        if not canonical or len(key) > len(str(vocab_size)) or int(key) >= vocab_size:
             raise invalid(
                 f"'logit_bias' key {key!r} is not a token id in 0..{vocab_size - 1}.", "logit_bias"
             )
@@ -252,6 +256,8 @@ def parse_completion_request(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' must be a non-empty string.", "model")
+    if len(model) > MAX_MODEL_CHARS:  # echoed in every chunk: bound it
+        raise invalid(f"'model' is at most {MAX_MODEL_CHARS} characters.", "model")
     _check_unicode(model, "model")
     if "prompt" not in body or body["prompt"] is None:
         raise invalid("'prompt' is required.", "prompt")

@@ -7,6 +7,8 @@ by the app factory in the worker (after gevent's patching), never in the gunicor
 from __future__ import annotations
 
 import logging
+import select
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,6 +131,31 @@ def unavailable(message: str) -> ApiError:
     return ApiError(503, message, type="server_error", code="unavailable")
 
 
+PEER_CHECK_S = (
+    0.1  # how often a generating non-streamed request looks for a vanished client, seconds
+)
+
+
+class ClientGone(Exception):
+    """The client closed its connection while a non-streamed answer was being generated."""
+
+
+def peer_closed(sock: Any) -> bool:
+    """True when the client has closed its side of ``sock`` (a zero-byte peek); never consumes data.
+
+    Args:
+        sock: the connection's socket (gunicorn's ``environ["gunicorn.socket"]``), or None.
+    """
+    if sock is None:
+        return False
+    try:
+        # gevent's recv would wait on EAGAIN: ask select first (timeout 0), then peek what is there.
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
 class Pacer:
     """Called after every generated token of one request: stamps TTFT, enforces the request's deadline
     and the shutdown deadline, and yields the gevent hub a turn (:class:`~wsgi_app.hubturn.HubTurn`:
@@ -143,7 +170,17 @@ class Pacer:
         ApiError: 504 ``timeout`` past the deadline; 503 ``unavailable`` when the worker is stopping.
     """
 
-    __slots__ = ("_rt", "_record", "_times", "deadline", "_since", "_slice", "_turn")
+    __slots__ = (
+        "_rt",
+        "_record",
+        "_times",
+        "deadline",
+        "_since",
+        "_slice",
+        "_turn",
+        "peer",
+        "_peer_seen",
+    )
 
     def __init__(self, rt: Runtime, record: Any, deadline: float) -> None:
         self._rt = rt
@@ -153,6 +190,10 @@ class Pacer:
         self._since = time.perf_counter()
         self._slice = hub_slice(rt.admission.busy)
         self._turn = HubTurn(HUB_MAX_WAIT_S)
+        # A non-streamed answer writes nothing until its end: its view sets ``peer`` so that a client
+        # that left is noticed (every PEER_CHECK_S) rather than generated for in vain.
+        self.peer: Any = None
+        self._peer_seen = self._since
 
     @staticmethod
     def make(rt: Runtime, record: Any, deadline: float) -> Pacer:
@@ -172,10 +213,22 @@ class Pacer:
             self._turn()
             self._since = time.perf_counter()
             self._slice = hub_slice(self._rt.admission.busy)
+            if self.peer is not None:
+                self._check_peer(self._since)
 
     def tick(self) -> None:
-        """Called while the engine has no token yet (a tick): enforce the deadlines only."""
-        self.check(time.perf_counter())
+        """Called while the engine has no token yet (a tick): enforce the deadlines, and notice a
+        vanished client of a non-streamed answer."""
+        now = time.perf_counter()
+        self.check(now)
+        if self.peer is not None:
+            self._check_peer(now)
+
+    def _check_peer(self, now: float) -> None:
+        if now - self._peer_seen >= PEER_CHECK_S:
+            self._peer_seen = now
+            if peer_closed(self.peer):
+                raise ClientGone()
 
     def check(self, now: float) -> None:
         """Raise if the request's deadline or the worker's stop time has passed at ``now``."""

@@ -62,9 +62,15 @@ def _cors_origins(env: Mapping[str, str]) -> tuple[str, ...]:
     return origins
 
 
-def default_stats_db() -> str:
-    """Return the default ``STATS_DB``: ``greenserve-stats.db`` in the system temp directory."""
-    return os.path.join(tempfile.gettempdir(), "greenserve-stats.db")
+def default_stats_db(env: Mapping[str, str] | None = None) -> str:
+    """Return the default ``STATS_DB``: ``greenserve-stats-<PORT>.db`` in the system temp directory.
+
+    One file per API port: the workers of one server share it, two servers on a host do not mix
+    their histories.
+    """
+    env = os.environ if env is None else env
+    port = env.get("PORT", "").strip() or "8000"
+    return os.path.join(tempfile.gettempdir(), f"greenserve-stats-{port}.db")
 
 
 def otlp_traces_endpoint(env: Mapping[str, str]) -> str | None:
@@ -179,7 +185,7 @@ class Settings:
             api_keys=_api_keys(env),
             cors_origins=_cors_origins(env),
             slow_request_s=_float(env, "SLOW_REQUEST_S", 10.0, 0.0, 86_400.0),
-            stats_db=_str(env, "STATS_DB", default_stats_db()),
+            stats_db=_str(env, "STATS_DB", default_stats_db(env)),
             stats_flush_s=_float(env, "STATS_FLUSH_S", 1.0, 0.01, 3_600.0),
             slo_ttft_s=_float(env, "SLO_TTFT_S", 1.0, 0.001, 3_600.0),
             slo_target=_float(env, "SLO_TARGET", 0.99, 0.5, 0.999999),

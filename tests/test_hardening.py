@@ -1,0 +1,161 @@
+"""Regressions from the adversarial review: each attack that once hurt the server, now answered well."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.collector import FakeCollector
+from tests.server import GunicornServer, wait_until
+
+BLOCKED = "appears to be blocked"
+
+
+@pytest.fixture(scope="module")
+def watched(succ_dir, tmp_path_factory):
+    """The succ model under gevent's monitor thread, with a slow-step twin for disconnect tests."""
+    with FakeCollector() as collector:
+        srv = GunicornServer(
+            tmp_path_factory.mktemp("watched"),
+            {
+                "MODEL_DIR": str(succ_dir),
+                "GEVENT_MONITOR_THREAD_ENABLE": "1",
+                "GEVENT_MAX_BLOCKING_TIME": "0.1",
+                "REQUEST_TIMEOUT_S": "2",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
+            },
+        ).start()
+        try:
+            yield srv, collector
+        finally:
+            srv.stop()
+        log = srv.log_text()
+        if importlib.util.find_spec("psutil") is None:
+            assert "Unable to monitor memory usage" in log  # the monitor really ran
+        assert BLOCKED not in log, srv.log_tail()
+
+
+def test_huge_echo_logprobs_answer_never_blocks_the_hub(watched):
+    srv, _ = watched
+    prompt = "ab" * 16384  # 32768 tokens, the MAX_PROMPT_TOKENS default
+    status, _, raw = srv.complete(
+        {"model": "m", "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 5, "n": 8},
+        timeout_s=120,
+    )
+    assert status == 200
+    doc = json.loads(raw)
+    first = doc["choices"][0]["logprobs"]
+    assert len(first["tokens"]) == 32768 and first["tokens"][:3] == ["a", "b", "a"]
+    assert first["token_logprobs"][0] is None and first["text_offset"][-1] == 32767
+    assert all(c["logprobs"] == first for c in doc["choices"])
+    assert doc["usage"] == {"prompt_tokens": 32768, "completion_tokens": 0, "total_tokens": 32768}
+
+
+@pytest.mark.parametrize("key", ["01", "+1", " 1", "1.0", "0" * 5000 + "1", "256"])
+def test_logit_bias_key_must_be_a_canonical_token_id(watched, key):
+    srv, _ = watched
+    status, _, raw = srv.complete({"model": "m", "prompt": "a", "logit_bias": {key: 1}})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "logit_bias"
+
+
+def test_model_name_is_bounded(watched):
+    srv, _ = watched
+    assert srv.complete({"model": "m" * 256, "prompt": "a", "max_tokens": 1})[0] == 200
+    status, _, raw = srv.complete({"model": "m" * 257, "prompt": "a", "max_tokens": 1})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "model"
+
+
+def test_double_slash_is_a_json_404_not_a_redirect(watched):
+    srv, _ = watched
+    status, headers, raw = srv.request(
+        "POST", "/v1//completions", body={"model": "m"}, headers={"Host": "evil.example"}
+    )
+    assert status == 404 and "location" not in headers
+    assert json.loads(raw)["error"]["type"] == "not_found_error"
+
+
+def test_debug_endpoints_refuse_requests_from_a_page(watched):
+    srv, _ = watched
+    status, _, _ = srv.post("/debug/drain", b"", headers={"Origin": "https://evil.example"})
+    assert status == 404
+    assert srv.get("/ready")[0] == 200
+
+
+def test_slow_body_is_cut_by_the_deadline(watched):
+    srv, _ = watched
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: 100\r\n\r\n{"
+        )
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.endswith(b"}}"):
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ")
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+def test_plain_request_stops_when_its_client_leaves(succ_dir, tmp_path):
+    with FakeCollector() as collector:
+        srv = GunicornServer(
+            tmp_path,
+            {
+                "MODEL_DIR": str(succ_dir),
+                "GREENSERVE_FAULTS": "slow_step_s=0.02",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
+            },
+        ).start()
+        try:
+            body = json.dumps({"model": "m", "prompt": "a", "max_tokens": 500}).encode()
+            sock = socket.create_connection(("127.0.0.1", srv.port))
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: leaver\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+            )
+            time.sleep(0.3)
+            sock.close()
+
+            def idle():
+                state = json.loads(srv.get("/debug/state")[2])
+                return state["slots"]["busy"] == 0
+
+            wait_until(idle, 5, "the slot to come back")
+            span = collector.span_for("leaver")
+            assert span["attrs"]["http.response.status_code"] == {"intValue": "499"}
+            assert int(span["attrs"]["gen_ai.usage.output_tokens"]["intValue"]) < 100
+        finally:
+            srv.stop()
+
+
+def test_reload_serves_every_request(succ_dir, tmp_path):
+    srv = GunicornServer(tmp_path, {"MODEL_DIR": str(succ_dir)}, workers=2).start()
+    try:
+        statuses: list[int] = []
+
+        def client():
+            for _ in range(60):
+                statuses.append(
+                    srv.complete({"model": "m", "prompt": "a", "max_tokens": 4, "temperature": 0})[
+                        0
+                    ]
+                )
+                time.sleep(0.02)
+
+        t = threading.Thread(target=client)
+        t.start()
+        time.sleep(0.4)
+        srv.signal(signal.SIGHUP)  # reload: new workers, old ones stop gracefully
+        t.join(60)
+        assert statuses == [200] * 60
+    finally:
+        srv.stop()

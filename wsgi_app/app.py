@@ -1,0 +1,107 @@
+"""The app factory: wires the settings, the model and its engine, telemetry and the blueprints.
+
+Use ``create_app()`` as gunicorn's app (``wsgi_app:create_app()``); it builds the per-worker state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from flask import Flask
+
+from model import __version__
+from model.batching import BatchScheduler
+from model.loader import LoadedModel, load_model
+from telemetry.otlp import NullExporter, SpanExporter
+from wsgi_app import (
+    auth,
+    completions,
+    cors,
+    eventsource,
+    lifecycle,
+    models,
+    openapi,
+    ops,
+    pages,
+    ratelimit,
+    stats,
+)
+from wsgi_app.admission import Admission
+from wsgi_app.errors import register_error_handlers
+from wsgi_app.faults import Faults, FaultyEngine
+from wsgi_app.observe import build_observer
+from wsgi_app.runtime import EXTENSION, Runtime
+from wsgi_app.settings import Settings
+
+
+def make_engine(model: LoadedModel, settings: Settings) -> Any:
+    """Return the engine for ``model``: the bigram runs inline in each request's greenlet; a Llama
+    runs on one native thread per worker with continuous batching (up to ``MAX_SLOTS`` requests of
+    ``MAX_N`` choices each)."""
+    if model.engine_kind == "llama":
+        from wsgi_app.engine_thread import ThreadedEngine
+
+        batch = settings.max_slots * settings.max_n
+        return ThreadedEngine(BatchScheduler(model.model, model.tokenizer.eos_ids, batch))
+    return model.make_engine()
+
+
+def create_app(settings: Settings | None = None, clock: Callable[[], float] | None = None) -> Flask:
+    """Create the app and load the model (once per worker).
+
+    Args:
+        settings: server settings; ``Settings.from_env()`` when None.
+        clock: Unix time in seconds for the request history; ``time.time`` when None (tests step it).
+
+    Raises:
+        ValueError: a setting, the model config or the checkpoint is invalid (the message names it).
+    """
+    settings = settings or Settings.from_env()
+    logging.getLogger("greenserve").setLevel(settings.log_level.upper())
+    model = load_model(settings.model_dir)
+    observer = build_observer(settings, clock or time.time)
+    if settings.otlp_endpoint:
+        exporter = SpanExporter(
+            settings.otlp_endpoint,
+            service_name=settings.service_name,
+            on_result=observer.metrics.on_span_result,
+        )
+    else:
+        exporter = NullExporter()
+
+    app = Flask(__name__)
+    # "/v1//completions" is a 404 in the JSON shape, not an HTML redirect built from the Host header.
+    app.url_map.merge_slashes = False
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    engine = make_engine(model, settings)
+    if settings.faults:
+        engine = FaultyEngine(engine, Faults.parse(settings.faults))
+    app.extensions[EXTENSION] = Runtime(
+        settings=settings,
+        model=model,
+        engine=engine,
+        admission=Admission(settings.max_slots, settings.max_queue, observer.set_load),
+        exporter=exporter,
+        model_version=f"{model.checksum[:16]}+greenserve-{__version__}",
+        observer=observer,
+    )
+    observer.flusher.worker_state = app.extensions[EXTENSION].worker_state
+    register_error_handlers(app)
+    lifecycle.install(app)
+    # CORS preflights are answered before keys and limits: browsers send them without credentials.
+    cors.install(app, settings.cors_origins)
+    # Keys before limits: a request is authenticated (or refused) before it counts against a bucket.
+    auth.install(app, settings.api_keys)
+    ratelimit.install(app, app.extensions[EXTENSION])
+    app.register_blueprint(completions.bp)
+    app.register_blueprint(eventsource.bp)
+    app.register_blueprint(models.bp)
+    app.register_blueprint(openapi.bp)
+    app.register_blueprint(ops.bp)
+    app.register_blueprint(stats.bp)
+    if settings.pages:  # PAGES=0: no demo, no status page, no assets (all 404)
+        app.register_blueprint(pages.bp)
+    return app
