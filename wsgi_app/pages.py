@@ -76,12 +76,18 @@ def _page(template: str, **context: object) -> Response:
 @bp.get("/")
 def demo() -> Response:
     """The demo: a prompt, sampling settings, and the continuation streaming in with TTFT and tokens/s."""
-    settings = runtime().settings
+    rt = runtime()
+    context = rt.model.context_length
+    llama = rt.model.engine_kind == "llama"
     return _page(
         "demo.html",
-        keys_required=bool(settings.api_keys),
-        max_tokens_limit=MAX_TOKENS_LIMIT,
+        keys_required=bool(rt.settings.api_keys),
+        # A transformer's context bounds prompt + completion; leave room for a short prompt.
+        max_tokens_limit=MAX_TOKENS_LIMIT
+        if context is None
+        else min(MAX_TOKENS_LIMIT, context // 2),
         prompt_max_chars=PROMPT_MAX_CHARS,
+        default_prompt="Once upon a time" if llama else "ROMEO:",
     )
 
 

@@ -35,6 +35,18 @@ from wsgi_app.runtime import Runtime
 
 log = logging.getLogger("greenserve.ratelimit")
 
+
+class _DropSwallowedTracebacks(logging.Filter):
+    """flask-limiter logs a full traceback for every storage error it swallows; ours is one counted
+    warning line per outage (``_storage_failed``), so drop the repeats, keep everything else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Swallowing error" not in record.getMessage()
+
+
+
+_SWALLOWED = _DropSwallowedTracebacks()
+
 API_PREFIX = "/v1/"
 # A Redis round trip on a LAN takes well under a millisecond; past this the storage counts as down.
 STORAGE_TIMEOUT_S = 0.25
@@ -192,6 +204,7 @@ def install(app: Flask, rt: Runtime) -> ClientRateLimits | None:
     """
     if not rt.settings.rate_limit:
         return None
+    logging.getLogger("flask-limiter").addFilter(_SWALLOWED)  # a set: adding twice is harmless
     limits = ClientRateLimits(rt)
     limits.install(app)
     return limits
