@@ -8,6 +8,8 @@ factory (no ``preload_app``), so each worker owns its model and its span exporte
 import os
 import tempfile
 
+from gunicorn.glogging import Logger
+
 from telemetry.logs import logging_config
 
 # numpy reads this at import; one BLAS thread per worker, the workers are the parallelism.
@@ -69,6 +71,17 @@ loglevel = os.environ.get("LOG_LEVEL", "info")
 accesslog = None
 # Every log line, gunicorn's and the app's, is one JSON object on stderr (LOG_LEVEL sets the level).
 logconfig_dict = logging_config(loglevel)
+
+
+class AppLogsRequests(Logger):
+    """gunicorn's logger without its access log: the app writes a fuller JSON line per request, and
+    with ``logconfig_dict`` set gunicorn would otherwise build (then drop) access fields every time."""
+
+    def access(self, resp, req, environ, request_time):
+        """Do nothing: the request line is the app's (``wsgi_app.observe``)."""
+
+
+logger_class = AppLogsRequests
 # Request line and header limits (bytes, count); the body limit is MAX_BODY_BYTES in the app.
 limit_request_line = 8190
 limit_request_fields = 100

@@ -4,8 +4,9 @@ Streams are opened at a steady rate over ``ramp_s``; each is read until its firs
 on only ``read_bytes`` every ``read_every_s`` (a slow reader). Two knobs make the server really block
 on such a reader after little work, instead of the kernel absorbing the whole stream: the client
 sets ``TCP_MAXSEG`` and a small ``SO_RCVBUF`` before connecting (so the server's send buffer stays
-small), and pads the echoed model name so every frame is about 8 KiB. After ``hold_s`` the worker's
-RSS is read from /proc, ``/healthz`` is probed meanwhile, and every stream is closed.
+small), and the model name, which every frame echoes, is as long as the server accepts, so fewer
+frames fill those buffers. After ``hold_s`` the worker's RSS is read from /proc, ``/healthz`` is
+probed meanwhile, and every stream is closed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from bench import procstat
 from bench.loadgen import _STATUS, http_request
+from wsgi_app.protocol import MAX_MODEL_CHARS
 
 _FIRST = b"data: {"
 
@@ -43,16 +45,19 @@ def run_hold(
     probe_ports: tuple[int, ...] = (),
     ramp_s: float = 10.0,
     hold_s: float = 10.0,
-    read_bytes: int = 1024,
+    read_bytes: int = 256,
     read_every_s: float = 1.0,
-    pad: int = 8192,
+    rcvbuf: int = 4096,
+    mss: int = 536,
+    model: str = "bigram-" + "x" * (MAX_MODEL_CHARS - 7),
+    grace_s: float = 60.0,
     max_tokens: int = 4096,
 ) -> dict[str, Any]:
     """Open ``target`` slow streams, hold them, and return counts, RSS and ``/healthz`` latency."""
     procstat.raise_nofile()
     body = json.dumps(
         {
-            "model": "bigram-" + "x" * pad,
+            "model": model,
             "prompt": "ROMEO:",
             "max_tokens": max_tokens,
             "stream": True,
@@ -76,15 +81,15 @@ def run_hold(
         errors[kind] = errors.get(kind, 0) + 1
 
     ramp_end = t_begin + ramp_s
-    while (opened < target or pending) and time.perf_counter() < ramp_end + 10.0:
+    while (opened < target or pending) and time.perf_counter() < ramp_end + grace_s:
         now = time.perf_counter()
         due = min(target, int(target * (now - t_begin) / ramp_s) + 1)
         while opened < due:
             opened += 1
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setblocking(False)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 1400)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, mss)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.connect_ex(("127.0.0.1", port))
             fd = sock.fileno()
@@ -145,7 +150,7 @@ def run_hold(
                 probe_errors += 1
             else:
                 probes[p].append(latency)
-        if time.perf_counter() >= next_read:
+        if read_bytes and time.perf_counter() >= next_read:
             next_read += read_every_s
             alive = []
             for sock in held:
@@ -176,7 +181,7 @@ def run_hold(
         "ramp_s": round(t_ramped - t_begin, 2),
         "hold_s": hold_s,
         "read_bytes_every_s": [read_bytes, read_every_s],
-        "frame_bytes_about": pad + 200,
+        "client_rcvbuf_mss": [rcvbuf, mss],
         "opened": opened,
         "held_at_end": n_held,
         "closed_by_server": closed_by_server,

@@ -24,7 +24,7 @@ from gevent.hub import Waiter, get_hub
 from gevent.pywsgi import WSGIHandler, WSGIServer
 
 HUB_SLICE_S = float(os.environ.get("REF_HUB_SLICE_S", "0.0005"))
-HUB_ROUND_S = float(os.environ.get("REF_HUB_ROUND_S", "0.01"))
+HUB_ROUND_S = float(os.environ.get("REF_HUB_ROUND_S", "0.02"))
 HUB_MAX_WAIT_S = float(os.environ.get("REF_HUB_MAX_WAIT_S", "0.05"))
 _running = [0]  # streams in progress (greenserve reads its busy slots)
 _ID = b'{"id":"cmpl-000000000000000000000000","object":"text_completion","created":1700000000,'

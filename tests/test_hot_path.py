@@ -262,3 +262,21 @@ def test_the_benchmarks_straightforward_sampler_draws_the_same_ids():
                 prev = sample_row(model.logits(prev), t, rng)
                 ids.append(prev)
             assert generate_ids(engine, req) == ids
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"max_tokens": 40, "seed": 3},
+        {"max_tokens": 40, "seed": 3, "temperature": 0},
+        {"max_tokens": 30, "seed": 9, "stop": ["e"]},
+        {"max_tokens": 12, "seed": 1, "echo": True, "stream_options": {"include_usage": True}},
+        {"prompt": [0xE2, 0x82], "max_tokens": 20, "seed": 5},
+    ],
+)
+def test_the_single_choice_fast_loop_yields_the_general_loops_events(body):
+    # PLAIN framing takes the fast loop; EventIds framing takes the general one. Same seed, same events.
+    fast = list(_completion(body).chunks())
+    general = [e.split(b"\n", 1)[1] for e in _completion(body, EventIds(7, 1000)).chunks()]
+    assert fast == general
+    assert len(fast) == body["max_tokens"] + body.get("echo", False) or "stop" in body

@@ -44,7 +44,6 @@ class _DropSwallowedTracebacks(logging.Filter):
         return "Swallowing error" not in record.getMessage()
 
 
-
 _SWALLOWED = _DropSwallowedTracebacks()
 
 API_PREFIX = "/v1/"
