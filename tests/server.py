@@ -306,3 +306,18 @@ def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+# gevent's monitor thread reports any greenlet that holds the hub longer than this (100 ms).
+HUB_MONITOR_ENV = {"GEVENT_MONITOR_THREAD_ENABLE": "1", "GEVENT_MAX_BLOCKING_TIME": "0.1"}
+
+
+def assert_hub_never_blocked(srv: GunicornServer) -> None:
+    """Assert that gevent's monitor thread ran in ``srv`` (started with ``HUB_MONITOR_ENV``) and never
+    reported a blocked hub."""
+    import importlib.util
+
+    log = srv.log_text()
+    if importlib.util.find_spec("psutil") is None:  # the monitor's start-up warning proves it ran
+        assert "Unable to monitor memory usage" in log
+    assert "appears to be blocked" not in log, srv.log_tail()
