@@ -107,3 +107,13 @@ def test_unknown_path_is_404_and_wrong_method_405(succ_server):
         "method_not_allowed",
         None,
     )
+
+
+def test_options_is_204_with_allow(succ_server):
+    for path, allow in (
+        ("/healthz", "GET, HEAD, OPTIONS"),
+        ("/v1/completions", "GET, HEAD, OPTIONS, POST"),
+    ):
+        status, headers, body = succ_server.request("OPTIONS", path)
+        assert (status, body, headers["allow"]) == (204, b"", allow)
+        assert "content-type" not in headers

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from flask import Flask
+from flask import Flask, Response, request
 
 from model import __version__
 from model.batching import BatchScheduler
@@ -47,6 +47,16 @@ def make_engine(model: LoadedModel, settings: Settings) -> Any:
         batch = settings.max_slots * settings.max_n
         return ThreadedEngine(BatchScheduler(model.model, model.tokenizer.eos_ids, batch))
     return model.make_engine()
+
+
+def _options_no_content(response: Response) -> Response:
+    """Answer a plain ``OPTIONS`` (Flask's automatic one: 200, empty, ``text/html``) as ``204`` with
+    its ``Allow`` header and no body type. CORS preflights are answered by ``cors.py`` before this."""
+    if request.method == "OPTIONS" and response.status_code == 200 and not response.get_data():
+        response.status_code = 204
+        del response.headers["Content-Type"]
+        response.headers["Allow"] = ", ".join(sorted(response.allow))  # a stable order
+    return response
 
 
 def create_app(settings: Settings | None = None, clock: Callable[[], float] | None = None) -> Flask:
@@ -90,6 +100,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     )
     observer.flusher.worker_state = app.extensions[EXTENSION].worker_state
     register_error_handlers(app)
+    app.after_request(_options_no_content)
     lifecycle.install(app)
     # CORS preflights are answered before keys and limits: browsers send them without credentials.
     cors.install(app, settings.cors_origins)
