@@ -37,6 +37,24 @@ class _DuplicateKeyError(Exception):
     """Signal a repeated key in one JSON object of the header (json.loads would keep the last)."""
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """Read a JSON file that must hold one object.
+
+    Raises:
+        ValueError: If the file is missing or unreadable, not JSON, or not an object; the
+            message names the file.
+    """
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def load_config(model_dir: str | os.PathLike) -> dict:
     """Read ``config.json`` from a model directory and check it describes a byte bigram.
 
@@ -54,14 +72,7 @@ def load_config(model_dir: str | os.PathLike) -> dict:
     Source: DESIGN.md §2 (the model directory).
     """
     path = Path(model_dir) / CONFIG_NAME
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read config: {exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: must be a JSON object, got {type(config).__name__}")
+    config = read_json_object(path)
     for field, want in BIGRAM_CONFIG.items():
         got = config.get(field)
         if type(got) is not type(want) or got != want:

@@ -19,8 +19,9 @@ from typing import Self
 
 import numpy as np
 
+from model.checkpoint import read_json_object
 from model.kv_cache import KVCache
-from model.llama_config import LlamaConfig, read_json_object
+from model.llama_config import LlamaConfig
 from model.llama_ops import apply_rope, attention, decode_attention, rmsnorm, silu
 from model.weights import load_weights
 

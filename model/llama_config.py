@@ -8,10 +8,8 @@ Source: transformers `LlamaConfig` (field names and defaults).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Self
 
 # transformers' LlamaConfig defaults for fields a config may leave out.
@@ -201,21 +199,3 @@ def token_ids_field(config: dict[str, Any], name: str, where: str) -> frozenset[
     if not all(type(v) is int and v >= 0 for v in values):
         raise ValueError(f"{where}: {name} must be a token id or a list of them, got {value!r}")
     return frozenset(values)
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """Read a JSON file that must hold one object.
-
-    Raises:
-        ValueError: If the file is missing or unreadable, not JSON, or not an object; the
-            message names the file.
-    """
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read: {exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: must be a JSON object, got {type(obj).__name__}")
-    return obj

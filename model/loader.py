@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Literal
 
 from model.bigram import Bigram, default_model_dir
-from model.checkpoint import file_sha256
+from model.checkpoint import file_sha256, read_json_object
 from model.generate import BigramEngine
 from model.llama import CONFIG_NAME, Llama
-from model.llama_config import read_json_object, token_id_field, token_ids_field
+from model.llama_config import token_id_field, token_ids_field
 from model.llama_engine import LlamaEngine
 from model.tokenizer import ByteTokenizer, HFTokenizer
 
