@@ -27,7 +27,7 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from telemetry.quantiles import histogram_quantile
+from telemetry.quantiles import LATENCY_BUCKETS, histogram_quantile
 
 __all__ = [
     "E2E_BUCKETS",
@@ -43,7 +43,7 @@ __all__ = [
 
 # Upper bounds in seconds. The bigram makes a token in ~10 us, a Llama step takes tens of ms: the
 # inter-token buckets span both.
-TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TTFT_BUCKETS = LATENCY_BUCKETS
 ITL_BUCKETS = (
     0.00001,
     0.000025,

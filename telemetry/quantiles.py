@@ -80,3 +80,23 @@ def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> floa
     if count == below:
         return upper
     return lower + (upper - lower) * (rank - below) / (count - below)
+
+
+# Upper bounds of the request-latency buckets (TTFT, and the per-minute history's TTFT and end-to-end
+# latency), seconds: shared so that /metrics and /stats/history bucket alike.
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)

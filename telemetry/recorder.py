@@ -10,27 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from telemetry.quantiles import bucket_index
+from telemetry.quantiles import LATENCY_BUCKETS, bucket_index
 
 __all__ = ["COLUMNS", "LATENCY_BUCKETS", "Batch", "HistoryRecorder"]
 
-# Upper bounds of the per-minute TTFT and end-to-end latency buckets, seconds.
-LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-)
 # The per-minute sums, one ``minutes`` column each (``_s`` columns are seconds, the rest counts).
 COLUMNS = (
     "requests",
