@@ -49,8 +49,8 @@ _health_port = int(os.environ.get("HEALTH_PORT", "9464"))
 bind = [f"{_host}:{_port}"] + ([f"{_host}:{_health_port}"] if _health_port else [])
 # Worker processes (WEB_CONCURRENCY); default: the usable CPUs.
 workers = int(os.environ.get("WEB_CONCURRENCY", "0")) or _usable_cpus()
-# Every connection is a greenlet.
-worker_class = "gevent"
+# Every connection is a greenlet: gunicorn's gevent worker with a cheaper sendall (wsgi_app.worker).
+worker_class = "wsgi_app.worker.GeventWorker"
 # Simultaneous connections per worker (WORKER_CONNECTIONS), streams and idle keep-alives alike.
 worker_connections = int(os.environ.get("WORKER_CONNECTIONS", "1000"))
 # The app factory runs in each worker, after gevent's monkey-patching.

@@ -14,7 +14,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from flask import Blueprint, Response, g, request
 
@@ -149,6 +149,38 @@ class StreamBody:
             _settle(self._completion, self._ticket, self._record)
 
 
+class _Events:
+    """The WSGI body of an :class:`EventStreamResponse`: iterating it is iterating the stream's generator."""
+
+    __slots__ = ("_events", "close")
+
+    def __init__(self, events: Iterator[bytes], close: Callable[[], None]) -> None:
+        self._events = events
+        self.close = close
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._events
+
+
+class EventStreamResponse(Response):
+    """A ``text/event-stream`` response whose :class:`StreamBody` gunicorn iterates directly.
+
+    werkzeug wraps a body in two Python-level iterators (its ``ClosingIterator`` and the str-to-bytes
+    ``iter_encoded``) that cost a few percent of a token's time and do nothing for a body of bytes.
+    ``close()`` still goes through ``Response.close``: the body's own close, then the
+    ``call_on_close`` callbacks (the request's span and log line).
+    """
+
+    def __init__(self, body: StreamBody) -> None:
+        super().__init__(body, content_type="text/event-stream", headers=STREAM_HEADERS)
+
+    def get_app_iter(self, environ: dict) -> Iterable[bytes]:
+        """Return the stream's events, with ``close()`` calling :meth:`Response.close`."""
+        if environ["REQUEST_METHOD"] == "HEAD":
+            return super().get_app_iter(environ)
+        return _Events(iter(self.response), self.close)
+
+
 def _settle(completion: Completion, ticket: Ticket, record: RequestRecord) -> None:
     completion.close()
     ticket.release()
@@ -187,7 +219,7 @@ def create_completion() -> Response:
     completion, ticket, pacer = admit(rt, req, record, seed)
     if req.stream:
         body = StreamBody(rt, completion, ticket, pacer, record)
-        return Response(body, content_type="text/event-stream", headers=STREAM_HEADERS)
+        return EventStreamResponse(body)
     sock = _client_socket()
     try:
         if not _wait_for_slot(ticket, pacer, settings.heartbeat_s, sock):

@@ -26,7 +26,13 @@ from typing import Any
 from flask import Blueprint, Response, g, request
 from werkzeug.datastructures import MultiDict
 
-from wsgi_app.completions import STREAM_HEADERS, StreamBody, admit, random_seed
+from wsgi_app.completions import (
+    STREAM_HEADERS,
+    EventStreamResponse,
+    StreamBody,
+    admit,
+    random_seed,
+)
 from wsgi_app.errors import invalid
 from wsgi_app.lifecycle import RequestRecord
 from wsgi_app.protocol import SEED_LIMIT, parse_completion_request
@@ -171,4 +177,4 @@ def stream_completion() -> Response:
     framing = EventIds(seed, RETRY_MS, resume_after=-1 if last is None else last[1])
     completion, ticket, pacer = admit(rt, req, record, seed, framing)
     body = StreamBody(rt, completion, ticket, pacer, record)
-    return Response(body, content_type="text/event-stream", headers=STREAM_HEADERS)
+    return EventStreamResponse(body)

@@ -1,0 +1,141 @@
+"""The gevent worker's ``StreamSocket.sendall``: the same bytes, timeouts and errors as gevent's own.
+
+Unit tests drive a ``StreamSocket`` over a gevent socket pair (greenlets, no monkey-patching); the
+integration test reads a multi-megabyte stream through a tiny receive window from a real gunicorn, so
+the server's writes go partly through the one-``send`` fast path and partly through the fallback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import socket
+
+import gevent
+import pytest
+from gevent import socket as gsocket
+
+from tests.server import GunicornServer
+from wsgi_app.worker import GeventWorker, StreamSocket
+
+PAYLOAD = bytes(range(256)) * (8 * 4096)  # 8 MiB: far more than the kernel's socket buffers
+
+
+@pytest.fixture
+def pair():
+    """A connected (StreamSocket sender, gevent receiver) pair with a small send buffer."""
+    a, b = gsocket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sender = StreamSocket(a.family, a.type, a.proto, fileno=a.detach())
+    yield sender, b
+    sender.close()
+    b.close()
+
+
+def _read_n(sock, n: int, chunk: int = 1000) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        data = sock.recv(min(chunk, n - len(buf)))
+        if not data:
+            break
+        buf += data
+        gevent.sleep(0)  # a slow reader: the sender finds the buffer full again and again
+    return bytes(buf)
+
+
+def test_small_write_arrives_whole(pair):
+    sender, receiver = pair
+    assert sender.sendall(b"data: x\n\n") is None
+    assert receiver.recv(100) == b"data: x\n\n"
+
+
+def test_large_write_to_a_slow_reader_is_exact(pair):
+    sender, receiver = pair
+    sender.settimeout(20)  # a sender that wrote too much times out instead of hanging the test
+    reader = gevent.spawn(_read_n, receiver, len(PAYLOAD))
+    sender.sendall(PAYLOAD)
+    got = reader.get(timeout=30)
+    assert len(got) == len(PAYLOAD)
+    assert hashlib.sha256(got).hexdigest() == hashlib.sha256(PAYLOAD).hexdigest()
+
+
+def test_memoryview_and_bytearray_are_sent_as_bytes(pair):
+    sender, receiver = pair
+    sender.sendall(memoryview(b"abcdef")[2:])
+    sender.sendall(bytearray(b"gh"))
+    assert _read_n(receiver, 6) == b"cdefgh"
+
+
+def test_reader_that_never_reads_times_out(pair):
+    sender, _receiver = pair
+    sender.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        sender.sendall(PAYLOAD)
+
+
+def test_closed_peer_raises_oserror(pair):
+    sender, receiver = pair
+    receiver.close()
+    with pytest.raises((BrokenPipeError, ConnectionResetError)):
+        sender.sendall(PAYLOAD)
+
+
+def test_worker_class_is_the_configured_one(succ_server):
+    assert "Using worker: wsgi_app.worker.GeventWorker" in succ_server.log_text()
+    assert issubclass(
+        GeventWorker, __import__("gunicorn.workers.ggevent").workers.ggevent.GeventWorker
+    )
+
+
+def _stream(port: int, body: dict, rcvbuf: int | None) -> bytes:
+    """POST ``body`` and return the de-chunked SSE body, read through an ``rcvbuf``-byte window."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect()
+    sock.settimeout(60)
+    sock.connect(("127.0.0.1", port))
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    conn.sock = sock
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        out = bytearray()
+        while chunk := resp.read(997):  # small reads: the server's buffer fills and drains often
+            out += chunk
+        return bytes(out)
+    finally:
+        conn.close()
+
+
+def test_stream_through_a_tiny_window_is_byte_identical(tmp_path, succ_dir):
+    srv = GunicornServer(tmp_path, {"MODEL_DIR": str(succ_dir)}).start()
+    try:
+        body = {"model": "m", "prompt": "a", "max_tokens": 4096, "n": 4, "seed": 7, "stream": True}
+        slow = _stream(srv.port, body, rcvbuf=2048)
+        fast = _stream(srv.port, body, rcvbuf=None)
+        # One multi-megabyte write: the kernel takes part of it, the fallback the rest.
+        plain = {**body, "stream": False, "logprobs": 5}
+        slow_plain = json.loads(_stream(srv.port, plain, rcvbuf=2048))
+        fast_plain = json.loads(_stream(srv.port, plain, rcvbuf=None))
+    finally:
+        srv.stop()
+
+    # The succ model is deterministic: the same events in the same order, except the response id and
+    # creation time, which differ between two requests.
+    def normal(raw: bytes) -> bytes:
+        return b"\n".join(
+            line.split(b'"object"', 1)[1] if line.startswith(b"data: {") else line
+            for line in raw.split(b"\n")
+        )
+
+    assert (
+        slow.count(b"\n\n") == fast.count(b"\n\n") == 4 * 4096 + 2
+    )  # ": ok", 16,384 tokens, [DONE]
+    assert normal(slow) == normal(fast)
+    assert slow.endswith(b"data: [DONE]\n\n")
+    assert slow_plain["choices"] == fast_plain["choices"]
+    assert [len(c["logprobs"]["tokens"]) for c in slow_plain["choices"]] == [4096] * 4
