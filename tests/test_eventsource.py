@@ -172,6 +172,34 @@ def test_repeated_parameter_is_400(succ_server):
     assert json.loads(body)["error"]["message"] == "Query parameter 'seed' is given more than once."
 
 
+@pytest.mark.parametrize(
+    ("query", "param", "where"),
+    [
+        ("prompt=%FF", "prompt", "invalid start byte at byte 0"),
+        ("prompt=ab%C3", "prompt", "unexpected end of data at byte 2"),
+        ("stop=%ED%A0%80", "stop", "invalid continuation byte at byte 0"),
+        ("p%FFx=1", "p\ufffdx", "invalid start byte at byte 1"),
+    ],
+)
+def test_query_that_is_not_utf8_is_400_naming_it(succ_server, query, param, where):
+    status, _, body = succ_server.get(f"/v1/completions?model=m&{query}", headers=SSE)
+    assert status == 400, body
+    err = json.loads(body)["error"]
+    assert err["param"] == param
+    assert err["message"] == (
+        f"Query parameter '{param}' is not valid UTF-8 once percent-decoded: {where}."
+    )
+
+
+def test_utf8_query_values_reach_the_model_unchanged(succ_server):
+    # "é" percent-encoded and "+" for a space: the same prompt a JSON body would carry.
+    status, _, get_body = succ_server.get(
+        "/v1/completions?model=m&prompt=%C3%A9+a&max_tokens=3&temperature=0&echo=true", headers=SSE
+    )
+    assert status == 200
+    assert "".join(texts(frames(get_body))).startswith("é a")
+
+
 def test_missing_required_parameter_is_400(succ_server):
     status, _, body = succ_server.get(url({"model": "m"}), headers=SSE)
     assert status == 400

@@ -9,7 +9,8 @@ resumes after that event, or the request gets a ``204`` (which stops the browser
 
 Query values: numbers as in JSON (``0.5``, ``1e-3``; not ``nan``, ``inf`` or ``0x1``), booleans as
 ``true``/``false``, ``stop`` repeatable (up to 4); an empty value for a number or boolean means "absent";
-every other parameter may appear once. Unknown parameters are ignored; ``api_key`` is for the API-key
+every other parameter may appear once; names and values must be UTF-8 once percent-decoded (as a POST
+body must be). Unknown parameters are ignored; ``api_key`` is for the API-key
 check and is never logged (logs and spans carry the path, not the query).
 
 A GET without ``Accept: text/event-stream`` is a 400: JSON answers come from ``POST``.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from flask import Blueprint, Response, g, request
 from werkzeug.datastructures import MultiDict
@@ -75,6 +77,41 @@ def _boolean(name: str, raw: str) -> bool:
     if raw not in ("true", "false"):
         raise invalid(f"Query parameter '{name}' must be true or false, got {raw[:40]!r}.", name)
     return raw == "true"
+
+
+def check_query_utf8(query: str) -> None:
+    """Refuse a query string whose names or values are not UTF-8 once percent-decoded.
+
+    werkzeug decodes ``request.args`` with replacement characters; a POST body that is not UTF-8 is a
+    400, so the same prompt sent as a query must be too, not generated from with U+FFFD in it.
+
+    Args:
+        query: the WSGI ``QUERY_STRING`` (the raw bytes decoded as Latin-1, PEP 3333).
+
+    Raises:
+        ApiError: 400 naming the parameter whose name or value does not decode.
+
+    Source: WHATWG URL Standard, "application/x-www-form-urlencoded parsing" (percent-decoded bytes,
+    then UTF-8); PEP 3333 for the Latin-1 environ strings.
+    """
+    for pair in query.split("&"):
+        name, _, value = pair.partition("=")
+        raw_name = _form_bytes(name)
+        try:
+            raw_name.decode("utf-8")
+            _form_bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            param = raw_name.decode("utf-8", "replace")[:40]
+            raise invalid(
+                f"Query parameter '{param}' is not valid UTF-8 once percent-decoded: "
+                f"{exc.reason} at byte {exc.start}.",
+                param,
+            ) from None
+
+
+def _form_bytes(part: str) -> bytes:
+    # Latin-1 gives back the bytes the client sent (a server that broke PEP 3333 gets "?" instead).
+    return unquote_to_bytes(part.replace("+", " ").encode("latin-1", "replace"))
 
 
 def query_body(args: MultiDict) -> dict[str, Any]:
@@ -162,6 +199,7 @@ def stream_completion() -> Response:
         )
     rt = runtime()
     record: RequestRecord = g.record
+    check_query_utf8(request.environ.get("QUERY_STRING", ""))
     req = parse_completion_request(query_body(request.args), **rt.parse_limits)
     last = parse_last_event_id(request.headers.get("Last-Event-ID"))
     if last is not None and req.seed is not None and last[0] != req.seed:
