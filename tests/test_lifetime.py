@@ -173,6 +173,14 @@ def test_debug_state_lists_in_flight_requests(slow):
     wait_idle(srv)
 
 
+def test_startup_objects_are_frozen_out_of_the_collector(slow):
+    srv, _ = slow
+    gc_state = state(srv)["gc"]
+    # The app, Flask, numpy and the model: tens of thousands of objects no full collection walks.
+    assert gc_state["frozen"] > 20_000
+    assert len(gc_state["counts"]) == len(gc_state["collections"]) == 3
+
+
 def test_debug_endpoints_refuse_forwarded_requests(slow):
     srv, _ = slow
     for method, path in (("GET", "/debug/state"), ("POST", "/debug/drain")):

@@ -5,6 +5,7 @@ Served on both the API port and the health port, so probes never queue behind AP
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import os
 
@@ -63,11 +64,18 @@ def require_loopback() -> None:
 
 @bp.get("/debug/state")
 def debug_state() -> Response:
-    """Slots, queue and in-flight requests of the worker that answers (loopback clients only)."""
+    """Slots, queue, in-flight requests and garbage-collector counts of the worker that answers
+    (loopback clients only)."""
     require_loopback()
     rt = runtime()
     state = rt.admission.state()
     state["rate_limit"] = {"storage_errors": rt.rate_limit_storage_errors}
+    # The collector's view: a worker whose full collections stall the hub shows it here first.
+    state["gc"] = {
+        "frozen": gc.get_freeze_count(),
+        "counts": list(gc.get_count()),
+        "collections": [generation["collections"] for generation in gc.get_stats()],
+    }
     return _json({"pid": os.getpid(), "ready": rt.ready, "draining": rt.draining, **state})
 
 
