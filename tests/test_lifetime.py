@@ -236,6 +236,13 @@ def test_deadline_before_first_byte_is_504(make_server):
     assert json.loads(payloads[-2])["error"]["code"] == "timeout"
     assert 5 <= len(payloads) - 2 <= 20  # ~15 tokens at 50/s in 0.3 s
     wait_idle(srv)
+    # Both log lines say why, whether the status could still change or not.
+    lines = [json.loads(x) for x in srv.log_text().splitlines() if '"message": "request"' in x]
+    lines = [x for x in lines if x["path"] == "/v1/completions"]
+    assert [(x["status"], x["finish_reason"], x["error"]) for x in lines] == [
+        (504, "error", "Request timed out after 0.3 s."),
+        (200, "error", "Request timed out after 0.3 s."),
+    ]
 
 
 def test_engine_exception(make_server):

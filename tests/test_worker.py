@@ -10,14 +10,16 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import signal
 import socket
+import time
 
 import gevent
 import pytest
 from gevent import socket as gsocket
 
 from tests.server import GunicornServer
-from wsgi_app.worker import GeventWorker, StreamSocket
+from wsgi_app.worker import GeventWorker, SendTimeout, StreamSocket
 
 PAYLOAD = bytes(range(256)) * (8 * 4096)  # 8 MiB: far more than the kernel's socket buffers
 
@@ -74,6 +76,41 @@ def test_reader_that_never_reads_times_out(pair):
         sender.sendall(PAYLOAD)
 
 
+def test_send_timeout_cuts_a_reader_that_stops(pair):
+    sender, receiver = pair
+    sender.send_timeout_s = 0.3
+    reader = gevent.spawn(_read_n, receiver, 100_000)  # reads a little, then stops
+    with pytest.raises(SendTimeout, match="the client read nothing for 0.3 s"):
+        sender.sendall(PAYLOAD)
+    assert sender.stalled is True and sender.blocked is False
+    assert len(reader.get(timeout=5)) == 100_000
+
+
+def test_send_timeout_spares_a_slow_reader_that_keeps_reading(pair):
+    sender, receiver = pair
+    sender.send_timeout_s = 0.3
+    payload = PAYLOAD[: 2 * 1024 * 1024]
+
+    def steady() -> bytes:
+        buf = bytearray()
+        while len(buf) < len(payload):
+            buf += receiver.recv(65536)
+            gevent.sleep(0.02)  # ~3 MB/s: the whole write takes far longer than 0.3 s
+        return bytes(buf)
+
+    reader = gevent.spawn(steady)
+    sender.sendall(payload)
+    assert reader.get(timeout=30) == payload
+    assert sender.stalled is False
+
+
+def test_send_timeout_does_not_bound_reads(pair):
+    sender, receiver = pair
+    sender.send_timeout_s = 0.1
+    gevent.spawn_later(0.3, receiver.sendall, b"late")
+    assert sender.recv(10) == b"late"  # a socket timeout would have raised after 0.1 s
+
+
 def test_closed_peer_raises_oserror(pair):
     sender, receiver = pair
     receiver.close()
@@ -128,7 +165,7 @@ def test_stream_through_a_tiny_window_is_byte_identical(tmp_path, succ_dir):
     # creation time, which differ between two requests.
     def normal(raw: bytes) -> bytes:
         return b"\n".join(
-            line.split(b'"object"', 1)[1] if line.startswith(b"data: {") else line
+            line.split(b'"model"', 1)[1] if line.startswith(b"data: {") else line
             for line in raw.split(b"\n")
         )
 
@@ -139,3 +176,87 @@ def test_stream_through_a_tiny_window_is_byte_identical(tmp_path, succ_dir):
     assert slow.endswith(b"data: [DONE]\n\n")
     assert slow_plain["choices"] == fast_plain["choices"]
     assert [len(c["logprobs"]["tokens"]) for c in slow_plain["choices"]] == [4096] * 4
+
+
+def _raw_request(body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    return (head + f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+
+
+def test_slow_body_on_a_reused_connection_is_not_cut(tmp_path, succ_dir):
+    srv = GunicornServer(tmp_path, {"MODEL_DIR": str(succ_dir), "SEND_TIMEOUT_S": "1"}).start()
+    try:
+        conn = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+        conn.sendall(_raw_request({"model": "m", "prompt": "a", "max_tokens": 2, "temperature": 0}))
+        first = _response(conn)
+        # The second request on the same connection pauses longer than SEND_TIMEOUT_S mid-body.
+        second = _raw_request({"model": "m", "prompt": "b", "max_tokens": 2, "temperature": 0})
+        conn.sendall(second[:-5])
+        time.sleep(1.5)
+        conn.sendall(second[-5:])
+        answer = _response(conn)
+        conn.close()
+    finally:
+        srv.stop()
+    assert first[0] == 200 and first[1]["choices"][0]["text"] == "bc"
+    assert answer[0] == 200, answer
+    assert answer[1]["choices"][0]["text"] == "cd"
+
+
+def _response(conn: socket.socket) -> tuple[int, dict]:
+    """Read one JSON response from a keep-alive connection."""
+    resp = http.client.HTTPResponse(conn)
+    resp.begin()
+    return resp.status, json.loads(resp.read())
+
+
+def test_reader_that_stops_is_cut_with_a_warning_not_a_traceback(tmp_path, succ_dir):
+    srv = GunicornServer(tmp_path, {"MODEL_DIR": str(succ_dir), "SEND_TIMEOUT_S": "1"}).start()
+    try:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", srv.port))
+        body = {"model": "m", "prompt": "a", "max_tokens": 4096, "n": 8, "stream": True}
+        sock.sendall(_raw_request(body))  # and never read
+        lines = wait_for_log(srv, '"message": "request"')
+        sock.close()
+    finally:
+        srv.stop()
+    (request_line,) = [json.loads(x) for x in lines]
+    warnings = [json.loads(x) for x in srv.log_text().splitlines() if "client stopped reading" in x]
+    assert [(w["level"], w["request_id"], w["send_timeout_s"]) for w in warnings] == [
+        ("WARNING", request_line["request_id"], 1.0)
+    ]
+    assert (request_line["status"], request_line["finish_reason"]) == (200, "abort")
+    assert "Traceback" not in srv.log_text() and "Socket error" not in srv.log_text()
+
+
+def wait_for_log(srv: GunicornServer, needle: str, timeout_s: float = 20.0) -> list[str]:
+    """Poll the server's log until a line contains ``needle``; return those lines."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = [x for x in srv.log_text().splitlines() if needle in x]
+        if lines:
+            return lines
+        time.sleep(0.1)
+    raise AssertionError(f"no {needle!r} in the log:\n{srv.log_tail()}")
+
+
+def test_sigterm_cuts_a_blocked_write_before_the_worker_is_killed(tmp_path, succ_dir):
+    env = {"MODEL_DIR": str(succ_dir), "GRACEFUL_TIMEOUT_S": "3", "SEND_TIMEOUT_S": "60"}
+    srv = GunicornServer(tmp_path, env).start()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", srv.port))
+    body = {"model": "m", "prompt": "a", "max_tokens": 4096, "n": 8, "stream": True}
+    sock.sendall(_raw_request(body))
+    try:
+        time.sleep(1.0)  # the server fills the socket buffers and blocks on this reader
+        srv.signal(signal.SIGTERM)
+        assert srv.wait(15) == 0
+    finally:
+        sock.close()
+        srv.stop()
+    (line,) = [json.loads(x) for x in srv.log_text().splitlines() if '"message": "request"' in x]
+    assert (line["status"], line["finish_reason"]) == (200, "abort")

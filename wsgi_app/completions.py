@@ -27,6 +27,7 @@ from wsgi_app.faults import EngineFailure
 from wsgi_app.lifecycle import RequestRecord
 from wsgi_app.protocol import CompletionRequest, decode_json_body, parse_completion_request
 from wsgi_app.runtime import ClientGone, Pacer, Runtime, peer_closed, runtime, unavailable
+from wsgi_app.worker import StreamSocket
 
 log = logging.getLogger("greenserve.completions")
 bp = Blueprint("completions", __name__)
@@ -61,13 +62,18 @@ def _client_socket() -> socket.socket | None:
 
 
 def _tune_socket(sock: socket.socket | None, send_timeout_s: float) -> None:
-    """Send each event at once, and cut a reader that stops reading after ``send_timeout_s``."""
+    """Send each event at once, and cut a reader that stops reading for ``send_timeout_s``."""
     if sock is None:
         return
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # A blocked sendall raises after this long; gunicorn then closes the body, freeing the slot.
-        sock.settimeout(send_timeout_s)
+        # A write that waits this long without progress raises; gunicorn then closes the body,
+        # freeing the slot. Under another worker class (gunicorn's own gevent worker, TLS) the
+        # socket's timeout is all there is: it bounds a whole write, and reads too.
+        if isinstance(sock, StreamSocket):
+            sock.send_timeout_s = send_timeout_s
+        else:
+            sock.settimeout(send_timeout_s)
     except OSError:  # already closed, or not TCP: nothing to tune
         pass
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from flask import Flask, Response
+from flask import Flask, Response, g
 from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
@@ -101,6 +101,7 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(ApiError)
     def _api_error(err: ApiError) -> Response:
+        _note_server_error(err)
         return error_response(err)
 
     @app.errorhandler(HTTPException)
@@ -120,6 +121,13 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception) -> Response:
         app.logger.exception("unhandled error: %s", exc)
-        return error_response(
-            ApiError(500, "Internal server error.", type="server_error", code="engine_error")
-        )
+        err = ApiError(500, "Internal server error.", type="server_error", code="engine_error")
+        _note_server_error(err)
+        return error_response(err)
+
+
+def _note_server_error(err: ApiError) -> None:
+    # A 5xx says why in the request's log line and span (a 4xx's status and param say enough).
+    record = g.get("record")
+    if record is not None and err.status >= 500 and record.error is None:
+        record.error = err.message

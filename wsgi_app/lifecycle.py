@@ -9,6 +9,7 @@ Source: W3C Trace Context (``traceparent``); OpenTelemetry semantic conventions 
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -25,6 +26,8 @@ from wsgi_app.clients import forwarded_client
 from wsgi_app.observe import log_request
 from wsgi_app.runtime import runtime
 
+# A client cut for not reading is the client's doing, not a failure: a warning, not an error.
+stall_log = logging.getLogger("greenserve.access")
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 STATUS_UNSET, STATUS_OK, STATUS_ERROR = 0, 1, 2
 
@@ -122,11 +125,12 @@ def _headers(response: Response) -> Response:
     record.status = response.status_code
     # Close callbacks run after the request context is gone: pass the exporter explicitly.
     exporter, observer = rt.exporter, rt.observer
-    response.call_on_close(lambda: finish(record, exporter, observer))
+    sock = request.environ.get("gunicorn.socket")
+    response.call_on_close(lambda: finish(record, exporter, observer, sock))
     return response
 
 
-def finish(record: RequestRecord, exporter: object, observer: Any = None) -> None:
+def finish(record: RequestRecord, exporter: object, observer: Any = None, sock: Any = None) -> None:
     """End ``record``'s span, hand it to ``exporter``, and observe the request (idempotent).
 
     Args:
@@ -134,12 +138,24 @@ def finish(record: RequestRecord, exporter: object, observer: Any = None) -> Non
         exporter: an object with ``export(span)`` that never blocks nor raises.
         observer: a ``wsgi_app.observe.Observer`` (log line, metrics, history), or None to write the
             log line only.
+        sock: the connection (``wsgi_app.worker.StreamSocket``): one whose reader stopped reading
+            (``SEND_TIMEOUT_S``) adds a warning line and a span attribute.
     """
     if record.done:
         return
     record.done = True
     span = record.span
     attrs = span.attributes
+    if getattr(sock, "stalled", False):
+        attrs["greenserve.client_stalled"] = True
+        stall_log.warning(
+            "client stopped reading",
+            extra={
+                "request_id": record.request_id,
+                "trace_id": span.trace_id,
+                "send_timeout_s": sock.send_timeout_s,
+            },
+        )
     attrs["http.response.status_code"] = record.status
     if record.prompt_tokens:
         attrs["gen_ai.usage.input_tokens"] = record.prompt_tokens

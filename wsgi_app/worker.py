@@ -1,11 +1,19 @@
-"""gunicorn's gevent worker with a cheaper ``sendall`` for the many small writes of a stream.
+"""gunicorn's gevent worker, with the writes of a stream made cheap and bounded by progress.
 
 A token event is ~150 bytes and the kernel almost always takes it whole, yet gevent's
 ``socket.sendall`` pays for a general path every time: a ``getsockopt(SO_SNDBUF)`` system call to size
-its slices, a deadline, a memoryview and three Python frames. On the streamed hot path that is about a
-tenth of the worker's CPU. :class:`StreamSocket` tries one non-blocking ``send`` first and hands the
-rest, if any, to gevent's own ``sendall``, which waits for the socket with the connection's timeout
-(``SEND_TIMEOUT_S``) exactly as before. Bytes on the wire do not change.
+its slices, a deadline, a memoryview and three Python frames. On the streamed hot path that was about a
+tenth of the worker's CPU. :class:`StreamSocket` tries one non-blocking ``send`` first.
+
+When the kernel's buffer is full the rest waits for the socket to drain, and the send timeout
+(``SEND_TIMEOUT_S``, set per request by the app) bounds each wait *without progress*, not the whole
+write: a slow reader that keeps reading is never cut, one that stops is cut after that long
+(:class:`SendTimeout`). The timeout is for writes only, so reading the next request on a keep-alive
+connection is not affected by it.
+
+On SIGTERM, writes still blocked on a reader that stopped are cut one second before
+``graceful_timeout`` ends, so their requests still get their log line and span before the arbiter kills
+the worker.
 
 This module is imported by the arbiter (``worker_class`` in ``gunicorn.conf.py``): it imports gevent
 and gunicorn only, never Flask.
@@ -13,22 +21,42 @@ and gunicorn only, never Flask.
 
 from __future__ import annotations
 
+import socket
+import weakref
 from typing import Any
 
+import gevent
 from gevent import socket as gsocket
 from gunicorn.workers import ggevent
 
 
-class StreamSocket(gsocket.socket):
-    """A gevent TCP socket whose ``sendall`` tries one plain non-blocking ``send`` first."""
+class SendTimeout(TimeoutError):
+    """A write made no progress for the connection's send timeout: the client stopped reading."""
 
-    __slots__ = ()
+
+class StreamSocket(gsocket.socket):
+    """A gevent TCP socket whose ``sendall`` tries one plain non-blocking ``send`` first.
+
+    Attributes:
+        send_timeout_s: the longest a write may wait for the peer to take more bytes, seconds; None
+            falls back to gevent's ``sendall`` and the socket's own timeout.
+        stalled: True once a write was cut by ``send_timeout_s``.
+        blocked: True while a write waits for the peer.
+    """
+
+    __slots__ = ("send_timeout_s", "stalled", "blocked")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.send_timeout_s: float | None = None
+        self.stalled = False
+        self.blocked = False
 
     def sendall(self, data: Any, flags: int = 0) -> None:
-        """Send all of ``data`` (a bytes-like object, in bytes), cooperatively when the kernel is full.
+        """Send all of ``data`` (a bytes-like object), cooperatively when the kernel is full.
 
         Raises:
-            TimeoutError: the peer did not take the rest within the socket's timeout (gevent's).
+            SendTimeout: the peer took nothing for ``send_timeout_s`` seconds.
             OSError: the connection failed (reset, broken pipe), as ``socket.sendall``.
         """
         try:
@@ -36,7 +64,30 @@ class StreamSocket(gsocket.socket):
         except BlockingIOError:
             sent = 0
         if sent < len(data):
-            super().sendall(memoryview(data)[sent:], flags)
+            self._send_rest(memoryview(data).cast("B")[sent:], flags)
+
+    def _send_rest(self, view: memoryview, flags: int) -> None:
+        timeout = self.send_timeout_s
+        if timeout is None:
+            super().sendall(view, flags)
+            return
+        self.blocked = True
+        try:
+            while view:
+                gsocket.wait_write(self.fileno(), timeout, _timeout_exc(timeout))
+                try:
+                    view = view[self._sock.send(view, flags) :]
+                except BlockingIOError:  # woken, but another writer got there first
+                    continue
+        except SendTimeout:
+            self.stalled = True
+            raise
+        finally:
+            self.blocked = False
+
+
+def _timeout_exc(timeout_s: float) -> SendTimeout:
+    return SendTimeout(f"the client read nothing for {timeout_s:g} s")
 
 
 class GeventWorker(ggevent.GeventWorker):
@@ -45,8 +96,35 @@ class GeventWorker(ggevent.GeventWorker):
     TLS connections (gunicorn's ``certfile``) and anything else keep gevent's own class.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.connections: weakref.WeakSet[StreamSocket] = weakref.WeakSet()
+
     def handle(self, listener: Any, client: Any, addr: Any) -> None:
         """Serve one connection (gunicorn's ``handle``) over a :class:`StreamSocket`."""
         if type(client) is gsocket.socket:
             client = StreamSocket(client.family, client.type, client.proto, fileno=client.detach())
+            self.connections.add(client)
         super().handle(listener, client, addr)
+
+    def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> None:
+        """Serve one request; a reader cut by the send timeout closes the connection quietly (the
+        app logs the request), where gunicorn would log a socket-error traceback."""
+        try:
+            super().handle_request(listener_name, req, sock, addr)
+        except SendTimeout as exc:
+            raise StopIteration(str(exc)) from None  # gunicorn's "close this connection"
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        """Stop as gunicorn does, and cut writes still blocked one second before the grace ends."""
+        super().handle_exit(sig, frame)
+        gevent.spawn_later(max(0.0, self.cfg.graceful_timeout - 1.0), self.cut_blocked_writes)
+
+    def cut_blocked_writes(self) -> None:
+        """Shut down every connection whose write waits for a reader (it fails with EPIPE at once)."""
+        for conn in list(self.connections):
+            if conn.blocked:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:  # closed meanwhile
+                    pass
