@@ -9,7 +9,7 @@ Source: DESIGN §1 "The engine boundary", §3 (sampling, seeds).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -98,7 +98,9 @@ class LlamaEngine:
                 return
             logits = self.model.decode([token_id], [cache])[0]
 
-    def score(self, prompt_ids: Sequence[int], top_n: int) -> list[Step]:
+    def score(
+        self, prompt_ids: Sequence[int], top_n: int, pause: Callable[[], None] | None = None
+    ) -> list[Step]:
         """Return one ``Step`` per prompt token with its logprob under the model (for ``echo``).
 
         The first token has no context, so its ``logprob`` and ``top_logprobs`` are None; token
@@ -107,6 +109,8 @@ class LlamaEngine:
         Args:
             prompt_ids: The prompt's token ids.
             top_n: How many top alternatives to report per token (0..vocab_size).
+            pause: accepted for the engines' common signature and not called: the server runs
+                this engine on its own thread, where nothing waits for a pause.
 
         Raises:
             ValueError: If the prompt is empty, longer than the context, or has an id outside

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from model.generate import BigramEngine, GenerationRequest, Step, generate_ids
+from model.generate import SCORE_SLICE, BigramEngine, GenerationRequest, Step, generate_ids
 from model.pcg32 import PCG32
 from model.sampling import SamplingParams, logprobs_of
 
@@ -212,3 +212,16 @@ def test_logprobs_zero_reports_the_token_and_no_alternatives():
     assert step.token_id == 98
     assert step.top_logprobs == ()
     assert step.logprob == pytest.approx(2.0 - math.log(255 + math.exp(2.0)), abs=1e-12)
+
+
+def test_score_reports_each_token_under_the_previous_one_and_pauses_in_slices():
+    engine = BigramEngine(StandInModel(_pattern_weight()))
+    prompt = [i % 7 for i in range(2 * SCORE_SLICE + 5)]
+    pauses = []
+    steps = engine.score(prompt, 2, pause=lambda: pauses.append(1))
+    assert steps == engine.score(prompt, 2)  # pausing changes nothing but the timing
+    assert len(pauses) == 2  # after tokens 2048 and 4096 of the 4,100 scored
+    assert steps[0] == Step(0)
+    lp = logprobs_of(_pattern_weight()[3])
+    top = np.argsort(-lp, kind="stable")[:2]
+    assert steps[4] == Step(4, float(lp[4]), tuple((int(i), float(lp[i])) for i in top))

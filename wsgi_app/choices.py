@@ -77,7 +77,7 @@ class Logprobs:
         self.top_logprobs.extend(other.top_logprobs)
         self.text_offset.extend(other.text_offset)
 
-    def encode(self, pause: Callable[[], None], slice_len: int = 2048) -> bytes:
+    def encode(self, pause: Callable[[], None], slice_len: int = 1024) -> bytes:
         """Return ``json_bytes(self.as_dict())``, encoded a slice of entries at a time with ``pause()``
         between slices, so that a huge answer (echo + logprobs of a long prompt) never holds the hub
         for long."""
@@ -196,7 +196,8 @@ class Completion:
 
     Args:
         engine: an object with ``stream(GenerationRequest) -> Iterator[Step]`` and
-            ``score(prompt_ids, top_n) -> list[Step]`` (logprobs of the prompt tokens, for ``echo``).
+            ``score(prompt_ids, top_n, pause) -> list[Step]`` (logprobs of the prompt tokens, for
+            ``echo``; ``pause`` is called between slices of a long prompt).
         req: the validated request.
         seed: the effective seed, 0..2**64-1.
         completion_id: ``cmpl-…``, the same for every chunk.
@@ -296,18 +297,20 @@ class Completion:
             return
         self._echo_scored = True
         req = self.req
-        scored = self._engine.score(req.prompt_ids, req.logprobs)
+        scored = self._engine.score(req.prompt_ids, req.logprobs, _pause)
         prompt = Logprobs(self._tokenizer.token_str)
         offsets = _offsets(req.prompt_ids, self._tokenizer.token_bytes)
         for i, (offset, step) in enumerate(zip(offsets, scored, strict=True)):
             prompt.add(step, offset)
-            if i % 2048 == 2047:
+            if i % 1024 == 1023:
                 _pause()
         for choice in self.choices:
             choice.logprobs.extend(prompt)  # C-level list copies: n choices cost one scoring
 
-    def run(self) -> bytes:
-        """Generate every choice to its end and return the JSON body (DESIGN §5 key order).
+    def run(self) -> list[bytes]:
+        """Generate every choice to its end and return the JSON body (DESIGN §5 key order) as the
+        byte strings that, joined, make it: the server writes them one by one, and joining a huge
+        answer (echo + logprobs of a long prompt) would hold the hub for tens of milliseconds.
 
         The choices advance round-robin, one token each, so an engine that batches (Llama) has them
         all in flight at once.
@@ -335,7 +338,7 @@ class Completion:
             )
         parts[-1] = b"}"  # no comma after the last choice
         parts += (b'],"usage":', json_bytes(self.usage()), b"}")
-        return b"".join(parts)
+        return parts
 
     # -- SSE answer -------------------------------------------------------------------------------
 
@@ -439,7 +442,9 @@ def _offsets(prompt_ids: tuple[int, ...], token_bytes: list[bytes]) -> list[int]
     """Character offset at which each prompt token's text starts (for echoed logprobs)."""
     decoder = Utf8Decoder()
     offsets, chars = [], 0
-    for token_id in prompt_ids:
+    for i, token_id in enumerate(prompt_ids):
         offsets.append(chars)
         chars += len(decoder.feed(token_bytes[token_id]))
+        if i % 8192 == 8191:
+            _pause()
     return offsets

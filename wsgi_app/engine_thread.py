@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gevent
@@ -117,8 +117,11 @@ class ThreadedEngine:
                 stream.items.append(END)  # not admitted yet: the thread skips it
             self._ring()
 
-    def score(self, prompt_ids: tuple[int, ...], top_n: int) -> list[Step]:
-        """Score the prompt's tokens (for ``echo`` with ``logprobs``) on a native thread."""
+    def score(
+        self, prompt_ids: tuple[int, ...], top_n: int, pause: Callable[[], None] | None = None
+    ) -> list[Step]:
+        """Score the prompt's tokens (for ``echo`` with ``logprobs``) on a native thread (the hub
+        runs meanwhile, so ``pause`` is never needed)."""
         return self._score_pool.apply(self._scheduler._checker.score, (prompt_ids, top_n))
 
     def shutdown(self) -> None:
