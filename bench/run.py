@@ -1,4 +1,4 @@
-"""Run the whole benchmark with one command: ``python -m bench.run`` (full, < 10 min) or ``--quick``.
+"""Run the whole benchmark with one command: ``python -m bench.run`` (~6 min) or ``--quick`` (~45 s).
 
 Starts each server on its own core (greenserve with one gevent worker, the canned-frames
 ``gevent.pywsgi`` ceiling, the FastAPI + uvicorn reference), drives it from this process on another
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print progress and the table; return the results."""
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short smoke run (about 1.5 min)")
+    parser.add_argument("--quick", action="store_true", help="short smoke run (about 45 s)")
     parser.add_argument("--servers", default=",".join(servers.NAMES), help="comma-separated subset")
     parser.add_argument("--no-hold", action="store_true", help="skip the hold scenario")
     parser.add_argument("--no-micro", action="store_true", help="skip the micro-benchmark")

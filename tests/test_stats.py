@@ -16,6 +16,7 @@ from telemetry.recorder import HistoryRecorder
 from tests.server import GunicornServer
 from wsgi_app import create_app
 from wsgi_app.settings import Settings
+from wsgi_app.stats import parse_minutes
 
 T0 = 1_700_000_040.0  # a minute boundary: 28_333_334 * 60
 
@@ -201,6 +202,56 @@ def test_history_endpoint_with_injected_clock_and_faults(succ_dir, tmp_path):
     assert stats["totals"]["generation_tokens"] == 8 * 3 + 2 * 3  # a failure stops before token 4
     assert stats["rates"]["requests_per_s"] == pytest.approx((5 + 5 * 0.5) / 60)
     assert [w["pid"] for w in stats["workers"]] == [os.getpid()]
+
+
+@pytest.mark.parametrize(
+    ("raw", "minutes"), [(None, 60), ("1", 1), ("60", 60), ("1440", 1440), ("0060", 60)]
+)
+def test_minutes_in_range_are_taken_as_sent(raw, minutes):
+    assert parse_minutes(raw) == minutes
+
+
+# Each refused ``?minutes=`` value (as sent in the query string) and how the message quotes it.
+REFUSED_MINUTES = [
+    ("0", "'0'"),
+    ("0000", "'0000'"),
+    ("1441", "'1441'"),
+    ("5000", "'5000'"),  # once silently capped to 1440
+    ("01441", "'01441'"),
+    ("9" * 30, "'" + "9" * 20 + "…'"),  # never parsed, and quoted cut short
+    ("-5", "'-5'"),
+    ("1.5", "'1.5'"),
+    ("1e3", "'1e3'"),
+    ("", "''"),
+    (" 5", "' 5'"),
+    ("+5", "'+5'"),
+    ("1_0", "'1_0'"),  # int() would read 10
+    ("\u0665", "'\u0665'"),  # ARABIC-INDIC DIGIT FIVE: int() would read 5
+    ("x", "'x'"),
+]
+
+
+def test_history_refuses_minutes_outside_1_to_1440(succ_dir, tmp_path):
+    clock = FakeClock()
+    settings = Settings(model_dir=str(succ_dir), stats_db=str(tmp_path / "s.db"))
+    client = create_app(settings, clock=clock).test_client()
+    for raw, shown in REFUSED_MINUTES:
+        resp = client.get("/stats/history", query_string={"minutes": raw})
+        assert (resp.status_code, resp.content_type) == (400, "application/json"), raw
+        assert resp.get_json() == {
+            "error": {
+                "message": f"'minutes' must be an integer in 1..1440, got {shown}.",
+                "type": "invalid_request_error",
+                "param": "minutes",
+                "code": None,
+            }
+        }
+    # The whole range is served exactly: a day ends at the current minute, a minute is just it.
+    day = client.get("/stats/history?minutes=1440").get_json()["minutes"]
+    assert (len(day), day[0]["t"], day[-1]["t"]) == (1440, T0 - 1439 * 60, T0)
+    (one,) = client.get("/stats/history?minutes=1").get_json()["minutes"]
+    assert (one["t"], one["requests"]) == (T0, 0)
+    assert len(client.get("/stats/history").get_json()["minutes"]) == 60
 
 
 # -- against a real gunicorn with two workers -------------------------------------------------------

@@ -22,7 +22,8 @@ from wsgi_app.runtime import Runtime, runtime
 
 bp = Blueprint("stats", __name__)
 
-HISTORY_MAX_MINUTES = 1440  # ``?minutes=`` is capped at a day
+HISTORY_DEFAULT_MINUTES = 60
+HISTORY_MAX_MINUTES = 1440  # ``?minutes=`` covers at most a day
 
 
 def _json(obj: object) -> Response:
@@ -84,28 +85,43 @@ def stats() -> Response:
     )
 
 
-def _minutes_param() -> int:
-    raw = request.args.get("minutes")
+def parse_minutes(raw: str | None) -> int:
+    """Validate the ``?minutes=`` query value of ``/stats/history``.
+
+    Args:
+        raw: the query value as sent, or None when absent.
+
+    Returns:
+        Minutes of history, 1..1440 (60 when absent).
+
+    Raises:
+        ApiError: 400 naming ``minutes`` when it is not a decimal integer in 1..1440.
+    """
     if raw is None:
-        return 60
-    try:
-        minutes = int(raw)
-    except ValueError:
-        raise invalid("minutes must be an integer.", "minutes") from None
-    if minutes < 1:
-        raise invalid("minutes must be at least 1.", "minutes")
-    return min(minutes, HISTORY_MAX_MINUTES)
+        return HISTORY_DEFAULT_MINUTES
+    # ASCII digits only (int() would also take " 5", "+5", "1_0" and other scripts' digits), and
+    # no more of them than the limit has once leading zeros go, so int() never parses a huge number.
+    digits = raw.lstrip("0")
+    if raw.isascii() and raw.isdigit() and len(digits) <= len(str(HISTORY_MAX_MINUTES)):
+        minutes = int(digits or "0")
+        if 1 <= minutes <= HISTORY_MAX_MINUTES:
+            return minutes
+    # Refused, not capped: an answer never silently covers less than was asked for.
+    shown = raw if len(raw) <= 20 else raw[:20] + "…"
+    raise invalid(
+        f"'minutes' must be an integer in 1..{HISTORY_MAX_MINUTES}, got {shown!r}.", "minutes"
+    )
 
 
 @bp.get("/stats/history")
 def history() -> Response:
-    """Per-minute series for the last hour (``?minutes=`` up to 1440) and the 7-day error budget.
+    """Per-minute series for the last hour (``?minutes=`` 1..1440) and the 7-day error budget.
 
     Raises:
-        ApiError: 400 when ``minutes`` is not a positive integer.
+        ApiError: 400 when ``minutes`` is not an integer in 1..1440.
     """
     rt = runtime()
-    minutes = _minutes_param()
+    minutes = parse_minutes(request.args.get("minutes"))
     obs = rt.observer
     obs.flusher.flush(in_thread=True)
     now = _now(rt)
