@@ -6,11 +6,36 @@ factory (no ``preload_app``), so each worker owns its model and its span exporte
 """
 
 import os
+import sys
 import tempfile
+from typing import NoReturn
 
 from gunicorn.glogging import Logger
 
 from telemetry.logs import logging_config
+from wsgi_app.settings import ServerSettings
+
+_made_metrics_dir = None  # the metrics dir this process made, removed if the start fails
+
+
+def _cannot_start(exc: ValueError) -> NoReturn:
+    """Stop the master with one line naming the bad setting, and exit code 1 (no traceback)."""
+    if _made_metrics_dir:
+        import shutil
+
+        shutil.rmtree(_made_metrics_dir, ignore_errors=True)
+    print(f"greenserve: cannot start: {exc}", file=sys.stderr)
+    sys.exit(1)
+
+
+# gunicorn's settings are checked as this file is read: a bad one is one line and exit code 1, not
+# gunicorn's "Failed to read config file" and a traceback. The app's are checked in on_starting.
+try:
+    _server = ServerSettings.from_env()
+    # Every log line, gunicorn's and the app's, is one JSON object on stderr (LOG_LEVEL sets the level).
+    logconfig_dict = logging_config(_server.log_level)
+except ValueError as exc:
+    _cannot_start(exc)
 
 # numpy reads this at import; one BLAS thread per worker, the workers are the parallelism.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -19,8 +44,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # files here and /metrics sums them. prometheus_client decides at import, so this is set before any
 # worker imports it; when unset, a private temp dir is made and removed when the master exits.
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="greenserve-metrics-")
-    os.environ["GREENSERVE_OWN_METRICS_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    _made_metrics_dir = tempfile.mkdtemp(prefix="greenserve-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = _made_metrics_dir
+    os.environ["GREENSERVE_OWN_METRICS_DIR"] = _made_metrics_dir
 
 
 def _usable_cpus() -> int:
@@ -41,36 +67,30 @@ def _usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) or 1
 
 
-_host = os.environ.get("HOST", "0.0.0.0")
-_port = int(os.environ.get("PORT", "8000"))
-_health_port = int(os.environ.get("HEALTH_PORT", "9464"))
-
-# The API port, and the health port for probes and scrapes (HEALTH_PORT=0 disables it).
-bind = [f"{_host}:{_port}"] + ([f"{_host}:{_health_port}"] if _health_port else [])
+# The API port (HOST, PORT), then the health port for probes and scrapes (HEALTH_PORT; 0 disables it).
+bind = _server.bind
 # Worker processes (WEB_CONCURRENCY); default: the usable CPUs.
-workers = int(os.environ.get("WEB_CONCURRENCY", "0")) or _usable_cpus()
+workers = _server.workers or _usable_cpus()
 # Every connection is a greenlet: gunicorn's gevent worker with a cheaper sendall (wsgi_app.worker).
 worker_class = "wsgi_app.worker.GeventWorker"
 # Simultaneous connections per worker (WORKER_CONNECTIONS), streams and idle keep-alives alike.
-worker_connections = int(os.environ.get("WORKER_CONNECTIONS", "1000"))
+worker_connections = _server.worker_connections
 # The app factory runs in each worker, after gevent's monkey-patching.
 wsgi_app = "wsgi_app:create_app()"
 preload_app = False
 # Seconds a worker may go without notifying the arbiter. Under gevent this bounds hub stalls (CPU work
 # that never yields), not request length: requests have their own deadline (REQUEST_TIMEOUT_S).
-timeout = int(os.environ.get("GUNICORN_TIMEOUT_S", "30"))
+timeout = _server.timeout_s
 # Seconds in-flight streams get to finish after SIGTERM before the worker is killed.
-graceful_timeout = int(os.environ.get("GRACEFUL_TIMEOUT_S", "30"))
+graceful_timeout = _server.graceful_timeout_s
 # Seconds an idle keep-alive connection is held open.
-keepalive = int(os.environ.get("KEEPALIVE_S", "5"))
+keepalive = _server.keepalive_s
 # Worker recycling would cut in-flight streams.
 max_requests = 0
 # gunicorn's own log to stderr; the app writes one JSON line per request, so no access log.
 errorlog = "-"
-loglevel = os.environ.get("LOG_LEVEL", "info")
+loglevel = _server.log_level
 accesslog = None
-# Every log line, gunicorn's and the app's, is one JSON object on stderr (LOG_LEVEL sets the level).
-logconfig_dict = logging_config(loglevel)
 
 
 class AppLogsRequests(Logger):
@@ -91,25 +111,34 @@ limit_request_field_size = 8190
 # gunicorn's control socket, one per API port so two servers on a host never take over each other's
 # (GUNICORN_CONTROL_SOCKET; the default is one shared path per user).
 control_socket = os.environ.get("GUNICORN_CONTROL_SOCKET") or os.path.join(
-    tempfile.gettempdir(), f"greenserve-{_port}.ctl"
+    tempfile.gettempdir(), f"greenserve-{_server.port}.ctl"
 )
 
 
 def _check_config_or_exit():
     """Fail fast, once, in the master: a bad setting or model directory is one clear line on stderr
     and exit code 1, not a traceback from every worker. Workers load the model again for themselves
-    (memory-mapped, so this costs little)."""
-    import sys
+    (memory-mapped, so this costs little). The history database is checked, not created: the
+    workers may run as another user (gunicorn's ``user``)."""
+    import socket
 
     from model.loader import load_model
-    from wsgi_app.settings import Settings
+    from wsgi_app.settings import Settings, check_stats_db
 
     try:
-        settings = Settings.from_env()
+        settings = Settings.from_env()  # also RATE_LIMIT, its storage and the OTLP endpoint
+        if settings.faults:
+            from wsgi_app.faults import Faults
+
+            Faults.parse(settings.faults)
+        try:
+            socket.getaddrinfo(_server.host.strip("[]"), None)  # gunicorn binds to each address
+        except socket.gaierror as exc:
+            raise ValueError(f"HOST cannot be resolved: {_server.host!r} ({exc.strerror})") from exc
+        check_stats_db(settings.stats_db)
         load_model(settings.model_dir)
     except ValueError as exc:
-        print(f"greenserve: cannot start: {exc}", file=sys.stderr)
-        sys.exit(1)
+        _cannot_start(exc)
 
 
 def on_starting(server):
@@ -153,10 +182,42 @@ def worker_exit(server, worker):
             state.observer.close()
 
 
+def _address(sock, scheme):
+    """Name a bound socket as gunicorn's "Listening at" does: ``http://host:port`` or ``unix:path``."""
+    import socket
+
+    if sock.family == socket.AF_UNIX:
+        return f"unix:{sock.getsockname()}"
+    host, port = sock.getsockname()[:2]
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+def _log_serving(worker, state):
+    """Log one line saying which model this worker serves, and which address is which port (the
+    first bind is the API port, the second the health port)."""
+    import logging
+
+    from wsgi_app.models import model_card
+
+    scheme = "https" if worker.cfg.is_ssl else "http"
+    addresses = [_address(sock, scheme) for sock in worker.sockets]
+    logging.getLogger("greenserve.start").info(
+        "serving",
+        extra={
+            "model": model_card(state.model)["id"],  # the id /v1/models lists
+            "model_kind": state.model.engine_kind,
+            "model_version": state.model_version,  # X-Model-Version
+            "api_address": addresses[0] if addresses else None,
+            "health_address": addresses[1] if len(addresses) > 1 else None,
+        },
+    )
+
+
 def post_worker_init(worker):
     """Chain the worker's SIGTERM handler so the app learns of the stop and can end its streams with
-    a final event before ``graceful_timeout`` runs out (gunicorn only flips ``worker.alive``); then
-    freeze the start-up objects out of the garbage collector's generations."""
+    a final event before ``graceful_timeout`` runs out (gunicorn only flips ``worker.alive``); log
+    what the worker serves; then freeze the start-up objects out of the garbage collector's
+    generations."""
     import signal
 
     state = worker.wsgi.extensions["greenserve"]
@@ -172,6 +233,7 @@ def post_worker_init(worker):
         gunicorn_handler(sig, frame)
 
     signal.signal(signal.SIGTERM, handle_exit)
+    _log_serving(worker, state)
     # Everything loaded so far (modules, Flask, numpy, the model) lives as long as the worker: move it
     # out of the collector's reach, so each full collection no longer walks ~55,000 objects (~7 ms).
     import gc

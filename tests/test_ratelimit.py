@@ -212,4 +212,6 @@ def test_bad_rate_limit_stops_the_server_at_start(succ_dir, tmp_path):
     with pytest.raises(ServerDied) as exc:
         srv.start(timeout_s=20)
     srv.stop()
-    assert "ValueError: RATE_LIMIT must look like '600/minute', got 'lots'" in str(exc.value)
+    assert "greenserve: cannot start: RATE_LIMIT must look like '600/minute', got 'lots'" in str(
+        exc.value
+    )

@@ -8,6 +8,7 @@ Never set it in production.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,20 +32,36 @@ class Faults:
         """Parse ``spec``.
 
         Raises:
-            ValueError: an unknown key or a malformed value (names the key).
+            ValueError: an unknown key or a malformed value (names ``GREENSERVE_FAULTS`` and the key).
         """
         values: dict[str, Any] = {}
         for item in filter(None, (part.strip() for part in spec.split(","))):
             key, _, raw = item.partition("=")
-            if key == "slow_step_s":
-                values[key] = float(raw)
-            elif key in ("fail_at", "oom_at"):
-                values[key] = int(raw)
-            elif key == "fatal":
-                values[key] = raw not in ("", "0")
+            key = key.strip()
+            if key == "fatal":
+                values[key] = raw.strip() not in ("", "0")
+            elif key in _NUMBERS:
+                values[key] = _number(key, raw.strip())
             else:
-                raise ValueError(f"GREENSERVE_FAULTS: unknown key {key!r}")
+                known = ", ".join([*_NUMBERS, "fatal"])
+                raise ValueError(f"GREENSERVE_FAULTS: unknown key {key!r} (known: {known})")
         return cls(**values)
+
+
+# The numeric keys of a spec and their types; each must be finite and at least 0.
+_NUMBERS: dict[str, type[int] | type[float]] = {"slow_step_s": float, "fail_at": int, "oom_at": int}
+
+
+def _number(key: str, raw: str) -> int | float:
+    kind = _NUMBERS[key]
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value < math.inf:  # also rejects NaN
+        noun = "an integer" if kind is int else "a number"
+        raise ValueError(f"GREENSERVE_FAULTS: {key} must be {noun} >= 0, got {raw!r}")
+    return value
 
 
 class EngineFailure(RuntimeError):

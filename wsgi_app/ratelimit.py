@@ -26,12 +26,12 @@ from urllib.parse import urlsplit
 
 from flask import Flask, Response, g, request
 from flask_limiter import Limit, Limiter, RateLimitExceeded
-from limits import RateLimitItem, parse_many
 from limits.errors import ConfigurationError
 
 from wsgi_app.clients import client_identity
 from wsgi_app.errors import ApiError, error_response
 from wsgi_app.runtime import Runtime
+from wsgi_app.settings import parse_rate_limit  # there so the master checks it without Flask
 
 log = logging.getLogger("greenserve.ratelimit")
 
@@ -52,21 +52,6 @@ STORAGE_TIMEOUT_S = 0.25
 # After a storage failure, serve unchecked for this long before trying the storage again.
 COOLDOWN_S = 1.0
 STRATEGY = "moving-window"  # exact: no burst of 2x the limit across a window boundary
-
-
-def parse_rate_limit(text: str) -> list[RateLimitItem]:
-    """Parse ``RATE_LIMIT`` (``"600/minute"``, ``"10/second;600/hour"``).
-
-    Raises:
-        ValueError: the text is not a rate-limit string (the message names ``RATE_LIMIT``).
-    """
-    try:
-        items = parse_many(text)
-    except ValueError as exc:
-        raise ValueError(f"RATE_LIMIT must look like '600/minute', got {text!r}") from exc
-    if not items:
-        raise ValueError(f"RATE_LIMIT must look like '600/minute', got {text!r}")
-    return items
 
 
 def storage_options(uri: str) -> dict[str, float]:

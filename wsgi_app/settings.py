@@ -6,11 +6,18 @@ deployment fails the worker at start with a message naming the variable, not at 
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import secrets
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from limits import RateLimitItem
 
 
 def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
@@ -73,6 +80,22 @@ def default_stats_db(env: Mapping[str, str] | None = None) -> str:
     return os.path.join(tempfile.gettempdir(), f"greenserve-stats-{port}.db")
 
 
+def check_stats_db(path: str) -> None:
+    """Check that the workers can create or write the history database at ``path`` (``STATS_DB``,
+    and SQLite's ``-wal`` file beside it), without creating it: the master may run as another user.
+
+    Raises:
+        ValueError: the directory is missing or not writable, or ``path`` is a directory or a file
+            that is not writable (the message names ``STATS_DB``).
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    usable = os.path.isdir(directory) and os.access(directory, os.W_OK | os.X_OK)
+    if os.path.lexists(path):
+        usable = usable and os.path.isfile(path) and os.access(path, os.R_OK | os.W_OK)
+    if not usable:
+        raise ValueError(f"STATS_DB must be a file in a writable directory, got {path!r}")
+
+
 def otlp_traces_endpoint(env: Mapping[str, str]) -> str | None:
     """Return the OTLP/HTTP traces URL configured in ``env``, or None when tracing is off.
 
@@ -83,11 +106,82 @@ def otlp_traces_endpoint(env: Mapping[str, str]) -> str | None:
     """
     signal = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
     if signal:
-        return signal
+        return _http_url("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", signal)
     base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
     if not base:
         return None
-    return base.rstrip("/") + "/v1/traces"
+    return _http_url("OTEL_EXPORTER_OTLP_ENDPOINT", base).rstrip("/") + "/v1/traces"
+
+
+def _http_url(name: str, raw: str) -> str:
+    """Return ``raw`` when it is an http:// or https:// URL with a host (and a valid port, if any)."""
+    parts = urlsplit(raw)
+    try:
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is not a number or out of range
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be an http:// or https:// URL with a host, got {raw!r}")
+    return raw
+
+
+def parse_rate_limit(text: str) -> list[RateLimitItem]:
+    """Parse ``RATE_LIMIT`` (``"600/minute"``, ``"10/second;600/hour"``) with ``limits``.
+
+    Raises:
+        ValueError: the text is not a rate-limit string (the message names ``RATE_LIMIT``).
+    """
+    from limits import parse_many  # imported only when a limit is set (limits pulls in asyncio)
+
+    message = f"RATE_LIMIT must look like '600/minute', got {text!r}"
+    try:
+        items = parse_many(text)
+    except ValueError as exc:
+        raise ValueError(message) from exc
+    if not items:
+        raise ValueError(message)
+    return items
+
+
+def check_rate_limit_storage(uri: str) -> None:
+    """Check that ``RATE_LIMIT_STORAGE_URI`` names a ``limits`` storage that can count a moving window
+    (``wsgi_app.ratelimit.STRATEGY``) and whose client library is installed, without connecting to it.
+
+    The message shows the scheme only: the URI may hold a Redis password.
+
+    Raises:
+        ValueError: an unknown scheme, a storage without moving windows (memcached), a missing client
+            library or a malformed port (the message names ``RATE_LIMIT_STORAGE_URI``).
+    """
+    import importlib.util
+
+    # SCHEMES is the registry ``limits.storage.storage_from_string`` instantiates from; instantiating
+    # here would connect (Redis Cluster, MongoDB) or start a timer thread (memory) in the master.
+    from limits.storage import SCHEMES, MovingWindowSupport
+
+    parts = urlsplit(uri)
+    storage = SCHEMES.get(parts.scheme)
+    if storage is None or not issubclass(storage, MovingWindowSupport):
+        raise ValueError(
+            "RATE_LIMIT_STORAGE_URI must be memory:// or redis://host:port/db, "
+            f"got a {parts.scheme + '://'!r} URI"
+        )
+    other = "redis" if parts.scheme.startswith("valkey") else "valkey"  # one client library is used
+    for module in {name.split(".")[0] for name in storage.DEPENDENCIES} - {other}:
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"RATE_LIMIT_STORAGE_URI: {parts.scheme}:// needs {module} installed")
+    try:
+        parts.port  # noqa: B018 - parsing the port is the check
+    except ValueError as exc:
+        raise ValueError(f"RATE_LIMIT_STORAGE_URI: {exc}") from None
+
+
+def _rate_limit(env: Mapping[str, str]) -> str:
+    text = _str(env, "RATE_LIMIT", "")
+    if text:  # the storage is only used, and so only checked, when a limit is set
+        parse_rate_limit(text)
+        check_rate_limit_storage(_str(env, "RATE_LIMIT_STORAGE_URI", "memory://"))
+    return text
 
 
 @dataclass(frozen=True)
@@ -179,7 +273,7 @@ class Settings:
             otlp_endpoint=otlp_traces_endpoint(env),
             service_name=_str(env, "OTEL_SERVICE_NAME", "greenserve"),
             faults=_str(env, "GREENSERVE_FAULTS", ""),
-            rate_limit=_str(env, "RATE_LIMIT", ""),
+            rate_limit=_rate_limit(env),
             rate_limit_storage_uri=_str(env, "RATE_LIMIT_STORAGE_URI", "memory://"),
             trusted_proxies=_int(env, "TRUSTED_PROXIES", 0, 0, 32),
             api_keys=_api_keys(env),
@@ -193,3 +287,77 @@ class Settings:
             prometheus_multiproc_dir=_str(env, "PROMETHEUS_MULTIPROC_DIR", "") or None,
             pages=_int(env, "PAGES", 1, 0, 1) == 1,
         )
+
+
+# A host name: dot-separated labels of letters, digits and inner hyphens (RFC 1123 §2.1).
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def _host(env: Mapping[str, str]) -> str:
+    host = _str(env, "HOST", "0.0.0.0")
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        if len(host) > 253 or not _HOST_NAME.fullmatch(host):
+            raise ValueError(f"HOST must be an IP address or a host name, got {host!r}") from None
+    return host
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """gunicorn's own settings, read by ``gunicorn.conf.py`` in the master (DESIGN §7).
+
+    Attributes:
+        host: the address both ports bind to (an IP address or a host name).
+        port: the API port (``PORT``); 0 lets the system pick one.
+        health_port: the health port (``HEALTH_PORT``); 0 disables it.
+        workers: worker processes (``WEB_CONCURRENCY``); 0 means one per usable CPU.
+        worker_connections: simultaneous connections per worker.
+        timeout_s: gunicorn's worker timeout (``GUNICORN_TIMEOUT_S``), in seconds.
+        graceful_timeout_s: seconds in-flight streams get after SIGTERM.
+        keepalive_s: seconds an idle keep-alive connection is held open.
+        log_level: logging level name, lower case (checked by ``telemetry.logs.logging_config``).
+    """
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    health_port: int = 9464
+    workers: int = 0
+    worker_connections: int = 1000
+    timeout_s: int = 30
+    graceful_timeout_s: int = 30
+    keepalive_s: int = 5
+    log_level: str = "info"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ServerSettings:
+        """Build gunicorn's settings from ``env`` (default ``os.environ``).
+
+        Raises:
+            ValueError: a variable is malformed or out of range, or ``PORT`` equals a non-zero
+                ``HEALTH_PORT``; the message names it.
+        """
+        env = os.environ if env is None else env
+        settings = cls(
+            host=_host(env),
+            port=_int(env, "PORT", 8000, 0, 65_535),
+            health_port=_int(env, "HEALTH_PORT", 9464, 0, 65_535),
+            workers=_int(env, "WEB_CONCURRENCY", 0, 0, 1024),
+            worker_connections=_int(env, "WORKER_CONNECTIONS", 1000, 1, 1_000_000),
+            timeout_s=_int(env, "GUNICORN_TIMEOUT_S", 30, 0, 86_400),
+            graceful_timeout_s=_int(env, "GRACEFUL_TIMEOUT_S", 30, 0, 86_400),
+            keepalive_s=_int(env, "KEEPALIVE_S", 5, 0, 3_600),
+            log_level=_str(env, "LOG_LEVEL", "info").lower(),
+        )
+        if settings.port and settings.port == settings.health_port:
+            raise ValueError(f"PORT and HEALTH_PORT must differ, both are {settings.port}")
+        return settings
+
+    @property
+    def bind(self) -> list[str]:
+        """Return gunicorn's ``bind``: the API address, then the health address unless disabled."""
+        host = self.host
+        if ":" in host and not host.startswith("["):  # an IPv6 address: gunicorn wants [::1]:8000
+            host = f"[{host}]"
+        ports = [self.port] + ([self.health_port] if self.health_port else [])
+        return [f"{host}:{port}" for port in ports]

@@ -1,0 +1,177 @@
+"""Start-up (README "Settings"): a bad setting stops the server before it binds, with one line naming
+the variable and exit code 1, never a traceback; a good start logs one line per worker saying which
+model it serves and which address is the API port and which the health port.
+
+Each failing start is a real ``python -m gunicorn -c gunicorn.conf.py`` that exits in well under a
+second: the settings of ``gunicorn.conf.py`` fail while it is read, the app's in the master's
+``on_starting`` hook, before any worker is forked.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from model.loader import load_model
+from tests.server import ROOT, GunicornServer, wait_until
+from wsgi_app.faults import Faults
+from wsgi_app.settings import ServerSettings, Settings, check_rate_limit_storage
+
+RL = {"RATE_LIMIT": "5/minute"}
+BAD = [
+    # gunicorn's own settings, read while gunicorn.conf.py loads
+    ({"KEEPALIVE_S": "abc"}, "KEEPALIVE_S must be an integer, got 'abc'"),
+    ({"PORT": "http"}, "PORT must be an integer, got 'http'"),
+    ({"HEALTH_PORT": "70000"}, "HEALTH_PORT must be in 0..65535, got 70000"),
+    ({"WEB_CONCURRENCY": "2000"}, "WEB_CONCURRENCY must be in 0..1024, got 2000"),
+    ({"WORKER_CONNECTIONS": "0"}, "WORKER_CONNECTIONS must be in 1..1000000, got 0"),
+    ({"GUNICORN_TIMEOUT_S": "1.5"}, "GUNICORN_TIMEOUT_S must be an integer, got '1.5'"),
+    ({"GRACEFUL_TIMEOUT_S": "-1"}, "GRACEFUL_TIMEOUT_S must be in 0..86400, got -1"),
+    ({"LOG_LEVEL": "loud"}, "LOG_LEVEL must be a logging level name, got 'loud'"),
+    ({"HOST": "a b"}, "HOST must be an IP address or a host name, got 'a b'"),
+    ({"PORT": "8123", "HEALTH_PORT": "8123"}, "PORT and HEALTH_PORT must differ, both are 8123"),
+    # the app's settings, checked in the master before the workers start
+    ({"RATE_LIMIT": "lots"}, "RATE_LIMIT must look like '600/minute', got 'lots'"),
+    (
+        {**RL, "RATE_LIMIT_STORAGE_URI": "bogus://x"},
+        "RATE_LIMIT_STORAGE_URI must be memory:// or redis://host:port/db, got a 'bogus://' URI",
+    ),
+    (  # memcached has no moving window: the limiter would fail in every worker
+        {**RL, "RATE_LIMIT_STORAGE_URI": "memcached://127.0.0.1:11211"},
+        "RATE_LIMIT_STORAGE_URI must be memory:// or redis://host:port/db, "
+        "got a 'memcached://' URI",
+    ),
+    (
+        {**RL, "RATE_LIMIT_STORAGE_URI": "redis://:pw@cache:six/0"},
+        "RATE_LIMIT_STORAGE_URI: Port could not be cast to integer value as 'six'",
+    ),
+    (
+        {"GREENSERVE_FAULTS": "bogus=1"},
+        "GREENSERVE_FAULTS: unknown key 'bogus' (known: slow_step_s, fail_at, oom_at, fatal)",
+    ),
+    (
+        {"GREENSERVE_FAULTS": "fail_at=x"},
+        "GREENSERVE_FAULTS: fail_at must be an integer >= 0, got 'x'",
+    ),
+    (
+        {"STATS_DB": "/nonexistent/dir/x.db"},
+        "STATS_DB must be a file in a writable directory, got '/nonexistent/dir/x.db'",
+    ),
+    (
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "notaurl"},
+        "OTEL_EXPORTER_OTLP_ENDPOINT must be an http:// or https:// URL with a host, got 'notaurl'",
+    ),
+    (
+        {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "ftp://collector/v1/traces"},
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT must be an http:// or https:// URL with a host, "
+        "got 'ftp://collector/v1/traces'",
+    ),
+]
+
+
+def failed_start(tmp_path: Path, env: dict[str, str]) -> tuple[str, list[str]]:
+    """Run gunicorn until it exits (code 1 asserted); return its stderr and its non-JSON lines.
+
+    The temp dir is private, so that the metrics dir ``gunicorn.conf.py`` makes is seen removed.
+    """
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    srv = GunicornServer(tmp_path / "run", {"TMPDIR": str(tmp), **env})
+    done = subprocess.run(
+        srv.cmd,
+        cwd=ROOT,
+        env=srv.env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "Listening at" not in done.stderr  # stopped before binding
+    assert list(tmp.iterdir()) == []  # no metrics dir left behind
+    lines = done.stderr.splitlines()
+    for line in lines:
+        if line.startswith("{"):
+            json.loads(line)  # gunicorn's own lines stay JSON
+    return done.stderr, [line for line in lines if not line.startswith("{")]
+
+
+@pytest.mark.parametrize(("env", "message"), BAD, ids=[",".join(env) for env, _ in BAD])
+def test_bad_setting_stops_the_start_with_one_line(tmp_path, env, message):
+    _, plain = failed_start(tmp_path, env)
+    assert plain == [f"greenserve: cannot start: {message}"]
+
+
+def test_stats_db_that_is_a_directory_stops_the_start(tmp_path):
+    _, plain = failed_start(tmp_path, {"STATS_DB": str(tmp_path)})
+    assert plain == [
+        f"greenserve: cannot start: STATS_DB must be a file in a writable directory, "
+        f"got '{tmp_path}'"
+    ]
+
+
+def test_storage_uri_message_never_shows_the_password():
+    with pytest.raises(ValueError) as info:
+        check_rate_limit_storage("rediss+bogus://:hunter2@cache:6380/0")
+    assert str(info.value) == (
+        "RATE_LIMIT_STORAGE_URI must be memory:// or redis://host:port/db, "
+        "got a 'rediss+bogus://' URI"
+    )
+    check_rate_limit_storage("redis://:hunter2@cache:6379/0")  # valid, and nothing connects
+    check_rate_limit_storage("memory://")
+
+
+def test_server_settings_defaults_and_binds():
+    assert ServerSettings.from_env({}) == ServerSettings()
+    assert ServerSettings().bind == ["0.0.0.0:8000", "0.0.0.0:9464"]
+    v6 = ServerSettings.from_env({"HOST": "::1", "PORT": "0", "HEALTH_PORT": "0"})
+    assert v6.bind == ["[::1]:0"]
+    named = ServerSettings.from_env(
+        {"HOST": "api.example.com", "PORT": "80", "HEALTH_PORT": "81", "LOG_LEVEL": "DEBUG"}
+    )
+    assert (named.bind, named.log_level) == (["api.example.com:80", "api.example.com:81"], "debug")
+
+
+def test_otlp_endpoint_and_faults_parse_when_valid():
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector:4318/"}
+    assert Settings.from_env(env).otlp_endpoint == "https://collector:4318/v1/traces"
+    assert Faults.parse(" slow_step_s=0.5 , fail_at=3, fatal=1") == Faults(0.5, 3, 0, True)
+
+
+@pytest.mark.parametrize(("workers", "health_port"), [(2, True), (1, False)])
+def test_each_worker_logs_what_it_serves_and_where(succ_dir, tmp_path, workers, health_port):
+    srv = GunicornServer(
+        tmp_path, {"MODEL_DIR": str(succ_dir)}, workers=workers, health_port=health_port
+    ).start()
+    try:
+        status, headers, body = srv.get("/v1/models")
+        assert status == 200
+
+        def start_lines():
+            lines = [json.loads(line) for line in srv.log_text().splitlines() if "{" in line]
+            found = [line for line in lines if line["logger"] == "greenserve.start"]
+            return found if len(found) == workers else None
+
+        lines = wait_until(start_lines, what=f"{workers} start lines")
+        checksum = load_model(str(succ_dir)).checksum
+        expected = {
+            "level": "INFO",
+            "logger": "greenserve.start",
+            "message": "serving",
+            "model": json.loads(body)["data"][0]["id"],
+            "model_kind": "bigram",
+            "model_version": headers["x-model-version"],
+            "api_address": f"http://127.0.0.1:{srv.port}",
+            "health_address": f"http://127.0.0.1:{srv.health_port}" if health_port else None,
+        }
+        assert expected["model"] == succ_dir.name
+        assert expected["model_version"].startswith(checksum[:16] + "+greenserve-")
+        for line in lines:
+            assert {k: line[k] for k in expected} == expected
+        assert len({line["pid"] for line in lines}) == workers  # one line per worker
+    finally:
+        srv.stop()
