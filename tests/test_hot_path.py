@@ -19,7 +19,7 @@ from model.pcg32 import PCG32
 from model.rowcache import DrawTable, GreedyTable, RowCache, has_fixed_rows
 from model.sampling import SamplingParams, sample
 from model.utf8 import Utf8Decoder
-from wsgi_app.choices import Completion
+from wsgi_app.choices import JOIN_LIMIT_BYTES, Completion
 from wsgi_app.protocol import parse_completion_request
 from wsgi_app.sse import EventIds
 
@@ -280,3 +280,21 @@ def test_the_single_choice_fast_loop_yields_the_general_loops_events(body):
     general = [e.split(b"\n", 1)[1] for e in _completion(body, EventIds(7, 1000)).chunks()]
     assert fast == general
     assert len(fast) == body["max_tokens"] + body.get("echo", False) or "stop" in body
+
+
+def test_a_usual_answer_is_one_write_and_a_huge_one_is_parts_of_the_same_json():
+    small = _completion({"stream": False, "max_tokens": 16}).run()
+    assert len(small) == 1
+    assert json.loads(small[0])["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 16,
+        "total_tokens": 18,
+    }
+    huge = _completion(
+        {"stream": False, "prompt": "ab" * 4096, "echo": True, "logprobs": 5, "max_tokens": 64}
+    ).run()
+    assert len(huge) > 1 and sum(map(len, huge)) > JOIN_LIMIT_BYTES
+    answer = json.loads(b"".join(huge))
+    (choice,) = answer["choices"]
+    assert len(choice["logprobs"]["tokens"]) == 8192 + 64
+    assert choice["text"].startswith("ab" * 4096) and choice["finish_reason"] == "length"
