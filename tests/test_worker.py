@@ -18,7 +18,7 @@ import gevent
 import pytest
 from gevent import socket as gsocket
 
-from tests.server import GunicornServer
+from tests.server import GunicornServer, wait_until
 from wsgi_app.worker import GeventWorker, SendTimeout, StreamSocket
 
 PAYLOAD = bytes(range(256)) * (8 * 4096)  # 8 MiB: far more than the kernel's socket buffers
@@ -219,7 +219,11 @@ def test_reader_that_stops_is_cut_with_a_warning_not_a_traceback(tmp_path, succ_
         sock.connect(("127.0.0.1", srv.port))
         body = {"model": "m", "prompt": "a", "max_tokens": 4096, "n": 8, "stream": True}
         sock.sendall(_raw_request(body))  # and never read
-        lines = wait_for_log(srv, '"message": "request"')
+        lines = wait_until(
+            lambda: [x for x in srv.log_text().splitlines() if '"message": "request"' in x],
+            timeout_s=20,
+            what="the request's log line",
+        )
         sock.close()
     finally:
         srv.stop()
@@ -230,17 +234,6 @@ def test_reader_that_stops_is_cut_with_a_warning_not_a_traceback(tmp_path, succ_
     ]
     assert (request_line["status"], request_line["finish_reason"]) == (200, "abort")
     assert "Traceback" not in srv.log_text() and "Socket error" not in srv.log_text()
-
-
-def wait_for_log(srv: GunicornServer, needle: str, timeout_s: float = 20.0) -> list[str]:
-    """Poll the server's log until a line contains ``needle``; return those lines."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        lines = [x for x in srv.log_text().splitlines() if needle in x]
-        if lines:
-            return lines
-        time.sleep(0.1)
-    raise AssertionError(f"no {needle!r} in the log:\n{srv.log_tail()}")
 
 
 def test_sigterm_cuts_a_blocked_write_before_the_worker_is_killed(tmp_path, succ_dir):
