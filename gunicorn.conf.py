@@ -136,7 +136,11 @@ def _check_config_or_exit():
         except socket.gaierror as exc:
             raise ValueError(f"HOST cannot be resolved: {_server.host!r} ({exc.strerror})") from exc
         check_stats_db(settings.stats_db)
-        load_model(settings.model_dir)
+        try:
+            load_model(settings.model_dir)
+        except ValueError as exc:
+            where = settings.model_dir or "the embedded default model"
+            raise ValueError(f"MODEL_DIR ({where}): {exc}") from exc
     except ValueError as exc:
         _cannot_start(exc)
 

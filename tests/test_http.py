@@ -107,6 +107,8 @@ def test_bad_model_dir_fails_at_start_naming_the_field(tmp_path):
             pass
         else:
             raise AssertionError("server started on an invalid model")
-        assert "tl_arch" in srv.log_text()
+        (line,) = [x for x in srv.log_text().splitlines() if "cannot start" in x]
+        assert line.startswith(f"greenserve: cannot start: MODEL_DIR ({tmp_path / 'm'}): ")
+        assert "tl_arch" in line
     finally:
         srv.stop()
