@@ -104,6 +104,39 @@ def test_send_timeout_spares_a_slow_reader_that_keeps_reading(pair):
     assert sender.stalled is False
 
 
+def test_send_timeout_spares_a_reader_slower_than_the_kernels_writable_mark():
+    # TCP reports a socket writable only once a third of its send buffer is free. This reader takes
+    # 4 KiB every 50 ms, so that mark (~40 KiB here) comes only every ~0.5 s, later than the 0.15 s
+    # send timeout, yet bytes leave the queue all along: progress, not a stalled reader.
+    listener = gsocket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    receiver = gsocket.socket()
+    receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    receiver.connect(listener.getsockname())
+    accepted, _ = listener.accept()
+    accepted.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+    sender = StreamSocket(accepted.family, accepted.type, accepted.proto, fileno=accepted.detach())
+    sender.send_timeout_s = 0.15
+    payload = PAYLOAD[: 300 * 1024]
+
+    def slow() -> bytes:
+        buf = bytearray()
+        while len(buf) < len(payload):
+            buf += receiver.recv(4096)
+            gevent.sleep(0.05)
+        return bytes(buf)
+
+    reader = gevent.spawn(slow)
+    try:
+        sender.sendall(payload)
+        assert reader.get(timeout=30) == payload
+        assert sender.stalled is False
+    finally:
+        for sock in (sender, receiver, listener):
+            sock.close()
+
+
 def test_send_timeout_does_not_bound_reads(pair):
     sender, receiver = pair
     sender.send_timeout_s = 0.1

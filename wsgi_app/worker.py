@@ -6,10 +6,10 @@ its slices, a deadline, a memoryview and three Python frames. On the streamed ho
 tenth of the worker's CPU. :class:`StreamSocket` tries one non-blocking ``send`` first.
 
 When the kernel's buffer is full the rest waits for the socket to drain, and the send timeout
-(``SEND_TIMEOUT_S``, set per request by the app) bounds each wait *without progress*, not the whole
-write: a slow reader that keeps reading is never cut, one that stops is cut after that long
-(:class:`SendTimeout`). The timeout is for writes only, so reading the next request on a keep-alive
-connection is not affected by it.
+(``SEND_TIMEOUT_S``, set per request by the app) bounds a wait *without progress* (the kernel's send
+queue did not shrink: ``SIOCOUTQ``), not the whole write: a slow reader that keeps reading is never
+cut, one that stops is cut after that long (:class:`SendTimeout`). The timeout is for writes only,
+so reading the next request on a keep-alive connection is not affected by it.
 
 On SIGTERM, writes still blocked on a reader that stopped are cut one second before
 ``graceful_timeout`` ends, so their requests still get their log line and span before the arbiter kills
@@ -21,7 +21,10 @@ and gunicorn only, never Flask.
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
+import termios
 import weakref
 from typing import Any
 
@@ -74,16 +77,33 @@ class StreamSocket(gsocket.socket):
         self.blocked = True
         try:
             while view:
-                gsocket.wait_write(self.fileno(), timeout, _timeout_exc(timeout))
+                queued = _queued_bytes(self)
+                try:
+                    gsocket.wait_write(self.fileno(), timeout, _timeout_exc(timeout))
+                except SendTimeout:
+                    # The kernel reports a socket writable only once a third of its (autotuned, up
+                    # to megabytes) buffer is free: a slow reader can take bytes all along and
+                    # still never get there within the timeout. Progress is what counts.
+                    if _queued_bytes(self) < queued:
+                        continue
+                    self.stalled = True
+                    raise
                 try:
                     view = view[self._sock.send(view, flags) :]
                 except BlockingIOError:  # woken, but another writer got there first
                     continue
-        except SendTimeout:
-            self.stalled = True
-            raise
         finally:
             self.blocked = False
+
+
+def _queued_bytes(sock: StreamSocket) -> int:
+    """Bytes in the socket's send queue not yet taken by the peer (Linux ``SIOCOUTQ``); -1 where
+    the system does not tell, which counts as no progress."""
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (OSError, AttributeError):
+        return -1
+    return struct.unpack("i", raw)[0]
 
 
 def _timeout_exc(timeout_s: float) -> SendTimeout:
