@@ -32,6 +32,12 @@ BAD = [
     ({"GRACEFUL_TIMEOUT_S": "-1"}, "GRACEFUL_TIMEOUT_S must be in 0..86400, got -1"),
     ({"LOG_LEVEL": "loud"}, "LOG_LEVEL must be a logging level name, got 'loud'"),
     ({"HOST": "a b"}, "HOST must be an IP address or a host name, got 'a b'"),
+    ({"HOST": "[::1"}, "HOST must be an IP address or a host name, got '[::1'"),
+    ({"LOG_PROMPTS": "2"}, "LOG_PROMPTS must be in 0..1, got 2"),
+    (
+        {"PROMETHEUS_MULTIPROC_DIR": "/nonexistent/metrics"},
+        "PROMETHEUS_MULTIPROC_DIR must be an existing writable directory, got '/nonexistent/metrics'",
+    ),
     ({"PORT": "8123", "HEALTH_PORT": "8123"}, "PORT and HEALTH_PORT must differ, both are 8123"),
     # the app's settings, checked in the master before the workers start
     ({"RATE_LIMIT": "lots"}, "RATE_LIMIT must look like '600/minute', got 'lots'"),

@@ -269,7 +269,7 @@ class Settings:
             heartbeat_s=_float(env, "HEARTBEAT_S", 15.0, 0.01, 3_600.0),
             send_timeout_s=_float(env, "SEND_TIMEOUT_S", 30.0, 0.01, 3_600.0),
             log_level=_str(env, "LOG_LEVEL", "info").lower(),
-            log_prompts=_str(env, "LOG_PROMPTS", "0") == "1",
+            log_prompts=_int(env, "LOG_PROMPTS", 0, 0, 1) == 1,
             otlp_endpoint=otlp_traces_endpoint(env),
             service_name=_str(env, "OTEL_SERVICE_NAME", "greenserve"),
             faults=_str(env, "GREENSERVE_FAULTS", ""),
@@ -284,7 +284,7 @@ class Settings:
             slo_ttft_s=_float(env, "SLO_TTFT_S", 1.0, 0.001, 3_600.0),
             slo_target=_float(env, "SLO_TARGET", 0.99, 0.5, 0.999999),
             client_hash_salt=_str(env, "CLIENT_HASH_SALT", "") or secrets.token_hex(16),
-            prometheus_multiproc_dir=_str(env, "PROMETHEUS_MULTIPROC_DIR", "") or None,
+            prometheus_multiproc_dir=_metrics_dir(env),
             pages=_int(env, "PAGES", 1, 0, 1) == 1,
         )
 
@@ -293,8 +293,19 @@ class Settings:
 _HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 
 
+def _metrics_dir(env: Mapping[str, str]) -> str | None:
+    path = _str(env, "PROMETHEUS_MULTIPROC_DIR", "") or None
+    if path is not None and not (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
+        raise ValueError(
+            f"PROMETHEUS_MULTIPROC_DIR must be an existing writable directory, got {path!r}"
+        )
+    return path
+
+
 def _host(env: Mapping[str, str]) -> str:
     host = _str(env, "HOST", "0.0.0.0")
+    if host.startswith("[") != host.endswith("]"):
+        raise ValueError(f"HOST must be an IP address or a host name, got {host!r}")
     try:
         ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
     except ValueError:
