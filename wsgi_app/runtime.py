@@ -237,7 +237,7 @@ class Pacer:
             raise timeout_error(self._rt.settings.request_timeout_s)
         stop_at = self._rt.stop_at
         if stop_at is not None and now >= stop_at:
-            raise unavailable("Server is shutting down; the stream was ended early.")
+            raise unavailable("Server is shutting down; generation was ended early.")
 
 
 class DebugPacer(Pacer):
