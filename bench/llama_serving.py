@@ -25,7 +25,7 @@ from typing import Any
 
 from bench import procstat, servers
 from bench.loadgen import LoadSpec, run_load
-from model.convert import convert_llama2c
+from model.llama.convert import convert_llama2c
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

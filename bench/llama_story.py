@@ -21,7 +21,7 @@ import argparse  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-from model.generate import GenerationRequest  # noqa: E402
+from model.engine import GenerationRequest  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
 from model.utf8 import Utf8Decoder  # noqa: E402

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import numpy as np
 
 from bench import straightforward
-from model.bigram import Bigram
-from model.generate import BigramEngine
+from model.bigram.engine import BigramEngine
+from model.bigram.model import Bigram
 from wsgi_app.choices import Completion
 from wsgi_app.protocol import parse_completion_request
 

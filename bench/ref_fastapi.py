@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
 from bench.straightforward import chunk_event, token_texts
-from model.bigram import Bigram
+from model.bigram.model import Bigram
 
 app = FastAPI()
 weight = np.asarray(Bigram.load(os.environ.get("MODEL_DIR") or None).weight)

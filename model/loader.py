@@ -1,7 +1,7 @@
 """Load any supported model directory: the byte bigram or a Hugging Face Llama.
 
 ``load_model`` reads ``config.json`` and dispatches: ``"tl_arch"`` present -> the bigram
-(DESIGN §2), ``"model_type": "llama"`` -> :class:`model.llama.Llama` with its
+(DESIGN §2), ``"model_type": "llama"`` -> :class:`model.llama.model.Llama` with its
 ``tokenizer.json`` and optional ``generation_config.json``. Everything is validated here, at
 start-up, so a bad directory fails the worker with a ``ValueError`` naming the file and field.
 """
@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from model.bigram import Bigram, default_model_dir
-from model.checkpoint import file_sha256, read_json_object
-from model.generate import BigramEngine
-from model.llama import CONFIG_NAME, Llama
-from model.llama_config import token_id_field, token_ids_field
-from model.llama_engine import LlamaEngine
+from model.bigram.engine import BigramEngine
+from model.bigram.model import Bigram, default_model_dir
+from model.files import CONFIG_NAME, file_sha256, read_json_object
+from model.llama.config import token_id_field, token_ids_field
+from model.llama.engine import LlamaEngine
+from model.llama.model import Llama
 from model.tokenizer import ByteTokenizer, HFTokenizer
 
 TOKENIZER_NAME = "tokenizer.json"

@@ -243,7 +243,7 @@ def sample(
 def draw_probs(z: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Return the distribution `sample()` draws from: tempered, then filtered and renormalised.
 
-    Shared by `sample()` and the per-row caches of `model.rowcache`, so both draw from the very
+    Shared by `sample()` and the per-row caches of `model.bigram.rowcache`, so both draw from the very
     same float64 values.
 
     Args:

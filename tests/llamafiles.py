@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model.convert import convert_llama2c
-from model.llama2c import build_hf_tokenizer
+from model.llama.convert import convert_llama2c
+from model.llama.llama2c import build_hf_tokenizer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TINY_DIR = FIXTURES / "tiny_llama"

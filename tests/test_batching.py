@@ -7,8 +7,8 @@ import gevent
 import numpy as np
 import pytest
 
-from model.batching import BatchScheduler, steps_of
-from model.generate import GenerationRequest
+from model.engine import GenerationRequest
+from model.llama.scheduler import BatchScheduler, steps_of
 from model.loader import LoadedModel, load_model
 from model.sampling import SamplingParams
 from tests.llamafiles import convert_stories

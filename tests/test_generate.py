@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from model.generate import SCORE_SLICE, BigramEngine, GenerationRequest, Step, generate_ids
+from model.bigram.engine import SCORE_SLICE, BigramEngine, generate_ids
+from model.engine import GenerationRequest, Step
 from model.pcg32 import PCG32
 from model.sampling import SamplingParams, logprobs_of
 

@@ -1,6 +1,6 @@
 """The per-token fast paths give bit-identical results to the straightforward code they replace.
 
-Row tables (model/rowcache.py) against the generic ``sample()``, batched PCG32 uniforms against
+Row tables (model/bigram/rowcache.py) against the generic ``sample()``, batched PCG32 uniforms against
 ``uniform()``, the ASCII fast path of the UTF-8 decoder against CPython's decoder, and the
 precomputed chunk framing against the general chunk encoder.
 """
@@ -13,10 +13,11 @@ import math
 import numpy as np
 import pytest
 
-from model.bigram import Bigram
-from model.generate import BigramEngine, GenerationRequest, generate_ids
+from model.bigram.engine import BigramEngine, generate_ids
+from model.bigram.model import Bigram
+from model.bigram.rowcache import DrawTable, GreedyTable, RowCache, has_fixed_rows
+from model.engine import GenerationRequest
 from model.pcg32 import PCG32
-from model.rowcache import DrawTable, GreedyTable, RowCache, has_fixed_rows
 from model.sampling import SamplingParams, sample
 from model.utf8 import Utf8Decoder
 from wsgi_app.choices import JOIN_LIMIT_BYTES, Completion

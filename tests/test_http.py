@@ -37,7 +37,7 @@ def test_request_id_is_generated_when_absent_or_invalid(succ_server):
 
 
 def test_model_version_on_every_response(succ_server, succ_dir):
-    from model.checkpoint import file_sha256
+    from model.files import file_sha256
 
     expected = file_sha256(succ_dir / "model.safetensors")[:16] + "+greenserve-0.1.0"
     for status, headers, _ in (

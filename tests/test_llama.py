@@ -7,9 +7,9 @@ import mmap
 import numpy as np
 import pytest
 
-from model.kv_cache import KVCache
-from model.llama import Llama
-from model.llama_ops import apply_rope, attention, rmsnorm, silu
+from model.llama.kv_cache import KVCache
+from model.llama.model import Llama
+from model.llama.ops import apply_rope, attention, rmsnorm, silu
 from model.sampling import greedy
 from tests.llamafiles import TINY_DIR, tiny_reference
 
@@ -171,7 +171,7 @@ def test_attention_is_causal_and_groups_query_heads() -> None:
 def test_prefill_in_query_blocks_equals_one_block(tiny: Llama, monkeypatch) -> None:
     tokens, ref = tiny_reference()
     whole = tiny.prompt_logits(tokens[0], tiny.new_cache())
-    monkeypatch.setattr("model.llama_ops.ATTN_BLOCK", 3)  # 16 queries -> 6 blocks
+    monkeypatch.setattr("model.llama.ops.ATTN_BLOCK", 3)  # 16 queries -> 6 blocks
     blocked = tiny.prompt_logits(tokens[0], tiny.new_cache())
     np.testing.assert_allclose(blocked, whole, rtol=0, atol=BATCH_TOL)
     np.testing.assert_allclose(blocked, ref[0], rtol=0, atol=HF_TOL)

@@ -4,9 +4,9 @@ context limit, seeds, logprobs, echo scoring, validation and close()."""
 import numpy as np
 import pytest
 
-from model.generate import GenerationRequest, Step
-from model.llama import Llama
-from model.llama_engine import LlamaEngine
+from model.engine import GenerationRequest, Step
+from model.llama.engine import LlamaEngine
+from model.llama.model import Llama
 from model.pcg32 import PCG32
 from model.sampling import SamplingParams, logprobs_of, sample
 from tests.llamafiles import TINY_DIR, tiny_reference

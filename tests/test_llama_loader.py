@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from model.bigram import Bigram
-from model.checkpoint import file_sha256
-from model.generate import BigramEngine
-from model.llama import Llama
-from model.llama_engine import LlamaEngine
+from model.bigram.engine import BigramEngine
+from model.bigram.model import Bigram
+from model.files import file_sha256
+from model.llama.engine import LlamaEngine
+from model.llama.model import Llama
 from model.loader import load_model
 from model.tokenizer import ByteTokenizer, HFTokenizer
 from tests.llamafiles import tiny_reference, write_tiny_llama
@@ -109,7 +109,7 @@ def test_bf16_and_f16_weights_are_widened_to_float32(tiny_dir: Path) -> None:
 
 
 def test_bf16_bits_become_the_top_half_of_float32(tmp_path: Path) -> None:
-    from model.weights import map_safetensors
+    from model.llama.weights import map_safetensors
 
     # 0x3FC0 is bfloat16 1.5; 0xC020 is -2.5
     header = {"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}

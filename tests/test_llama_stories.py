@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model.generate import GenerationRequest
-from model.llama2c import read_tokenizer
+from model.engine import GenerationRequest
+from model.llama.llama2c import read_tokenizer
 from model.loader import LoadedModel, load_model
 from model.sampling import SamplingParams, greedy
 from model.tokenizer import decode_ids

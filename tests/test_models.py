@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from model.bigram import default_model_dir
+from model.bigram.model import default_model_dir
 from wsgi_app.models import model_id
 
 

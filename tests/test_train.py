@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import safetensors
 
-from model import train
-from model.bigram import Bigram, default_model_dir
-from model.checkpoint import load_bigram_weight
-from model.train import count_pairs, main, train_bigram, write_model
+from model.bigram import train
+from model.bigram.checkpoint import load_bigram_weight
+from model.bigram.model import Bigram, default_model_dir
+from model.bigram.train import count_pairs, main, train_bigram, write_model
 
 REPO = Path(__file__).resolve().parent.parent
 A, B = ord("a"), ord("b")

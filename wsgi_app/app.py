@@ -13,7 +13,7 @@ from typing import Any
 from flask import Flask, Response, request
 
 from model import __version__
-from model.batching import BatchScheduler
+from model.llama.scheduler import BatchScheduler
 from model.loader import LoadedModel, load_model
 from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app import (

@@ -16,7 +16,7 @@ from typing import Any
 
 import gevent
 
-from model.generate import GenerationRequest, Step
+from model.engine import GenerationRequest, Step
 from model.stop import StopMatcher
 from model.tokenizer import ByteTokenizer, TextTokenizer
 from model.utf8 import Utf8Decoder

@@ -1,7 +1,7 @@
 """The batching engine's native thread, and the gevent-safe channel between it and the request greenlets.
 
 Transformer steps cost milliseconds of CPU; on the hub they would freeze every connection of the worker.
-So one native thread per worker runs :class:`model.batching.BatchScheduler` (numpy releases the GIL in its
+So one thread per worker runs :class:`model.llama.scheduler.BatchScheduler` (numpy releases the GIL in its
 matrix products), and greenlets talk to it through plain deques: a submission and a cancellation flag one
 way; Steps the other way, announced by a libev/libuv *async watcher*, the one gevent object that another
 native thread may signal. Greenlets never block the hub: they wait on a per-stream gevent Event that the
@@ -27,8 +27,8 @@ from gevent.event import Event
 from gevent.monkey import get_original
 from gevent.threadpool import ThreadPool
 
-from model.batching import END, BatchScheduler, Sequence
-from model.generate import GenerationRequest, Step
+from model.engine import GenerationRequest, Step
+from model.llama.scheduler import END, BatchScheduler, Sequence
 
 log = logging.getLogger("greenserve.engine")
 
@@ -122,7 +122,7 @@ class ThreadedEngine:
     ) -> list[Step]:
         """Score the prompt's tokens (for ``echo`` with ``logprobs``) on a native thread (the hub
         runs meanwhile, so ``pause`` is never needed)."""
-        return self._score_pool.apply(self._scheduler._checker.score, (prompt_ids, top_n))
+        return self._score_pool.apply(self._scheduler.score, (prompt_ids, top_n))
 
     def shutdown(self) -> None:
         """Stop the engine thread after its current step."""

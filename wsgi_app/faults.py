@@ -15,7 +15,7 @@ from typing import Any
 
 import gevent
 
-from model.generate import GenerationRequest, Step
+from model.engine import GenerationRequest, Step
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,8 @@ from typing import Any
 
 from flask import Blueprint, Response
 
-from model.bigram import default_model_dir
-from model.checkpoint import read_json_object
-from model.llama import CONFIG_NAME
+from model.bigram.model import default_model_dir
+from model.files import CONFIG_NAME, read_json_object
 from model.loader import LoadedModel
 from wsgi_app.errors import ApiError, json_bytes
 from wsgi_app.runtime import runtime

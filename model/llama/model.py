@@ -1,7 +1,7 @@
 """The Llama architecture in numpy float32: prefill one prompt, decode a batch of sequences.
 
 The model object is shared and read-only (weights memory-mapped from safetensors); every
-sequence brings its own :class:`~model.kv_cache.KVCache`. Layout and names follow Hugging Face
+sequence brings its own :class:`~model.llama.kv_cache.KVCache`. Layout and names follow Hugging Face
 ``LlamaForCausalLM`` (rotate-half RoPE, ``[out, in]`` weight matrices, ``y = x @ W.T``); the
 variable names follow llama2.c and nanoGPT.
 
@@ -19,13 +19,12 @@ from typing import Self
 
 import numpy as np
 
-from model.checkpoint import read_json_object
-from model.kv_cache import KVCache
-from model.llama_config import LlamaConfig
-from model.llama_ops import apply_rope, attention, decode_attention, rmsnorm, silu
-from model.weights import load_weights
+from model.files import CONFIG_NAME, read_json_object
+from model.llama.config import LlamaConfig
+from model.llama.kv_cache import KVCache
+from model.llama.ops import apply_rope, attention, decode_attention, rmsnorm, silu
+from model.llama.weights import load_weights
 
-CONFIG_NAME = "config.json"
 # Buffers some checkpoints carry that the forward pass recomputes instead.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -171,7 +170,24 @@ class Llama:
         config_path = model_dir / CONFIG_NAME
         config = LlamaConfig.from_hf(read_json_object(config_path), str(config_path))
         tensors, files = load_weights(model_dir)
-        return cls(config, check_tensors(tensors, config, str(model_dir))), files
+        return cls.from_tensors(config, tensors, str(model_dir)), files
+
+    @classmethod
+    def from_tensors(cls, config: LlamaConfig, tensors: dict[str, np.ndarray], where: str) -> Self:
+        """Build the model from tensors read from any container (safetensors, ...).
+
+        This is the seam every loader of the family ends in: it maps its file's names to the
+        Hugging Face ones and its data to float32.
+
+        Args:
+            config: The hyper-parameters.
+            tensors: Hugging Face name -> read-only float32 array.
+            where: The source, named in error messages.
+
+        Raises:
+            ValueError: As :func:`check_tensors`.
+        """
+        return cls(config, check_tensors(tensors, config, where))
 
     @property
     def vocab_size(self) -> int:

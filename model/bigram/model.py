@@ -9,11 +9,12 @@ from typing import Self
 
 import numpy as np
 
-from model.checkpoint import VOCAB_SIZE, WEIGHTS_NAME, load_bigram_file, load_config
+from model.bigram.checkpoint import VOCAB_SIZE, load_bigram_file, load_config
+from model.files import WEIGHTS_NAME
 
 
 def default_model_dir() -> Path:
-    """Locate the default model shipped as package data of ``model``.
+    """Locate the default model shipped as package data of ``model.bigram``.
 
     Works for ``pip install .`` and ``pip install -e .`` alike, since the directory is found
     through the package, not the working directory.
@@ -24,7 +25,7 @@ def default_model_dir() -> Path:
     Raises:
         RuntimeError: If ``model`` is installed somewhere that is not a plain directory (a zip).
     """
-    directory = importlib.resources.files("model") / "default"
+    directory = importlib.resources.files("model.bigram") / "default"
     if not isinstance(directory, Path):
         raise RuntimeError(f"the packaged model is not on the file system: {directory!r}")
     return directory

@@ -1,10 +1,14 @@
-"""Read and validate a model directory: ``config.json`` and ``model.safetensors``.
+"""Read the files of a model directory: JSON objects, checksums and safetensors headers.
 
-The safetensors file is checked byte by byte against the rules of DESIGN §2 before the
-``safetensors`` package decodes it, so every malformed file is refused with a ``ValueError`` that
-names the file and the offending tensor or field, whatever the installed ``safetensors`` version
-tolerates.
+Every safetensors file is checked byte by byte before anything decodes it, so a malformed file is
+refused with a ``ValueError`` that names the file and the offending tensor or field, whatever the
+installed ``safetensors`` version tolerates. The bigram's file format and the Llama weights share
+these rules; each says which dtypes it accepts.
+
+Source: the safetensors format (huggingface/safetensors README).
 """
+
+from __future__ import annotations
 
 import hashlib
 import json
@@ -12,25 +16,37 @@ import math
 import os
 import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import safetensors.numpy
-from safetensors import SafetensorError
-
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-BIGRAM_TENSOR = "bigram.weight"
-VOCAB_SIZE = 256
-# Values a bigram model directory must declare; type matters too (256.0 and True are refused).
-BIGRAM_CONFIG: Mapping[str, Any] = {"tl_arch": "bigram", "tl_tokenizer": "bytes", "vocab_size": 256}
-BIGRAM_SHAPE = (VOCAB_SIZE, VOCAB_SIZE)
+# safetensors dtype -> bytes per element, for the dtypes a loader may accept.
+DTYPE_BYTES: Mapping[str, int] = {"F32": 4, "F16": 2, "BF16": 2}
 
 _LENGTH_BYTES = 8  # the little-endian u64 header length N
 _MIN_HEADER_BYTES = 2  # "{}" is the smallest valid header
-_F32_BYTES = 4
 _METADATA_KEY = "__metadata__"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One tensor of a checked safetensors header.
+
+    Attributes:
+        name: The tensor's name.
+        dtype: Its safetensors dtype (``"F32"``, ``"F16"``, ``"BF16"``).
+        shape: Its shape.
+        begin: Its first byte, relative to the start of the data buffer.
+        end: One past its last byte, relative to the start of the data buffer.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
 
 
 class _DuplicateKeyError(Exception):
@@ -55,31 +71,6 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return obj
 
 
-def load_config(model_dir: str | os.PathLike) -> dict:
-    """Read ``config.json`` from a model directory and check it describes a byte bigram.
-
-    Args:
-        model_dir: Directory holding ``config.json``.
-
-    Returns:
-        The whole config object (extra keys such as ``trained_on`` are kept).
-
-    Raises:
-        ValueError: If the file is missing or unreadable, is not a JSON object, or ``tl_arch``,
-            ``tl_tokenizer`` or ``vocab_size`` is not exactly ``"bigram"``, ``"bytes"``, ``256``;
-            the message names the file and the field.
-
-    Source: DESIGN.md §2 (the model directory).
-    """
-    path = Path(model_dir) / CONFIG_NAME
-    config = read_json_object(path)
-    for field, want in BIGRAM_CONFIG.items():
-        got = config.get(field)
-        if type(got) is not type(want) or got != want:
-            raise ValueError(f"{path}: {field} must be {want!r}, got {got!r}")
-    return config
-
-
 def file_sha256(path: str | os.PathLike) -> str:
     """Hash a file with SHA-256, streaming it in chunks.
 
@@ -96,113 +87,95 @@ def file_sha256(path: str | os.PathLike) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def load_bigram_weight(path: str | os.PathLike) -> np.ndarray:
-    """Load and validate the bigram weight matrix from a safetensors file.
+def read_safetensors_head(path: str | os.PathLike) -> tuple[bytes, int]:
+    """Read only the length and header of a safetensors file, not its data buffer.
 
     Args:
-        path: The ``model.safetensors`` file.
+        path: The file.
 
     Returns:
-        ``W``, shape ``(256, 256)`` float32, C-contiguous and read-only; ``W[prev]`` holds the
-        logits of the byte that follows ``prev``.
+        ``(head, file_size)``: the first ``8 + N`` bytes (fewer when the file is shorter than 8
+        bytes) and the file's size in bytes.
 
     Raises:
-        ValueError: If the file breaks any rule of DESIGN §2 (see :func:`check_safetensors`) or has
-            no ``bigram.weight`` of shape ``[256, 256]``; the message names the file and the
-            tensor or field.
-
-    Source: DESIGN.md §2; the safetensors format (huggingface/safetensors README).
+        ValueError: If the file cannot be read, or ``N`` runs past the end of the file.
     """
-    return load_bigram_file(path)[0]
-
-
-def load_bigram_file(path: str | os.PathLike) -> tuple[np.ndarray, str]:
-    """Load the bigram weight and the SHA-256 of the very bytes it was decoded from.
-
-    Reading the file once means the checksum (the model version) can never describe a file
-    replaced between hashing and loading.
-
-    Args:
-        path: The ``model.safetensors`` file.
-
-    Returns:
-        ``(W, sha256_hex)`` with ``W`` as in :func:`load_bigram_weight`.
-
-    Raises:
-        ValueError: As :func:`load_bigram_weight`, also when the file cannot be read.
-
-    Source: DESIGN.md §2.
-    """
-    path = Path(path)
     try:
-        data = path.read_bytes()
+        size = os.stat(path).st_size
+        with open(path, "rb") as f:
+            head = f.read(_LENGTH_BYTES)
+            if len(head) == _LENGTH_BYTES:
+                (n,) = struct.unpack("<Q", head)
+                if _LENGTH_BYTES + n > size:
+                    raise ValueError(
+                        f"{path}: header length N={n} runs past the end of the file ({size} bytes)"
+                    )
+                head += f.read(n)
     except OSError as exc:
         raise ValueError(f"{path}: cannot read weights: {exc}") from exc
-    check_safetensors(data, path, {BIGRAM_TENSOR: BIGRAM_SHAPE})
-    try:
-        tensors = safetensors.numpy.load(data)
-    except SafetensorError as exc:  # a rule this module does not know about
-        raise ValueError(f"{path}: safetensors refused the file: {exc}") from exc
-    weight = np.ascontiguousarray(tensors[BIGRAM_TENSOR], dtype=np.float32)
-    # Read-only: the matrix is shared by every request of a worker and must never be mutated.
-    weight.flags.writeable = False
-    return weight, hashlib.sha256(data).hexdigest()
+    return head, size
 
 
-def check_safetensors(
-    data: bytes, path: str | os.PathLike, expected_shapes: Mapping[str, tuple[int, ...]]
-) -> dict[str, tuple[int, ...]]:
-    """Validate the raw bytes of a safetensors file holding only F32 tensors.
+def check_safetensors_header(
+    head: bytes,
+    path: str | os.PathLike,
+    file_size: int,
+    dtypes: Mapping[str, int],
+    expected_shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> tuple[list[TensorEntry], int]:
+    """Validate the header of a safetensors file and the layout of its data buffer.
 
     Layout: bytes ``0..8`` are a little-endian u64 ``N``; then ``N`` bytes of JSON header; then
     the data buffer. ``data_offsets`` are ``[begin, end)`` relative to the data buffer start.
 
     Args:
-        data: The whole file.
+        head: The file's first bytes: at least its ``8 + N`` bytes of length and header.
         path: The file name, used only in error messages.
+        file_size: The whole file's size in bytes.
+        dtypes: Accepted safetensors dtypes -> bytes per element (a subset of ``DTYPE_BYTES``).
         expected_shapes: Tensors that must be present, with their exact shapes.
 
     Returns:
-        The shape of every tensor, by name.
+        ``(entries, data_start)``: every tensor in header order, and the file offset of the data
+        buffer.
 
     Raises:
         ValueError: If the header length is below 2 or runs past the end of the file; the header
             is not a UTF-8 JSON object or repeats a name; ``__metadata__`` is not a string-to-string
-            map; a tensor has a dtype other than ``F32``, a malformed or unexpected shape,
-            malformed ``data_offsets`` or a byte size other than ``prod(shape) * 4``; an expected
-            tensor is missing; or the tensors do not tile the data buffer exactly (gap, overlap,
-            trailing or missing bytes).
+            map; a tensor has a dtype not in ``dtypes``, a malformed or unexpected shape,
+            malformed ``data_offsets`` or a byte size other than ``prod(shape)`` elements; an
+            expected tensor is missing; or the tensors do not tile the data buffer exactly (gap,
+            overlap, trailing or missing bytes).
 
-    Source: DESIGN.md §2; the safetensors format (huggingface/safetensors README).
+    Source: the safetensors format (huggingface/safetensors README).
     """
-    header, data_start = _read_header(data, path)
-    shapes: dict[str, tuple[int, ...]] = {}
-    spans: list[tuple[int, int, str]] = []
+    expected = expected_shapes or {}
+    header, data_start = _read_header(head, path, file_size)
+    entries = []
     for name, entry in header.items():
         if name == _METADATA_KEY:
             _check_metadata(entry, path)
-            continue
-        shape, begin, end = _check_entry(name, entry, path, expected_shapes.get(name))
-        shapes[name] = shape
-        spans.append((begin, end, name))
-    for name in expected_shapes:
-        if name not in shapes:
+        else:
+            entries.append(_check_entry(name, entry, path, dtypes, expected.get(name)))
+    names = {e.name for e in entries}
+    for name in expected:
+        if name not in names:
             raise ValueError(f"{path}: missing tensor {name!r}")
-    _check_tiling(spans, len(data) - data_start, path)
-    return shapes
+    _check_tiling([(e.begin, e.end, e.name) for e in entries], file_size - data_start, path)
+    return entries, data_start
 
 
-def _read_header(data: bytes, path: str | os.PathLike) -> tuple[dict, int]:
+def _read_header(data: bytes, path: str | os.PathLike, file_size: int) -> tuple[dict, int]:
     """Split off and decode the JSON header; return it and the data buffer's file offset."""
-    if len(data) < _LENGTH_BYTES:
-        raise ValueError(f"{path}: header length: file is only {len(data)} bytes")
+    if file_size < _LENGTH_BYTES:
+        raise ValueError(f"{path}: header length: file is only {file_size} bytes")
     (n,) = struct.unpack_from("<Q", data, 0)
     if n < _MIN_HEADER_BYTES:
         raise ValueError(f"{path}: header length N={n} is too small")
     data_start = _LENGTH_BYTES + n
-    if data_start > len(data):
+    if data_start > file_size:
         raise ValueError(
-            f"{path}: header length N={n} runs past the end of the file ({len(data)} bytes)"
+            f"{path}: header length N={n} runs past the end of the file ({file_size} bytes)"
         )
     try:
         text = data[_LENGTH_BYTES:data_start].decode("utf-8")
@@ -245,17 +218,23 @@ def _is_int(value: Any) -> bool:
 
 
 def _check_entry(
-    name: str, entry: Any, path: str | os.PathLike, want_shape: tuple[int, ...] | None
-) -> tuple[tuple[int, ...], int, int]:
-    """Validate one tensor entry; return its shape and its ``[begin, end)`` in the data buffer."""
+    name: str,
+    entry: Any,
+    path: str | os.PathLike,
+    dtypes: Mapping[str, int],
+    want_shape: tuple[int, ...] | None,
+) -> TensorEntry:
+    """Validate one tensor entry; return it with its ``[begin, end)`` in the data buffer."""
     where = f"{path}: tensor {name!r}"
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: entry must be an object, got {type(entry).__name__}")
     for field in ("dtype", "shape", "data_offsets"):
         if field not in entry:
             raise ValueError(f"{where}: missing field {field!r}")
-    if entry["dtype"] != "F32":
-        raise ValueError(f"{where}: dtype must be 'F32', got {entry['dtype']!r}")
+    dtype = entry["dtype"]
+    if not isinstance(dtype, str) or dtype not in dtypes:
+        allowed = repr(next(iter(dtypes))) if len(dtypes) == 1 else f"one of {sorted(dtypes)}"
+        raise ValueError(f"{where}: dtype must be {allowed}, got {dtype!r}")
     shape = entry["shape"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise ValueError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
@@ -272,13 +251,13 @@ def _check_entry(
             f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r}"
         )
     begin, end = offsets
-    need = math.prod(shape) * _F32_BYTES
+    need = math.prod(shape) * dtypes[dtype]
     if end - begin != need:
         raise ValueError(
             f"{where}: data_offsets {offsets} span {end - begin} bytes "
-            f"but F32 shape {shape} needs {need}"
+            f"but {dtype} shape {shape} needs {need}"
         )
-    return tuple(shape), begin, end
+    return TensorEntry(name, dtype, tuple(shape), begin, end)
 
 
 def _check_tiling(

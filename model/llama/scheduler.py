@@ -1,5 +1,10 @@
 """Continuous batching for Llama models: a scheduler that advances every live sequence one step.
 
+This module is the one owner of a Llama sequence's rules: the request check, which ids stop it
+(end-of-sequence unless ``ignore_eos``, plus the request's stop ids), how many tokens it may make
+(``max_tokens`` capped by the context), its KV cache size and its finish reason. The sequential
+:class:`model.llama.engine.LlamaEngine` is this scheduler with one sequence.
+
 Pure and single-threaded: the serving layer calls :meth:`BatchScheduler.step` in a loop on its own
 native thread. Each step first runs one prefill chunk for every sequence still reading its prompt (so a
 long prompt never holds up the others for long, and a cancelled one stops within a chunk), then one
@@ -14,15 +19,15 @@ Source: DESIGN §1 "The engine boundary"; Yu et al., "Orca" (OSDI 2022) for iter
 
 from __future__ import annotations
 
+from collections import abc
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from model.generate import GenerationRequest, Step
-from model.kv_cache import KVCache
-from model.llama import Llama
-from model.llama_engine import LlamaEngine, make_step
+from model.engine import GenerationRequest, Step, check_prompt, check_request, make_step
+from model.llama.kv_cache import KVCache
+from model.llama.model import Llama
 from model.pcg32 import PCG32
 from model.sampling import sample
 
@@ -70,20 +75,51 @@ class BatchScheduler:
         self, model: Llama, eos_ids: frozenset[int], max_batch: int, prefill_chunk: int = 128
     ) -> None:
         self.model = model
-        self._checker = LlamaEngine(model, eos_ids)
         self.eos_ids = frozenset(eos_ids)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.live: list[Sequence] = []
 
-    def validate(self, req: GenerationRequest) -> None:
-        """Check ``req`` as ``LlamaEngine.stream`` does, before anything is queued.
+    @property
+    def context_length(self) -> int:
+        """The most tokens (prompt + generated) one sequence may hold."""
+        return self.model.config.max_seq_len
+
+    def validate(self, req: GenerationRequest) -> PCG32:
+        """Check ``req`` before anything is queued; return its seeded generator.
 
         Raises:
-            ValueError: an empty or too long prompt, an id outside the vocabulary, a bad seed,
-                ``max_tokens`` or ``logprobs``.
+            ValueError: an empty prompt or one that leaves no room in the context, an id outside
+                the vocabulary, a bad seed, ``max_tokens`` or ``logprobs`` (see
+                :func:`model.engine.check_request`).
         """
-        self._checker.stream(req).close()
+        return check_request(req, self.model.vocab_size, self.context_length)
+
+    def score(
+        self, prompt_ids: abc.Sequence[int], top_n: int, pause: abc.Callable[[], None] | None = None
+    ) -> list[Step]:
+        """Return one ``Step`` per prompt token with its logprob under the model (for ``echo``).
+
+        The first token has no context, so its ``logprob`` and ``top_logprobs`` are None; token
+        ``t`` is scored with the raw logits after tokens ``0..t-1`` (one prefill pass of its own,
+        outside the batch; safe on another thread, as it touches no sequence).
+
+        Args:
+            prompt_ids: The prompt's token ids.
+            top_n: How many top alternatives to report per token (0..vocab_size).
+            pause: accepted for the engine contract and not called: the pass is one numpy call
+                per layer, run where nothing waits for a pause.
+
+        Raises:
+            ValueError: If the prompt is empty, longer than the context, or has an id outside
+                the vocabulary.
+        """
+        check_prompt(prompt_ids, self.model.vocab_size, self.context_length)
+        logits = self.model.prompt_logits(prompt_ids, self.model.new_cache(len(prompt_ids)))
+        steps = [Step(prompt_ids[0])]
+        for t in range(1, len(prompt_ids)):
+            steps.append(make_step(prompt_ids[t], logits[t - 1], top_n))
+        return steps
 
     def add(self, req: GenerationRequest, handle: Any) -> Sequence:
         """Add a validated request; it starts prefilling at the next step.
@@ -95,7 +131,7 @@ class BatchScheduler:
         if len(self.live) >= self.max_batch:
             raise ValueError(f"batch full ({self.max_batch} sequences)")
         stop_ids = req.stop_ids if req.ignore_eos else self.eos_ids | req.stop_ids
-        n_tokens = min(req.max_tokens, self.model.config.max_seq_len - len(req.prompt_ids))
+        n_tokens = min(req.max_tokens, self.context_length - len(req.prompt_ids))
         seq = Sequence(req, handle, frozenset(stop_ids), n_tokens, PCG32(req.seed, req.seq))
         if n_tokens <= 0:
             seq.done = True

@@ -3,8 +3,11 @@
 F32 tensors are read-only views into one ``numpy.memmap`` per file, so every gunicorn worker
 that maps the same file shares the same page-cache pages and nothing is copied at start-up.
 F16 and BF16 tensors are widened to float32 copies (private to each worker). Every header is
-validated with the same rules as the bigram checkpoint (DESIGN §2), except that F16 and BF16
-are allowed too.
+validated by :func:`model.files.check_safetensors_header`, the bigram's rules with F16 and BF16
+allowed too.
+
+This is the safetensors loader of the Llama family: it gives Hugging Face tensor names -> float32
+arrays, which is all :meth:`model.llama.model.Llama.from_tensors` needs, whatever the container.
 
 Source: the safetensors format (huggingface/safetensors README); transformers' sharded
 checkpoint index (``model.safetensors.index.json``).
@@ -13,20 +16,20 @@ checkpoint index (``model.safetensors.index.json``).
 from __future__ import annotations
 
 import json
-import math
-import struct
 from pathlib import Path
 
 import numpy as np
 
-# The byte-level header rules are shared with the bigram loader (same module family, same rules).
-from model.checkpoint import _check_metadata, _check_tiling, _read_header
+from model.files import (
+    DTYPE_BYTES,
+    WEIGHTS_NAME,
+    check_safetensors_header,
+    read_safetensors_head,
+)
 
-WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-# safetensors dtype -> (numpy dtype of the stored bytes, bytes per element)
-DTYPES = {"F32": (np.dtype("<f4"), 4), "F16": (np.dtype("<f2"), 2), "BF16": (np.dtype("<u2"), 2)}
-_METADATA_KEY = "__metadata__"
+# safetensors dtype -> numpy dtype of the stored bytes
+DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
 
 def load_weights(model_dir: Path) -> tuple[dict[str, np.ndarray], tuple[Path, ...]]:
@@ -98,60 +101,14 @@ def map_safetensors(path: Path) -> dict[str, np.ndarray]:
 
     Source: the safetensors format; DESIGN §2.
     """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            if 8 + n > size:
-                raise ValueError(
-                    f"{path}: header length N={n} runs past the end of the file ({size} bytes)"
-                )
-            head += f.read(n)
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read weights: {exc}") from exc
-    header, data_start = _read_header(head, path)
-    entries = []
-    for name, entry in header.items():
-        if name == _METADATA_KEY:
-            _check_metadata(entry, path)
-        else:
-            entries.append((name, *_check_entry(name, entry, path)))
-    _check_tiling(
-        [(begin, end, name) for name, _, _, begin, end in entries], size - data_start, path
-    )
+    head, size = read_safetensors_head(path)
+    entries, data_start = check_safetensors_header(head, path, size, DTYPE_BYTES)
     raw = np.asarray(np.memmap(path, dtype=np.uint8, mode="r")) if entries else None
     tensors = {}
-    for name, dtype, shape, begin, end in entries:
-        stored = raw[data_start + begin : data_start + end].view(DTYPES[dtype][0]).reshape(shape)
-        tensors[name] = _as_float32(stored, dtype)
+    for e in entries:
+        stored = raw[data_start + e.begin : data_start + e.end].view(DTYPES[e.dtype])
+        tensors[e.name] = _as_float32(stored.reshape(e.shape), e.dtype)
     return tensors
-
-
-def _check_entry(name: str, entry: object, path: Path) -> tuple[str, tuple[int, ...], int, int]:
-    """Validate one header entry; return ``(dtype, shape, begin, end)``."""
-    where = f"{path}: tensor {name!r}"
-    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
-        raise ValueError(f"{where}: entry must have dtype, shape and data_offsets, got {entry!r}")
-    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPES:
-        raise ValueError(f"{where}: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise ValueError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(type(o) is int and o >= 0 for o in offsets)
-        or offsets[0] > offsets[1]
-    ):
-        raise ValueError(f"{where}: data_offsets must be [begin, end], got {offsets!r}")
-    need = math.prod(shape) * DTYPES[dtype][1]
-    if offsets[1] - offsets[0] != need:
-        raise ValueError(
-            f"{where}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes "
-            f"but {dtype} shape {shape} needs {need}"
-        )
-    return dtype, tuple(shape), offsets[0], offsets[1]
 
 
 def _as_float32(stored: np.ndarray, dtype: str) -> np.ndarray:

@@ -1,0 +1,160 @@
+"""The bigram's engine: `stream()` is a plain generator of `Step`s, one per generated token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from model.bigram.rowcache import DrawTable, RowCache, has_fixed_rows
+from model.engine import GenerationRequest, Step, check_prompt, check_request, make_step
+from model.pcg32 import PCG32, UNIFORM_BATCH
+from model.sampling import logprobs_of, sample
+
+# Prompt tokens scored between two calls of `score`'s `pause` (~2 ms of work).
+SCORE_SLICE = 2048
+
+
+class LogitsModel(Protocol):
+    """A model that gives the next token's logits from the previous token (the bigram)."""
+
+    vocab_size: int
+
+    def logits(self, prev: int) -> np.ndarray:
+        """Return the `(vocab_size,)` float32 logits of the token after `prev`."""
+        ...
+
+
+class BigramEngine:
+    """Run a previous-token model inline: `stream()` is a plain generator of `Step`s.
+
+    Nothing here blocks or yields to an event loop: the HTTP layer iterates the stream and
+    cooperates with the gevent hub between steps. Closing the stream (`close()` or dropping the
+    last reference) stops all work at once, because no step runs unless the consumer asks for it.
+
+    Source: DESIGN §1 "The engine boundary", §2 (start from the prompt's last id), §3.
+    """
+
+    def __init__(self, model: LogitsModel) -> None:
+        """Wrap a loaded model (shared, read-only) that gives `logits(prev)`."""
+        self.model = model
+        # Steps without logprobs carry only the id: share one immutable Step per id.
+        self._plain_steps = tuple(Step(i) for i in range(model.vocab_size))
+        # Rows that never change let penalty-free requests reuse per-row sampling work.
+        self._rows = RowCache(model.logits, model.vocab_size) if has_fixed_rows(model) else None
+
+    def stream(self, req: GenerationRequest) -> Iterator[Step]:
+        """Validate `req` now and return a generator yielding one `Step` per token.
+
+        Args:
+            req: The choice to generate.
+
+        Returns:
+            A generator that yields at most `req.max_tokens` steps; call `close()` to stop it.
+
+        Raises:
+            ValueError: If the prompt is empty, a prompt id is outside the vocabulary,
+                `max_tokens` is negative, `logprobs` is outside `0..vocab_size`, or the seed is
+                outside `0 .. 2^64 - 1` (raised here, before any token, not on first `next()`).
+        """
+        rng = check_request(req, self.model.vocab_size)
+        return self._steps(req, rng)
+
+    def _steps(self, req: GenerationRequest, rng: PCG32) -> Iterator[Step]:
+        """Yield the steps of an already-validated request."""
+        logits_of = self.model.logits
+        pick = self._picker(req, rng)
+        plain = self._plain_steps if req.logprobs is None else None
+        prev = req.prompt_ids[-1]
+        for _ in range(req.max_tokens):
+            logits = logits_of(prev)  # one model call per step, whatever the picker needs
+            token_id = pick(prev, logits)
+            yield (
+                plain[token_id] if plain is not None else make_step(token_id, logits, req.logprobs)
+            )
+            prev = token_id
+
+    def _picker(self, req: GenerationRequest, rng: PCG32) -> Callable[[int, np.ndarray], int]:
+        """Return `pick(prev, logits) -> token_id`, drawing from `rng` exactly as `sample()` does.
+
+        Penalty-free requests reuse the per-row work of the row cache (model.bigram.rowcache
+        explains why the ids are the same); the others take the generic `sample()`.
+        """
+        params = req.params
+        table = self._rows.table(params) if self._rows is not None else None
+        if isinstance(table, DrawTable):
+            # The same uniforms as one `uniform()` a step, drawn in batches (PCG32.uniforms).
+            draw_with, uniforms = table.draw_with, _uniforms(rng, req.max_tokens)
+            return lambda prev, _logits: draw_with(prev, next(uniforms))
+        if table is not None:  # greedy: no uniforms at all
+            draw = table.draw
+            return lambda prev, _logits: draw(prev, rng)
+        if not params.has_penalties:
+            return lambda _prev, logits: sample(logits, params, rng, None)
+        # OpenAI's penalties count the tokens generated in this choice, not the prompt.
+        counts = np.zeros(self.model.vocab_size, np.int64)
+
+        def pick(_prev: int, logits: np.ndarray) -> int:
+            token_id = sample(logits, params, rng, counts)
+            counts[token_id] += 1
+            return token_id
+
+        return pick
+
+    def score(
+        self, prompt_ids: Sequence[int], top_n: int, pause: Callable[[], None] | None = None
+    ) -> list[Step]:
+        """Return one `Step` per prompt token with its logprob under the model (for `echo`).
+
+        The first token has no context, so its `logprob` and `top_logprobs` are None (as OpenAI
+        reports it); token `k` is scored with the raw logits after token `k - 1`.
+
+        Args:
+            prompt_ids: The prompt's token ids, each in `0..vocab_size - 1`.
+            top_n: How many top alternatives to report per token (0..vocab_size).
+            pause: called every `SCORE_SLICE` tokens, so that a cooperative caller can let others
+                run during a long prompt (~1 µs a token); None for never.
+
+        Raises:
+            ValueError: If the prompt is empty or an id is outside the vocabulary.
+        """
+        check_prompt(prompt_ids, self.model.vocab_size)
+        # A bigram has one distribution per previous token: score each distinct row once, so a long
+        # prompt costs at most vocab_size log-softmaxes, then a lookup per token.
+        rows: dict[int, tuple[np.ndarray, tuple[tuple[int, float], ...]]] = {}
+        steps = [Step(prompt_ids[0])]
+        for k, (prev, token_id) in enumerate(zip(prompt_ids, prompt_ids[1:], strict=False)):
+            if pause is not None and k % SCORE_SLICE == SCORE_SLICE - 1:
+                pause()
+            row = rows.get(prev)
+            if row is None:
+                lp = logprobs_of(self.model.logits(prev))
+                top = np.argsort(-lp, kind="stable")[:top_n]  # logprob descending, ties by lower id
+                row = rows[prev] = (lp, tuple((int(i), float(lp[i])) for i in top))
+            steps.append(Step(token_id, float(row[0][token_id]), row[1]))
+        return steps
+
+
+def _uniforms(rng: PCG32, n: int) -> Iterator[float]:
+    """Yield `n` uniforms of `rng`, drawn `UNIFORM_BATCH` at a time as they are needed."""
+    while n > 0:
+        batch = rng.uniforms(min(n, UNIFORM_BATCH))
+        n -= len(batch)
+        yield from batch
+
+
+def generate_ids(engine: BigramEngine, req: GenerationRequest) -> list[int]:
+    """Run `req` to the end and return the generated token ids (a convenience for tests).
+
+    Args:
+        engine: The engine to run.
+        req: The choice to generate.
+
+    Returns:
+        Up to `req.max_tokens` token ids.
+
+    Raises:
+        ValueError: As `BigramEngine.stream`.
+    """
+    return [step.token_id for step in engine.stream(req)]

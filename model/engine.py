@@ -1,0 +1,175 @@
+"""The engine contract: what every model family implements and all the server depends on.
+
+A completion choice is a :class:`GenerationRequest`; an engine turns it into a stream of
+:class:`Step`, one per generated token, and scores prompts for ``echo``. Every family checks a
+request with :func:`check_request` before its first token and builds each Step with
+:func:`make_step`, so the rules and the log-probability report are the same for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from model.pcg32 import PCG32
+from model.sampling import SamplingParams, logprobs_of
+
+DEFAULT_SEQ = 54
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One generated token and its optional log-probability report.
+
+    Attributes:
+        token_id: The sampled id.
+        logprob: Log-softmax of the raw logits at `token_id`, or None when not requested.
+        top_logprobs: The top-N `(id, logprob)` pairs by logprob descending, ties by lower id,
+            or None when not requested.
+        finish_reason: None, except on the last step of a stream the engine ends early:
+            `"stop"` when `token_id` is an end-of-sequence or stop id (the consumer must not
+            add its text to the completion), `"length"` when the model's context is full. A
+            stream that simply runs out after `max_tokens` steps has no flagged step.
+    """
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """What one choice of a completion asks the engine for.
+
+    Attributes:
+        prompt_ids: The prompt's token ids; non-empty (generation starts from the last one).
+        max_tokens: How many tokens to generate at most.
+        params: Sampling parameters.
+        seed: Generator seed in `0 .. 2^64 - 1`.
+        seq: Generator stream; choice `i` of `n` uses `54 + i`.
+        logprobs: None to skip log-probabilities; 0..5 to report the sampled token's logprob
+            and the top-N alternatives.
+        ignore_eos: Keep generating past the model's end-of-sequence ids (Llama engines).
+        stop_ids: Extra token ids that end the choice with `finish_reason "stop"`, even with
+            `ignore_eos` (Llama engines; the bigram has no EOS and ignores both fields).
+    """
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    params: SamplingParams
+    seed: int
+    seq: int = DEFAULT_SEQ
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    stop_ids: frozenset[int] = frozenset()
+
+
+class Engine(Protocol):
+    """What the server calls on an engine, whatever the model family behind it."""
+
+    def stream(self, req: GenerationRequest) -> Iterator[Step | None]:
+        """Check `req` now and return a generator of its steps.
+
+        The generator yields one `Step` per token, at most `req.max_tokens`; an engine that works
+        off the caller's thread may yield None for "no token yet" (a heartbeat). Closing the
+        generator stops the work.
+
+        Raises:
+            ValueError: As :func:`check_request`, before any token.
+        """
+        ...
+
+    def score(
+        self, prompt_ids: Sequence[int], top_n: int, pause: Callable[[], None] | None = None
+    ) -> list[Step]:
+        """Return one `Step` per prompt token with its logprob under the model (for `echo`).
+
+        The first token has no context, so its `logprob` and `top_logprobs` are None.
+
+        Args:
+            prompt_ids: The prompt's token ids.
+            top_n: How many top alternatives to report per token (0..vocab_size).
+            pause: Called now and then during a long prompt by an engine that runs on the
+                caller's thread, so that a cooperative caller can let others run; None for never.
+
+        Raises:
+            ValueError: As :func:`check_prompt`.
+        """
+        ...
+
+
+def check_prompt(
+    prompt_ids: Sequence[int], vocab_size: int, context_length: int | None = None, room: int = 0
+) -> None:
+    """Refuse an empty prompt, one that leaves less than `room` tokens of context, or a bad id.
+
+    Args:
+        prompt_ids: The prompt's token ids.
+        vocab_size: Number of token ids of the model.
+        context_length: The most tokens one sequence may hold; None for no limit.
+        room: Tokens the prompt must leave free in the context (1 to generate, 0 to score).
+
+    Raises:
+        ValueError: Naming `prompt_ids` and what is wrong with it.
+    """
+    if not prompt_ids:
+        raise ValueError("prompt_ids: the prompt must not be empty")
+    if context_length is not None and len(prompt_ids) > context_length - room:
+        raise ValueError(
+            f"prompt_ids: {len(prompt_ids)} tokens exceed the limit of {context_length - room} "
+            f"(context length {context_length})"
+        )
+    bad = [i for i in prompt_ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_ids: id {bad[0]} is outside 0..{vocab_size - 1}")
+
+
+def check_request(
+    req: GenerationRequest, vocab_size: int, context_length: int | None = None
+) -> PCG32:
+    """Check a request before its first token and return its seeded generator.
+
+    Args:
+        req: The choice to generate.
+        vocab_size: Number of token ids of the model.
+        context_length: The most tokens (prompt + generated) one sequence may hold; None for no
+            limit. The prompt must leave room for at least one generated token.
+
+    Returns:
+        `PCG32(req.seed, req.seq)`, the choice's own generator.
+
+    Raises:
+        ValueError: If the prompt is empty, too long or has an id outside the vocabulary,
+            `max_tokens` is negative, `logprobs` is outside `0..vocab_size`, or the seed or
+            stream is outside `0 .. 2^64 - 1`.
+    """
+    check_prompt(req.prompt_ids, vocab_size, context_length, room=1)
+    if req.max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {req.max_tokens}")
+    if req.logprobs is not None and not 0 <= req.logprobs <= vocab_size:
+        raise ValueError(f"logprobs must be in 0..{vocab_size}, got {req.logprobs}")
+    return PCG32(req.seed, req.seq)
+
+
+def make_step(
+    token_id: int, logits: np.ndarray, top_n: int | None, finish_reason: str | None = None
+) -> Step:
+    """Return the `Step` for `token_id`, with raw logprobs when `top_n` is not None.
+
+    Args:
+        token_id: The chosen id.
+        logits: `(vocab_size,)` float32 raw logits it was drawn from.
+        top_n: None for no logprobs, else how many top alternatives to report.
+        finish_reason: As `Step.finish_reason`.
+    """
+    if top_n is None:
+        return Step(token_id, finish_reason=finish_reason)
+    lp = logprobs_of(logits)
+    # A stable sort on -lp orders by logprob descending with ties by lower id.
+    top = np.argsort(-lp, kind="stable")[:top_n]
+    pairs = tuple((int(i), float(lp[i])) for i in top)
+    return Step(token_id, float(lp[token_id]), pairs, finish_reason)
