@@ -1,3 +1,8 @@
-"""Load, run and train the greenserve byte-level models (numpy + safetensors, no web imports)."""
+"""Load, run and train greenserve's models (numpy + safetensors, no web imports).
+
+``engine.py`` is the contract the server depends on; ``loader.py`` picks the family a model
+directory holds; each architecture is one folder (``bigram/``, ``llama/``); sampling, the PCG32
+generator, tokenizers, UTF-8 decoding and stop strings are shared by all of them.
+"""
 
 __version__ = "0.1.0"

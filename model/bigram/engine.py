@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from itertools import chain
 from typing import Protocol
 
 import numpy as np
@@ -137,11 +138,11 @@ class BigramEngine:
 
 
 def _uniforms(rng: PCG32, n: int) -> Iterator[float]:
-    """Yield `n` uniforms of `rng`, drawn `UNIFORM_BATCH` at a time as they are needed."""
-    while n > 0:
-        batch = rng.uniforms(min(n, UNIFORM_BATCH))
-        n -= len(batch)
-        yield from batch
+    """Return an iterator over `n` uniforms of `rng`, drawn `UNIFORM_BATCH` at a time as needed."""
+    full, rest = divmod(n, UNIFORM_BATCH)
+    sizes = [UNIFORM_BATCH] * full + ([rest] if rest else [])
+    # map() calls rng.uniforms lazily, one batch when the previous one runs out.
+    return chain.from_iterable(map(rng.uniforms, sizes))
 
 
 def generate_ids(engine: BigramEngine, req: GenerationRequest) -> list[int]:
