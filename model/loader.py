@@ -16,6 +16,7 @@ from typing import Literal
 
 from model.bigram.engine import BigramEngine
 from model.bigram.model import Bigram, default_model_dir
+from model.engine import Engine
 from model.files import CONFIG_NAME, file_sha256, read_json_object
 from model.llama.config import token_id_field, token_ids_field
 from model.llama.engine import LlamaEngine
@@ -49,7 +50,7 @@ class LoadedModel:
     checksum: str
     model_dir: Path
 
-    def make_engine(self) -> BigramEngine | LlamaEngine:
+    def make_engine(self) -> Engine:
         """Return the simple inline engine for this model (one sequence at a time)."""
         if isinstance(self.model, Llama):
             return LlamaEngine(self.model, self.tokenizer.eos_ids)

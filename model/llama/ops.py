@@ -1,6 +1,6 @@
 """The numpy building blocks of the Llama forward pass: RMSNorm, SiLU, RoPE, attention.
 
-Pure functions of float32 arrays; ``model.llama`` composes them.
+Pure functions of float32 arrays; ``model.llama.model`` composes them.
 
 Source: Touvron et al. 2023, "Llama 2"; transformers `modeling_llama.py`.
 """

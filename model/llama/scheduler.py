@@ -1,9 +1,10 @@
 """Continuous batching for Llama models: a scheduler that advances every live sequence one step.
 
-This module is the one owner of a Llama sequence's rules: the request check, which ids stop it
-(end-of-sequence unless ``ignore_eos``, plus the request's stop ids), how many tokens it may make
-(``max_tokens`` capped by the context), its KV cache size and its finish reason. The sequential
-:class:`model.llama.engine.LlamaEngine` is this scheduler with one sequence.
+This module is the one owner of a Llama sequence's rules: the context its request is checked against
+(:func:`model.engine.check_request`), which ids stop it (end-of-sequence unless ``ignore_eos``, plus
+the request's stop ids), how many tokens it may make (``max_tokens`` capped by the context), its KV
+cache size and its finish reason. The sequential :class:`model.llama.engine.LlamaEngine` is this
+scheduler with one sequence.
 
 Pure and single-threaded: the serving layer calls :meth:`BatchScheduler.step` in a loop on its own
 native thread. Each step first runs one prefill chunk for every sequence still reading its prompt (so a
