@@ -21,7 +21,8 @@ from model.bigram import default_model_dir
 from model.checkpoint import read_json_object
 from model.llama import CONFIG_NAME
 from model.loader import LoadedModel
-from wsgi_app.errors import ApiError, json_bytes
+from wsgi_app.error_handlers import json_response
+from wsgi_app.errors import ApiError
 from wsgi_app.runtime import runtime
 
 bp = Blueprint("models", __name__)
@@ -71,14 +72,10 @@ def model_card(model: LoadedModel) -> dict[str, Any]:
     return card
 
 
-def _json(obj: object) -> Response:
-    return Response(json_bytes(obj), content_type="application/json")
-
-
 @bp.get("/v1/models")
 def list_models() -> Response:
     """List the served models: ``{"object":"list","data":[<model>]}``."""
-    return _json({"object": "list", "data": [model_card(runtime().model)]})
+    return json_response({"object": "list", "data": [model_card(runtime().model)]})
 
 
 @bp.get("/v1/models/<path:model>")
@@ -97,4 +94,4 @@ def retrieve_model(model: str) -> Response:
             param="model",
             code="model_not_found",
         )
-    return _json(card)
+    return json_response(card)
