@@ -20,30 +20,34 @@ if TYPE_CHECKING:
     from limits import RateLimitItem
 
 
-def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+def _number(
+    env: Mapping[str, str], name: str, default: float, lo: float, hi: float, kind: type
+) -> Any:
+    """Return ``env[name]`` converted by ``kind`` (int or float) and checked to be in ``lo..hi``, or
+    ``default`` when it is unset or blank.
+
+    Raises:
+        ValueError: the value does not convert or is out of range (the message names ``name``).
+    """
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
-        value = int(raw)
+        value = kind(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-    if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in {lo}..{hi}, got {value}")
+        noun = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name} must be {noun}, got {raw!r}") from None
+    if not lo <= value <= hi:  # also rejects NaN
+        raise ValueError(f"{name} must be in {lo}..{hi}, got {value if kind is int else raw}")
     return value
+
+
+def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    return _number(env, name, default, lo, hi, int)
 
 
 def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
-    if not lo <= value <= hi:  # also rejects NaN
-        raise ValueError(f"{name} must be in {lo}..{hi}, got {raw}")
-    return value
+    return _number(env, name, default, lo, hi, float)
 
 
 def _str(env: Mapping[str, str], name: str, default: str) -> str:
