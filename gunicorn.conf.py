@@ -98,7 +98,7 @@ class AppLogsRequests(Logger):
     with ``logconfig_dict`` set gunicorn would otherwise build (then drop) access fields every time."""
 
     def access(self, resp, req, environ, request_time):
-        """Do nothing: the request line is the app's (``wsgi_app.observe``)."""
+        """Do nothing: the request line is the app's (``wsgi_app.request_telemetry``)."""
 
 
 logger_class = AppLogsRequests
@@ -201,7 +201,7 @@ def _log_serving(worker, state):
     first bind is the API port, the second the health port)."""
     import logging
 
-    from wsgi_app.models import model_card
+    from wsgi_app.routes.models import model_card
 
     scheme = "https" if worker.cfg.is_ssl else "http"
     addresses = [_address(sock, scheme) for sock in worker.sockets]
@@ -225,7 +225,7 @@ def post_worker_init(worker):
     import signal
 
     state = worker.wsgi.extensions["greenserve"]
-    from wsgi_app.wire_errors import install_json_errors
+    from wsgi_app.gunicorn_errors import install_json_errors
 
     install_json_errors(state.model_version)  # requests gunicorn cannot parse: JSON, not HTML
     if state.observer is not None:

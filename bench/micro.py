@@ -1,7 +1,7 @@
 """Micro-benchmark: model work per token (sampling, UTF-8 decoding, chunk encoding), no sockets.
 
 Drives the server's own per-token path: ``BigramEngine`` steps through ``Completion.chunks()`` (which
-calls ``Choice.advance`` and ``Completion.chunk``) with a no-op ``cooperate``. The straightforward
+calls ``Choice.advance`` and ``ChunkEncoder.chunk``) with a no-op pacer (``Unpaced``). The straightforward
 numpy version of the same work (``bench.straightforward``, what the FastAPI reference runs) is timed
 beside it for scale.
 
@@ -20,7 +20,8 @@ import numpy as np
 from bench import straightforward
 from model.bigram.engine import BigramEngine
 from model.bigram.model import Bigram
-from wsgi_app.choices import Completion
+from wsgi_app.completion import Completion
+from wsgi_app.pacer import Unpaced
 from wsgi_app.protocol import parse_completion_request
 
 PROMPT = "ROMEO:"
@@ -37,7 +38,7 @@ def _completion(engine: BigramEngine, temperature: float, seed: int) -> Completi
         "stream": True,
     }
     req = parse_completion_request(body)
-    return Completion(engine, req, seed, "cmpl-" + "0" * 24, 1_700_000_000, lambda: None)
+    return Completion(engine, req, seed, "cmpl-" + "0" * 24, 1_700_000_000, Unpaced())
 
 
 def server_path(engine: BigramEngine, temperature: float, requests: int) -> float:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import procstat
-from wsgi_app.runtime import HUB_MAX_WAIT_S, HUB_ROUND_S, HUB_SLICE_S
+from wsgi_app.pacer import HUB_MAX_WAIT_S, HUB_ROUND_S, HUB_SLICE_S
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ("greenserve", "pywsgi", "fastapi")

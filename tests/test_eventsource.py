@@ -9,7 +9,7 @@ import pytest
 from werkzeug.datastructures import MultiDict
 
 from wsgi_app.errors import ApiError
-from wsgi_app.eventsource import parse_last_event_id, query_body
+from wsgi_app.routes.completions_get import parse_last_event_id, query_body
 from wsgi_app.sse import EventIds
 
 SSE = {"Accept": "text/event-stream"}

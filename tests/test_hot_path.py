@@ -20,9 +20,11 @@ from model.engine import GenerationRequest
 from model.pcg32 import PCG32
 from model.sampling import SamplingParams, sample
 from model.utf8 import Utf8Decoder
-from wsgi_app.choices import JOIN_LIMIT_BYTES, Completion
+from wsgi_app.completion import Completion
+from wsgi_app.pacer import Unpaced
 from wsgi_app.protocol import parse_completion_request
 from wsgi_app.sse import EventIds
+from wsgi_app.wire_format import JOIN_LIMIT_BYTES
 
 
 class ReadOnlyModel:
@@ -226,7 +228,7 @@ def _completion(body: dict, framing=None) -> Completion:
     req = parse_completion_request({"model": "m", "prompt": "ab", "stream": True, **body})
     engine = BigramEngine(Bigram.load())
     kwargs = {} if framing is None else {"framing": framing}
-    return Completion(engine, req, 7, "cmpl-x", 1700000000, lambda: None, **kwargs)
+    return Completion(engine, req, 7, "cmpl-x", 1700000000, Unpaced(), **kwargs)
 
 
 @pytest.mark.parametrize("text", ["", "a", '"', "\\", "\n", "\x00", "é", "\ufffd", "€x", "ab"])
@@ -244,9 +246,9 @@ def test_precomputed_chunk_framing_equals_the_general_encoder(text):
             "usage": None,
         }
         expected = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
-        assert completion.chunk(choice, text, None) == b"data: " + expected + b"\n\n"
+        assert completion.encoder.chunk(choice, text) == b"data: " + expected + b"\n\n"
         ids = _completion({"n": 2, "stream_options": {"include_usage": True}}, EventIds(7, 1000))
-        event = ids.chunk(ids.choices[choice.index], text, None)
+        event = ids.encoder.chunk(ids.choices[choice.index], text)
         assert event == b"id: 7-0\ndata: " + expected + b"\n\n"
 
 

@@ -6,7 +6,7 @@ import gevent
 import pytest
 
 from wsgi_app.hubturn import HubTurn
-from wsgi_app.runtime import HUB_ROUND_S, HUB_SLICE_S, hub_slice
+from wsgi_app.pacer import HUB_ROUND_S, HUB_SLICE_S, hub_slice
 
 
 def test_pending_greenlets_run_before_the_turn_returns():

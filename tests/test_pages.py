@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.modelfiles import BIGRAM_CONFIG, succ_weight, write_model_dir
-from wsgi_app import create_app, pages
+from wsgi_app import create_app
+from wsgi_app.routes import pages
 from wsgi_app.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent

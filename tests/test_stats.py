@@ -15,8 +15,8 @@ from telemetry.history import KEEP_MINUTES, HistoryStore
 from telemetry.recorder import HistoryRecorder
 from tests.server import GunicornServer
 from wsgi_app import create_app
+from wsgi_app.routes.stats import parse_minutes
 from wsgi_app.settings import Settings
-from wsgi_app.stats import parse_minutes
 
 T0 = 1_700_000_040.0  # a minute boundary: 28_333_334 * 60
 

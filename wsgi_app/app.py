@@ -16,23 +16,20 @@ from model import __version__
 from model.llama.scheduler import BatchScheduler
 from model.loader import LoadedModel, load_model
 from telemetry.otlp import NullExporter, SpanExporter
-from wsgi_app import (
-    auth,
+from wsgi_app import auth, cors, lifecycle, ratelimit
+from wsgi_app.admission import Admission
+from wsgi_app.error_handlers import register_error_handlers
+from wsgi_app.faults import Faults, FaultyEngine
+from wsgi_app.request_telemetry import build_observer
+from wsgi_app.routes import (
     completions,
-    cors,
-    eventsource,
-    lifecycle,
+    completions_get,
     models,
     openapi,
     ops,
     pages,
-    ratelimit,
     stats,
 )
-from wsgi_app.admission import Admission
-from wsgi_app.errors import register_error_handlers
-from wsgi_app.faults import Faults, FaultyEngine
-from wsgi_app.observe import build_observer
 from wsgi_app.runtime import EXTENSION, Runtime
 from wsgi_app.settings import Settings
 
@@ -108,7 +105,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     auth.install(app, settings.api_keys)
     ratelimit.install(app, app.extensions[EXTENSION])
     app.register_blueprint(completions.bp)
-    app.register_blueprint(eventsource.bp)
+    app.register_blueprint(completions_get.bp)
     app.register_blueprint(models.bp)
     app.register_blueprint(openapi.bp)
     app.register_blueprint(ops.bp)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from flask import Flask, g, request
 
-from wsgi_app.clients import key_digest
+from wsgi_app.client_identity import key_digest
 from wsgi_app.errors import ApiError
 
 API_PREFIX = "/v1/"

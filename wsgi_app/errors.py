@@ -1,4 +1,4 @@
-"""The OpenAI error envelope for every failure, and the compact JSON encoding of every answer.
+"""The OpenAI error envelope for every failure, and the compact JSON encoding of every answer (no Flask here).
 
 Source: OpenAI API reference, "Error codes"; DESIGN §5 (JSON byte rules) and §7 (error types).
 """
@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import json
 from typing import Any
-
-from flask import Flask, Response, g
-from gunicorn.http.errors import NoMoreData, ParseException
-from werkzeug.exceptions import HTTPException
 
 
 def json_bytes(obj: Any) -> bytes:
@@ -69,65 +65,18 @@ def invalid(message: str, param: str | None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def error_response(err: ApiError) -> Response:
-    """Render ``err`` as a JSON response with a byte-exact ``Content-Length``."""
-    resp = Response(json_bytes(err.envelope()), status=err.status, mimetype="application/json")
-    for name, value in err.headers.items():
-        resp.headers[name] = value
-    return resp
+def error_body(err: ApiError) -> bytes:
+    """Return ``err``'s envelope as the JSON bytes of an answer or of a stream's error event."""
+    return json_bytes(err.envelope())
 
 
-def _from_http_exception(exc: HTTPException) -> ApiError:
-    status = exc.code or 500
-    if status == 404:
-        return ApiError(404, "Not found: no such route.", type="not_found_error")
-    if status == 405:
-        allow = ", ".join(sorted(exc.valid_methods or [])) if hasattr(exc, "valid_methods") else ""
-        return ApiError(
-            405,
-            "Method not allowed." + (f" Allowed: {allow}." if allow else ""),
-            code="method_not_allowed",
-            headers={"Allow": allow} if allow else {},
-        )
-    if status == 413:
-        return ApiError(413, "Request body too large.", code="request_too_large")
-    if status >= 500:
-        return ApiError(status, "Internal server error.", type="server_error")
-    return ApiError(status, exc.description or exc.name)
+def timeout_error(limit_s: float) -> ApiError:
+    """The 504 of a request whose deadline (``REQUEST_TIMEOUT_S``) passed."""
+    return ApiError(
+        504, f"Request timed out after {limit_s:g} s.", type="server_error", code="timeout"
+    )
 
 
-def register_error_handlers(app: Flask) -> None:
-    """Answer every error, Flask's own included, in the OpenAI envelope (never an HTML page)."""
-
-    @app.errorhandler(ApiError)
-    def _api_error(err: ApiError) -> Response:
-        _note_server_error(err)
-        return error_response(err)
-
-    @app.errorhandler(HTTPException)
-    def _http_error(exc: HTTPException) -> Response:
-        return error_response(_from_http_exception(exc))
-
-    @app.errorhandler(ParseException)
-    def _bad_framing(exc: ParseException) -> Response:
-        # gunicorn parses a chunked body lazily, so a malformed one raises while the view reads it:
-        # the client's fault, a 400 (DESIGN §8). gunicorn closes the connection afterwards.
-        return error_response(invalid(f"Malformed request body: {exc}.", None))
-
-    @app.errorhandler(NoMoreData)
-    def _truncated(exc: NoMoreData) -> Response:
-        return error_response(invalid("Request body ended before its last chunk.", None))
-
-    @app.errorhandler(Exception)
-    def _unexpected(exc: Exception) -> Response:
-        app.logger.exception("unhandled error: %s", exc)
-        err = ApiError(500, "Internal server error.", type="server_error", code="engine_error")
-        _note_server_error(err)
-        return error_response(err)
-
-
-def _note_server_error(err: ApiError) -> None:
-    # A 5xx says why in the request's log line and span (a 4xx's status and param say enough).
-    record = g.get("record")
-    if record is not None and err.status >= 500 and record.error is None:
-        record.error = err.message
+def unavailable(message: str) -> ApiError:
+    """A 503 ``unavailable`` (draining, shutting down, not ready, out of memory)."""
+    return ApiError(503, message, type="server_error", code="unavailable")

@@ -82,11 +82,11 @@ class FaultyEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def stream(self, req: GenerationRequest) -> Iterator[Step]:
+    def stream(self, req: GenerationRequest) -> Iterator[Step | None]:
         """Return the wrapped engine's stream with the faults applied (see module docstring)."""
         return self._faulty(self._engine.stream(req))
 
-    def _faulty(self, steps: Iterator[Step]) -> Iterator[Step]:
+    def _faulty(self, steps: Iterator[Step | None]) -> Iterator[Step | None]:
         f = self._faults
         try:
             for n, step in enumerate(steps, start=1):

@@ -11,70 +11,25 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import time
 import uuid
-from array import array
-from dataclasses import dataclass, field
-from typing import Any
 
 from flask import Flask, Response, g, request
 
 from telemetry import traceparent
 from telemetry.logs import client_hash
-from telemetry.spans import Span, start_server_span
-from wsgi_app.clients import forwarded_client
-from wsgi_app.observe import log_request
+from telemetry.otlp import NullExporter, SpanExporter
+from telemetry.spans import start_server_span
+from wsgi_app.client_identity import forwarded_client
+from wsgi_app.record import RequestRecord
+from wsgi_app.request_telemetry import Observer, log_request
 from wsgi_app.runtime import runtime
 
 # A client cut for not reading is the client's doing, not a failure: a warning, not an error.
 stall_log = logging.getLogger("greenserve.access")
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 STATUS_UNSET, STATUS_OK, STATUS_ERROR = 0, 1, 2
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """What the server learns about one request while answering it.
-
-    Attributes:
-        request_id: the client's ``X-Request-Id`` (1-128 visible ASCII) or a generated one.
-        span: the request's SERVER span.
-        started: ``perf_counter`` at arrival, in seconds.
-        status: the HTTP status sent.
-        prompt_tokens, completion_tokens: usage counts (tokens).
-        finish_reasons: one per choice.
-        error: message of a failure after the first byte (the status cannot change then), or None.
-        ttft_s: seconds from arrival to the first generated token, or None.
-        method, path, route: the HTTP method, the path (no query string) and the matched rule or None.
-        client_hash: salted hash of the client's address (``telemetry.logs.client_hash``).
-        model: the request's ``model`` once validated, else None.
-        prompt: the prompt text, kept only with ``LOG_PROMPTS=1`` (else None).
-        texts: each choice's text, kept only with ``LOG_PROMPTS=1`` (else None).
-        token_times: ``perf_counter`` of every generated token (all choices), ``array('d')``, seconds.
-        queue_wait_s: seconds from admission to a slot (or to leaving the queue), None if never queued.
-        slot_at: ``perf_counter`` when the slot was granted, or None.
-    """
-
-    request_id: str
-    span: Span
-    started: float = field(default_factory=time.perf_counter)
-    status: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reasons: list[str | None] = field(default_factory=list)
-    error: str | None = None
-    ttft_s: float | None = None
-    done: bool = False
-    method: str = ""
-    path: str = ""
-    route: str | None = None
-    client_hash: str = ""
-    model: str | None = None
-    prompt: str | None = None
-    texts: list[str] | None = None
-    token_times: array = field(default_factory=lambda: array("d"))
-    queue_wait_s: float | None = None
-    slot_at: float | None = None
 
 
 def request_id_from(value: str | None) -> str:
@@ -130,13 +85,18 @@ def _headers(response: Response) -> Response:
     return response
 
 
-def finish(record: RequestRecord, exporter: object, observer: Any = None, sock: Any = None) -> None:
+def finish(
+    record: RequestRecord,
+    exporter: SpanExporter | NullExporter,
+    observer: Observer | None = None,
+    sock: socket.socket | None = None,
+) -> None:
     """End ``record``'s span, hand it to ``exporter``, and observe the request (idempotent).
 
     Args:
         record: the request's record.
         exporter: an object with ``export(span)`` that never blocks nor raises.
-        observer: a ``wsgi_app.observe.Observer`` (log line, metrics, history), or None to write the
+        observer: a ``wsgi_app.request_telemetry.Observer`` (log line, metrics, history), or None to write the
             log line only.
         sock: the connection (``wsgi_app.worker.StreamSocket``): one whose reader stopped reading
             (``SEND_TIMEOUT_S``) adds a warning line and a span attribute.
@@ -146,7 +106,7 @@ def finish(record: RequestRecord, exporter: object, observer: Any = None, sock: 
     record.done = True
     span = record.span
     attrs = span.attributes
-    if getattr(sock, "stalled", False):
+    if getattr(sock, "stalled", False):  # a StreamSocket (wsgi_app.worker) whose reader stopped
         attrs["greenserve.client_stalled"] = True
         stall_log.warning(
             "client stopped reading",

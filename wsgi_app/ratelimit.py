@@ -28,8 +28,9 @@ from flask import Flask, Response, g, request
 from flask_limiter import Limit, Limiter, RateLimitExceeded
 from limits.errors import ConfigurationError
 
-from wsgi_app.clients import client_identity
-from wsgi_app.errors import ApiError, error_response
+from wsgi_app.client_identity import client_identity
+from wsgi_app.error_handlers import error_response
+from wsgi_app.errors import ApiError
 from wsgi_app.runtime import Runtime
 from wsgi_app.settings import parse_rate_limit  # there so the master checks it without Flask
 

@@ -12,43 +12,53 @@ import re
 import secrets
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from limits import RateLimitItem
 
 
-def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+def _number(
+    env: Mapping[str, str], name: str, default: float, lo: float, hi: float, kind: type
+) -> Any:
+    """Return ``env[name]`` converted by ``kind`` (int or float) and checked to be in ``lo..hi``, or
+    ``default`` when it is unset or blank.
+
+    Raises:
+        ValueError: the value does not convert or is out of range (the message names ``name``).
+    """
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
-        value = int(raw)
+        value = kind(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-    if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in {lo}..{hi}, got {value}")
+        noun = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name} must be {noun}, got {raw!r}") from None
+    if not lo <= value <= hi:  # also rejects NaN
+        raise ValueError(f"{name} must be in {lo}..{hi}, got {value if kind is int else raw}")
     return value
+
+
+def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    return _number(env, name, default, lo, hi, int)
 
 
 def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
-    if not lo <= value <= hi:  # also rejects NaN
-        raise ValueError(f"{name} must be in {lo}..{hi}, got {raw}")
-    return value
+    return _number(env, name, default, lo, hi, float)
 
 
 def _str(env: Mapping[str, str], name: str, default: str) -> str:
     raw = env.get(name, "").strip()
     return raw or default
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """Return the plain defaults of the dataclass ``cls``'s fields by name (the one place each
+    default is written is the field itself; fields with a factory are left out)."""
+    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
 
 
 def _api_keys(env: Mapping[str, str]) -> tuple[str, ...]:
@@ -176,11 +186,11 @@ def check_rate_limit_storage(uri: str) -> None:
         raise ValueError(f"RATE_LIMIT_STORAGE_URI: {exc}") from None
 
 
-def _rate_limit(env: Mapping[str, str]) -> str:
+def _rate_limit(env: Mapping[str, str], storage_uri: str) -> str:
     text = _str(env, "RATE_LIMIT", "")
     if text:  # the storage is only used, and so only checked, when a limit is set
         parse_rate_limit(text)
-        check_rate_limit_storage(_str(env, "RATE_LIMIT_STORAGE_URI", "memory://"))
+        check_rate_limit_storage(storage_uri)
     return text
 
 
@@ -258,34 +268,38 @@ class Settings:
             ValueError: a variable is malformed or out of range; the message names it.
         """
         env = os.environ if env is None else env
+        d = _defaults(cls)
+        storage_uri = _str(env, "RATE_LIMIT_STORAGE_URI", d["rate_limit_storage_uri"])
         return cls(
             model_dir=env.get("MODEL_DIR", "").strip() or None,
-            max_slots=_int(env, "MAX_SLOTS", 64, 1, 100_000),
-            max_queue=_int(env, "MAX_QUEUE", 256, 0, 1_000_000),
-            max_body_bytes=_int(env, "MAX_BODY_BYTES", 1_048_576, 1024, 1 << 30),
-            max_prompt_tokens=_int(env, "MAX_PROMPT_TOKENS", 32_768, 1, 1 << 24),
-            max_n=_int(env, "MAX_N", 8, 1, 128),
-            request_timeout_s=_float(env, "REQUEST_TIMEOUT_S", 60.0, 0.001, 86_400.0),
-            heartbeat_s=_float(env, "HEARTBEAT_S", 15.0, 0.01, 3_600.0),
-            send_timeout_s=_float(env, "SEND_TIMEOUT_S", 30.0, 0.01, 3_600.0),
-            log_level=_str(env, "LOG_LEVEL", "info").lower(),
-            log_prompts=_int(env, "LOG_PROMPTS", 0, 0, 1) == 1,
+            max_slots=_int(env, "MAX_SLOTS", d["max_slots"], 1, 100_000),
+            max_queue=_int(env, "MAX_QUEUE", d["max_queue"], 0, 1_000_000),
+            max_body_bytes=_int(env, "MAX_BODY_BYTES", d["max_body_bytes"], 1024, 1 << 30),
+            max_prompt_tokens=_int(env, "MAX_PROMPT_TOKENS", d["max_prompt_tokens"], 1, 1 << 24),
+            max_n=_int(env, "MAX_N", d["max_n"], 1, 128),
+            request_timeout_s=_float(
+                env, "REQUEST_TIMEOUT_S", d["request_timeout_s"], 0.001, 86_400.0
+            ),
+            heartbeat_s=_float(env, "HEARTBEAT_S", d["heartbeat_s"], 0.01, 3_600.0),
+            send_timeout_s=_float(env, "SEND_TIMEOUT_S", d["send_timeout_s"], 0.01, 3_600.0),
+            log_level=_str(env, "LOG_LEVEL", d["log_level"]).lower(),
+            log_prompts=_int(env, "LOG_PROMPTS", int(d["log_prompts"]), 0, 1) == 1,
             otlp_endpoint=otlp_traces_endpoint(env),
-            service_name=_str(env, "OTEL_SERVICE_NAME", "greenserve"),
-            faults=_str(env, "GREENSERVE_FAULTS", ""),
-            rate_limit=_rate_limit(env),
-            rate_limit_storage_uri=_str(env, "RATE_LIMIT_STORAGE_URI", "memory://"),
-            trusted_proxies=_int(env, "TRUSTED_PROXIES", 0, 0, 32),
+            service_name=_str(env, "OTEL_SERVICE_NAME", d["service_name"]),
+            faults=_str(env, "GREENSERVE_FAULTS", d["faults"]),
+            rate_limit=_rate_limit(env, storage_uri),
+            rate_limit_storage_uri=storage_uri,
+            trusted_proxies=_int(env, "TRUSTED_PROXIES", d["trusted_proxies"], 0, 32),
             api_keys=_api_keys(env),
             cors_origins=_cors_origins(env),
-            slow_request_s=_float(env, "SLOW_REQUEST_S", 10.0, 0.0, 86_400.0),
+            slow_request_s=_float(env, "SLOW_REQUEST_S", d["slow_request_s"], 0.0, 86_400.0),
             stats_db=_str(env, "STATS_DB", default_stats_db(env)),
-            stats_flush_s=_float(env, "STATS_FLUSH_S", 1.0, 0.01, 3_600.0),
-            slo_ttft_s=_float(env, "SLO_TTFT_S", 1.0, 0.001, 3_600.0),
-            slo_target=_float(env, "SLO_TARGET", 0.99, 0.5, 0.999999),
+            stats_flush_s=_float(env, "STATS_FLUSH_S", d["stats_flush_s"], 0.01, 3_600.0),
+            slo_ttft_s=_float(env, "SLO_TTFT_S", d["slo_ttft_s"], 0.001, 3_600.0),
+            slo_target=_float(env, "SLO_TARGET", d["slo_target"], 0.5, 0.999999),
             client_hash_salt=_str(env, "CLIENT_HASH_SALT", "") or secrets.token_hex(16),
             prometheus_multiproc_dir=_metrics_dir(env),
-            pages=_int(env, "PAGES", 1, 0, 1) == 1,
+            pages=_int(env, "PAGES", int(d["pages"]), 0, 1) == 1,
         )
 
 
@@ -302,8 +316,8 @@ def _metrics_dir(env: Mapping[str, str]) -> str | None:
     return path
 
 
-def _host(env: Mapping[str, str]) -> str:
-    host = _str(env, "HOST", "0.0.0.0")
+def _host(env: Mapping[str, str], default: str) -> str:
+    host = _str(env, "HOST", default)
     if host.startswith("[") != host.endswith("]"):
         raise ValueError(f"HOST must be an IP address or a host name, got {host!r}")
     try:
@@ -349,16 +363,19 @@ class ServerSettings:
                 ``HEALTH_PORT``; the message names it.
         """
         env = os.environ if env is None else env
+        d = _defaults(cls)
         settings = cls(
-            host=_host(env),
-            port=_int(env, "PORT", 8000, 0, 65_535),
-            health_port=_int(env, "HEALTH_PORT", 9464, 0, 65_535),
-            workers=_int(env, "WEB_CONCURRENCY", 0, 0, 1024),
-            worker_connections=_int(env, "WORKER_CONNECTIONS", 1000, 1, 1_000_000),
-            timeout_s=_int(env, "GUNICORN_TIMEOUT_S", 30, 0, 86_400),
-            graceful_timeout_s=_int(env, "GRACEFUL_TIMEOUT_S", 30, 0, 86_400),
-            keepalive_s=_int(env, "KEEPALIVE_S", 5, 0, 3_600),
-            log_level=_str(env, "LOG_LEVEL", "info").lower(),
+            host=_host(env, d["host"]),
+            port=_int(env, "PORT", d["port"], 0, 65_535),
+            health_port=_int(env, "HEALTH_PORT", d["health_port"], 0, 65_535),
+            workers=_int(env, "WEB_CONCURRENCY", d["workers"], 0, 1024),
+            worker_connections=_int(
+                env, "WORKER_CONNECTIONS", d["worker_connections"], 1, 1_000_000
+            ),
+            timeout_s=_int(env, "GUNICORN_TIMEOUT_S", d["timeout_s"], 0, 86_400),
+            graceful_timeout_s=_int(env, "GRACEFUL_TIMEOUT_S", d["graceful_timeout_s"], 0, 86_400),
+            keepalive_s=_int(env, "KEEPALIVE_S", d["keepalive_s"], 0, 3_600),
+            log_level=_str(env, "LOG_LEVEL", d["log_level"]).lower(),
         )
         if settings.port and settings.port == settings.health_port:
             raise ValueError(f"PORT and HEALTH_PORT must differ, both are {settings.port}")

@@ -11,26 +11,23 @@ import os
 
 from flask import Blueprint, Response, request
 
-from wsgi_app.errors import ApiError, json_bytes
+from wsgi_app.error_handlers import json_response
+from wsgi_app.errors import ApiError
 from wsgi_app.runtime import runtime
 
 bp = Blueprint("ops", __name__)
 
 
-def _json(obj: object, status: int = 200) -> Response:
-    return Response(json_bytes(obj), status=status, content_type="application/json")
-
-
 @bp.get("/healthz")
 def healthz() -> Response:
     """Answer 200 ``{"status":"ok"}`` while the worker's hub is responsive."""
-    return _json({"status": "ok"})
+    return json_response({"status": "ok"})
 
 
 @bp.get("/health")
 def health() -> Response:
     """Liveness: 200 ``{"status":"ok"}`` while the worker runs."""
-    return _json({"status": "ok"})
+    return json_response({"status": "ok"})
 
 
 @bp.get("/ready")
@@ -39,9 +36,9 @@ def ready() -> Response:
     failure that leaves the engine untrustworthy."""
     rt = runtime()
     if rt.ready:
-        return _json({"status": "ready"})
+        return json_response({"status": "ready"})
     reason = "draining" if rt.draining else "engine_failed"
-    return _json({"status": "not_ready", "reason": reason}, 503)
+    return json_response({"status": "not_ready", "reason": reason}, 503)
 
 
 def require_loopback() -> None:
@@ -76,7 +73,7 @@ def debug_state() -> Response:
         "counts": list(gc.get_count()),
         "collections": [generation["collections"] for generation in gc.get_stats()],
     }
-    return _json({"pid": os.getpid(), "ready": rt.ready, "draining": rt.draining, **state})
+    return json_response({"pid": os.getpid(), "ready": rt.ready, "draining": rt.draining, **state})
 
 
 @bp.post("/debug/drain")
@@ -89,4 +86,4 @@ def debug_drain() -> Response:
     require_loopback()
     rt = runtime()
     rt.draining = True
-    return _json({"status": "draining", "pid": os.getpid()})
+    return json_response({"status": "draining", "pid": os.getpid()})

@@ -16,15 +16,17 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 from functools import cache
+from pathlib import Path
 
 from flask import Blueprint, Response, render_template, request
 
 from wsgi_app.errors import ApiError
-from wsgi_app.models import model_card
 from wsgi_app.protocol import MAX_TOKENS_LIMIT
+from wsgi_app.routes.models import model_card
 from wsgi_app.runtime import runtime
 
-bp = Blueprint("pages", __name__, template_folder="templates")
+# The templates stay package data of wsgi_app itself (beside the assets), not of this subpackage.
+bp = Blueprint("pages", __name__, template_folder=str(Path(__file__).parent.parent / "templates"))
 
 ASSET_DIR = "assets"
 # Every file the pages load, with its media type: the route serves these names and nothing else.

@@ -28,18 +28,13 @@ from urllib.parse import unquote_to_bytes
 from flask import Blueprint, Response, g, request
 from werkzeug.datastructures import MultiDict
 
-from wsgi_app.completions import (
-    STREAM_HEADERS,
-    EventStreamResponse,
-    StreamBody,
-    admit,
-    random_seed,
-)
 from wsgi_app.errors import invalid
-from wsgi_app.lifecycle import RequestRecord
+from wsgi_app.generation import admit, random_seed
 from wsgi_app.protocol import SEED_LIMIT, parse_completion_request
+from wsgi_app.record import RequestRecord
 from wsgi_app.runtime import runtime
 from wsgi_app.sse import EventIds
+from wsgi_app.streaming import STREAM_HEADERS, EventStreamResponse, StreamBody
 
 bp = Blueprint("eventsource", __name__)
 
@@ -213,6 +208,7 @@ def stream_completion() -> Response:
     if request.method == "HEAD":  # headers only: no generation for a body nobody gets
         return Response(content_type="text/event-stream", headers=STREAM_HEADERS)
     framing = EventIds(seed, RETRY_MS, resume_after=-1 if last is None else last[1])
-    completion, ticket, pacer = admit(rt, req, record, seed, framing)
+    sock = request.environ.get("gunicorn.socket")
+    completion, ticket, pacer = admit(rt, req, record, seed, sock, framing)
     body = StreamBody(rt, completion, ticket, pacer, record)
     return EventStreamResponse(body)

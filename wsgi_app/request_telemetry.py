@@ -1,9 +1,10 @@
 """What the server tells operators about each finished request: the JSON log line, the Prometheus
 metrics and the per-minute history.
 
-Called once per request from ``lifecycle.finish`` (after the last byte, on the request's greenlet). The
-per-token work during generation is one ``perf_counter`` append (``Pacer``); everything derived from the
-token times (inter-token gaps, their percentiles and histogram buckets) is computed here, with numpy, once.
+Called once per request from ``wsgi_app.lifecycle.finish`` (after the last byte, on the request's
+greenlet). The per-token work during generation is one ``perf_counter`` append (``Pacer``);
+everything derived from the token times (inter-token gaps, their percentiles and histogram buckets)
+is computed here, with numpy, once.
 Nothing here raises into the request: a telemetry failure is logged and forgotten.
 
 Source: DESIGN §7 (one JSON log line per request; slow requests log their timeline); issue 7.
@@ -24,6 +25,8 @@ from telemetry.flusher import Flusher
 from telemetry.history import HistoryStore
 from telemetry.metrics import ITL_BUCKETS, Metrics
 from telemetry.recorder import HistoryRecorder
+from wsgi_app.record import RequestRecord
+from wsgi_app.settings import Settings
 
 __all__ = [
     "API_ROUTES",
@@ -104,12 +107,12 @@ def summarize(token_times: Any) -> Gaps | None:
     )
 
 
-def is_failed(record: Any) -> bool:
+def is_failed(record: RequestRecord) -> bool:
     """True for a 5xx, or an error after the first byte (not a client that went away: 499)."""
     return record.status >= 500 or (record.error is not None and record.status != 499)
 
 
-def finish_reason(record: Any) -> str:
+def finish_reason(record: RequestRecord) -> str:
     """The request's finish reason label: ``error`` (failed), ``none`` (nothing generated, e.g. a 4xx),
     ``abort`` (a choice never finished: the client left), else the choices' reasons, sorted and
     comma-joined (``length``, ``stop``, ``length,stop``)."""
@@ -127,7 +130,7 @@ def _r(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
 
 
-def request_fields(record: Any, elapsed_s: float, gaps: Gaps | None) -> dict[str, Any]:
+def request_fields(record: RequestRecord, elapsed_s: float, gaps: Gaps | None) -> dict[str, Any]:
     """Return the request log line's fields (see README, "Logs")."""
     fields: dict[str, Any] = {
         "request_id": record.request_id,
@@ -154,7 +157,7 @@ def request_fields(record: Any, elapsed_s: float, gaps: Gaps | None) -> dict[str
     return fields
 
 
-def timeline(record: Any, elapsed_s: float, gaps: Gaps | None) -> list[list[Any]]:
+def timeline(record: RequestRecord, elapsed_s: float, gaps: Gaps | None) -> list[list[Any]]:
     """Return a slow request's events as ``[name, seconds since arrival]``, in order of time."""
     events: list[list[Any]] = [["arrived", 0.0]]
     if record.slot_at is not None:
@@ -168,7 +171,7 @@ def timeline(record: Any, elapsed_s: float, gaps: Gaps | None) -> list[list[Any]
 
 
 def log_request(
-    record: Any, elapsed_s: float, gaps: Gaps | None = None, slow_s: float = 0.0
+    record: RequestRecord, elapsed_s: float, gaps: Gaps | None = None, slow_s: float = 0.0
 ) -> None:
     """Write the request's log line, and its timeline when it took longer than ``slow_s`` (> 0)."""
     quiet = record.route in QUIET_ROUTES and record.status < 400
@@ -214,7 +217,7 @@ class Observer:
         self.store = flusher.store
         self.slow_request_s = slow_request_s
 
-    def request_done(self, record: Any, elapsed_s: float) -> None:
+    def request_done(self, record: RequestRecord, elapsed_s: float) -> None:
         """Log, count and record one finished request; never raises."""
         gaps = None
         try:
@@ -229,7 +232,7 @@ class Observer:
         except Exception:
             access_log.exception("could not count request %s", record.request_id)
 
-    def _count(self, record: Any, elapsed_s: float, gaps: Gaps | None) -> None:
+    def _count(self, record: RequestRecord, elapsed_s: float, gaps: Gaps | None) -> None:
         admitted = record.queue_wait_s is not None
         prompt_tokens = record.prompt_tokens if record.slot_at is not None else 0
         failed = is_failed(record)
@@ -264,7 +267,7 @@ class Observer:
         self.flusher.close()
 
 
-def build_observer(settings: Any, clock: Callable[[], float]) -> Observer:
+def build_observer(settings: Settings, clock: Callable[[], float]) -> Observer:
     """Make a worker's observer from its settings: a fresh metrics registry, the history recorder and
     the flusher over ``STATS_DB``.
 

@@ -17,17 +17,14 @@ from flask import Blueprint, Response, request
 
 from telemetry.flusher import run_in_thread
 from telemetry.metrics import render, scrape_registry, summarize
-from wsgi_app.errors import invalid, json_bytes
+from wsgi_app.error_handlers import json_response
+from wsgi_app.errors import invalid
 from wsgi_app.runtime import Runtime, runtime
 
 bp = Blueprint("stats", __name__)
 
 HISTORY_DEFAULT_MINUTES = 60
 HISTORY_MAX_MINUTES = 1440  # ``?minutes=`` covers at most a day
-
-
-def _json(obj: object) -> Response:
-    return Response(json_bytes(obj), content_type="application/json")
 
 
 def _now(rt: Runtime) -> float:
@@ -66,7 +63,7 @@ def stats() -> Response:
     summary = run_in_thread(_summary, rt)
     max_age_s = max(5.0, 5 * rt.settings.stats_flush_s)
     workers = run_in_thread(obs.store.workers, os.getppid(), now, max_age_s)
-    return _json(
+    return json_response(
         {
             "now": now,
             "totals": {
@@ -126,7 +123,7 @@ def history() -> Response:
     obs.flusher.flush(in_thread=True)
     now = _now(rt)
     settings = rt.settings
-    return _json(
+    return json_response(
         {
             "now": now,
             "slo": {"ttft_s": settings.slo_ttft_s, "target": settings.slo_target},

@@ -20,7 +20,8 @@ from flask import Blueprint, Response
 from model.bigram.model import default_model_dir
 from model.files import CONFIG_NAME, read_json_object
 from model.loader import LoadedModel
-from wsgi_app.errors import ApiError, json_bytes
+from wsgi_app.error_handlers import json_response
+from wsgi_app.errors import ApiError
 from wsgi_app.runtime import runtime
 
 bp = Blueprint("models", __name__)
@@ -70,14 +71,10 @@ def model_card(model: LoadedModel) -> dict[str, Any]:
     return card
 
 
-def _json(obj: object) -> Response:
-    return Response(json_bytes(obj), content_type="application/json")
-
-
 @bp.get("/v1/models")
 def list_models() -> Response:
     """List the served models: ``{"object":"list","data":[<model>]}``."""
-    return _json({"object": "list", "data": [model_card(runtime().model)]})
+    return json_response({"object": "list", "data": [model_card(runtime().model)]})
 
 
 @bp.get("/v1/models/<path:model>")
@@ -96,4 +93,4 @@ def retrieve_model(model: str) -> Response:
             param="model",
             code="model_not_found",
         )
-    return _json(card)
+    return json_response(card)

@@ -1,0 +1,170 @@
+"""One choice of a completion: its token stream, text, stop strings and logprobs.
+
+Each :class:`Choice` owns its engine token stream, its incremental UTF-8 decoder and its stop matcher;
+:class:`Logprobs` is the legacy ``logprobs`` object it fills. How they go on the wire is
+``wsgi_app.wire_format``'s business.
+
+Source: OpenAI API reference, "Completions" (legacy) objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from model.engine import Step
+from model.stop import StopMatcher
+from model.tokenizer import ByteTokenizer
+from model.utf8 import Utf8Decoder
+from wsgi_app.errors import json_bytes
+
+BYTE_TOKENIZER = ByteTokenizer()
+
+
+class Logprobs:
+    """The legacy ``logprobs`` object of one choice: ``tokens``, ``token_logprobs``, ``top_logprobs``,
+    ``text_offset`` (character offsets into the choice's text)."""
+
+    __slots__ = ("tokens", "token_logprobs", "top_logprobs", "text_offset", "_token_str")
+
+    def __init__(self, token_str: Callable[[int], str] = BYTE_TOKENIZER.token_str) -> None:
+        self._token_str = (
+            token_str  # how a token shows: its text, or ``bytes:\\xNN`` for partial UTF-8
+        )
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
+        self.text_offset: list[int] = []
+
+    def add(self, step: Step, offset: int) -> None:
+        """Append one token's entry; ``step`` carries the logprobs the engine computed."""
+        token_text = self._token_str
+        self.tokens.append(token_text(step.token_id))
+        self.token_logprobs.append(step.logprob)
+        top = step.top_logprobs
+        self.top_logprobs.append(None if top is None else {token_text(t): lp for t, lp in top})
+        self.text_offset.append(offset)
+
+    def extend(self, other: Logprobs) -> None:
+        """Append ``other``'s entries (shared, read-only ``top_logprobs`` dicts)."""
+        self.tokens.extend(other.tokens)
+        self.token_logprobs.extend(other.token_logprobs)
+        self.top_logprobs.extend(other.top_logprobs)
+        self.text_offset.extend(other.text_offset)
+
+    def encode(self, pause: Callable[[], None], slice_len: int = 1024) -> bytes:
+        """Return ``json_bytes(self.as_dict())``, encoded a slice of entries at a time with ``pause()``
+        between slices, so that a huge answer (echo + logprobs of a long prompt) never holds the hub
+        for long."""
+        parts = []
+        for key in self.__slots__[:4]:
+            values = getattr(self, key)
+            slices = []
+            for start in range(0, len(values), slice_len):
+                slices.append(json_bytes(values[start : start + slice_len])[1:-1])
+                pause()
+            parts.append(b'"%s":[%s]' % (key.encode(), b",".join(slices)))
+        return b"{" + b",".join(parts) + b"}"
+
+    def as_dict(self, start: int = 0) -> dict[str, Any]:
+        """Return the entries from index ``start`` on, in the wire shape."""
+        return {
+            "tokens": self.tokens[start:],
+            "token_logprobs": self.token_logprobs[start:],
+            "top_logprobs": self.top_logprobs[start:],
+            "text_offset": self.text_offset[start:],
+        }
+
+
+class Choice:
+    """One choice of a completion: advances its token stream one token at a time.
+
+    Args:
+        index: the choice's ``index`` on the wire.
+        stream: the engine's token stream (closed when the choice ends); None items are engine ticks
+            (no token yet).
+        max_tokens: tokens to generate.
+        stop: stop strings (never returned in the text).
+        echo_text: the prompt text when ``echo`` is set, else "".
+        logprobs: a :class:`Logprobs` to fill, or None.
+        token_bytes: the bytes each token id adds to the text (the tokenizer's ``token_bytes``).
+    """
+
+    __slots__ = (
+        "index",
+        "_stream",
+        "max_tokens",
+        "_decoder",
+        "_matcher",
+        "parts",
+        "tokens",
+        "finish_reason",
+        "logprobs",
+        "_chars",
+        "_stops",
+        "_token_bytes",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        stream: Iterator[Step | None],
+        max_tokens: int,
+        stop: tuple[str, ...],
+        echo_text: str,
+        logprobs: Logprobs | None,
+        token_bytes: list[bytes] = BYTE_TOKENIZER.token_bytes,
+    ) -> None:
+        self.index = index
+        self._token_bytes = token_bytes
+        self._stream = stream
+        self.max_tokens = max_tokens
+        self._decoder = Utf8Decoder()
+        self._matcher = StopMatcher(stop)
+        self._stops = bool(stop)  # without stop strings the matcher releases text unchanged
+        self.parts: list[str] = [echo_text] if echo_text else []
+        self.tokens = 0
+        self.finish_reason: str | None = None if max_tokens > 0 else "length"
+        self.logprobs = logprobs
+        self._chars = len(echo_text)  # characters decoded so far, for ``text_offset``
+
+    def advance(self) -> str | None:
+        """Generate one token and return the text it releases (may be ""), or None for an engine tick
+        (no token yet: the engine is still working, e.g. prefilling a long prompt).
+
+        Sets :attr:`finish_reason` on the last token (``length``), on a stop string (``stop``), or
+        when the engine ends the stream: an end-of-sequence token (``stop``; it adds no text) or a full
+        context (``length``).
+
+        Raises:
+            Exception: whatever the engine raises; the caller turns it into an error answer.
+        """
+        step = next(self._stream)
+        if step is None:
+            return None
+        self.tokens += 1
+        ended = step.finish_reason
+        text = "" if ended == "stop" else self._decoder.feed(self._token_bytes[step.token_id])
+        last = ended is not None or self.tokens >= self.max_tokens
+        if last:
+            text += self._decoder.finish()
+        if self.logprobs is not None:  # the character count is only for ``text_offset``
+            self.logprobs.add(step, self._chars)
+            self._chars += len(text)
+        if self._stops:
+            out, stopped = self._matcher.push(text)
+        else:
+            out, stopped = text, False
+        if stopped:
+            self.finish_reason = "stop"
+            self.close()
+        elif last:
+            out += self._matcher.flush()
+            self.finish_reason = ended or "length"
+            self.close()
+        self.parts.append(out)
+        return out
+
+    def close(self) -> None:
+        """Stop the token stream: no model work happens for this choice after this."""
+        self._stream.close()

@@ -1,0 +1,235 @@
+"""A completion: the ``n`` choices of one request, and the token loop that generates them.
+
+:meth:`Completion.chunks` is the token loop of every stream: round-robin over the live choices, one token
+each, every token's event built by the one chunk builder (``wsgi_app.wire_format.ChunkEncoder``) and
+followed by a call of the request's pacer (``wsgi_app.pacer.Pacer``). :meth:`Completion.run` drives the
+same loop for a non-streamed answer and returns its JSON.
+
+Source: OpenAI API reference, "Completions" (legacy) objects.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from itertools import cycle
+from typing import Protocol
+
+from model.engine import GenerationRequest, Step
+from model.tokenizer import TextTokenizer
+from model.utf8 import Utf8Decoder
+from wsgi_app.choice import BYTE_TOKENIZER, Choice, Logprobs
+from wsgi_app.protocol import CompletionRequest
+from wsgi_app.sse import PING, PLAIN, Framing
+from wsgi_app.wire_format import TEXT_COMPLETION, ChunkEncoder, WireFormat
+
+
+class Engine(Protocol):
+    """What a completion needs of the model's engine."""
+
+    def stream(self, req: GenerationRequest) -> Iterator[Step | None]:
+        """Return the token stream of ``req``; None items are ticks (no token yet)."""
+
+    def score(
+        self, prompt_ids: tuple[int, ...], top_n: int, pause: Callable[[], None]
+    ) -> list[Step]:
+        """Return the logprobs of the prompt tokens (for ``echo``), calling ``pause`` between slices."""
+
+
+class Pacing(Protocol):
+    """The request's pacer (``wsgi_app.pacer.Pacer``): called after every token.
+
+    Raises:
+        ApiError: from any method, to end the request (deadline, shutdown).
+    """
+
+    def __call__(self) -> None:
+        """A token was generated."""
+
+    def tick(self) -> None:
+        """The engine has no token yet."""
+
+    def pause(self) -> None:
+        """A slice of a long piece of work (scoring, encoding) is done."""
+
+
+class Completion:
+    """The ``n`` choices of one request and their rendering on the wire.
+
+    Args:
+        engine: the model's engine (the choices' token streams, the prompt's scores).
+        req: the validated request.
+        seed: the effective seed, 0..2**64-1.
+        completion_id: the id (``cmpl-…``), the same for every chunk.
+        created: Unix time in seconds.
+        pacer: the request's pacer; called after every token, told about ticks and pauses.
+        framing: how SSE events are framed (:data:`~wsgi_app.sse.PLAIN` for POST streams,
+            :class:`~wsgi_app.sse.EventIds` for the ``EventSource`` stream).
+        heartbeat_s: while only ticks come, a ``: ping`` is streamed this often, in seconds.
+        tokenizer: the model's tokenizer (bytes for the bigram).
+        wire: the wire format of the answer.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        req: CompletionRequest,
+        seed: int,
+        completion_id: str,
+        created: int,
+        pacer: Pacing,
+        framing: Framing = PLAIN,
+        *,
+        heartbeat_s: float = 15.0,
+        tokenizer: TextTokenizer = BYTE_TOKENIZER,
+        wire: WireFormat = TEXT_COMPLETION,
+    ) -> None:
+        self.req = req
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._echo_scored = not (req.echo and req.logprobs is not None)
+        self.pacer = pacer
+        self.heartbeat_s = heartbeat_s
+        self._quiet_since = time.perf_counter()
+        self.framing = framing
+        self.seed = seed
+        self.choices: list[Choice] = []
+        echo_text = req.prompt_text if req.echo else ""
+        for i in range(req.n):
+            logprobs = None if req.logprobs is None else Logprobs(tokenizer.token_str)
+            gen = GenerationRequest(
+                prompt_ids=req.prompt_ids,
+                max_tokens=req.max_tokens,
+                params=req.sampling,
+                seed=seed,
+                seq=54 + i,
+                logprobs=req.logprobs,
+                ignore_eos=req.ignore_eos,
+            )
+            stream = engine.stream(gen)
+            self.choices.append(
+                Choice(
+                    i, stream, req.max_tokens, req.stop, echo_text, logprobs, tokenizer.token_bytes
+                )
+            )
+        self.encoder = ChunkEncoder(
+            wire, completion_id, created, req.model, req.n, req.include_usage, framing
+        )
+
+    # -- accounting ---------------------------------------------------------------------------
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated over all choices."""
+        return sum(c.tokens for c in self.choices)
+
+    def usage(self) -> dict[str, int]:
+        """Return the ``usage`` object: prompt counted once, completions summed over choices."""
+        prompt = len(self.req.prompt_ids)
+        completion = self.completion_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def finish_reasons(self) -> list[str | None]:
+        """Each choice's finish reason (None while it runs)."""
+        return [c.finish_reason for c in self.choices]
+
+    def close(self) -> None:
+        """Close every token stream (idempotent)."""
+        for choice in self.choices:
+            choice.close()
+
+    # -- the token loop -----------------------------------------------------------------------
+
+    def _score_echo(self) -> None:
+        """With ``echo`` and ``logprobs``: score the prompt once (after the slot is granted, not at
+        admission) and give every choice its prompt entries."""
+        if self._echo_scored:
+            return
+        self._echo_scored = True
+        req, pause = self.req, self.pacer.pause
+        scored = self._engine.score(req.prompt_ids, req.logprobs, pause)
+        prompt = Logprobs(self._tokenizer.token_str)
+        offsets = _offsets(req.prompt_ids, self._tokenizer.token_bytes, pause)
+        for i, (offset, step) in enumerate(zip(offsets, scored, strict=True)):
+            prompt.add(step, offset)
+            if i % 1024 == 1023:
+                pause()
+        for choice in self.choices:
+            choice.logprobs.extend(prompt)  # C-level list copies: n choices cost one scoring
+
+    def _tick(self) -> Iterator[bytes]:
+        """Handle an engine tick: enforce deadlines, and stream a ``: ping`` at most every
+        ``heartbeat_s`` (a write: a client that left during a long prefill is noticed)."""
+        self.pacer.tick()
+        now = time.perf_counter()
+        if now - self._quiet_since >= self.heartbeat_s:
+            self._quiet_since = now
+            yield PING
+
+    def chunks(self, events: bool = True) -> Iterator[bytes]:
+        """Generate every choice to its end: one SSE event per token, round-robin over the live
+        choices (so an engine that batches, Llama, has them all in flight at once).
+
+        With ``echo`` each choice first gets a chunk with the prompt text. The caller frames the stream
+        (opening comment, usage chunk, ``[DONE]``) and handles errors. Events the framing drops (a
+        resumed ``EventSource`` stream) are built but not yielded.
+
+        Args:
+            events: False to build no events (a non-streamed answer; only pings are yielded).
+
+        Raises:
+            Exception: whatever the engine or the pacer raises; the caller answers with an error.
+        """
+        self._score_echo()
+        chunk, pace = self.encoder.chunk, self.pacer
+        if events and self.req.echo:
+            for c in self.choices:
+                event = chunk(c, self.req.prompt_text, 0)
+                if event:
+                    yield event
+        live = [c for c in self.choices if c.finish_reason is None]
+        while live:
+            for c in cycle(live):  # round after round, with no per-round work
+                text = c.advance()
+                if text is None:
+                    yield from self._tick()
+                    continue
+                if events:
+                    event = chunk(c, text)
+                    if event:
+                        yield event
+                pace()
+                if c.finish_reason is not None:
+                    break
+            # Only the choice that just advanced can have ended: the next round goes on after it.
+            k = live.index(c)
+            live = live[k + 1 :] + live[:k]
+
+    def usage_chunk(self) -> bytes:
+        """Return the ``stream_options.include_usage`` event: no choices, the usage."""
+        return self.encoder.usage_chunk(self.usage())
+
+    def run(self) -> list[bytes]:
+        """Generate every choice to its end and return the JSON answer's byte strings
+        (:meth:`~wsgi_app.wire_format.ChunkEncoder.answer`)."""
+        for _ in self.chunks(events=False):
+            pass
+        return self.encoder.answer(self.choices, self.usage(), self.pacer.pause)
+
+
+def _offsets(
+    prompt_ids: tuple[int, ...], token_bytes: list[bytes], pause: Callable[[], None]
+) -> list[int]:
+    """Character offset at which each prompt token's text starts (for echoed logprobs)."""
+    decoder = Utf8Decoder()
+    offsets, chars = [], 0
+    for i, token_id in enumerate(prompt_ids):
+        offsets.append(chars)
+        chars += len(decoder.feed(token_bytes[token_id]))
+        if i % 8192 == 8191:
+            pause()
+    return offsets

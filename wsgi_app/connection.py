@@ -1,0 +1,50 @@
+"""The client's connection as the generating code sees it: tuned for streaming, and checked for a
+client that left.
+
+Source: POSIX ``select`` and ``recv(MSG_PEEK)`` (a zero-byte read is the peer's FIN); RFC 9293 (TCP).
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+
+from wsgi_app.worker import StreamSocket
+
+
+def tune_socket(sock: socket.socket | None, send_timeout_s: float) -> None:
+    """Send each event at once, and cut a reader that stops reading for ``send_timeout_s``.
+
+    Args:
+        sock: the connection's socket (gunicorn's ``environ["gunicorn.socket"]``), or None.
+        send_timeout_s: how long a write may wait without progress, seconds (``SEND_TIMEOUT_S``).
+    """
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A write that waits this long without progress raises; gunicorn then closes the body,
+        # freeing the slot. Under another worker class (gunicorn's own gevent worker, TLS) the
+        # socket's timeout is all there is: it bounds a whole write, and reads too.
+        if isinstance(sock, StreamSocket):
+            sock.send_timeout_s = send_timeout_s
+        else:
+            sock.settimeout(send_timeout_s)
+    except OSError:  # already closed, or not TCP: nothing to tune
+        pass
+
+
+def peer_closed(sock: socket.socket | None) -> bool:
+    """True when the client has closed its side of ``sock`` (a zero-byte peek); never consumes data.
+
+    Args:
+        sock: the connection's socket (gunicorn's ``environ["gunicorn.socket"]``), or None.
+    """
+    if sock is None:
+        return False
+    try:
+        # gevent's recv would wait on EAGAIN: ask select first (timeout 0), then peek what is there.
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True

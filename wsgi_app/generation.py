@@ -1,0 +1,104 @@
+"""Setting up a generation: the seed, admission to a slot, the completion and its pacer, and what a
+failure while generating is answered with. Shared by every route that generates.
+
+Source: OpenAI API reference, "Error codes".
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+from wsgi_app.admission import Ticket
+from wsgi_app.completion import Completion
+from wsgi_app.connection import tune_socket
+from wsgi_app.errors import ApiError, unavailable
+from wsgi_app.faults import EngineFailure
+from wsgi_app.pacer import Pacer
+from wsgi_app.protocol import CompletionRequest
+from wsgi_app.record import RequestRecord
+from wsgi_app.runtime import Runtime
+from wsgi_app.sse import PLAIN, Framing
+from wsgi_app.wire_format import TEXT_COMPLETION
+
+
+def random_seed() -> int:
+    """Return a fresh seed in 0..2**64-1 from the OS (never the global ``random`` state)."""
+    return int.from_bytes(os.urandom(8), "little")
+
+
+def engine_error(rt: Runtime, exc: BaseException) -> ApiError:
+    """Map an exception raised while generating to its OpenAI error.
+
+    ``ApiError`` (deadline, shutdown) passes through; ``MemoryError`` is a 503 the worker recovers from;
+    anything else is a 500 ``engine_error``, and a fatal engine failure also turns readiness off.
+    """
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, MemoryError):
+        return unavailable("Out of memory while generating; retry later.")
+    if isinstance(exc, EngineFailure) and exc.fatal:
+        rt.engine_ok = False
+    return ApiError(
+        500, f"Generation failed: {type(exc).__name__}.", type="server_error", code="engine_error"
+    )
+
+
+def admit(
+    rt: Runtime,
+    req: CompletionRequest,
+    record: RequestRecord,
+    seed: int,
+    sock: socket.socket | None,
+    framing: Framing = PLAIN,
+) -> tuple[Completion, Ticket, Pacer]:
+    """Take a place in the worker's slots or queue for ``req`` and set up its generation.
+
+    The caller owns the returned ticket: a ``wsgi_app.streaming.StreamBody`` or
+    ``wsgi_app.streaming.settle`` must release it.
+
+    Args:
+        rt: the worker's runtime.
+        req: the validated request.
+        record: the request's record (counts and span attributes are stamped on it).
+        seed: the effective seed, 0..2**64-1.
+        sock: the client's connection (tuned for streaming), or None.
+        framing: the SSE framing of a streamed answer.
+
+    Raises:
+        ApiError: 429 ``server_busy`` when slots and queue are full, 503 when the worker is stopping.
+    """
+    settings = rt.settings
+    record.prompt_tokens = len(req.prompt_ids)
+    record.model = req.model
+    if settings.log_prompts:
+        record.prompt = req.prompt_text
+    record.span.attributes["gen_ai.request.model"] = req.model
+    record.span.attributes["gen_ai.request.max_tokens"] = req.max_tokens
+    # A worker that is stopping still serves what reaches it during the grace period (a reload's old
+    # workers accept for a moment after SIGTERM); only past the stop time is it too late.
+    if rt.stop_at is not None and time.perf_counter() >= rt.stop_at:
+        raise unavailable("Server is shutting down.")
+    deadline = record.started + settings.request_timeout_s
+    ticket = rt.admission.admit(record.request_id, deadline)
+    tune_socket(sock, settings.send_timeout_s)
+    pacer = Pacer.make(rt, record, deadline)
+    try:
+        completion = Completion(
+            rt.engine,
+            req,
+            seed,
+            TEXT_COMPLETION.new_id(),
+            int(time.time()),
+            pacer,
+            framing,
+            heartbeat_s=settings.heartbeat_s,
+            tokenizer=rt.model.tokenizer,
+        )
+    except BaseException:
+        ticket.release()
+        raise
+    ticket.progress = completion
+    record.span.attributes["gen_ai.request.seed"] = str(seed)
+    return completion, ticket, pacer

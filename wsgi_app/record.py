@@ -1,0 +1,61 @@
+"""What the server learns about one request while answering it: the one per-request state.
+
+Made before routing (``wsgi_app.lifecycle``), filled in as the request goes (admission and settling in
+``wsgi_app.generation`` and ``wsgi_app.streaming``, token times in ``wsgi_app.pacer``, a failure in
+``wsgi_app.error_handlers``), and read once when the response is closed (``wsgi_app.lifecycle.finish``,
+``wsgi_app.request_telemetry``). This module imports nothing of the app, so every layer may import it.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from dataclasses import dataclass, field
+
+from telemetry.spans import Span
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What the server learns about one request while answering it.
+
+    Attributes:
+        request_id: the client's ``X-Request-Id`` (1-128 visible ASCII) or a generated one.
+        span: the request's SERVER span.
+        started: ``perf_counter`` at arrival, in seconds.
+        status: the HTTP status sent.
+        prompt_tokens, completion_tokens: usage counts (tokens).
+        finish_reasons: one per choice.
+        error: message of a failure after the first byte (the status cannot change then), or None.
+        ttft_s: seconds from arrival to the first generated token, or None.
+        done: True once :func:`wsgi_app.lifecycle.finish` has run (it runs once).
+        method, path, route: the HTTP method, the path (no query string) and the matched rule or None.
+        client_hash: salted hash of the client's address (``telemetry.logs.client_hash``).
+        model: the request's ``model`` once validated, else None.
+        prompt: the prompt text, kept only with ``LOG_PROMPTS=1`` (else None).
+        texts: each choice's text, kept only with ``LOG_PROMPTS=1`` (else None).
+        token_times: ``perf_counter`` of every generated token (all choices), ``array('d')``, seconds.
+        queue_wait_s: seconds from admission to a slot (or to leaving the queue), None if never queued.
+        slot_at: ``perf_counter`` when the slot was granted, or None.
+    """
+
+    request_id: str
+    span: Span
+    started: float = field(default_factory=time.perf_counter)
+    status: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reasons: list[str | None] = field(default_factory=list)
+    error: str | None = None
+    ttft_s: float | None = None
+    done: bool = False
+    method: str = ""
+    path: str = ""
+    route: str | None = None
+    client_hash: str = ""
+    model: str | None = None
+    prompt: str | None = None
+    texts: list[str] | None = None
+    token_times: array = field(default_factory=lambda: array("d"))
+    queue_wait_s: float | None = None
+    slot_at: float | None = None

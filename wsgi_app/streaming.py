@@ -1,0 +1,166 @@
+"""The response body of every completion stream (the POST stream and the ``EventSource`` stream).
+
+Stream lifetime: the response body owns the generation. Its ``close()`` (called by gunicorn after the
+last byte, after a failed write, or on a stalled reader's send timeout) closes the token streams and
+releases the slot, whether or not the body was ever iterated. Nothing else frees a slot.
+
+Source: WHATWG HTML Living Standard, §9.2 "Server-sent events".
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from flask import Response
+
+from wsgi_app import sse
+from wsgi_app.admission import Ticket
+from wsgi_app.completion import Completion
+from wsgi_app.connection import peer_closed
+from wsgi_app.errors import ApiError, error_body
+from wsgi_app.generation import engine_error
+from wsgi_app.pacer import Pacer
+from wsgi_app.record import RequestRecord
+from wsgi_app.runtime import Runtime
+
+log = logging.getLogger("greenserve.completions")
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def queue_heartbeats(ticket: Ticket, pacer: Pacer, heartbeat_s: float) -> Iterator[None]:
+    """Wait for ``ticket``'s slot in heartbeat-long slices, yielding after each slice without one
+    (the caller writes a heartbeat or looks for a client that left).
+
+    Raises:
+        ApiError: 504 past the deadline, 503 when the worker is stopping.
+    """
+    while not ticket.wait(min(heartbeat_s, pacer.deadline - time.perf_counter())):
+        pacer.check(time.perf_counter())
+        yield
+
+
+def wait_for_slot(
+    ticket: Ticket, pacer: Pacer, heartbeat_s: float, sock: socket.socket | None
+) -> bool:
+    """Wait for a slot without writing; False when the client went away meanwhile.
+
+    Raises:
+        ApiError: 504 past the deadline, 503 when the worker is stopping.
+    """
+    for _ in queue_heartbeats(ticket, pacer, heartbeat_s):
+        if peer_closed(sock):
+            return False
+    return True
+
+
+class StreamBody:
+    """The SSE response body; ``close()`` always settles the request (see module docstring).
+
+    Events: ``: ok`` at once (so the headers leave before the first token), ``: queued`` every heartbeat
+    while waiting for a slot, one ``data:`` event per token, the usage chunk if asked for, ``[DONE]``. A
+    failure after the first byte cannot change the status: it becomes an error event before ``[DONE]``.
+    The completion's framing decides the opening bytes and the event ids (``retry:`` and ``id:`` on the
+    ``EventSource`` stream).
+    """
+
+    def __init__(
+        self,
+        rt: Runtime,
+        completion: Completion,
+        ticket: Ticket,
+        pacer: Pacer,
+        record: RequestRecord,
+    ) -> None:
+        self._rt = rt
+        self._completion = completion
+        self._ticket = ticket
+        self._pacer = pacer
+        self._record = record
+        self._events = self._generate()
+
+    def __iter__(self) -> Iterator[bytes]:
+        # The generator itself: the server's next() then skips a Python-level __next__ per event.
+        # close() still reaches this object (werkzeug closes the body it was given).
+        return self._events
+
+    def __next__(self) -> bytes:
+        return next(self._events)
+
+    def _generate(self) -> Iterator[bytes]:
+        failure: ApiError | None = None
+        try:
+            yield self._completion.framing.opening()
+            for _ in queue_heartbeats(self._ticket, self._pacer, self._rt.settings.heartbeat_s):
+                yield sse.QUEUED  # a write: a client that left is noticed here
+            yield from self._completion.chunks()
+            if self._completion.req.include_usage:
+                yield self._completion.usage_chunk()
+        except Exception as exc:  # noqa: BLE001 - every failure must end the stream cleanly
+            failure = engine_error(self._rt, exc)
+            if failure.status >= 500 and failure.code not in ("timeout", "unavailable"):
+                log.exception("stream %s failed", self._record.request_id)
+            self._record.error = failure.message
+        finally:
+            settle(self._completion, self._ticket, self._record)
+        if failure is not None:
+            yield sse.data_event(error_body(failure))
+        yield self._completion.framing.done()
+
+    def close(self) -> None:
+        """Stop generation, release the slot, record the counts; idempotent."""
+        try:
+            self._events.close()  # a suspended stream: its ``finally`` runs now, not at GC
+        finally:
+            settle(self._completion, self._ticket, self._record)
+
+
+class _Events:
+    """The WSGI body of an :class:`EventStreamResponse`: iterating it is iterating the stream's generator."""
+
+    __slots__ = ("_events", "close")
+
+    def __init__(self, events: Iterator[bytes], close: Callable[[], None]) -> None:
+        self._events = events
+        self.close = close
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._events
+
+
+class EventStreamResponse(Response):
+    """A ``text/event-stream`` response whose :class:`StreamBody` gunicorn iterates directly.
+
+    werkzeug wraps a body in two Python-level iterators (its ``ClosingIterator`` and the str-to-bytes
+    ``iter_encoded``) that cost a few percent of a token's time and do nothing for a body of bytes.
+    ``close()`` still goes through ``Response.close``: the body's own close, then the
+    ``call_on_close`` callbacks (the request's span and log line).
+    """
+
+    def __init__(self, body: StreamBody) -> None:
+        super().__init__(body, content_type="text/event-stream", headers=STREAM_HEADERS)
+
+    def get_app_iter(self, environ: dict) -> Iterable[bytes]:
+        """Return the stream's events, with ``close()`` calling :meth:`Response.close`."""
+        if environ["REQUEST_METHOD"] == "HEAD":
+            return super().get_app_iter(environ)
+        return _Events(iter(self.response), self.close)
+
+
+def settle(completion: Completion, ticket: Ticket, record: RequestRecord) -> None:
+    """End a generation: close its token streams, release its slot, and write its counts, finish
+    reasons, queue wait (and, with ``LOG_PROMPTS=1``, texts) on the record. Called at least once per
+    admitted request, from the body's ``close()`` or the non-streamed route; a second call is
+    harmless."""
+    completion.close()
+    ticket.release()
+    record.completion_tokens = completion.completion_tokens
+    record.finish_reasons = completion.finish_reasons()
+    if record.queue_wait_s is None:  # the first settle fixes the wait (a second one may follow)
+        record.slot_at = ticket.started
+        record.queue_wait_s = (ticket.started or time.perf_counter()) - ticket.arrived
+    if record.prompt is not None:  # LOG_PROMPTS=1
+        record.texts = ["".join(c.parts) for c in completion.choices]
