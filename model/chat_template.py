@@ -16,6 +16,7 @@ Source: Hugging Face transformers, "Chat templates" documentation and ``apply_ch
 
 from __future__ import annotations
 
+import bisect
 import re
 import secrets
 from collections.abc import Sequence
@@ -284,17 +285,14 @@ class ChatTemplate:
 
 def _specials_only_in_template(segments: list[_Segment], pattern: re.Pattern[str]) -> bool:
     """Whether every special-token match in the joined text lies inside one template segment."""
-    text = "".join(s.text for s in segments)
-    bounds: list[tuple[int, int, bool]] = []
-    pos = 0
+    starts, pos = [], 0
     for seg in segments:
-        bounds.append((pos, pos + len(seg.text), seg.is_content))
+        starts.append(pos)
         pos += len(seg.text)
+    text = "".join(s.text for s in segments)
     for match in pattern.finditer(text):
-        inside = any(
-            not is_content and lo <= match.start() and match.end() <= hi
-            for lo, hi, is_content in bounds
-        )
-        if not inside:
+        k = bisect.bisect_right(starts, match.start()) - 1
+        seg = segments[k]
+        if seg.is_content or match.end() > starts[k] + len(seg.text):
             return False
     return True
