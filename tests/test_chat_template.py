@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -182,3 +184,12 @@ def test_tokenizer_special_and_bos_keywords(tmp_path) -> None:
     assert llama.encode("a")[0] == 1
     assert llama.encode("a", bos=False) == llama.encode("a")[1:]
     assert ByteTokenizer().encode("<s>", special=True, bos=False) == text_ids("<s>")
+
+
+def test_chat_template_imports_no_web_stack() -> None:
+    code = (
+        "import sys, model.chat_template\n"
+        "print(sorted({'flask', 'gevent', 'wsgi_app', 'telemetry'} & set(sys.modules)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout == "[]\n"
