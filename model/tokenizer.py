@@ -27,9 +27,15 @@ class TextTokenizer(Protocol):
     token_bytes: list[bytes]
     bos_id: int | None
     eos_ids: frozenset[int]
+    special_tokens: dict[str, int]
 
-    def encode(self, text: str) -> list[int]:
-        """Return the prompt's token ids (with BOS where the model expects one)."""
+    def encode(self, text: str, special: bool = False, *, bos: bool = True) -> list[int]:
+        """Return the token ids of ``text``.
+
+        ``special=False`` (prompts, message contents): special-token text such as ``"<s>"`` is plain
+        text. ``special=True`` (a rendered chat template): it is the control token. ``bos``: prepend
+        BOS where the model's pipeline adds one (chat templates write their own, so they pass False).
+        """
         ...
 
     def token_str(self, token_id: int) -> str:
@@ -79,9 +85,10 @@ class ByteTokenizer:
     token_bytes = [bytes((i,)) for i in range(256)]
     bos_id = None
     eos_ids: frozenset[int] = frozenset()
+    special_tokens: dict[str, int] = {}
 
-    def encode(self, text: str) -> list[int]:
-        """Return the UTF-8 bytes of ``text``.
+    def encode(self, text: str, special: bool = False, *, bos: bool = True) -> list[int]:
+        """Return the UTF-8 bytes of ``text`` (there are no special tokens and no BOS to add).
 
         Raises:
             UnicodeEncodeError: If ``text`` holds a lone surrogate.
@@ -108,6 +115,7 @@ class HFTokenizer:
         token_bytes: The bytes each id adds to the text (``b""`` for special and unused ids).
         bos_id: The model's BOS id, or None.
         eos_ids: Ids that end a sequence.
+        special_tokens: Text -> id of every special (control) token, e.g. ``{"<|im_end|>": 2}``.
     """
 
     def __init__(
@@ -143,6 +151,8 @@ class HFTokenizer:
         self._specials = {
             i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
         }
+        self.special_tokens = {text: i for i, text in self._specials.items()}
+        self._special_tokenizer: Tokenizer | None = None
         self.token_bytes = _all_token_bytes(tokenizer, vocab_size, self._specials)
 
     @classmethod
@@ -165,14 +175,29 @@ class HFTokenizer:
             raise ValueError(f"{path}: cannot load tokenizer: {exc}") from exc
         return cls(tokenizer, bos_id, eos_ids, vocab_size)
 
-    def encode(self, text: str) -> list[int]:
-        """Return the token ids of ``text``, BOS first when the post-processor adds it.
+    def encode(self, text: str, special: bool = False, *, bos: bool = True) -> list[int]:
+        """Return the token ids of ``text``, BOS first when ``bos`` and the post-processor adds it.
+
+        Args:
+            text: The text.
+            special: Match special-token text (``"<|im_end|>"``) as the control token, as the
+                tokenizer's own pipeline does; by default it is tokenized as plain text.
+            bos: Let the post-processor add BOS (and whatever else it adds).
 
         Raises:
             UnicodeEncodeError: If ``text`` holds a lone surrogate.
         """
         text.encode("utf-8")  # the Rust side would raise a less helpful error
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+        tokenizer = self._tokenizer
+        if special:
+            # encode_special_tokens is a property of the Tokenizer object, so flipping it per call
+            # would race with other callers: a second instance matches specials instead.
+            if self._special_tokenizer is None:
+                clone = Tokenizer.from_str(self._tokenizer.to_str())
+                clone.encode_special_tokens = False
+                self._special_tokenizer = clone
+            tokenizer = self._special_tokenizer
+        return tokenizer.encode(text, add_special_tokens=bos).ids
 
     def token_str(self, token_id: int) -> str:
         """Return the token's text, its name for special tokens, or ``bytes:\\xNN…``."""

@@ -253,12 +253,7 @@ def parse_completion_request(
     Raises:
         ApiError: 400 naming the first invalid field in ``param``.
     """
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("'model' must be a non-empty string.", "model")
-    if len(model) > MAX_MODEL_CHARS:  # echoed in every chunk: bound it
-        raise invalid(f"'model' is at most {MAX_MODEL_CHARS} characters.", "model")
-    _check_unicode(model, "model")
+    model = parse_model(body)
     if "prompt" not in body or body["prompt"] is None:
         raise invalid("'prompt' is required.", "prompt")
     tokenizer = tokenizer or ByteTokenizer()
@@ -276,47 +271,113 @@ def parse_completion_request(
         raise invalid(
             "'max_tokens' must be at least 1 (0 is allowed only with 'echo').", "max_tokens"
         )
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    top_k = _integer(body, "top_k", 0, -1, vocab_size)
-    min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
-    presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
-    frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    seed = _integer(body, "seed", None, 0, SEED_LIMIT - 1)
-    n = _integer(body, "n", 1, 1, max_n)
+    fields = parse_sampling_fields(body, vocab_size, max_n)
     logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
-    stream = _boolean(body, "stream")
-    include_usage = _stream_options(body, stream)
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise invalid("'user' must be a string.", "user")
-    ignore_eos = _boolean(body, "ignore_eos")
+    stream = parse_stream_fields(body)
     if context_length is not None:
         _check_context(len(prompt_ids), max_tokens, context_length)
 
-    sampling = SamplingParams(
-        temperature=temperature,
-        top_k=max(top_k, 0),  # -1 and 0 both mean "off" (vLLM's convention and ours)
-        top_p=top_p,
-        min_p=min_p,
-        logit_bias=_logit_bias(body.get("logit_bias"), vocab_size),
-        presence_penalty=presence,
-        frequency_penalty=frequency,
-    )
     return CompletionRequest(
         model=model,
         prompt_ids=prompt_ids,
         prompt_text=prompt_text,
         max_tokens=max_tokens,
-        sampling=sampling,
-        seed=seed,
-        n=n,
+        sampling=build_sampling(fields, body, vocab_size),
+        seed=fields.seed,
+        n=fields.n,
         stop=_stop(body.get("stop")),
         echo=echo,
         logprobs=logprobs,
-        stream=stream,
-        include_usage=include_usage,
-        ignore_eos=ignore_eos,
+        stream=stream.stream,
+        include_usage=stream.include_usage,
+        ignore_eos=stream.ignore_eos,
+    )
+
+
+def parse_model(body: dict[str, Any]) -> str:
+    """Return the request's ``model``: a non-empty string of at most 256 characters.
+
+    Raises:
+        ApiError: 400 with ``param`` ``model``.
+    """
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("'model' must be a non-empty string.", "model")
+    if len(model) > MAX_MODEL_CHARS:  # echoed in every chunk: bound it
+        raise invalid(f"'model' is at most {MAX_MODEL_CHARS} characters.", "model")
+    _check_unicode(model, "model")
+    return model
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingFields:
+    """The sampling fields every generation endpoint shares, validated (see the OpenAI defaults)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int | None
+    n: int
+
+
+def parse_sampling_fields(body: dict[str, Any], vocab_size: int, max_n: int) -> SamplingFields:
+    """Validate ``temperature``, ``top_p``, ``top_k``, ``min_p``, the penalties, ``seed`` and ``n``.
+
+    Raises:
+        ApiError: 400 naming the first invalid field, checked in that order.
+    """
+    return SamplingFields(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=_integer(body, "top_k", 0, -1, vocab_size),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        seed=_integer(body, "seed", None, 0, SEED_LIMIT - 1),
+        n=_integer(body, "n", 1, 1, max_n),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamFields:
+    """``stream``, ``stream_options.include_usage`` and ``ignore_eos``, validated (``user`` checked)."""
+
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+
+
+def parse_stream_fields(body: dict[str, Any]) -> StreamFields:
+    """Validate ``stream``, ``stream_options``, ``user`` and ``ignore_eos``, in that order.
+
+    Raises:
+        ApiError: 400 naming the first invalid field.
+    """
+    stream = _boolean(body, "stream")
+    include_usage = _stream_options(body, stream)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise invalid("'user' must be a string.", "user")
+    return StreamFields(stream, include_usage, _boolean(body, "ignore_eos"))
+
+
+def build_sampling(fields: SamplingFields, body: dict[str, Any], vocab_size: int) -> SamplingParams:
+    """Return the :class:`SamplingParams` of ``fields`` and the body's ``logit_bias``.
+
+    Raises:
+        ApiError: 400 with ``param`` ``logit_bias``.
+    """
+    return SamplingParams(
+        temperature=fields.temperature,
+        top_k=max(fields.top_k, 0),  # -1 and 0 both mean "off" (vLLM's convention and ours)
+        top_p=fields.top_p,
+        min_p=fields.min_p,
+        logit_bias=_logit_bias(body.get("logit_bias"), vocab_size),
+        presence_penalty=fields.presence_penalty,
+        frequency_penalty=fields.frequency_penalty,
     )
 
 
