@@ -8,6 +8,7 @@ kept (nothing is stripped, unlike ``tokenizers.Tokenizer.decode``).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -28,8 +29,13 @@ class TextTokenizer(Protocol):
     bos_id: int | None
     eos_ids: frozenset[int]
 
-    def encode(self, text: str) -> list[int]:
-        """Return the prompt's token ids (with BOS where the model expects one)."""
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """Return the prompt's token ids (with BOS where the model expects one).
+
+        ``special=True`` reads special-token names in the text (``<|im_start|>``) as those
+        tokens (for text the server itself renders, e.g. a chat template); by default they are
+        plain text.
+        """
         ...
 
     def token_str(self, token_id: int) -> str:
@@ -80,8 +86,8 @@ class ByteTokenizer:
     bos_id = None
     eos_ids: frozenset[int] = frozenset()
 
-    def encode(self, text: str) -> list[int]:
-        """Return the UTF-8 bytes of ``text``.
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """Return the UTF-8 bytes of ``text`` (there are no special tokens).
 
         Raises:
             UnicodeEncodeError: If ``text`` holds a lone surrogate.
@@ -165,14 +171,27 @@ class HFTokenizer:
             raise ValueError(f"{path}: cannot load tokenizer: {exc}") from exc
         return cls(tokenizer, bos_id, eos_ids, vocab_size)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = False) -> list[int]:
         """Return the token ids of ``text``, BOS first when the post-processor adds it.
+
+        Args:
+            text: The text.
+            special: Read special-token names in ``text`` as those tokens (for text the server
+                renders itself, such as a chat template); False keeps them plain text.
 
         Raises:
             UnicodeEncodeError: If ``text`` holds a lone surrogate.
         """
         text.encode("utf-8")  # the Rust side would raise a less helpful error
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+        tokenizer = self._special_tokenizer if special else self._tokenizer
+        return tokenizer.encode(text, add_special_tokens=True).ids
+
+    @functools.cached_property
+    def _special_tokenizer(self) -> Tokenizer:
+        """A copy of the tokenizer that matches special tokens written in the text."""
+        twin = Tokenizer.from_str(self._tokenizer.to_str())
+        twin.encode_special_tokens = False
+        return twin
 
     def token_str(self, token_id: int) -> str:
         """Return the token's text, its name for special tokens, or ``bytes:\\xNN…``."""
