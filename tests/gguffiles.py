@@ -79,6 +79,7 @@ def write_tiny_gguf(
     tokenizer: Callable[[gguf.GGUFWriter], None] | None = None,
     metadata: Callable[[gguf.GGUFWriter], None] | None = None,
     seed: int = 0,
+    pre: str = "smollm",
 ) -> Path:
     """Write a small llama GGUF with ``gguf.GGUFWriter``.
 
@@ -91,6 +92,7 @@ def write_tiny_gguf(
         tokenizer: Writes the tokenizer keys; the tiny byte-level vocabulary by default.
         metadata: Writes extra keys last.
         seed: Seed of the random tensors.
+        pre: ``tokenizer.ggml.pre`` of the default tokenizer.
     """
     dims = dims or TINY
     tokens, types, merges = tiny_vocab()
@@ -110,7 +112,7 @@ def write_tiny_gguf(
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     if tokenizer is None:
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("smollm")
+        writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
         writer.add_token_types(types)
         writer.add_token_merges(merges)

@@ -43,7 +43,7 @@ def missing_tensor(path: Path) -> Path:
 
 
 def unknown_pre(path: Path) -> Path:
-    return write_tiny_gguf(path, metadata=lambda w: w.add_string("tokenizer.ggml.pre", "klingon"))
+    return write_tiny_gguf(path, pre="klingon")
 
 
 CASES = {
