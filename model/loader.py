@@ -2,7 +2,9 @@
 
 ``load_model`` reads ``config.json`` and dispatches: ``"tl_arch"`` present -> the bigram
 (DESIGN §2), ``"model_type": "llama"`` -> :class:`model.llama.model.Llama` with its
-``tokenizer.json`` and optional ``generation_config.json``. Everything is validated here, at
+``tokenizer.json`` and optional ``generation_config.json``. A ``.gguf`` file (or a directory
+without ``config.json`` holding exactly one) -> a Llama from its float32 cache file and the
+tokenizer its metadata describes. Everything is validated here, at
 start-up, so a bad directory fails the worker with a ``ValueError`` naming the file and field.
 """
 
@@ -20,7 +22,10 @@ from model.engine import Engine
 from model.files import CONFIG_NAME, file_sha256, read_json_object
 from model.llama.config import token_id_field, token_ids_field
 from model.llama.engine import LlamaEngine
-from model.llama.model import Llama
+from model.llama.gguf import GGUF_SUFFIX, read_gguf
+from model.llama.gguf_cache import default_cache_dir, load_or_build
+from model.llama.gguf_tokenizer import tokenizer_from_gguf
+from model.llama.model import Llama, check_tensors
 from model.tokenizer import ByteTokenizer, HFTokenizer
 
 TOKENIZER_NAME = "tokenizer.json"
@@ -39,8 +44,11 @@ class LoadedModel:
             bigram, which has no context limit.
         checksum: Lower-case hex SHA-256 naming the model version. Bigram: of
             ``model.safetensors``. Llama: of the lines ``"<file name> <sha256>\\n"`` for the
-            config files, ``tokenizer.json`` and every weight file, in that order.
-        model_dir: The directory it was loaded from.
+            config files, ``tokenizer.json`` and every weight file, in that order. GGUF: of
+            the ``.gguf`` file.
+        model_dir: The directory it was loaded from (the ``.gguf`` file for a GGUF).
+        name: The served name when the source fixes one (a GGUF's file stem), else None.
+        quantization: The GGUF file type the float32 weights came from (``"Q4_1"``), else None.
     """
 
     model: Bigram | Llama
@@ -49,6 +57,8 @@ class LoadedModel:
     context_length: int | None
     checksum: str
     model_dir: Path
+    name: str | None = None
+    quantization: str | None = None
 
     def make_engine(self) -> Engine:
         """Return the simple inline engine for this model (one sequence at a time)."""
@@ -57,11 +67,15 @@ class LoadedModel:
         return BigramEngine(self.model)
 
 
-def load_model(model_dir: str | os.PathLike | None = None) -> LoadedModel:
+def load_model(
+    model_dir: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None
+) -> LoadedModel:
     """Load and validate a model directory of any supported kind.
 
     Args:
-        model_dir: The directory; None means the packaged default bigram.
+        model_dir: The directory (or ``.gguf`` file); None means the packaged default bigram.
+        cache_dir: Where dequantized GGUF weights are cached; None means
+            :func:`model.llama.gguf_cache.default_cache_dir`.
 
     Returns:
         The loaded model.
@@ -71,6 +85,9 @@ def load_model(model_dir: str | os.PathLike | None = None) -> LoadedModel:
             directory is invalid for its architecture; the message names the file and field.
     """
     directory = default_model_dir() if model_dir is None else Path(model_dir)
+    gguf_path = _gguf_path(directory)
+    if gguf_path is not None:
+        return _load_gguf(gguf_path, default_cache_dir() if cache_dir is None else Path(cache_dir))
     config_path = directory / CONFIG_NAME
     config = read_json_object(config_path)
     if "tl_arch" in config:
@@ -108,6 +125,43 @@ def _load_llama(directory: Path) -> LoadedModel:
     files += [tokenizer_path, *weight_files]
     return LoadedModel(
         model, tokenizer, "llama", config.max_seq_len, _files_checksum(files), directory
+    )
+
+
+def _gguf_path(path: Path) -> Path | None:
+    """Return the GGUF file ``path`` names: itself, or the one ``.gguf`` of a directory.
+
+    Raises:
+        ValueError: If a directory without ``config.json`` holds several ``.gguf`` files.
+    """
+    if path.suffix.lower() == GGUF_SUFFIX and not path.is_dir():
+        return path
+    if not path.is_dir() or (path / CONFIG_NAME).exists():
+        return None
+    found = sorted(p for p in path.iterdir() if p.suffix.lower() == GGUF_SUFFIX and p.is_file())
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise ValueError(f"{path}: holds {len(found)} .gguf files ({names}); name one of them")
+    return found[0] if found else None
+
+
+def _load_gguf(path: Path, cache_dir: Path) -> LoadedModel:
+    """Load a llama GGUF: weights from the float32 cache (built once), tokenizer from metadata."""
+    gguf_model = read_gguf(path)
+    config = gguf_model.config
+    info = tokenizer_from_gguf(gguf_model.metadata, config.vocab_size, str(path))
+    checksum = file_sha256(path)
+    tensors, _ = load_or_build(cache_dir, checksum, gguf_model.dequantize)
+    model = Llama(config, check_tensors(tensors, config, str(path)))
+    return LoadedModel(
+        model,
+        info.tokenizer,
+        "llama",
+        config.max_seq_len,
+        checksum,
+        path,
+        name=path.stem,
+        quantization=gguf_model.quantization,
     )
 
 

@@ -184,6 +184,11 @@ class HFTokenizer:
                 tokenizer's own pipeline does; by default it is tokenized as plain text.
             bos: Let the post-processor add BOS (and whatever else it adds).
 
+        Args:
+            text: The text.
+            special: Read special-token names in ``text`` as those tokens (for text the server
+                renders itself, such as a chat template); False keeps them plain text.
+
         Raises:
             UnicodeEncodeError: If ``text`` holds a lone surrogate.
         """

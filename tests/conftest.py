@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.gguffiles import gguf_cache_dir, smollm2, smollm2_gguf  # noqa: F401 (session fixtures)
 from tests.modelfiles import write_succ_model
 from tests.server import GunicornServer
 

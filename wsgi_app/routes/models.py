@@ -2,7 +2,8 @@
 
 The served id is the model's ``config.json`` ``name`` when it is a non-empty string; otherwise
 ``bigram`` for the packaged default model and the model directory's name for a ``MODEL_DIR`` (so
-``MODEL_DIR=my-model`` serves ``my-model``). Completions still accept any ``model`` string and echo it
+``MODEL_DIR=my-model`` serves ``my-model``); a GGUF file is served under its file stem.
+Completions still accept any ``model`` string and echo it
 (DESIGN §5): the list tells clients what to send, it does not police them.
 
 Source: OpenAI API reference, "Models" (list, retrieve; the ``model`` object).
@@ -52,22 +53,26 @@ def model_card(model: LoadedModel) -> dict[str, Any]:
     ``created`` is the config file's modification time (Unix seconds): the same in every worker.
     ``context_length`` (an extension, like vLLM's ``max_model_len``) is the most tokens a prompt
     and its completion may hold together; the bigram has no such limit and omits it.
+    ``quantization`` (an extension) is present for a GGUF model: its file type, e.g. ``Q4_1``.
     """
     directory = Path(model.model_dir)
     packaged = directory.resolve() == Path(str(default_model_dir())).resolve()
+    source = directory if model.name is not None else directory / CONFIG_NAME
     try:
-        config = read_json_object(directory / CONFIG_NAME)
-        created = int(os.stat(directory / CONFIG_NAME).st_mtime)
+        config = {} if model.name is not None else read_json_object(source)
+        created = int(os.stat(source).st_mtime)
     except (OSError, ValueError):  # the file went away after loading: the model still serves
         config, created = {}, 0
     card = {
-        "id": model_id(config, directory, packaged),
+        "id": model.name or model_id(config, directory, packaged),
         "object": "model",
         "created": created,
         "owned_by": OWNER,
     }
     if model.context_length is not None:
         card["context_length"] = model.context_length
+    if model.quantization is not None:
+        card["quantization"] = model.quantization  # the GGUF type the float32 weights came from
     return card
 
 

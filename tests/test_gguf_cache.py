@@ -1,0 +1,103 @@
+"""The float32 cache file of a GGUF: reused, keyed by the GGUF's SHA-256, written atomically.
+
+Source: POSIX ``rename(2)``; the XDG Base Directory Specification.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from model.llama.gguf_cache import FORMAT_VERSION, cache_path, default_cache_dir
+from model.loader import load_model
+from tests.gguffiles import write_tiny_gguf
+
+
+@pytest.fixture
+def count_dequantize(monkeypatch):
+    """Count calls of ``gguf.quants.dequantize`` (one per tensor when the cache is built)."""
+    calls = []
+    real = gguf.quants.dequantize
+
+    def counting(data, qtype):
+        calls.append(qtype)
+        return real(data, qtype)
+
+    monkeypatch.setattr(gguf.quants, "dequantize", counting)
+    return calls
+
+
+def test_second_load_maps_the_cache_without_dequantizing(tmp_path, count_dequantize):
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    first = load_model(path, cache_dir=tmp_path / "cache")
+    built = len(count_dequantize)
+    assert built == 11  # every tensor of the 1-block model (tied head), once
+    cached = cache_path(tmp_path / "cache", first.checksum)
+    assert cached.name == f"{first.checksum}.v{FORMAT_VERSION}.safetensors"
+    before = cached.stat()
+    second = load_model(path, cache_dir=tmp_path / "cache")
+    assert len(count_dequantize) == built  # nothing dequantized again
+    after = cached.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    np.testing.assert_array_equal(second.model.layers[0].wq, first.model.layers[0].wq)
+
+
+def test_a_changed_gguf_gets_its_own_cache_file(tmp_path, count_dequantize):
+    path = write_tiny_gguf(tmp_path / "m.gguf", seed=1)
+    old = load_model(path, cache_dir=tmp_path / "cache")
+    write_tiny_gguf(path, seed=2)  # same name, other weights
+    new = load_model(path, cache_dir=tmp_path / "cache")
+    assert new.checksum != old.checksum
+    assert len(count_dequantize) == 22  # built twice
+    assert not np.array_equal(new.model.layers[0].wq, old.model.layers[0].wq)
+    files = sorted(p.name for p in (tmp_path / "cache" / "gguf").glob("*.safetensors"))
+    assert files == sorted(f"{m.checksum}.v{FORMAT_VERSION}.safetensors" for m in (old, new))
+
+
+def test_partial_files_are_never_loaded(tmp_path, count_dequantize):
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    sha = load_model(path, cache_dir=tmp_path / "first").checksum
+    final = cache_path(tmp_path / "cache", sha)
+    final.parent.mkdir(parents=True)
+    # What a crash mid-write leaves: a temporary file beside the final name, never renamed.
+    good = cache_path(tmp_path / "first", sha).read_bytes()
+    leftover = final.with_name(f".{final.name}.crash.tmp")
+    leftover.write_bytes(good[: len(good) // 2])
+    load_model(path, cache_dir=tmp_path / "cache")
+    assert len(count_dequantize) == 22  # rebuilt, the leftover ignored
+    assert_same_tensors(final, cache_path(tmp_path / "first", sha))
+    # A damaged file under the final name (e.g. written by hand) is rebuilt, not served.
+    final.write_bytes(good[: len(good) // 2])
+    loaded = load_model(path, cache_dir=tmp_path / "cache")
+    assert len(count_dequantize) == 33
+    assert_same_tensors(final, cache_path(tmp_path / "first", sha))
+    assert loaded.model.layers[0].wq.shape == (256, 256)
+
+
+def assert_same_tensors(a: Path, b: Path) -> None:
+    """Assert two safetensors files hold the same tensors (headers may order keys differently)."""
+    ta, tb = safetensors.numpy.load_file(a), safetensors.numpy.load_file(b)
+    assert ta.keys() == tb.keys()
+    for name in ta:
+        np.testing.assert_array_equal(ta[name], tb[name])
+
+
+def test_no_temporary_file_is_left_behind(tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    sha = load_model(path, cache_dir=tmp_path / "cache").checksum
+    names = sorted(os.listdir(tmp_path / "cache" / "gguf"))
+    final = cache_path(tmp_path / "cache", sha).name
+    assert names == [final, final + ".lock"]
+
+
+def test_cache_dir_defaults(tmp_path):
+    assert default_cache_dir({"GREENSERVE_CACHE_DIR": str(tmp_path)}) == tmp_path
+    assert default_cache_dir({"XDG_CACHE_HOME": "/x/cache"}) == Path("/x/cache/greenserve")
+    home = Path.home() / ".cache" / "greenserve"
+    assert default_cache_dir({"XDG_CACHE_HOME": "relative"}) == home  # the spec ignores it
+    assert default_cache_dir({}) == home

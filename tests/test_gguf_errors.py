@@ -1,0 +1,102 @@
+"""A bad GGUF stops the load with one line naming the file, the tensor (or key) and the problem;
+a server started on it (``MODEL_DIR`` = the file) exits 1 with that line, no traceback.
+
+Source: the GGUF specification (architecture key, tensor types, tensor data layout).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from model.loader import load_model
+from tests.gguffiles import TINY, write_tiny_gguf
+from tests.test_startup_config import failed_start
+
+
+def wrong_shape(path: Path) -> Path:
+    return write_tiny_gguf(path, {"blk.0.ffn_up.weight": np.zeros((TINY["dim"], 64), np.float32)})
+
+
+def unknown_type(path: Path) -> Path:
+    # Q8_1 (40-byte blocks of 32) is a ggml type gguf.quants cannot dequantize.
+    raw = np.zeros((TINY["hidden_dim"], TINY["dim"] // 32 * 40), np.uint8)
+    return write_tiny_gguf(path, {"blk.0.ffn_gate.weight": (raw, Q.Q8_1)})
+
+
+def truncated(path: Path) -> Path:
+    write_tiny_gguf(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+    return path
+
+
+def other_arch(path: Path) -> Path:
+    return write_tiny_gguf(path, arch="gpt2")
+
+
+def missing_tensor(path: Path) -> Path:
+    return write_tiny_gguf(path, {"blk.0.attn_v.weight": None})
+
+
+def unknown_pre(path: Path) -> Path:
+    return write_tiny_gguf(path, pre="klingon")
+
+
+CASES = {
+    "wrong shape": (
+        wrong_shape,
+        "tensor 'blk.0.ffn_up.weight' has shape [256, 64] (rows, columns), expected [256, 256] "
+        "from the metadata",
+    ),
+    "unknown type": (
+        unknown_type,
+        "tensor 'blk.0.ffn_gate.weight' has type Q8_1, which gguf.quants cannot dequantize",
+    ),
+    "truncated": (truncated, "tensor 'output_norm.weight': data ends at byte "),
+    "unknown architecture": (
+        other_arch,
+        "general.architecture is 'gpt2'; only 'llama' is supported",
+    ),
+    "missing tensor": (missing_tensor, "tensor 'blk.0.attn_v.weight' is missing"),
+    "unknown pre-tokenizer": (unknown_pre, "tokenizer.ggml.pre 'klingon' is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_load_names_file_tensor_and_problem(tmp_path, case):
+    make, message = CASES[case]
+    path = make(tmp_path / "bad.gguf")
+    with pytest.raises(ValueError) as err:
+        load_model(path, cache_dir=tmp_path / "cache")
+    text = str(err.value)
+    assert text.startswith(f"{path}: ") and message in text and "\n" not in text
+    assert not (tmp_path / "cache").exists()  # refused before anything is dequantized
+
+
+def test_truncated_message_is_complete(tmp_path):
+    path = truncated(tmp_path / "cut.gguf")
+    size = path.stat().st_size
+    with pytest.raises(ValueError, match=rf"the file has only {size} bytes \(truncated file\)$"):
+        load_model(path, cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_server_on_a_bad_gguf_exits_with_one_line(tmp_path, case):
+    make, message = CASES[case]
+    path = make(tmp_path / "bad.gguf")
+    env = {"MODEL_DIR": str(path), "GREENSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    _, lines = failed_start(tmp_path, env)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"greenserve: cannot start: MODEL_DIR ({path}): {path}: ")
+    assert message in lines[0]
+
+
+def test_directory_with_two_gguf_files_is_refused(tmp_path):
+    write_tiny_gguf(tmp_path / "a.gguf")
+    write_tiny_gguf(tmp_path / "b.gguf")
+    with pytest.raises(ValueError, match=r"holds 2 \.gguf files \(a\.gguf, b\.gguf\); name one"):
+        load_model(tmp_path, cache_dir=tmp_path / "cache")
