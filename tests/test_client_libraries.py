@@ -18,7 +18,7 @@ import pytest
 import requests
 import sseclient
 
-from tests.server import sse_json
+from tests.sse import sse_json
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 README_URL = "http://localhost:8000"

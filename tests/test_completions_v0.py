@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from tests.server import sse_events, sse_json
+from tests.sse import sse_events, sse_json
 
 GREEDY = {"model": "m", "temperature": 0}
 

@@ -14,7 +14,8 @@ import time
 import pytest
 
 from tests.collector import FakeCollector
-from tests.server import EventReader, GunicornServer, sse_events, wait_until
+from tests.server import GunicornServer, wait_until
+from tests.sse import EventReader, sse_events
 
 SLOW = "slow_step_s=0.02"  # 50 tokens/s: long enough streams to disconnect from, short tests
 

@@ -11,14 +11,8 @@ import pytest
 
 from tests.collector import FakeCollector
 from tests.llamafiles import convert_stories, expected_greedy
-from tests.server import (
-    HUB_MONITOR_ENV,
-    EventReader,
-    GunicornServer,
-    assert_hub_never_blocked,
-    sse_events,
-    sse_json,
-)
+from tests.server import HUB_MONITOR_ENV, GunicornServer, assert_hub_never_blocked
+from tests.sse import EventReader, sse_events, sse_json
 
 
 @pytest.fixture(scope="module")

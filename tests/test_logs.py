@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from telemetry.logs import JsonFormatter, client_hash, logging_config
-from tests.server import GunicornServer, sse_events
+from tests.server import GunicornServer
+from tests.sse import sse_events
 from wsgi_app.observe import finish_reason, is_failed, summarize
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

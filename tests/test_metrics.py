@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from telemetry.metrics import ITL_BUCKETS, Metrics, add_bucket_counts, render, summarize
 from telemetry.quantiles import bucket_index, cumulate, histogram_quantile
 from tests.collector import FakeCollector
-from tests.server import ROOT, EventReader, GunicornServer, sse_json
+from tests.server import ROOT, GunicornServer
+from tests.sse import EventReader, sse_json
 
 BUCKETS = [(0.1, 2), (0.5, 6), (1.0, 8), (math.inf, 10)]
 

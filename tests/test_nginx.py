@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.collector import FakeCollector
-from tests.server import ROOT, EventReader, GunicornServer, wait_until
+from tests.server import ROOT, GunicornServer, wait_until
 from tests.services import NGINX_SITE, NginxServer
+from tests.sse import EventReader
 
 STEP_S = 0.2  # GREENSERVE_FAULTS slow step: each token takes at least this long
 

@@ -11,8 +11,9 @@ import pytest
 from jsonschema import ValidationError
 from openapi_spec_validator import validate
 
-from tests.contract import Contract, parse_events
+from tests.contract import Contract
 from tests.server import GunicornServer
+from tests.sse import events
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "wsgi_app" / "openapi.json"
 SSE = {"Accept": "text/event-stream"}
@@ -86,7 +87,7 @@ def test_stream_events_are_checked_strictly(succ_server, contract):
 def test_event_source_answers_validate(succ_server, contract):
     status, headers, raw = succ_server.get(STREAM_URL, headers=SSE)
     assert contract.check("/v1/completions", "GET", status, headers, raw) == 2 + 4
-    assert [e["id"] for e in parse_events(raw)] == ["5-0", "5-1", "5-2", "5-done"]
+    assert [e["id"] for e in events(raw)] == ["5-0", "5-1", "5-2", "5-done"]
     status, headers, raw = succ_server.get(STREAM_URL, headers={**SSE, "Last-Event-ID": "5-done"})
     assert status == 204
     contract.check("/v1/completions", "GET", status, headers, raw)

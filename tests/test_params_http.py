@@ -9,7 +9,8 @@ import math
 import pytest
 
 from tests.modelfiles import path_weight, write_model_dir
-from tests.server import GunicornServer, sse_json
+from tests.server import GunicornServer
+from tests.sse import sse_json
 
 # Greedy from "a": q, é (C3 A9), !, x, y, z, then byte 0 (z has no successor; ties go to id 0).
 PATH = b"aq\xc3\xa9!xyz"
