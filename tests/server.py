@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -233,9 +234,49 @@ class GunicornServer:
         """POST ``body`` to ``/v1/completions``."""
         return self.post("/v1/completions", body, **kw)
 
+    # -- the server's own view ----------------------------------------------------------------------
 
-def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
+    def state(self) -> dict:
+        """Return ``/debug/state`` of the worker that answers (slots, queue, in-flight requests, pid)."""
+        status, _, body = self.get("/debug/state")
+        assert status == 200, body
+        return json.loads(body)
+
+    def in_flight(self, request_id: str) -> dict | None:
+        """Return the ``/debug/state`` entry of request ``request_id``, or None when it holds none."""
+        return next((r for r in self.state()["requests"] if r["request_id"] == request_id), None)
+
+    def wait_idle(self, timeout_s: float = 10.0) -> dict:
+        """Poll until zero busy slots, an empty queue and no request in flight; return that state."""
+
+        seen: list[dict] = []
+
+        def idle() -> dict | None:
+            seen[:] = [self.state()]
+            s = seen[0]
+            return None if s["slots"]["busy"] or s["queue"]["waiting"] or s["requests"] else s
+
+        return wait_until(idle, timeout_s, lambda: f"the server to be idle; last state {seen}")
+
+    def wait_workers(self, n: int, timeout_s: float = 30.0) -> set[int]:
+        """Poll ``/debug/state`` until ``n`` different workers have answered (all booted); return
+        their pids."""
+        pids: set[int] = set()
+        return wait_until(
+            lambda: pids.add(self.state()["pid"]) or len(pids) >= n and pids,
+            timeout_s,
+            lambda: f"{n} workers to answer; only {sorted(pids)} did",
+        )
+
+
+def wait_until(predicate, timeout_s: float = 10.0, what: str | Callable[[], str] = "condition"):
     """Poll ``predicate`` every 20 ms until it returns something truthy; return that.
+
+    Args:
+        predicate: called with no arguments; its first truthy result is returned.
+        timeout_s: the deadline, in seconds.
+        what: what is awaited, for the failure message; a callable is asked at the deadline (to show
+            the state that was seen last).
 
     Raises:
         AssertionError: ``timeout_s`` passed first.
@@ -246,7 +287,7 @@ def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
         if value:
             return value
         time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
 
 
 # gevent's monitor thread reports any greenlet that holds the hub longer than this (100 ms).
