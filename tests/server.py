@@ -269,7 +269,12 @@ class GunicornServer:
         )
 
 
-def wait_until(predicate, timeout_s: float = 10.0, what: str | Callable[[], str] = "condition"):
+def wait_until(
+    predicate,
+    timeout_s: float = 10.0,
+    what: str | Callable[[], str] = "condition",
+    sleep: Callable[[float], object] = time.sleep,
+):
     """Poll ``predicate`` every 20 ms until it returns something truthy; return that.
 
     Args:
@@ -277,6 +282,7 @@ def wait_until(predicate, timeout_s: float = 10.0, what: str | Callable[[], str]
         timeout_s: the deadline, in seconds.
         what: what is awaited, for the failure message; a callable is asked at the deadline (to show
             the state that was seen last).
+        sleep: the pause between polls (``gevent.sleep`` where other greenlets must run meanwhile).
 
     Raises:
         AssertionError: ``timeout_s`` passed first.
@@ -286,7 +292,7 @@ def wait_until(predicate, timeout_s: float = 10.0, what: str | Callable[[], str]
         value = predicate()
         if value:
             return value
-        time.sleep(0.02)
+        sleep(0.02)
     raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
 
 

@@ -1,4 +1,4 @@
-"""Continuous batching (issue 11): a sequence's tokens never depend on its batch; cancellation and
+"""Continuous batching: a sequence's tokens never depend on its batch; cancellation and
 joining mid-flight; the native-thread engine behind a gevent-safe channel."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from model.generate import GenerationRequest
 from model.loader import LoadedModel, load_model
 from model.sampling import SamplingParams
 from tests.llamafiles import convert_stories
+from tests.server import wait_until
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [
@@ -145,8 +146,9 @@ def test_threaded_engine_streams_without_blocking_the_hub(stories):
         first = next(t for t in stream if t is not None)
         assert first.token_id == expected[0][0]
         stream.close()
-        gevent.sleep(0.2)
-        assert engine._scheduler.idle
+        wait_until(
+            lambda: engine._scheduler.idle, 5, "the cancelled sequence to leave", gevent.sleep
+        )
     finally:
         engine.shutdown()
 
