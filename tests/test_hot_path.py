@@ -265,21 +265,29 @@ def test_the_benchmarks_straightforward_sampler_draws_the_same_ids():
 
 
 @pytest.mark.parametrize(
-    "body",
+    ("body", "events", "finish_reason"),
     [
-        {"max_tokens": 40, "seed": 3},
-        {"max_tokens": 40, "seed": 3, "temperature": 0},
-        {"max_tokens": 30, "seed": 9, "stop": ["e"]},
-        {"max_tokens": 12, "seed": 1, "echo": True, "stream_options": {"include_usage": True}},
-        {"prompt": [0xE2, 0x82], "max_tokens": 20, "seed": 5},
+        ({"max_tokens": 40, "seed": 3}, 40, "length"),
+        ({"max_tokens": 40, "seed": 3, "temperature": 0}, 40, "length"),
+        # The stop string ends it at the 27th event (26 tokens, then the empty "stop" chunk).
+        ({"max_tokens": 30, "seed": 9, "stop": ["e"]}, 27, "stop"),
+        # The echo is one event more.
+        (
+            {"max_tokens": 12, "seed": 1, "echo": True, "stream_options": {"include_usage": True}},
+            13,
+            "length",
+        ),
+        ({"prompt": [0xE2, 0x82], "max_tokens": 20, "seed": 5}, 20, "length"),
     ],
 )
-def test_the_single_choice_fast_loop_yields_the_general_loops_events(body):
+def test_the_single_choice_fast_loop_yields_the_general_loops_events(body, events, finish_reason):
     # PLAIN framing takes the fast loop; EventIds framing takes the general one. Same seed, same events.
     fast = list(_completion(body).chunks())
     general = [e.split(b"\n", 1)[1] for e in _completion(body, EventIds(7, 1000)).chunks()]
     assert fast == general
-    assert len(fast) == body["max_tokens"] + body.get("echo", False) or "stop" in body
+    assert len(fast) == events
+    last = json.loads(fast[-1].removeprefix(b"data: "))
+    assert last["choices"][0]["finish_reason"] == finish_reason
 
 
 def test_a_usual_answer_is_one_write_and_a_huge_one_is_parts_of_the_same_json():
