@@ -38,15 +38,14 @@ def _interactions(ndjson: Path) -> Counter:
     return statuses
 
 
-def test_schemathesis_finds_no_server_error_and_no_violation(tmp_path):
-    srv = GunicornServer(tmp_path / "server", workers=2, health_port=False).start()
-    reports = tmp_path / "reports"
-    cmd = [
+def schemathesis_cmd(url: str, reports: Path) -> list[str]:
+    """The schemathesis CLI run against ``url``'s OpenAPI document, its reports written to ``reports``."""
+    return [
         sys.executable,
         "-c",
         "import sys; from schemathesis.cli import schemathesis; sys.exit(schemathesis())",
         "run",
-        f"{srv.url}/openapi.json",
+        f"{url}/openapi.json",
         "--checks=all",
         "--exclude-checks=positive_data_acceptance",
         f"--max-examples={MAX_EXAMPLES}",
@@ -60,10 +59,18 @@ def test_schemathesis_finds_no_server_error_and_no_violation(tmp_path):
         f"--report-dir={reports}",
         "--no-color",
     ]
-    try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    finally:
-        srv.stop()
+
+
+def test_schemathesis_finds_no_server_error_and_no_violation(tmp_path):
+    reports = tmp_path / "reports"
+    with GunicornServer(tmp_path / "server", workers=2, health_port=False) as srv:
+        run = subprocess.run(
+            schemathesis_cmd(srv.url, reports),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+        )
     output = run.stdout[-8000:] + run.stderr[-4000:]
     (summary,) = reports.glob("*.json")
     (events,) = reports.glob("*.ndjson")
