@@ -87,7 +87,7 @@ def write_model_dir(
 
 
 def write_succ_model(directory: str | os.PathLike) -> Path:
-    """Write the "succ" test model of DESIGN §2 (metadata ``{"format":"tinyllm"}``).
+    """Write the "succ" test model, ``W[i][(i+1) % 256] = 2.0`` (metadata ``{"format":"tinyllm"}``).
 
     Args:
         directory: Model directory, created if needed.

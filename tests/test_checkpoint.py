@@ -1,4 +1,4 @@
-"""Checkpoint loading: the DESIGN §2 worked example, every rejection rule, the packaged model."""
+"""Checkpoint loading: the "succ" model's worked example, every rejection rule, the packaged model."""
 
 import hashlib
 import struct

@@ -29,7 +29,7 @@ class StandInModel:
 
 
 def _succ_weight() -> np.ndarray:
-    """DESIGN §2's "succ" model: W[i][(i + 1) % 256] = 2.0, all else 0."""
+    """The "succ" model: W[i][(i + 1) % 256] = 2.0, all else 0."""
     weight = np.zeros((256, 256), dtype=np.float32)
     weight[np.arange(256), (np.arange(256) + 1) % 256] = 2.0
     return weight
@@ -58,7 +58,7 @@ def _request(**kwargs) -> GenerationRequest:
     return GenerationRequest(**fields)
 
 
-def test_greedy_succ_model_matches_the_design_example():
+def test_greedy_succ_model_continues_a_with_bcd():
     engine = BigramEngine(StandInModel(_succ_weight()))
     req = _request(prompt_ids=(ord("a"),), max_tokens=3, params=GREEDY)
     assert generate_ids(engine, req) == [ord("b"), ord("c"), ord("d")]
@@ -81,7 +81,11 @@ GOLDEN_SEED_42 = [158, 184, 188, 194, 232, 49, 238, 42, 160, 206, 145, 71]
 
 
 def _reference_ids(weight: np.ndarray, prev: int, n: int, seed: int, seq: int) -> list[int]:
-    """Transcribe DESIGN §3 with Python floats and math.exp: a second implementation."""
+    """Transcribe the sampling rule with Python floats and math.exp: a second implementation.
+
+    The rule: softmax of the row at temperature 1, then the first id whose running sum of
+    probabilities exceeds one PCG32 uniform.
+    """
     rng = PCG32(seed, seq)
     ids = []
     for _ in range(n):

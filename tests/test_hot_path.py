@@ -184,7 +184,8 @@ def test_batched_uniforms_equal_one_at_a_time(n):
 
 
 def test_batched_uniforms_known_answer():
-    # From the DESIGN §3 outputs for (42, 54): a = 0xa15c02b7, b = 0x7b47f409.
+    # PCG32's first two outputs for (seed 42, sequence 54), from the PCG reference's pcg32-demo:
+    # a = 0xa15c02b7, b = 0x7b47f409; a uniform takes 27 bits of a and 26 of b.
     u = ((0xA15C02B7 >> 5) * 2**26 + (0x7B47F409 >> 6)) * 2.0**-53
     assert PCG32(42, 54).uniforms(1) == [u]
     assert math.isclose(u, 0.630310, abs_tol=1e-6)

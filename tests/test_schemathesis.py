@@ -6,7 +6,7 @@ check schemathesis has (server errors, status codes, content types, headers, res
 schemas, negative data rejected, 405 with ``Allow`` for undocumented methods, …) except
 ``positive_data_acceptance``, which expects every schema-valid request to be accepted, and so flags
 two things the document cannot say in JSON Schema: integers must be written as integers (JSON Schema
-counts ``75.0`` as an integer; the server, like DESIGN §5, refuses it with a 400 naming the field),
+counts ``75.0`` as an integer; the server refuses it with a 400 naming the field, as for every integer),
 and schemathesis 4.32 labels a case positive while its ``Last-Event-ID`` header is a negative value.
 
 ``POST /debug/drain`` is left out: it turns readiness off for the rest of the run.

@@ -1,4 +1,4 @@
-"""Every invalid request is a 400 in the OpenAI error shape naming its ``param`` (DESIGN §5)."""
+"""Every invalid request is a 400 in the OpenAI error shape naming its ``param``."""
 
 from __future__ import annotations
 
