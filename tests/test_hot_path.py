@@ -19,6 +19,7 @@ from model.pcg32 import PCG32
 from model.rowcache import DrawTable, GreedyTable, RowCache, has_fixed_rows
 from model.sampling import SamplingParams, sample
 from model.utf8 import Utf8Decoder
+from tests.modelfiles import pattern_weight
 from wsgi_app.choices import JOIN_LIMIT_BYTES, Completion
 from wsgi_app.protocol import parse_completion_request
 from wsgi_app.sse import EventIds
@@ -37,15 +38,9 @@ class ReadOnlyModel:
         return self.weight[prev]
 
 
-def _pattern_weight() -> np.ndarray:
-    i = np.arange(256)[:, None]
-    j = np.arange(256)[None, :]
-    return (((i * 31 + j * 17) % 23) / 4.0).astype(np.float32)
-
-
 def _odd_weight() -> np.ndarray:
     """Rows with ties, NaN, +inf, -inf, an all -inf row and an all-NaN row (row 9)."""
-    w = _pattern_weight()
+    w = pattern_weight()
     w[:, 200:] = w[:, :56]  # ties between low and high ids
     w[1, 5] = np.nan
     w[2, 7] = np.inf
@@ -101,7 +96,7 @@ PARAMS = [
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=repr)
-@pytest.mark.parametrize("weight", [_pattern_weight, _odd_weight], ids=["pattern", "odd"])
+@pytest.mark.parametrize("weight", [pattern_weight, _odd_weight], ids=["pattern", "odd"])
 def test_cached_rows_draw_exactly_what_sample_draws(params, weight):
     model = ReadOnlyModel(weight())
     engine = BigramEngine(model)
@@ -123,7 +118,7 @@ def test_an_all_nan_row_still_raises_from_the_cached_path():
 
 
 def test_a_bad_logit_bias_id_still_raises_on_the_first_token():
-    engine = BigramEngine(ReadOnlyModel(_pattern_weight()))
+    engine = BigramEngine(ReadOnlyModel(pattern_weight()))
     for t in (0.0, 1.0):
         params = SamplingParams(temperature=t, logit_bias=((300, 1.0),))
         stream = engine.stream(GenerationRequest((97,), 5, params, 1))
@@ -132,7 +127,7 @@ def test_a_bad_logit_bias_id_still_raises_on_the_first_token():
 
 
 def test_tables_are_chosen_by_parameters_and_bounded():
-    model = ReadOnlyModel(_pattern_weight())
+    model = ReadOnlyModel(pattern_weight())
     cache = RowCache(model.logits, 256, max_tables=2)
     assert isinstance(cache.table(SamplingParams(temperature=0.0)), GreedyTable)
     t1 = cache.table(SamplingParams(temperature=1.0))
@@ -145,8 +140,8 @@ def test_tables_are_chosen_by_parameters_and_bounded():
 
 def test_only_read_only_weights_are_cached():
     assert has_fixed_rows(Bigram.load())
-    assert has_fixed_rows(ReadOnlyModel(_pattern_weight()))
-    writable = ReadOnlyModel(_pattern_weight())
+    assert has_fixed_rows(ReadOnlyModel(pattern_weight()))
+    writable = ReadOnlyModel(pattern_weight())
     writable.weight = np.array(writable.weight)
     assert not has_fixed_rows(writable)
     assert not has_fixed_rows(object())
