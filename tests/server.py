@@ -13,12 +13,15 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 _LISTENING = re.compile(r"Listening at: (\S+)")
+T = TypeVar("T")
 
 
 class ServerDied(RuntimeError):
@@ -294,6 +297,37 @@ def wait_until(
             return value
         sleep(0.02)
     raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
+
+
+def concurrently(call: Callable[[int], T], n: int, timeout_s: float = 60.0) -> list[T]:
+    """Run ``call(0)`` … ``call(n - 1)`` each in its own thread, released together; return the results
+    in index order.
+
+    Raises:
+        BaseException: the first exception a call raised (an assertion inside a call fails the test).
+        AssertionError: some call was still running after ``timeout_s`` seconds.
+    """
+    results: list = [None] * n
+    errors: list[BaseException] = []
+    start = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        start.wait()
+        try:
+            results[i] = call(i)
+        except BaseException as exc:  # handed to the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"calls still running after {timeout_s} s"
+    if errors:
+        raise errors[0]
+    return results
 
 
 # gevent's monitor thread reports any greenlet that holds the hub longer than this (100 ms).

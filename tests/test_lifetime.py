@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 
 import pytest
 
 from tests.collector import FakeCollector
-from tests.server import GunicornServer, wait_until
+from tests.server import GunicornServer, concurrently, wait_until
 from tests.sse import EventReader, sse_events
 
 SLOW = "slow_step_s=0.02"  # 50 tokens/s: long enough streams to disconnect from, short tests
@@ -99,22 +98,9 @@ def test_queued_plain_request_runs_when_a_slot_frees(slow):
 
 def test_burst_of_ten_times_capacity(slow):
     srv, _ = slow
-    results: list[tuple[int, dict[str, str], bytes]] = []
-    lock = threading.Lock()
-
-    start = threading.Barrier(40)
-
-    def one(i: int) -> None:
-        start.wait()  # all 40 arrive together; each needs 1 s of slot time (50 slow tokens)
-        r = srv.complete({"model": "m", "prompt": "a", "max_tokens": 50, "temperature": 0})
-        with lock:
-            results.append(r)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(40)]  # capacity 2 + 2
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    # All 40 arrive together (capacity 2 + 2); each needs 1 s of slot time (50 slow tokens).
+    body = {"model": "m", "prompt": "a", "max_tokens": 50, "temperature": 0}
+    results = concurrently(lambda _: srv.complete(body), 40)
     statuses = sorted(r[0] for r in results)
     # All 40 arrive within the first stream's second: 2 run, 2 queue, the other 36 are refused.
     assert statuses == [200] * 4 + [429] * 36, statuses

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 
 import pytest
 
 from tests.collector import FakeCollector
 from tests.llamafiles import convert_stories, expected_greedy
-from tests.server import HUB_MONITOR_ENV, GunicornServer, assert_hub_never_blocked
+from tests.server import HUB_MONITOR_ENV, GunicornServer, assert_hub_never_blocked, concurrently
 from tests.sse import EventReader, sse_events, sse_json
 
 
@@ -103,18 +102,7 @@ def test_alone_equals_beside_seven_others(llama):
         for i, p in enumerate(prompts)
     ]
     alone = [plain(srv, b)["choices"][0]["text"] for b in bodies]
-    together: list[str | None] = [None] * 8
-    start = threading.Barrier(8)
-
-    def one(i):
-        start.wait()
-        together[i] = plain(srv, bodies[i])["choices"][0]["text"]
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    together = concurrently(lambda i: plain(srv, bodies[i])["choices"][0]["text"], 8)
     assert together == alone
     assert len(set(alone)) == 8
 

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import signal
-import threading
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
@@ -16,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from telemetry.metrics import ITL_BUCKETS, Metrics, add_bucket_counts, render, summarize
 from telemetry.quantiles import bucket_index, cumulate, histogram_quantile
 from tests.collector import FakeCollector
-from tests.server import GunicornServer, wait_until
+from tests.server import GunicornServer, concurrently, wait_until
 from tests.sse import EventReader, sse_json
 
 BUCKETS = [(0.1, 2), (0.5, 6), (1.0, 8), (math.inf, 10)]
@@ -173,10 +172,8 @@ def two_workers(succ_dir, tmp_path_factory):
 def test_forty_requests_over_two_workers_count_exactly(two_workers):
     srv = two_workers
     srv.wait_workers(2)  # both serve: the counts below are sums over two processes
-    results: list[dict] = []
-    lock = threading.Lock()
 
-    def one(i: int) -> None:
+    def one(i: int) -> dict:
         body = {"model": "m", "prompt": "ab"[: 1 + i % 2], "max_tokens": 1 + i % 7}
         if i % 3 == 0:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
@@ -186,15 +183,9 @@ def test_forty_requests_over_two_workers_count_exactly(two_workers):
             status, _, raw = srv.complete(body)
             usage = json.loads(raw)["usage"]
         assert status == 200
-        with lock:
-            results.append(usage)
+        return usage
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(40)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert len(results) == 40
+    results = concurrently(one, 40)
     for port in (srv.port, srv.health_port):  # both ports answer with the sum of both workers
         m = scrape(srv, port)
         assert (

@@ -8,13 +8,12 @@ forged ``X-Forwarded-For`` only counts when a proxy is trusted to have written i
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from tests.server import GunicornServer, ServerDied, wait_until
+from tests.server import GunicornServer, ServerDied, concurrently, wait_until
 from tests.services import RedisServer
 
 BODY = {"model": "m", "prompt": "a", "max_tokens": 1, "temperature": 0}
@@ -35,28 +34,9 @@ def too_many(limit: str) -> dict:
 Result = tuple[int, dict[str, str], bytes]
 
 
-def burst(srv: GunicornServer, n: int, threads: int = 4, **kw) -> list[Result]:
-    """Send ``n`` completions from ``threads`` threads, each on a fresh connection."""
-    results: list[Result] = []
-    lock = threading.Lock()
-    todo = iter(range(n))
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if next(todo, None) is None:
-                    return
-            r = srv.complete(BODY, **kw)
-            with lock:
-                results.append(r)
-
-    pool = [threading.Thread(target=worker) for _ in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join(60)
-    assert len(results) == n
-    return results
+def burst(srv: GunicornServer, n: int, **kw) -> list[Result]:
+    """Send ``n`` completions at once, each from its own thread on a fresh connection."""
+    return concurrently(lambda _: srv.complete(BODY, **kw), n)
 
 
 @pytest.fixture(scope="module")
