@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.installed import build_wheel
 from tests.modelfiles import write_succ_model
 from tests.server import GunicornServer
 
@@ -35,3 +36,9 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicor
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def greenserve_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's wheel, built once (``pip wheel --no-deps .``, not editable)."""
+    return build_wheel(tmp_path_factory.mktemp("wheel"))

@@ -11,16 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.installed import build_wheel, import_paths, make_venv
+from tests.installed import import_paths, make_venv
 from tests.server import GunicornServer
 from wsgi_app.cli import FLAGS
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
+def installed(greenserve_wheel, tmp_path_factory) -> Path:
     """The ``bin`` folder of a virtualenv holding the freshly built wheel."""
-    wheel = build_wheel(tmp_path_factory.mktemp("wheel"))
-    return make_venv(tmp_path_factory.mktemp("venv") / "greenserve", wheel)
+    return make_venv(tmp_path_factory.mktemp("venv") / "greenserve", greenserve_wheel)
 
 
 @pytest.fixture(scope="module")
