@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.gguffiles import gguf_cache_dir, smollm2, smollm2_gguf  # noqa: F401 (session fixtures)
+from tests.installed import build_wheel
 from tests.modelfiles import write_succ_model
 from tests.server import GunicornServer
 
@@ -57,3 +58,9 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., GunicornServer]]:
 
         servers: list[GunicornServer] = []
         yield start
+
+
+@pytest.fixture(scope="session")
+def greenserve_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's wheel, built once (``pip wheel --no-deps .``, not editable)."""
+    return build_wheel(tmp_path_factory.mktemp("wheel"))

@@ -36,6 +36,10 @@ class GunicornServer:
         env: extra environment variables (the server's settings, as ``wsgi_app/settings.py`` reads them).
         workers: ``WEB_CONCURRENCY``.
         health_port: bind a second (health) port as well.
+        args: more gunicorn arguments.
+        command: the launcher instead of ``python -m gunicorn -c gunicorn.conf.py`` (the binds and
+            ``args`` follow a ``--``, as ``greenserve`` takes them).
+        cwd: the folder the server starts in (default: the checkout).
     """
 
     def __init__(
@@ -45,6 +49,8 @@ class GunicornServer:
         workers: int = 1,
         health_port: bool = True,
         args: tuple[str, ...] = (),
+        command: list[str] | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -74,6 +80,9 @@ class GunicornServer:
             "--no-control-socket",
             *args,
         ]
+        if command is not None:  # another launcher (the installed ``greenserve``) with these binds
+            self.cmd = [*command, "--", *binds, "--no-control-socket", *args]
+        self.cwd = cwd or ROOT
         self.proc: subprocess.Popen | None = None
         self.ports: list[int] = []
 
@@ -98,7 +107,7 @@ class GunicornServer:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             self.cmd,
-            cwd=ROOT,
+            cwd=self.cwd,
             env=self.env,
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -139,14 +139,19 @@ class RedisServer:
         self.stop()
 
 
-def render_site(site: str, upstream_port: int, listen_port: int, log_dir: Path) -> str:
+UPSTREAM_LINE = "server 127.0.0.1:8000 max_fails=1 fail_timeout=10s;"
+
+
+def render_site(site: str, upstream_port: int | list[int], listen_port: int, log_dir: Path) -> str:
     """Return the example site with the test's ports and log path; every other directive unchanged.
+    A list of upstream ports repeats the upstream's ``server`` line once per port (several hosts).
 
     Raises:
         AssertionError: the example no longer has the lines this substitutes (keep them in sync).
     """
+    ports = upstream_port if isinstance(upstream_port, list) else [upstream_port]
     swaps = {
-        "server 127.0.0.1:8000;": f"server 127.0.0.1:{upstream_port};",
+        UPSTREAM_LINE: "\n    ".join(UPSTREAM_LINE.replace(":8000", f":{p}") for p in ports),
         "listen 80;": f"listen 127.0.0.1:{listen_port};",
         "/var/log/nginx/greenserve.access.log": str(log_dir / "access.log"),
     }
@@ -190,10 +195,10 @@ class NginxServer:
 
     Args:
         workdir: a private directory for the config, logs, pid and temp files.
-        upstream_port: the gunicorn API port.
+        upstream_port: the gunicorn API port, or a list of them (one upstream server each).
     """
 
-    def __init__(self, workdir: Path, upstream_port: int) -> None:
+    def __init__(self, workdir: Path, upstream_port: int | list[int]) -> None:
         if not os.access(NGINX, os.X_OK):
             missing_service(NGINX)
         self.workdir = Path(workdir)

@@ -95,7 +95,14 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
         model_version=f"{model.checksum[:16]}+greenserve-{__version__}",
         observer=observer,
     )
-    observer.flusher.worker_state = app.extensions[EXTENSION].worker_state
+    rt = app.extensions[EXTENSION]
+
+    def heartbeat_state() -> dict:
+        state = rt.worker_state()
+        observer.metrics.set_ready(state["ready"])  # greenserve_workers_ready follows /ready
+        return state
+
+    observer.flusher.worker_state = heartbeat_state
     register_error_handlers(app)
     app.after_request(_options_no_content)
     lifecycle.install(app)

@@ -134,6 +134,8 @@ class ClientRateLimits:
 
     def _storage_failed(self) -> None:
         self._rt.rate_limit_storage_errors += 1
+        if self._rt.observer is not None:
+            self._rt.observer.metrics.rate_limit_storage_errors.inc()
         self._down_until = time.monotonic() + COOLDOWN_S
         log.warning(
             "rate-limit storage %s unreachable: serving without limits for %g s (failures: %d)",
