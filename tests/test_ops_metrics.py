@@ -8,7 +8,6 @@ import json
 from tests.server import GunicornServer, wait_until
 from tests.services import free_port
 from tests.test_metrics import scrape, value
-from tests.test_ratelimit import wait_for_workers
 
 BODY = {"model": "m", "prompt": "a", "max_tokens": 1, "temperature": 0}
 
@@ -27,7 +26,7 @@ def test_workers_ready_and_storage_errors(succ_dir, tmp_path):
     )
     srv.start()
     try:
-        wait_for_workers(srv, 2)
+        srv.wait_workers(2)
         first = scrape(srv, srv.health_port)
         assert value(first, "greenserve_workers") == 2
         assert value(first, "greenserve_workers_ready") == 2

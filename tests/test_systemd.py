@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from tests.notify import NotifySocket
-from tests.server import ROOT, EventReader, GunicornServer
+from tests.server import ROOT, GunicornServer
 from tests.services import free_port
+from tests.sse import EventReader
 
 UNIT = ROOT / "deploy" / "systemd" / "greenserve.service"
 ENV_FILE = ROOT / "deploy" / "systemd" / "greenserve.env"

@@ -22,7 +22,8 @@ import pytest
 from tests.installed import installed_site, make_venv
 from tests.modelfiles import succ_weight, write_model_dir
 from tests.notify import NotifySocket
-from tests.server import GunicornServer, sse_json
+from tests.server import GunicornServer
+from tests.sse import sse_json
 
 STREAM_TOKENS = 8
 
