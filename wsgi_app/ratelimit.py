@@ -14,7 +14,7 @@ The headers are written here rather than by flask-limiter's ``headers_enabled``,
 ``Retry-After`` on every successful answer and raises the ``Retry-After`` of a ``server_busy`` 429 to the
 end of the client's rate-limit window.
 
-Source: OpenAI API reference, "Error codes" (429); RFC 9110 §10.2.3 (``Retry-After``); DESIGN §7.
+Source: OpenAI API reference, "Error codes" (429); RFC 9110 §10.2.3 (Retry-After); docs/ARCHITECTURE.md §9.
 """
 
 from __future__ import annotations
