@@ -1,6 +1,6 @@
 """Per-client rate limits on the API routes, with flask-limiter (``RATE_LIMIT``, ``RATE_LIMIT_STORAGE_URI``).
 
-One moving-window bucket per client (``wsgi_app.clients.client_identity``) shared by every ``/v1/`` route;
+One moving-window bucket per client (``wsgi_app.client_identity``) shared by every ``/v1/`` route;
 health, readiness, metrics, pages and ``/debug`` are never counted. ``memory://`` storage counts per
 worker process, so with ``W`` workers a client can get up to ``W`` times the limit; ``redis://`` storage is
 exact across workers and hosts. A request over the limit is a 429 ``rate_limit_exceeded`` with
