@@ -13,7 +13,8 @@ batched decode for every sequence that is generating. A sequence joins at the ne
 soon as it finishes or is cancelled.
 
 A sequence's tokens never depend on its batch: its prefill is its own, ``Llama.decode`` gives each row
-the same bits whatever the other rows are, and each sequence samples with its own PCG32.
+the same bits whatever the other rows are (unless ``batch_invariant`` is turned off to let large batches
+run one GEMM per product), and each sequence samples with its own PCG32.
 
 Source: DESIGN §1 "The engine boundary"; Yu et al., "Orca" (OSDI 2022) for iteration-level scheduling.
 """
@@ -70,15 +71,23 @@ class BatchScheduler:
         eos_ids: ids that end a sequence unless the request sets ``ignore_eos``.
         max_batch: most sequences generating at once (``MAX_SLOTS``).
         prefill_chunk: most prompt tokens one sequence prefills per step.
+        batch_invariant: decode each sequence to the same bits whatever the batch
+            (``BATCH_INVARIANT``; see :meth:`model.llama.model.Llama.decode`).
     """
 
     def __init__(
-        self, model: Llama, eos_ids: frozenset[int], max_batch: int, prefill_chunk: int = 128
+        self,
+        model: Llama,
+        eos_ids: frozenset[int],
+        max_batch: int,
+        prefill_chunk: int = 128,
+        batch_invariant: bool = True,
     ) -> None:
         self.model = model
         self.eos_ids = frozenset(eos_ids)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        self.batch_invariant = batch_invariant
         self.live: list[Sequence] = []
 
     @property
@@ -171,7 +180,7 @@ class BatchScheduler:
                 self._prefill_chunk(seq, touched)
         if decoding:
             logits = self.model.decode(
-                [s.last_token for s in decoding], [s.cache for s in decoding]
+                [s.last_token for s in decoding], [s.cache for s in decoding], self.batch_invariant
             )
             for seq, row in zip(decoding, logits, strict=True):
                 self._emit(seq, row)
