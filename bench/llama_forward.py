@@ -63,7 +63,9 @@ def write_synthetic(directory: str, shape: str, seed: int = 0) -> str:
     return directory
 
 
-def decode_tokens_per_s(model: Llama, batch: int, prompt_len: int, steps: int) -> float:
+def decode_tokens_per_s(
+    model: Llama, batch: int, prompt_len: int, steps: int, batch_invariant: bool = True
+) -> float:
     """Return decode tokens/s for ``batch`` sequences advanced ``steps`` times together."""
     vocab = model.vocab_size
     caches = [model.new_cache(prompt_len + steps) for _ in range(batch)]
@@ -74,7 +76,8 @@ def decode_tokens_per_s(model: Llama, batch: int, prompt_len: int, steps: int) -
         ids.append(int(np.argmax(model.prefill(prompt, cache))))
     t0 = time.perf_counter()
     for _ in range(steps):
-        ids = [int(i) for i in np.argmax(model.decode(ids, caches), axis=1)]
+        logits = model.decode(ids, caches, batch_invariant)
+        ids = [int(i) for i in np.argmax(logits, axis=1)]
     return batch * steps / (time.perf_counter() - t0)
 
 
@@ -105,6 +108,12 @@ def main() -> None:
         "--synthetic", help="dim,n_layers,n_heads,n_kv_heads,hidden_dim,vocab[,rope_theta,context]"
     )
     parser.add_argument("--batches", default="1,4,16,32", help="comma-separated batch sizes")
+    parser.add_argument(
+        "--batch-invariant",
+        choices=("1", "0", "both"),
+        default="both",
+        help="decode mode(s) to time (BATCH_INVARIANT); 0 is reported as decode_gemm_*",
+    )
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--prefill-len", type=int, default=256)
@@ -120,12 +129,15 @@ def main() -> None:
         model = Llama.load(model_dir)
         result = {"model": name, "params": sum(w.size for w in _weights(model))}
         result["openblas_threads"] = os.environ["OPENBLAS_NUM_THREADS"]
+        modes = {"1": [True], "0": [False], "both": [True, False]}[args.batch_invariant]
         for batch in (int(b) for b in args.batches.split(",")):
-            best = max(
-                decode_tokens_per_s(model, batch, args.prompt_len, args.steps)
-                for _ in range(args.repeats)
-            )
-            result[f"decode_batch{batch}_tokens_per_s"] = round(best, 1)
+            for invariant in modes:
+                best = max(
+                    decode_tokens_per_s(model, batch, args.prompt_len, args.steps, invariant)
+                    for _ in range(args.repeats)
+                )
+                key = "decode" if invariant else "decode_gemm"
+                result[f"{key}_batch{batch}_tokens_per_s"] = round(best, 1)
         best = max(prefill_tokens_per_s(model, args.prefill_len) for _ in range(args.repeats))
         result[f"prefill_{args.prefill_len}_tokens_per_s"] = round(best, 1)
     print(json.dumps(result, indent=2))

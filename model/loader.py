@@ -20,6 +20,7 @@ from model.engine import Engine
 from model.files import CONFIG_NAME, file_sha256, read_json_object
 from model.llama.config import token_id_field, token_ids_field
 from model.llama.engine import LlamaEngine
+from model.llama.kv_cache import bytes_per_token, reservation_bytes
 from model.llama.model import Llama
 from model.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -49,6 +50,20 @@ class LoadedModel:
     context_length: int | None
     checksum: str
     model_dir: Path
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token of one sequence takes (0 for the bigram, which has none)."""
+        return bytes_per_token(self.model.config) if isinstance(self.model, Llama) else 0
+
+    def kv_reservation_bytes(self, prompt_tokens: int, max_tokens: int, n: int) -> int:
+        """Return the KV-cache bytes a request's ``n`` choices may hold at most (0 for the bigram).
+
+        See :func:`model.llama.kv_cache.reservation_bytes`.
+        """
+        return reservation_bytes(
+            self.kv_bytes_per_token, prompt_tokens, max_tokens, n, self.context_length
+        )
 
     def make_engine(self) -> Engine:
         """Return the simple inline engine for this model (one sequence at a time)."""
