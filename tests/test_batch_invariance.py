@@ -66,8 +66,13 @@ def test_without_invariance_large_batches_use_one_gemm():
     assert np.array_equal(decode_matmul_t(x[:2], w, batch_invariant=False), rows_matmul_t(x[:2], w))
 
 
-def test_smollm2_shaped_decode_is_bit_identical_in_any_batch():
-    model = random_llama(n_layers=2)
+@pytest.fixture(scope="module")
+def smollm2_shaped() -> Llama:
+    return random_llama(n_layers=2)
+
+
+def test_smollm2_shaped_decode_is_bit_identical_in_any_batch(smollm2_shaped):
+    model = smollm2_shaped
     n = 33
     prompts = [[(7 + 131 * b + 17 * t) % 49152 for t in range(1 + b % 5)] for b in range(n)]
     caches = [model.new_cache(8) for _ in prompts]
@@ -88,3 +93,25 @@ def test_smollm2_shaped_decode_is_bit_identical_in_any_batch():
             assert np.array_equal(got[b], alone[b]), (size, b)
         restore()
     assert len({int(np.argmax(row)) for row in alone}) > 1  # the sequences really differ
+
+
+def test_smollm2_shaped_prefill_beside_other_chunks_is_bit_identical(smollm2_shaped):
+    model = smollm2_shaped
+    chunks = [[11], [5, 900, 31], [(3 + 97 * t) % 49152 for t in range(9)], [44, 45]]
+    alone_caches = [model.new_cache(16) for _ in chunks]
+    alone = [model.prefill(c, cache) for c, cache in zip(chunks, alone_caches, strict=True)]
+    for size in (2, 4):  # the first chunk beside one other, then beside three
+        caches = [model.new_cache(16) for _ in chunks[:size]]
+        got = model.prefill_batch(chunks[:size], caches)
+        for b in range(size):
+            assert np.array_equal(got[b], alone[b]), (size, b)
+            assert np.array_equal(caches[b].k, alone_caches[b].k), (size, b)
+            assert np.array_equal(caches[b].v, alone_caches[b].v), (size, b)
+            assert caches[b].length == len(chunks[b])
+    # A second chunk continues where the first left off, batched or not.
+    more = [[7, 8], [9]]
+    cont = model.prefill_batch(more, alone_caches[:2])
+    fresh = [model.new_cache(16) for _ in more]
+    for b, cache in enumerate(fresh):
+        model.prefill(chunks[b], cache)
+        assert np.array_equal(model.prefill(more[b], cache), cont[b])

@@ -19,6 +19,10 @@ measured on SmolLM2-135M's shapes (bench/results, ``llama_forward``):
 otherwise GEMV rows below ``GEMM_MIN_ROWS`` and one GEMM from there (fastest, but a sequence's
 last bits then depend on how many others are decoding).
 
+Prefill rows are many, so they run as GEMM; :func:`prefill_matmul_t` pads a product to the fewest rows
+for which OpenBLAS takes the GEMM path, whose rows are independent of each other, so that a chunk
+prefilled beside other sequences' chunks is the same bits as alone.
+
 Source: OpenBLAS 0.3.x ``interface/gemm.c`` (GEMV forwarding, small-matrix dispatch) and
 ``kernel/x86_64/sgemm_small_kernel_permit_skylakex.c`` (the size rule above).
 """
@@ -65,3 +69,41 @@ def decode_matmul_t(x: np.ndarray, w: np.ndarray, batch_invariant: bool) -> np.n
     if batch_invariant or x.shape[0] < GEMM_MIN_ROWS:
         return rows_matmul_t(x, w)
     return x @ w.T
+
+
+def gemm_min_rows(out: int) -> int:
+    """Return the fewest rows of ``x`` for which ``x @ w.T`` (``w`` of ``out`` rows) runs as GEMM.
+
+    One row is a GEMV; OpenBLAS's SkylakeX small-matrix kernel takes ``out * rows <= 1200``.
+    """
+    return max(2, 1200 // out + 1)
+
+
+def prefill_matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Return ``x @ w.T`` as one GEMM whose rows are the bits they have in any larger GEMM.
+
+    Args:
+        x: ``(n, in)`` float32.
+        w: ``(out, in)`` float32, C-contiguous.
+
+    Returns:
+        ``(n, out)`` float32.
+    """
+    n = x.shape[0]
+    rows = gemm_min_rows(w.shape[0])
+    if n >= rows:
+        return x @ w.T
+    padded = np.zeros((rows, x.shape[1]), dtype=np.float32)
+    padded[:n] = x
+    return (padded @ w.T)[:n]
+
+
+def matmul_t(x: np.ndarray, w: np.ndarray, decode: bool | None = None) -> np.ndarray:
+    """Return ``x @ w.T`` (``(n, in) x (out, in) -> (n, out)`` float32) for the forward pass.
+
+    ``decode`` is None for prefill (:func:`prefill_matmul_t`), else the decode step's
+    ``batch_invariant`` (:func:`decode_matmul_t`).
+    """
+    if decode is None:
+        return prefill_matmul_t(x, w)
+    return decode_matmul_t(x, w, decode)

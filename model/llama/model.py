@@ -22,7 +22,7 @@ import numpy as np
 from model.files import CONFIG_NAME, read_json_object
 from model.llama.config import LlamaConfig
 from model.llama.kv_cache import KVCache
-from model.llama.matmul import decode_matmul_t
+from model.llama.matmul import matmul_t
 from model.llama.ops import apply_rope, attention, decode_attention, rmsnorm, silu
 from model.llama.weights import load_weights
 
@@ -106,17 +106,6 @@ def check_tensors(
         if name not in shapes and not tolerated:
             raise ValueError(f"{where}: unexpected tensor {name!r} (not part of a Llama model)")
     return {name: tensors[name] for name in shapes}
-
-
-def matmul_t(x: np.ndarray, w: np.ndarray, decode: bool | None = None) -> np.ndarray:
-    """Return ``x @ w.T`` (``(n, in) x (out, in) -> (n, out)`` float32).
-
-    ``decode`` is None for prefill (one BLAS product), else the decode step's ``batch_invariant``
-    (:func:`model.llama.matmul.decode_matmul_t`).
-    """
-    if decode is None:
-        return x @ w.T
-    return decode_matmul_t(x, w, decode)
 
 
 class Llama:
@@ -221,7 +210,29 @@ class Llama:
             ValueError: If there are no tokens, an id is outside the vocabulary, the cache does
                 not fit this model or has no room.
         """
-        return self._head(self._prefill_hidden(token_ids, cache)[-1:])[0]
+        return self.prefill_batch([token_ids], [cache])[0]
+
+    def prefill_batch(
+        self, chunks: Sequence[Sequence[int]], caches: Sequence[KVCache]
+    ) -> np.ndarray:
+        """Prefill a chunk of each of several sequences in one pass over the weights.
+
+        The projections and the MLP run once for all the chunks' rows; attention runs per
+        sequence. A sequence's results are the same bits whatever it is batched with
+        (:func:`model.llama.matmul.prefill_matmul_t`, and the head runs per row).
+
+        Args:
+            chunks: One or more token ids per sequence.
+            caches: One distinct cache per sequence, each with room for its chunk.
+
+        Returns:
+            ``(len(chunks), vocab_size)`` float32 logits after each chunk's last token.
+
+        Raises:
+            ValueError: As :meth:`prefill`; or the lengths differ or a cache repeats.
+        """
+        x, ends = self._prefill_hidden(chunks, caches)
+        return self._head(np.ascontiguousarray(x[ends - 1]), True)
 
     def prompt_logits(self, token_ids: Sequence[int], cache: KVCache) -> np.ndarray:
         """Prefill like :meth:`prefill` but return the logits after every token (for ``echo``).
@@ -232,7 +243,7 @@ class Llama:
         Raises:
             ValueError: As :meth:`prefill`.
         """
-        return self._head(self._prefill_hidden(token_ids, cache))
+        return self._head(self._prefill_hidden([token_ids], [cache])[0])
 
     def decode(
         self, tokens: Sequence[int], caches: Sequence[KVCache], batch_invariant: bool = True
@@ -283,21 +294,40 @@ class Llama:
             cache.length += 1
         return self._head(x, batch_invariant)
 
-    def _prefill_hidden(self, token_ids: Sequence[int], cache: KVCache) -> np.ndarray:
-        """Run the blocks over the new tokens; return the ``(T, dim)`` hidden states."""
-        ids = self._check_ids(token_ids)
-        self._check_cache(cache, len(ids))
-        start, end = cache.length, cache.length + len(ids)
-        x = self.tok_embeddings[ids]  # (T, dim)
-        cos, sin = self._rope(np.arange(start, end))
+    def _prefill_hidden(
+        self, chunks: Sequence[Sequence[int]], caches: Sequence[KVCache]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Run the blocks over the chunks' tokens, concatenated.
+
+        Returns:
+            The ``(T, dim)`` hidden states and ``(len(chunks),)`` int64 end rows of the chunks.
+        """
+        if not chunks or len(chunks) != len(caches):
+            raise ValueError(f"prefill: {len(chunks)} chunks for {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("prefill: the same cache appears twice in one batch")
+        ids = [self._check_ids(chunk) for chunk in chunks]
+        for chunk_ids, cache in zip(ids, caches, strict=True):
+            self._check_cache(cache, len(chunk_ids))
+        ends = np.cumsum([len(chunk_ids) for chunk_ids in ids])
+        starts = [c.length for c in caches]
+        x = self.tok_embeddings[np.concatenate(ids)]  # (T, dim)
+        positions = [s + np.arange(len(i)) for s, i in zip(starts, ids, strict=True)]
+        cos, sin = self._rope(np.concatenate(positions))
         for layer_index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
-            cache.k[layer_index, start:end] = k
-            cache.v[layer_index, start:end] = v
-            kc, vc = cache.k[layer_index, :end], cache.v[layer_index, :end]
-            x = self._block_tail(layer, x, attention(q, kc, vc, start))
-        cache.length = end
-        return x
+            att = np.empty((x.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
+            for b, cache in enumerate(caches):
+                r0, r1, start = ends[b] - len(ids[b]), ends[b], starts[b]
+                end = start + r1 - r0
+                cache.k[layer_index, start:end] = k[r0:r1]
+                cache.v[layer_index, start:end] = v[r0:r1]
+                kc, vc = cache.k[layer_index, :end], cache.v[layer_index, :end]
+                att[r0:r1] = attention(q[r0:r1], kc, vc, start)
+            x = self._block_tail(layer, x, att)
+        for chunk_ids, cache in zip(ids, caches, strict=True):
+            cache.length += len(chunk_ids)
+        return x, ends
 
     def _qkv(
         self,
