@@ -1,4 +1,4 @@
-"""Micro-benchmark: tokens/s of the bare Llama forward pass (no sampling, no HTTP), batch 1 and 8.
+"""Micro-benchmark: tokens/s of the bare Llama forward pass (no sampling, no HTTP) at several batches.
 
 Decode: ``batch`` sequences, each prefilled with a ``--prompt-len`` prompt, then ``--steps``
 calls of ``Llama.decode`` (one new token per sequence per call, the argmax fed back);
@@ -7,8 +7,9 @@ The best of ``--repeats`` runs is reported. OpenBLAS is pinned to one thread (as
 
 Run: ``python -m bench.llama_forward [--model-dir DIR | --synthetic 288,6,6,6,768,32000]``;
 without either it converts ``../shared/data/stories260K`` into a temporary directory first.
-``--synthetic dim,n_layers,n_heads,n_kv_heads,hidden_dim,vocab_size`` writes a model of that shape
-with seeded random weights (stories15M's shape above) to time a bigger network.
+``--synthetic dim,n_layers,n_heads,n_kv_heads,hidden_dim,vocab_size[,rope_theta,max_seq_len]`` writes a
+model of that shape with seeded random weights (stories15M's shape above) to time a bigger network;
+SmolLM2-135M is ``576,30,9,3,1536,49152,100000,8192``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ STORIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "stories260K
 
 def write_synthetic(directory: str, shape: str, seed: int = 0) -> str:
     """Write a Llama directory of the given shape with random weights; return its path."""
-    dim, n_layers, n_heads, n_kv_heads, hidden_dim, vocab_size = map(int, shape.split(","))
+    fields = shape.split(",")
+    dim, n_layers, n_heads, n_kv_heads, hidden_dim, vocab_size = map(int, fields[:6])
+    rope_theta = float(fields[6]) if len(fields) > 6 else 10000.0
+    max_seq_len = int(fields[7]) if len(fields) > 7 else 1024
     config = {
         "model_type": "llama",
         "hidden_size": dim,
@@ -44,7 +48,8 @@ def write_synthetic(directory: str, shape: str, seed: int = 0) -> str:
         "num_key_value_heads": n_kv_heads,
         "intermediate_size": hidden_dim,
         "vocab_size": vocab_size,
-        "max_position_embeddings": 1024,
+        "max_position_embeddings": max_seq_len,
+        "rope_theta": rope_theta,
         "tie_word_embeddings": True,
     }
     rng = np.random.default_rng(seed)
@@ -58,7 +63,9 @@ def write_synthetic(directory: str, shape: str, seed: int = 0) -> str:
     return directory
 
 
-def decode_tokens_per_s(model: Llama, batch: int, prompt_len: int, steps: int) -> float:
+def decode_tokens_per_s(
+    model: Llama, batch: int, prompt_len: int, steps: int, batch_invariant: bool = True
+) -> float:
     """Return decode tokens/s for ``batch`` sequences advanced ``steps`` times together."""
     vocab = model.vocab_size
     caches = [model.new_cache(prompt_len + steps) for _ in range(batch)]
@@ -69,7 +76,8 @@ def decode_tokens_per_s(model: Llama, batch: int, prompt_len: int, steps: int) -
         ids.append(int(np.argmax(model.prefill(prompt, cache))))
     t0 = time.perf_counter()
     for _ in range(steps):
-        ids = [int(i) for i in np.argmax(model.decode(ids, caches), axis=1)]
+        logits = model.decode(ids, caches, batch_invariant)
+        ids = [int(i) for i in np.argmax(logits, axis=1)]
     return batch * steps / (time.perf_counter() - t0)
 
 
@@ -96,8 +104,16 @@ def main() -> None:
     """Parse arguments, run the measurements, print one JSON object."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", help="Hugging Face Llama directory (default: stories260K)")
-    parser.add_argument("--synthetic", help="dim,n_layers,n_heads,n_kv_heads,hidden_dim,vocab")
-    parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    parser.add_argument(
+        "--synthetic", help="dim,n_layers,n_heads,n_kv_heads,hidden_dim,vocab[,rope_theta,context]"
+    )
+    parser.add_argument("--batches", default="1,4,16,32", help="comma-separated batch sizes")
+    parser.add_argument(
+        "--batch-invariant",
+        choices=("1", "0", "both"),
+        default="both",
+        help="decode mode(s) to time (BATCH_INVARIANT); 0 is reported as decode_gemm_*",
+    )
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--prefill-len", type=int, default=256)
@@ -113,12 +129,15 @@ def main() -> None:
         model = Llama.load(model_dir)
         result = {"model": name, "params": sum(w.size for w in _weights(model))}
         result["openblas_threads"] = os.environ["OPENBLAS_NUM_THREADS"]
+        modes = {"1": [True], "0": [False], "both": [True, False]}[args.batch_invariant]
         for batch in (int(b) for b in args.batches.split(",")):
-            best = max(
-                decode_tokens_per_s(model, batch, args.prompt_len, args.steps)
-                for _ in range(args.repeats)
-            )
-            result[f"decode_batch{batch}_tokens_per_s"] = round(best, 1)
+            for invariant in modes:
+                best = max(
+                    decode_tokens_per_s(model, batch, args.prompt_len, args.steps, invariant)
+                    for _ in range(args.repeats)
+                )
+                key = "decode" if invariant else "decode_gemm"
+                result[f"{key}_batch{batch}_tokens_per_s"] = round(best, 1)
         best = max(prefill_tokens_per_s(model, args.prefill_len) for _ in range(args.repeats))
         result[f"prefill_{args.prefill_len}_tokens_per_s"] = round(best, 1)
     print(json.dumps(result, indent=2))

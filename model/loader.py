@@ -25,6 +25,7 @@ from model.llama.engine import LlamaEngine
 from model.llama.gguf import GGUF_SUFFIX, read_gguf
 from model.llama.gguf_cache import default_cache_dir, load_or_build
 from model.llama.gguf_tokenizer import tokenizer_from_gguf
+from model.llama.kv_cache import bytes_per_token, reservation_bytes
 from model.llama.model import Llama, check_tensors
 from model.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -59,6 +60,20 @@ class LoadedModel:
     model_dir: Path
     name: str | None = None
     quantization: str | None = None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token of one sequence takes (0 for the bigram, which has none)."""
+        return bytes_per_token(self.model.config) if isinstance(self.model, Llama) else 0
+
+    def kv_reservation_bytes(self, prompt_tokens: int, max_tokens: int, n: int) -> int:
+        """Return the KV-cache bytes a request's ``n`` choices may hold at most (0 for the bigram).
+
+        See :func:`model.llama.kv_cache.reservation_bytes`.
+        """
+        return reservation_bytes(
+            self.kv_bytes_per_token, prompt_tokens, max_tokens, n, self.context_length
+        )
 
     def make_engine(self) -> Engine:
         """Return the simple inline engine for this model (one sequence at a time)."""

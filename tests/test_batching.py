@@ -115,6 +115,20 @@ def test_long_prompt_is_prefilled_in_chunks(stories):
     assert s.step() == [] and s.idle and seq.prefilled == 4
 
 
+def test_prefill_budget_takes_the_oldest_prompts_first(stories):
+    s = BatchScheduler(stories.model, eos(stories), max_batch=4, prefill_chunk=4, prefill_budget=8)
+    seqs = [s.add(request(stories, i), i) for i in (2, 7, 4)]
+    assert [len(q.req.prompt_ids) for q in seqs] == [10, 13, 6]
+    assert s.step() == []
+    assert [q.prefilled for q in seqs] == [4, 4, 0]  # one pass of 8 tokens: the two oldest
+    assert s.step() == []
+    assert [q.prefilled for q in seqs] == [8, 8, 0]
+    assert s.step() == [seqs[0]]  # 2 + 4 tokens; the third's 4 would pass the budget
+    assert [q.prefilled for q in seqs] == [10, 12, 0]
+    assert set(s.step()) == {seqs[0], seqs[1]}  # seqs[0] decodes; 1 + 4 tokens prefill
+    assert [q.prefilled for q in seqs] == [10, 13, 4]
+
+
 def test_threaded_engine_streams_without_blocking_the_hub(stories):
     from wsgi_app.engine_thread import ThreadedEngine
 

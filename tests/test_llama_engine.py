@@ -137,6 +137,10 @@ class CountingModel:
         self.calls += 1
         return self._model.prefill(*args)
 
+    def prefill_batch(self, *args):
+        self.calls += 1
+        return self._model.prefill_batch(*args)
+
     def decode(self, *args):
         self.calls += 1
         return self._model.decode(*args)

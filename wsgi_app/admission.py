@@ -5,6 +5,11 @@ A request either gets a slot at once, waits in the queue, or is refused with ``4
 waiter, so the queue is fair and nobody races for it. Every ticket is released exactly once, whatever path
 the request takes (finished, disconnected, timed out, failed, shut down).
 
+A request also reserves the KV-cache bytes its sequences may hold (``KV_CACHE_BUDGET_MB``, see
+:func:`model.llama.kv_cache.reservation_bytes`): it runs only when a slot and its bytes are both free,
+waits in the same queue otherwise (the oldest waiter first, so a large request is never starved by small
+ones), and one that could not fit even in an idle worker is a 400.
+
 Source: docs/ARCHITECTURE.md §9 (admission and stream lifetime).
 """
 
@@ -18,7 +23,8 @@ from typing import Any
 
 from gevent.event import Event
 
-from wsgi_app.errors import ApiError
+from model.llama.kv_cache import can_ever_fit
+from wsgi_app.errors import ApiError, invalid
 
 QUEUED, RUNNING, RELEASED = "queued", "running", "released"
 _EWMA_ALPHA = 0.2  # weight of the newest slot-hold time in the service-time estimate
@@ -34,11 +40,13 @@ class Ticket:
         deadline: ``perf_counter`` value after which the request times out, in seconds.
         started: ``perf_counter`` when the slot was granted, or None.
         progress: an object with ``completion_tokens`` (the live completion), or None.
+        kv_bytes: the KV-cache bytes reserved while running.
     """
 
     __slots__ = (
         "_admission",
         "request_id",
+        "kv_bytes",
         "state",
         "arrived",
         "deadline",
@@ -47,9 +55,12 @@ class Ticket:
         "_granted",
     )
 
-    def __init__(self, admission: Admission, request_id: str, deadline: float) -> None:
+    def __init__(
+        self, admission: Admission, request_id: str, deadline: float, kv_bytes: int = 0
+    ) -> None:
         self._admission = admission
         self.request_id = request_id
+        self.kv_bytes = kv_bytes
         self.state = QUEUED
         self.arrived = time.perf_counter()
         self.deadline = deadline
@@ -86,6 +97,7 @@ class Admission:
         max_queue: requests allowed to wait (``MAX_QUEUE``).
         on_change: called with ``(busy slots, queued requests)`` after every admission and release
             (e.g. to set gauges); must not raise.
+        kv_budget_bytes: KV-cache bytes the running requests may reserve together.
     """
 
     def __init__(
@@ -93,10 +105,13 @@ class Admission:
         max_slots: int,
         max_queue: int,
         on_change: Callable[[int, int], None] | None = None,
+        kv_budget_bytes: int = 1 << 62,
     ) -> None:
         self.max_slots = max_slots
         self.max_queue = max_queue
         self.on_change = on_change
+        self.kv_budget_bytes = kv_budget_bytes
+        self.kv_reserved = 0  # bytes reserved by running tickets
         self.busy = 0
         self._waiters: deque[Ticket] = deque()
         self.tickets: dict[int, Ticket] = {}  # id(ticket) -> ticket, everything not yet released
@@ -114,16 +129,23 @@ class Admission:
         wait = (len(self._waiters) + 1) * self.service_s / self.max_slots
         return max(1, math.ceil(wait))
 
-    def admit(self, request_id: str, deadline: float) -> Ticket:
-        """Return a ticket that is running (a free slot) or queued.
+    def admit(self, request_id: str, deadline: float, kv_bytes: int = 0) -> Ticket:
+        """Return a ticket that is running (a free slot and ``kv_bytes`` of budget) or queued.
 
         Raises:
-            ApiError: 429 ``server_busy`` with ``Retry-After`` when the slots and the queue are full.
+            ApiError: 400 (``param`` ``max_tokens``) when ``kv_bytes`` exceeds the whole budget; 429
+                ``server_busy`` with ``Retry-After`` when the slots and the queue are full.
         """
-        ticket = Ticket(self, request_id, deadline)
-        if self.busy < self.max_slots and not self._waiters:
-            self.busy += 1
-            ticket._grant()
+        if not can_ever_fit(kv_bytes, self.kv_budget_bytes):
+            raise invalid(
+                f"This request may hold {_mib(kv_bytes)} MiB of KV cache (n x (prompt tokens + "
+                f"max_tokens)), more than this server's budget of {_mib(self.kv_budget_bytes)} MiB "
+                "per worker. Reduce 'max_tokens', the prompt or 'n'.",
+                "max_tokens",
+            )
+        ticket = Ticket(self, request_id, deadline, kv_bytes)
+        if not self._waiters and self._fits(ticket):
+            self._run(ticket)
         elif len(self._waiters) < self.max_queue:
             self._waiters.append(ticket)
         else:
@@ -150,14 +172,26 @@ class Admission:
             held = time.perf_counter() - (ticket.started or ticket.arrived)
             self.service_s += _EWMA_ALPHA * (held - self.service_s)
             self.served += 1
-            if self._waiters:
-                self._waiters.popleft()._grant()  # hand the slot over: busy stays the same
-            else:
-                self.busy -= 1
+            self.busy -= 1
+            self.kv_reserved -= ticket.kv_bytes
+        # Hand what is free to the oldest waiters, in order (also after a queued one left the head).
+        while self._waiters and self._fits(self._waiters[0]):
+            self._run(self._waiters.popleft())
         ticket.state = RELEASED
         self.tickets.pop(id(ticket), None)
         if self.on_change is not None:
             self.on_change(self.busy, len(self._waiters))
+
+    def _fits(self, ticket: Ticket) -> bool:
+        return (
+            self.busy < self.max_slots
+            and self.kv_reserved + ticket.kv_bytes <= self.kv_budget_bytes
+        )
+
+    def _run(self, ticket: Ticket) -> None:
+        self.busy += 1
+        self.kv_reserved += ticket.kv_bytes
+        ticket._grant()
 
     def state(self) -> dict[str, Any]:
         """Return slots, queue and every in-flight request (age, tokens, time to deadline, seconds)."""
@@ -176,6 +210,12 @@ class Admission:
         return {
             "slots": {"busy": self.busy, "total": self.max_slots},
             "queue": {"waiting": len(self._waiters), "max": self.max_queue},
+            "kv_cache_bytes": {"reserved": self.kv_reserved, "budget": self.kv_budget_bytes},
             "service_time_s": round(self.service_s, 6),
             "requests": requests,
         }
+
+
+def _mib(nbytes: int) -> str:
+    """Return ``nbytes`` in MiB with one decimal."""
+    return f"{nbytes / (1 << 20):.1f}"

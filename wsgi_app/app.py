@@ -42,7 +42,13 @@ def make_engine(model: LoadedModel, settings: Settings) -> Any:
         from wsgi_app.engine_thread import ThreadedEngine
 
         batch = settings.max_slots * settings.max_n
-        return ThreadedEngine(BatchScheduler(model.model, model.tokenizer.eos_ids, batch))
+        scheduler = BatchScheduler(
+            model.model,
+            model.tokenizer.eos_ids,
+            batch,
+            batch_invariant=settings.batch_invariant,
+        )
+        return ThreadedEngine(scheduler)
     return model.make_engine()
 
 
@@ -90,7 +96,12 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
         settings=settings,
         model=model,
         engine=engine,
-        admission=Admission(settings.max_slots, settings.max_queue, observer.set_load),
+        admission=Admission(
+            settings.max_slots,
+            settings.max_queue,
+            observer.set_load,
+            kv_budget_bytes=settings.kv_cache_budget_mb << 20,
+        ),
         exporter=exporter,
         model_version=f"{model.checksum[:16]}+greenserve-{__version__}",
         observer=observer,

@@ -67,7 +67,8 @@ def admit(
         framing: the SSE framing of a streamed answer.
 
     Raises:
-        ApiError: 429 ``server_busy`` when slots and queue are full, 503 when the worker is stopping.
+        ApiError: 400 when the request's KV cache could never fit the budget, 429 ``server_busy`` when
+            slots and queue are full, 503 when the worker is stopping.
     """
     settings = rt.settings
     record.prompt_tokens = len(req.prompt_ids)
@@ -81,7 +82,8 @@ def admit(
     if rt.stop_at is not None and time.perf_counter() >= rt.stop_at:
         raise unavailable("Server is shutting down.")
     deadline = record.started + settings.request_timeout_s
-    ticket = rt.admission.admit(record.request_id, deadline)
+    kv_bytes = rt.model.kv_reservation_bytes(len(req.prompt_ids), req.max_tokens, req.n)
+    ticket = rt.admission.admit(record.request_id, deadline, kv_bytes)
     tune_socket(sock, settings.send_timeout_s)
     pacer = Pacer.make(rt, record, deadline)
     try:

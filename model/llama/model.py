@@ -22,6 +22,7 @@ import numpy as np
 from model.files import CONFIG_NAME, read_json_object
 from model.llama.config import LlamaConfig
 from model.llama.kv_cache import KVCache
+from model.llama.matmul import matmul_t
 from model.llama.ops import apply_rope, attention, decode_attention, rmsnorm, silu
 from model.llama.weights import load_weights
 
@@ -105,23 +106,6 @@ def check_tensors(
         if name not in shapes and not tolerated:
             raise ValueError(f"{where}: unexpected tensor {name!r} (not part of a Llama model)")
     return {name: tensors[name] for name in shapes}
-
-
-DECODE_BLOCK = 8  # rows per BLAS call in decode; see Llama.decode
-
-
-def matmul_t(x: np.ndarray, w: np.ndarray, block: int | None = None) -> np.ndarray:
-    """Return ``x @ w.T`` (``(n, in) x (out, in) -> (n, out)`` float32).
-
-    With ``block``, ``n`` must be a multiple of it and the product runs as ``n / block`` BLAS calls of
-    exactly ``block`` rows, so each row's result is the same bits whatever the other rows are.
-    """
-    if block is None or x.shape[0] == block:
-        return x @ w.T
-    out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
-    for start in range(0, x.shape[0], block):
-        np.matmul(x[start : start + block], w.T, out=out[start : start + block])
-    return out
 
 
 class Llama:
@@ -226,7 +210,29 @@ class Llama:
             ValueError: If there are no tokens, an id is outside the vocabulary, the cache does
                 not fit this model or has no room.
         """
-        return self._head(self._prefill_hidden(token_ids, cache)[-1:])[0]
+        return self.prefill_batch([token_ids], [cache])[0]
+
+    def prefill_batch(
+        self, chunks: Sequence[Sequence[int]], caches: Sequence[KVCache]
+    ) -> np.ndarray:
+        """Prefill a chunk of each of several sequences in one pass over the weights.
+
+        The projections and the MLP run once for all the chunks' rows; attention runs per
+        sequence. A sequence's results are the same bits whatever it is batched with
+        (:func:`model.llama.matmul.prefill_matmul_t`, and the head runs per row).
+
+        Args:
+            chunks: One or more token ids per sequence.
+            caches: One distinct cache per sequence, each with room for its chunk.
+
+        Returns:
+            ``(len(chunks), vocab_size)`` float32 logits after each chunk's last token.
+
+        Raises:
+            ValueError: As :meth:`prefill`; or the lengths differ or a cache repeats.
+        """
+        x, ends = self._prefill_hidden(chunks, caches)
+        return self._head(np.ascontiguousarray(x[ends - 1]), True)
 
     def prompt_logits(self, token_ids: Sequence[int], cache: KVCache) -> np.ndarray:
         """Prefill like :meth:`prefill` but return the logits after every token (for ``echo``).
@@ -237,18 +243,23 @@ class Llama:
         Raises:
             ValueError: As :meth:`prefill`.
         """
-        return self._head(self._prefill_hidden(token_ids, cache))
+        return self._head(self._prefill_hidden([token_ids], [cache])[0])
 
-    def decode(self, tokens: Sequence[int], caches: Sequence[KVCache]) -> np.ndarray:
+    def decode(
+        self, tokens: Sequence[int], caches: Sequence[KVCache], batch_invariant: bool = True
+    ) -> np.ndarray:
         """Feed one new token to each of a batch of sequences, batched per layer.
 
         Sequence ``b`` may be at any position: ``tokens[b]`` goes to position
-        ``caches[b].length``. Projections and the MLP run as one matrix product for the whole
-        batch; attention runs per sequence over its own cache.
+        ``caches[b].length``. Projections and the MLP run for the whole batch in each product
+        (:func:`model.llama.matmul.decode_matmul_t`); attention runs per sequence over its own
+        cache.
 
         Args:
             tokens: One token id per sequence.
             caches: One distinct cache per sequence, each with room for one more token.
+            batch_invariant: Give each sequence the logits it has alone, bit for bit, whatever
+                the batch (the default); False lets large batches use one GEMM per product.
 
         Returns:
             ``(batch, vocab_size)`` float32 logits of each sequence's next token.
@@ -265,19 +276,12 @@ class Llama:
             self._check_cache(cache, 1)
         ids = self._check_ids(tokens)
         pos = np.array([c.length for c in caches])
-        # BLAS picks its kernel (GEMV, small-matrix or blocked GEMM) from the matrix sizes, and
-        # they round differently. Every decode product therefore runs on blocks of exactly
-        # DECODE_BLOCK rows (padded by repeating the last sequence): a row's bits then depend on
-        # nothing but the row, so a sequence's logits never depend on its batch.
         n = len(caches)
-        rows = -(-n // DECODE_BLOCK) * DECODE_BLOCK
-        ids = np.concatenate([ids, np.repeat(ids[-1:], rows - n)])
-        pos = np.concatenate([pos, np.repeat(pos[-1:], rows - n)])
-        x = self.tok_embeddings[ids]  # (rows, dim)
+        x = self.tok_embeddings[ids]  # (n, dim)
         cos, sin = self._rope(pos)
         for layer_index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin, DECODE_BLOCK)
-            att = np.empty((rows, q.shape[1] * q.shape[2]), dtype=np.float32)
+            q, k, v = self._qkv(layer, x, cos, sin, batch_invariant)
+            att = np.empty((n, q.shape[1] * q.shape[2]), dtype=np.float32)
             for b, cache in enumerate(caches):
                 p = cache.length
                 cache.k[layer_index, p] = k[b]
@@ -285,27 +289,45 @@ class Llama:
                 att[b] = decode_attention(
                     q[b], cache.k[layer_index, : p + 1], cache.v[layer_index, : p + 1]
                 )
-            att[n:] = att[n - 1]  # padding rows mirror the last sequence
-            x = self._block_tail(layer, x, att, DECODE_BLOCK)
+            x = self._block_tail(layer, x, att, batch_invariant)
         for cache in caches:
             cache.length += 1
-        return self._head(x, DECODE_BLOCK)[:n]
+        return self._head(x, batch_invariant)
 
-    def _prefill_hidden(self, token_ids: Sequence[int], cache: KVCache) -> np.ndarray:
-        """Run the blocks over the new tokens; return the ``(T, dim)`` hidden states."""
-        ids = self._check_ids(token_ids)
-        self._check_cache(cache, len(ids))
-        start, end = cache.length, cache.length + len(ids)
-        x = self.tok_embeddings[ids]  # (T, dim)
-        cos, sin = self._rope(np.arange(start, end))
+    def _prefill_hidden(
+        self, chunks: Sequence[Sequence[int]], caches: Sequence[KVCache]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Run the blocks over the chunks' tokens, concatenated.
+
+        Returns:
+            The ``(T, dim)`` hidden states and ``(len(chunks),)`` int64 end rows of the chunks.
+        """
+        if not chunks or len(chunks) != len(caches):
+            raise ValueError(f"prefill: {len(chunks)} chunks for {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("prefill: the same cache appears twice in one batch")
+        ids = [self._check_ids(chunk) for chunk in chunks]
+        for chunk_ids, cache in zip(ids, caches, strict=True):
+            self._check_cache(cache, len(chunk_ids))
+        ends = np.cumsum([len(chunk_ids) for chunk_ids in ids])
+        starts = [c.length for c in caches]
+        x = self.tok_embeddings[np.concatenate(ids)]  # (T, dim)
+        positions = [s + np.arange(len(i)) for s, i in zip(starts, ids, strict=True)]
+        cos, sin = self._rope(np.concatenate(positions))
         for layer_index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
-            cache.k[layer_index, start:end] = k
-            cache.v[layer_index, start:end] = v
-            kc, vc = cache.k[layer_index, :end], cache.v[layer_index, :end]
-            x = self._block_tail(layer, x, attention(q, kc, vc, start))
-        cache.length = end
-        return x
+            att = np.empty((x.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
+            for b, cache in enumerate(caches):
+                r0, r1, start = ends[b] - len(ids[b]), ends[b], starts[b]
+                end = start + r1 - r0
+                cache.k[layer_index, start:end] = k[r0:r1]
+                cache.v[layer_index, start:end] = v[r0:r1]
+                kc, vc = cache.k[layer_index, :end], cache.v[layer_index, :end]
+                att[r0:r1] = attention(q[r0:r1], kc, vc, start)
+            x = self._block_tail(layer, x, att)
+        for chunk_ids, cache in zip(ids, caches, strict=True):
+            cache.length += len(chunk_ids)
+        return x, ends
 
     def _qkv(
         self,
@@ -313,35 +335,38 @@ class Llama:
         x: np.ndarray,
         cos: np.ndarray,
         sin: np.ndarray,
-        block: int | None = None,
+        decode: bool | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Return RoPE'd queries ``(n, n_heads, hd)``, keys and values ``(n, n_kv_heads, hd)``."""
+        """Return RoPE'd queries ``(n, n_heads, hd)``, keys and values ``(n, n_kv_heads, hd)``.
+
+        ``decode`` is None for prefill, else the decode step's ``batch_invariant``.
+        """
         c = self.config
         xb = rmsnorm(x, layer.rms_att, c.norm_eps)
         n = x.shape[0]
-        q = matmul_t(xb, layer.wq, block).reshape(
+        q = matmul_t(xb, layer.wq, decode).reshape(
             n, c.n_heads, c.head_dim
         )  # (n, H*hd) -> (n, H, hd)
-        k = matmul_t(xb, layer.wk, block).reshape(
+        k = matmul_t(xb, layer.wk, decode).reshape(
             n, c.n_kv_heads, c.head_dim
         )  # (n, Hkv*hd) -> (n, Hkv, hd)
-        v = matmul_t(xb, layer.wv, block).reshape(
+        v = matmul_t(xb, layer.wv, decode).reshape(
             n, c.n_kv_heads, c.head_dim
         )  # (n, Hkv*hd) -> (n, Hkv, hd)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _block_tail(
-        self, layer: LayerWeights, x: np.ndarray, att: np.ndarray, block: int | None = None
+        self, layer: LayerWeights, x: np.ndarray, att: np.ndarray, decode: bool | None = None
     ) -> np.ndarray:
         """Add the attention output and the SwiGLU MLP to the residual ``x`` ``(n, dim)``."""
-        x = x + matmul_t(att, layer.wo, block)
+        x = x + matmul_t(att, layer.wo, decode)
         xb = rmsnorm(x, layer.rms_ffn, self.config.norm_eps)
-        gate = silu(matmul_t(xb, layer.w1, block)) * matmul_t(xb, layer.w3, block)
-        return x + matmul_t(gate, layer.w2, block)
+        gate = silu(matmul_t(xb, layer.w1, decode)) * matmul_t(xb, layer.w3, decode)
+        return x + matmul_t(gate, layer.w2, decode)
 
-    def _head(self, x: np.ndarray, block: int | None = None) -> np.ndarray:
+    def _head(self, x: np.ndarray, decode: bool | None = None) -> np.ndarray:
         """Return ``(n, vocab_size)`` float32 logits of hidden states ``(n, dim)``."""
-        return matmul_t(rmsnorm(x, self.rms_final, self.config.norm_eps), self.wcls, block)
+        return matmul_t(rmsnorm(x, self.rms_final, self.config.norm_eps), self.wcls, decode)
 
     def _rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Return ``(n, head_dim / 2)`` float32 cos and sin of the rotation angles."""

@@ -7,13 +7,16 @@ cache size and its finish reason. The sequential :class:`model.llama.engine.Llam
 scheduler with one sequence.
 
 Pure and single-threaded: the serving layer calls :meth:`BatchScheduler.step` in a loop on its own
-native thread. Each step first runs one prefill chunk for every sequence still reading its prompt (so a
-long prompt never holds up the others for long, and a cancelled one stops within a chunk), then one
-batched decode for every sequence that is generating. A sequence joins at the next step and leaves as
-soon as it finishes or is cancelled.
+native thread. Each step first prefills the next chunk of the oldest sequences still reading their
+prompts, up to ``prefill_budget`` tokens in one pass over the weights (so a burst of prompts costs one
+pass, not one each, a long prompt never holds up the others for long, and a cancelled one stops within a
+chunk), then one batched decode for every sequence that is generating. A prompt's chunk boundaries are
+fixed (``prefill_chunk``), so its results never depend on what shares the pass. A sequence joins at
+the next step and leaves as soon as it finishes or is cancelled.
 
 A sequence's tokens never depend on its batch: its prefill is its own, ``Llama.decode`` gives each row
-the same bits whatever the other rows are, and each sequence samples with its own PCG32.
+the same bits whatever the other rows are (unless ``batch_invariant`` is turned off to let large batches
+run one GEMM per product), and each sequence samples with its own PCG32.
 
 Source: docs/ARCHITECTURE.md §5; Yu et al., "Orca" (OSDI 2022) for iteration-level scheduling.
 """
@@ -70,15 +73,27 @@ class BatchScheduler:
         eos_ids: ids that end a sequence unless the request sets ``ignore_eos``.
         max_batch: most sequences generating at once (``MAX_SLOTS``).
         prefill_chunk: most prompt tokens one sequence prefills per step.
+        prefill_budget: most prompt tokens prefilled per step over all sequences (the oldest
+            first; at least one chunk).
+        batch_invariant: decode each sequence to the same bits whatever the batch
+            (``BATCH_INVARIANT``; see :meth:`model.llama.model.Llama.decode`).
     """
 
     def __init__(
-        self, model: Llama, eos_ids: frozenset[int], max_batch: int, prefill_chunk: int = 128
+        self,
+        model: Llama,
+        eos_ids: frozenset[int],
+        max_batch: int,
+        prefill_chunk: int = 128,
+        batch_invariant: bool = True,
+        prefill_budget: int = 256,
     ) -> None:
         self.model = model
         self.eos_ids = frozenset(eos_ids)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        self.batch_invariant = batch_invariant
+        self.prefill_budget = prefill_budget
         self.live: list[Sequence] = []
 
     @property
@@ -166,12 +181,12 @@ class BatchScheduler:
         self.prune()
         touched: list[Sequence] = []
         decoding = [s for s in self.live if s.prefilled == len(s.req.prompt_ids)]
-        for seq in self.live:
-            if seq.prefilled < len(seq.req.prompt_ids):
-                self._prefill_chunk(seq, touched)
+        prefilling = [s for s in self.live if s.prefilled < len(s.req.prompt_ids)]
+        if prefilling:
+            self._prefill(prefilling, touched)
         if decoding:
             logits = self.model.decode(
-                [s.last_token for s in decoding], [s.cache for s in decoding]
+                [s.last_token for s in decoding], [s.cache for s in decoding], self.batch_invariant
             )
             for seq, row in zip(decoding, logits, strict=True):
                 self._emit(seq, row)
@@ -179,14 +194,21 @@ class BatchScheduler:
         self.live = [s for s in self.live if not s.done]
         return touched
 
-    def _prefill_chunk(self, seq: Sequence, touched: list[Sequence]) -> None:
-        prompt = seq.req.prompt_ids
-        end = min(len(prompt), seq.prefilled + self.prefill_chunk)
-        logits = self.model.prefill(prompt[seq.prefilled : end], seq.cache)
-        seq.prefilled = end
-        if end == len(prompt):
-            self._emit(seq, logits)
-            touched.append(seq)
+    def _prefill(self, prefilling: list[Sequence], touched: list[Sequence]) -> None:
+        chosen, spans, tokens = [], [], 0
+        for seq in prefilling:  # oldest first: the order they joined
+            end = min(len(seq.req.prompt_ids), seq.prefilled + self.prefill_chunk)
+            if chosen and tokens + end - seq.prefilled > self.prefill_budget:
+                break
+            chosen.append(seq)
+            spans.append(seq.req.prompt_ids[seq.prefilled : end])
+            tokens += end - seq.prefilled
+        logits = self.model.prefill_batch(spans, [s.cache for s in chosen])
+        for seq, span, row in zip(chosen, spans, logits, strict=True):
+            seq.prefilled += len(span)
+            if seq.prefilled == len(seq.req.prompt_ids):
+                self._emit(seq, row)
+                touched.append(seq)
 
     def _emit(self, seq: Sequence, logits: np.ndarray) -> None:
         req = seq.req

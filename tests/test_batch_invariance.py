@@ -1,0 +1,117 @@
+"""A sequence's decode logits are the same bits in any batch, on the shapes where BLAS switches kernels.
+
+numpy's OpenBLAS runs a one-row product as GEMV, small products (``out * rows <= 1200``) with a
+small-matrix kernel and the rest as GEMM, each rounding differently; the batch sizes below cross
+every one of those lines for both stories260K's and SmolLM2-135M's matrices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from model.llama.config import LlamaConfig
+from model.llama.matmul import GEMM_MIN_ROWS, decode_matmul_t, rows_matmul_t
+from model.llama.model import Llama, tensor_shapes
+
+# (out, in) of every product: SmolLM2-135M (q/o, k/v, gate/up, down, head), then stories260K.
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
+SHAPES += [(64, 64), (32, 64), (172, 64), (64, 172), (512, 64)]
+BATCHES = (1, 2, 3, 6, 7, 18, 19, 33, 40)
+
+
+def random_llama(n_layers: int, seed: int = 0) -> Llama:
+    """Return a SmolLM2-135M-shaped model (all but the depth) with seeded random weights."""
+    config = LlamaConfig.from_hf(
+        {
+            "model_type": "llama",
+            "hidden_size": 576,
+            "num_hidden_layers": n_layers,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "intermediate_size": 1536,
+            "vocab_size": 49152,
+            "max_position_embeddings": 8192,
+            "rope_theta": 100000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": True,
+        }
+    )
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in tensor_shapes(config).items():
+        scale = 1.0 if len(shape) == 1 else 1.0 / np.sqrt(shape[-1])
+        tensors[name] = (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
+    return Llama.from_tensors(config, tensors, "random SmolLM2-135M shape")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_rows_of_a_product_are_the_bits_of_the_row_alone(shape):
+    rng = np.random.default_rng(sum(shape))
+    w = rng.standard_normal(shape, dtype=np.float32)
+    x = rng.standard_normal((max(BATCHES), shape[1]), dtype=np.float32)
+    alone = np.concatenate([rows_matmul_t(x[i : i + 1], w) for i in range(len(x))])
+    np.testing.assert_allclose(alone, x @ w.T, rtol=0, atol=2e-4 * np.sqrt(shape[1]))
+    for n in BATCHES:
+        for start in (0, len(x) - n):  # a row at different places in the batch
+            got = decode_matmul_t(x[start : start + n], w, batch_invariant=True)
+            assert np.array_equal(got, alone[start : start + n]), (n, start)
+
+
+def test_without_invariance_large_batches_use_one_gemm():
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((576, 576), dtype=np.float32)
+    x = rng.standard_normal((GEMM_MIN_ROWS, 576), dtype=np.float32)
+    assert np.array_equal(decode_matmul_t(x, w, batch_invariant=False), x @ w.T)
+    assert np.array_equal(decode_matmul_t(x[:2], w, batch_invariant=False), rows_matmul_t(x[:2], w))
+
+
+@pytest.fixture(scope="module")
+def smollm2_shaped() -> Llama:
+    return random_llama(n_layers=2)
+
+
+def test_smollm2_shaped_decode_is_bit_identical_in_any_batch(smollm2_shaped):
+    model = smollm2_shaped
+    n = 33
+    prompts = [[(7 + 131 * b + 17 * t) % 49152 for t in range(1 + b % 5)] for b in range(n)]
+    caches = [model.new_cache(8) for _ in prompts]
+    last = [int(np.argmax(model.prefill(p, c))) for p, c in zip(prompts, caches, strict=True)]
+    snapshot = [(c.k.copy(), c.v.copy(), c.length) for c in caches]
+
+    def restore() -> None:
+        for c, (k, v, length) in zip(caches, snapshot, strict=True):
+            c.k[:], c.v[:], c.length = k, v, length
+
+    alone = []
+    for b in range(n):
+        alone.append(model.decode([last[b]], [caches[b]])[0])
+    restore()
+    for size in (2, 3, 7, 16, 33):
+        got = model.decode(last[:size], caches[:size])
+        for b in range(size):
+            assert np.array_equal(got[b], alone[b]), (size, b)
+        restore()
+    assert len({int(np.argmax(row)) for row in alone}) > 1  # the sequences really differ
+
+
+def test_smollm2_shaped_prefill_beside_other_chunks_is_bit_identical(smollm2_shaped):
+    model = smollm2_shaped
+    chunks = [[11], [5, 900, 31], [(3 + 97 * t) % 49152 for t in range(9)], [44, 45]]
+    alone_caches = [model.new_cache(16) for _ in chunks]
+    alone = [model.prefill(c, cache) for c, cache in zip(chunks, alone_caches, strict=True)]
+    for size in (2, 4):  # the first chunk beside one other, then beside three
+        caches = [model.new_cache(16) for _ in chunks[:size]]
+        got = model.prefill_batch(chunks[:size], caches)
+        for b in range(size):
+            assert np.array_equal(got[b], alone[b]), (size, b)
+            assert np.array_equal(caches[b].k, alone_caches[b].k), (size, b)
+            assert np.array_equal(caches[b].v, alone_caches[b].v), (size, b)
+            assert caches[b].length == len(chunks[b])
+    # A second chunk continues where the first left off, batched or not.
+    more = [[7, 8], [9]]
+    cont = model.prefill_batch(more, alone_caches[:2])
+    fresh = [model.new_cache(16) for _ in more]
+    for b, cache in enumerate(fresh):
+        model.prefill(chunks[b], cache)
+        assert np.array_equal(model.prefill(more[b], cache), cont[b])

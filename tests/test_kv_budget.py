@@ -1,0 +1,131 @@
+"""The per-worker KV-cache budget (``KV_CACHE_BUDGET_MB``): a request reserves n x (prompt + max_tokens)
+tokens of cache; over budget it waits in the queue like a slot; one that could never fit is a 400.
+
+Real gunicorn on converted stories260K (5 layers x 4 KV heads x 8 dims: 1,280 bytes a token), a budget
+of 1 MiB (819 tokens), and slow steps so that a stream holds its reservation while the test looks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model.llama.config import LlamaConfig
+from model.llama.kv_cache import bytes_per_token, can_ever_fit, reservation_bytes
+from tests.llamafiles import convert_stories
+from tests.server import GunicornServer, wait_until
+from tests.sse import EventReader
+
+STORY_TOKEN_BYTES = 1280
+PROMPT = [1, 403, 407]  # token ids: sent as they are, 3 tokens
+
+
+def test_smollm2_token_bytes_and_reservations():
+    config = LlamaConfig.from_hf(
+        {
+            "model_type": "llama",
+            "hidden_size": 576,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "intermediate_size": 1536,
+            "vocab_size": 49152,
+            "max_position_embeddings": 8192,
+        }
+    )
+    per_token = bytes_per_token(config)
+    assert per_token == 46_080
+    assert 32 * 8192 * per_token == 12_079_595_520  # the ~12 GB that full contexts would take
+    assert reservation_bytes(per_token, 100, 128, 2, 8192) == 2 * 228 * 46_080
+    assert reservation_bytes(per_token, 8000, 4096, 1, 8192) == 8192 * 46_080  # context-bound
+    assert reservation_bytes(0, 100, 128, 8, None) == 0  # no cache (the bigram)
+    assert can_ever_fit(1 << 20, 1 << 20) and not can_ever_fit((1 << 20) + 1, 1 << 20)
+
+
+def state(srv: GunicornServer) -> dict:
+    status, _, body = srv.get("/debug/state")
+    assert status == 200, body
+    return json.loads(body)
+
+
+@pytest.fixture(scope="module")
+def budget_server(tmp_path_factory):
+    model_dir = convert_stories(tmp_path_factory.mktemp("stories260K"))
+    with GunicornServer(
+        tmp_path_factory.mktemp("kv-budget"),
+        {
+            "MODEL_DIR": str(model_dir),
+            "KV_CACHE_BUDGET_MB": "1",
+            "MAX_SLOTS": "4",
+            "HEARTBEAT_S": "0.2",
+            "GREENSERVE_FAULTS": "slow_step_s=0.02",
+        },
+    ) as srv:
+        yield srv
+
+
+def stream_body(max_tokens: int, n: int = 1) -> dict:
+    return {
+        "model": "s",
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "n": n,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
+def test_second_request_waits_for_the_budget_until_the_first_ends(budget_server):
+    srv = budget_server
+    first_bytes = (3 + 500) * STORY_TOKEN_BYTES  # 643,840 of 1,048,576
+    first = EventReader(srv.port, stream_body(500))
+    assert first.open().status == 200
+    assert first.next_frame() == b": ok\n"
+    assert first.next_frame().startswith(b"data: {")
+    s = state(srv)
+    assert s["kv_cache_bytes"] == {"reserved": first_bytes, "budget": 1 << 20}
+
+    small = EventReader(srv.port, stream_body(50))  # 68,480 more bytes: fits beside the first
+    assert small.open().status == 200
+    assert small.next_frame() == b": ok\n"
+    assert small.next_frame().startswith(b"data: {")
+    small.close()
+    wait_until(lambda: state(srv)["slots"]["busy"] == 1, what="the small request to end")
+
+    second = EventReader(srv.port, stream_body(500))  # 643,840 more: over the budget
+    assert second.open().status == 200
+    assert second.next_frame() == b": ok\n"
+    assert second.next_frame() == b": queued\n"  # a free slot, but not the bytes
+    s = state(srv)
+    assert (s["slots"]["busy"], s["queue"]["waiting"]) == (1, 1)
+    assert s["kv_cache_bytes"]["reserved"] == first_bytes
+
+    first.close()
+    frame = second.next_frame()
+    while frame == b": queued\n":
+        frame = second.next_frame()
+    assert frame.startswith(b"data: {")  # it runs now
+    assert state(srv)["kv_cache_bytes"]["reserved"] == first_bytes
+    second.close()
+    wait_until(
+        lambda: state(srv)["kv_cache_bytes"]["reserved"] == 0 and state(srv)["slots"]["busy"] == 0,
+        what="every reservation to be returned",
+    )
+
+
+def test_request_that_can_never_fit_is_400(budget_server):
+    srv = budget_server
+    # 2 x (3 + 500) tokens x 1,280 bytes = 1,287,680 bytes > 1 MiB, even on an idle worker.
+    status, _, body = srv.complete({**stream_body(500, n=2), "stream": False})
+    assert status == 400
+    error = json.loads(body)["error"]
+    assert error["param"] == "max_tokens"
+    assert error["type"] == "invalid_request_error"
+    assert error["message"] == (
+        "This request may hold 1.2 MiB of KV cache (n x (prompt tokens + max_tokens)), more than "
+        "this server's budget of 1.0 MiB per worker. Reduce 'max_tokens', the prompt or 'n'."
+    )
+    status, _, body = srv.complete({**stream_body(500, n=2), "stream": True})
+    assert status == 400 and json.loads(body)["error"]["param"] == "max_tokens"
+    assert state(srv)["kv_cache_bytes"]["reserved"] == 0
