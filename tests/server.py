@@ -232,6 +232,7 @@ class EventReader:
     Args:
         port: the server's API port.
         body: the JSON request body (a dict).
+        path: the route POSTed to.
         rcvbuf: a small ``SO_RCVBUF`` in bytes, to make a non-reading client block the server sooner.
     """
 
@@ -242,6 +243,7 @@ class EventReader:
         headers: dict[str, str] | None = None,
         rcvbuf: int | None = None,
         timeout_s: float = 30.0,
+        path: str = "/v1/completions",
     ) -> None:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
         if rcvbuf is not None:
@@ -255,7 +257,7 @@ class EventReader:
             self.conn.sock = sock
         self.conn.request(
             "POST",
-            "/v1/completions",
+            path,
             body=json.dumps(body),
             headers={"Content-Type": "application/json", **(headers or {})},
         )
