@@ -236,7 +236,6 @@ def _load_gguf(path: Path, cache_dir: Path) -> LoadedModel:
     source = gguf_model.metadata.get(GGUF_CHAT_TEMPLATE)
     if source is not None and not isinstance(source, str):
         raise ValueError(f"{path}: {GGUF_CHAT_TEMPLATE} is not a string")
-    tokens = gguf_model.metadata["tokenizer.ggml.tokens"]
     return LoadedModel(
         model,
         info.tokenizer,
@@ -247,8 +246,8 @@ def _load_gguf(path: Path, cache_dir: Path) -> LoadedModel:
         name=path.stem,
         quantization=gguf_model.quantization,
         chat_template_source=source,
-        bos_token="" if info.bos_id is None else tokens[info.bos_id],
-        eos_token="" if info.eos_id is None else tokens[info.eos_id],
+        bos_token="" if info.bos_id is None else info.tokenizer.token_str(info.bos_id),
+        eos_token="" if info.eos_id is None else info.tokenizer.token_str(info.eos_id),
     )
 
 
