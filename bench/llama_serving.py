@@ -8,7 +8,7 @@ and ``.md``.
 
     python -m bench.llama_serving [--window 5] [--data ../shared/data]
 
-Source: DESIGN §1 "The engine boundary"; issue 11's benchmark list.
+Source: docs/ARCHITECTURE.md §5 (the engine contract).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What many users would write instead: a straightforward FastAPI + uvicorn server of the same contract.
 
 A pydantic body; the model loaded once with ``Bigram.load``; per token the straightforward numpy
-softmax and inverse-CDF draw of ``bench.straightforward`` (DESIGN §3 exact, so the same seed gives the
+softmax and inverse-CDF draw of ``bench.straightforward`` (exact per docs/ARCHITECTURE.md §6: a seed gives the
 same text as greenserve), CPython's incremental UTF-8 decoder and one ``json.dumps`` of the chunk dict;
 a ``StreamingResponse`` over an async generator that awaits ``asyncio.sleep(0)`` after every token so
 one stream does not starve the others. Fields the benchmark sends: ``model``, ``prompt``,

@@ -1,7 +1,7 @@
 """The per-token model work written the straightforward way: numpy softmax and CDF on every token.
 
 This is what the FastAPI reference generates with and what the micro-benchmark compares against. It
-follows DESIGN §3's exactness rules (float64, divide by T, left-to-right sums via ``np.cumsum``), so
+follows the exactness rules of docs/ARCHITECTURE.md §6 (float64, divide by T, left-to-right ``np.cumsum``), so
 it draws the same ids as greenserve for the same seed (tests/test_hot_path.py checks it); it just
 recomputes everything for every token. Rows of the bigram hold no NaN, so NaN handling is left out.
 """

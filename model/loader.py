@@ -1,7 +1,7 @@
 """Load any supported model directory: the byte bigram or a Hugging Face Llama.
 
 ``load_model`` reads ``config.json`` and dispatches: ``"tl_arch"`` present -> the bigram
-(DESIGN §2), ``"model_type": "llama"`` -> :class:`model.llama.model.Llama` with its
+(docs/ARCHITECTURE.md §12), ``"model_type": "llama"`` -> :class:`model.llama.model.Llama` with its
 ``tokenizer.json`` and optional ``generation_config.json``. A ``.gguf`` file (or a directory
 without ``config.json`` holding exactly one) -> a Llama from its float32 cache file and the
 tokenizer its metadata describes. Everything is validated here, at

@@ -17,7 +17,7 @@ class PCG32:
     step is a handful of int operations, which is the fastest form in CPython.
 
     Source: M. E. O'Neill, "PCG: A Family of Simple Fast Space-Efficient Statistically Good
-    Algorithms for Random Number Generation" (2014), pcg32_srandom_r / pcg32_random_r; DESIGN §3.
+    Algorithms for Random Number Generation" (2014), pcg32_srandom_r / pcg32_random_r.
     """
 
     __slots__ = ("_state", "_inc")
@@ -63,7 +63,7 @@ class PCG32:
         Returns:
             A float64 multiple of 2^-53 in [0, 1).
 
-        Source: DESIGN §3 (the construction of MT19937's `genrand_res53`).
+        Source: M. Matsumoto and T. Nishimura, MT19937 reference code (`genrand_res53`).
         """
         a = self.next_u32()
         b = self.next_u32()
@@ -84,7 +84,7 @@ class PCG32:
             `n` floats in [0, 1), multiples of 2^-53; the state advances by `2n` steps.
 
         Source: F. B. Brown, "Random Number Generation with Arbitrary Strides" (1994), the
-        jump-ahead of a linear congruential generator; DESIGN §3.
+        jump-ahead of a linear congruential generator.
         """
         out: list[float] = []
         while n > 0:

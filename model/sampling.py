@@ -32,7 +32,7 @@ class SamplingParams:
         presence_penalty: Subtracted once from every id generated at least once so far.
         frequency_penalty: Subtracted once per earlier occurrence of an id.
 
-    Source: the OpenAI completions reference (parameter names and meanings); DESIGN §3.
+    Source: the OpenAI completions reference (parameter names and meanings); docs/ARCHITECTURE.md §6.
     """
 
     temperature: float = 1.0
@@ -70,7 +70,7 @@ def greedy(logits: np.ndarray) -> int:
     Raises:
         ValueError: If every logit is NaN.
 
-    Source: DESIGN §3 "Greedy".
+    Source: docs/ARCHITECTURE.md §6 (greedy).
     """
     # argmax returns the first maximum, but it also returns the first NaN if there is one.
     i = int(np.argmax(logits))
@@ -101,7 +101,7 @@ def apply_penalties(
     Raises:
         ValueError: If a `logit_bias` id is outside the vocabulary.
 
-    Source: the OpenAI "parameter details" for penalties; DESIGN §3 for the order.
+    Source: the OpenAI "parameter details" for penalties; docs/ARCHITECTURE.md §6 for the order.
     """
     z = np.asarray(logits, dtype=np.float64)
     use_counts = counts is not None and params.has_penalties
@@ -232,7 +232,7 @@ def sample(
     Raises:
         ValueError: If every logit is NaN, or a `logit_bias` id is outside the vocabulary.
 
-    Source: DESIGN §3 "Sampling", "Exactness" and the OpenAI parameter order.
+    Source: docs/ARCHITECTURE.md §6 (the draw and its exactness rules) and the OpenAI parameter order.
     """
     z = apply_penalties(logits, params, counts)
     if params.temperature == 0.0:
@@ -256,7 +256,7 @@ def draw_probs(z: np.ndarray, params: SamplingParams) -> np.ndarray:
     Raises:
         ValueError: If every logit is NaN.
 
-    Source: DESIGN §3 "Sampling" and "Exactness".
+    Source: docs/ARCHITECTURE.md §6 (the draw and its exactness rules).
     """
     p = _tempered_probs(z, params.temperature)
     if params.has_filters:
@@ -275,7 +275,7 @@ def logprobs_of(logits: np.ndarray) -> np.ndarray:
         `(vocab_size,)` float64 log-probabilities in [-9999.0, 0]; NaN logits give -9999.0.
         Never NaN or infinite.
 
-    Source: DESIGN §3 (`logprobs` report the raw log-softmax, clamped).
+    Source: docs/ARCHITECTURE.md §6 (`logprobs` report the raw log-softmax, clamped).
     """
     z = np.asarray(logits, dtype=np.float64)
     nan = np.isnan(z)

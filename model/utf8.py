@@ -18,7 +18,7 @@ class Utf8Decoder:
     follows these rules except for one case, fixed here: it holds `ED A0..BF` (a surrogate
     prefix) although no byte can complete it. The tests check every 1- and 2-byte input.
 
-    Source: Unicode 15 §3.9 "U+FFFD Substitution of Maximal Subparts"; DESIGN §4.
+    Source: Unicode 15 §3.9 "U+FFFD Substitution of Maximal Subparts"; docs/ARCHITECTURE.md §7.
     """
 
     __slots__ = ("_decoder", "_clean")

@@ -2,7 +2,7 @@
 
 Submodules are imported explicitly (``from telemetry import otlp``) rather than re-exported here:
 ``telemetry.otlp`` pulls in ``requests``, and gunicorn's master must not import ``ssl``/``urllib3``
-before a gevent worker has monkey-patched (DESIGN §8), so importing this package stays cheap.
+before a gevent worker has monkey-patched (docs/ARCHITECTURE.md §15): importing this package stays cheap.
 
 Dependencies: the standard library, ``requests``, ``gevent`` and ``prometheus_client`` only; never
 Flask, ``wsgi_app`` or ``model``.

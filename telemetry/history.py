@@ -7,7 +7,7 @@ blocks the hub. Rows are sums, so any number of workers (and restarts) add up. T
 the worker's heartbeat row for ``/stats``. The database is in WAL mode: readers never block the
 writers. Every query takes ``now`` (Unix seconds) from the caller's injectable clock.
 
-Source: SQLite documentation, "Write-Ahead Logging" and "UPSERT"; DESIGN §7.
+Source: SQLite documentation, "Write-Ahead Logging" and "UPSERT"; docs/ARCHITECTURE.md §10.
 """
 
 from __future__ import annotations

@@ -83,6 +83,11 @@ class Metrics:
         running: ``greenserve_requests_running``, generation slots in use (livesum over workers).
         queued: ``greenserve_requests_queued``, requests waiting for a slot (livesum over workers).
         spans: ``greenserve_exported_spans_total{result}``, spans ``sent``/``dropped``/``failed``.
+        workers: ``greenserve_workers``, live worker processes (1 per worker, livesum).
+        workers_ready: ``greenserve_workers_ready``, workers whose ``/ready`` answers 200 (livesum;
+            refreshed with each history heartbeat, ``STATS_FLUSH_S``).
+        rate_limit_storage_errors: ``greenserve_rate_limit_storage_errors_total``, rate-limit
+            storage failures (each one starts a cool-down served without limits).
     """
 
     requests: Counter
@@ -95,6 +100,9 @@ class Metrics:
     running: Gauge
     queued: Gauge
     spans: Counter
+    workers: Gauge
+    workers_ready: Gauge
+    rate_limit_storage_errors: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None) -> Metrics:
@@ -162,10 +170,29 @@ class Metrics:
                 ["result"],
                 registry=r,
             ),
+            workers=Gauge(
+                "greenserve_workers",
+                "Live worker processes.",
+                multiprocess_mode="livesum",
+                registry=r,
+            ),
+            workers_ready=Gauge(
+                "greenserve_workers_ready",
+                "Workers ready for traffic: not draining, engine trusted (as /ready).",
+                multiprocess_mode="livesum",
+                registry=r,
+            ),
+            rate_limit_storage_errors=Counter(
+                "greenserve_rate_limit_storage_errors",
+                "Rate-limit storage failures; each starts a cool-down served without limits.",
+                registry=r,
+            ),
         )
         for result in SPAN_RESULTS:  # present from the start, at 0
             m.spans.labels(result=result)
         m.set_load(0, 0)
+        m.workers.set(1)
+        m.set_ready(True)  # a new worker is ready: not draining, engine untouched
         return m
 
     def observe_request(
@@ -216,6 +243,10 @@ class Metrics:
         """Set this worker's running and queued request gauges."""
         self.running.set(running)
         self.queued.set(queued)
+
+    def set_ready(self, ready: bool) -> None:
+        """Set whether this worker is ready for traffic (what its ``/ready`` answers)."""
+        self.workers_ready.set(1 if ready else 0)
 
     def on_span_result(self, kind: str, n: int) -> None:
         """Count ``n`` spans with result ``kind`` (the ``SpanExporter.on_result`` hook)."""

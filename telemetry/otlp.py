@@ -2,7 +2,7 @@
 
 The encoder is pure; the exporter owns transport only. ``requests`` is imported when an exporter is
 built (inside a gevent worker, after monkey-patching), so importing this module never loads
-``ssl``/``urllib3`` early (DESIGN §8).
+``ssl``/``urllib3`` early (docs/ARCHITECTURE.md §15).
 
 Source: OTLP specification 1.x, "OTLP/HTTP" and "JSON Protobuf Encoding"
 (https://opentelemetry.io/docs/specs/otlp/); opentelemetry-proto ``trace/v1/trace.proto``.

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from tests.server import wait_until
+
 TRACES_PATH = "/v1/traces"
 
 # One scripted answer: a status, or a status with extra response headers (e.g. Retry-After).
@@ -155,15 +157,17 @@ class FakeCollector:
         Raises:
             AssertionError: no such span arrived within ``timeout_s``.
         """
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def found() -> dict[str, Any] | None:
             for span in self.spans():
                 attrs = {a["key"]: a["value"] for a in span.get("attributes", [])}
                 if attrs.get("greenserve.request_id") == {"stringValue": request_id}:
                     return {**span, "attrs": attrs}
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no span for {request_id}; got {len(self.spans())} spans")
-            time.sleep(0.02)
+            return None
+
+        return wait_until(
+            found, timeout_s, lambda: f"a span for {request_id}; got {len(self.spans())} spans"
+        )
 
     def _next_answer(self) -> tuple[int, Mapping[str, str]]:
         with self._cond:

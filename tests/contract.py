@@ -18,38 +18,13 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
+from tests.sse import events as parse_sse
+
 BASE = "urn:greenserve:openapi"
 
 
 def _escape(token: str) -> str:
     return token.replace("~", "~0").replace("/", "~1")
-
-
-def parse_events(body: bytes) -> list[dict[str, Any]]:
-    """Parse an event stream the way ``EventSource`` does (ids carry over; blocks without data skipped)."""
-    events, fields, data, last_id = [], {}, [], None
-    for line in body.decode().split("\n"):
-        if line == "":
-            if data:
-                event = {"data": "\n".join(data), "event": fields.get("event", "message")}
-                if last_id is not None:
-                    event["id"] = last_id
-                if "retry" in fields:
-                    event["retry"] = int(fields["retry"])
-                events.append(event)
-            fields, data = {}, []
-            continue
-        if line.startswith(":"):
-            continue
-        name, _, value = line.partition(":")
-        value = value.removeprefix(" ")
-        if name == "data":
-            data.append(value)
-        elif name == "id":
-            last_id = value
-        else:
-            fields[name] = value
-    return events
 
 
 class Contract:
@@ -120,7 +95,7 @@ class Contract:
         data_schema = content[ctype]["schema"]["properties"]["data"]["else"]
         payload = self.validator(f"{media}/schema/properties/data/else/contentSchema")
         assert data_schema["contentMediaType"] == "application/json"
-        events = parse_events(body)
+        events = parse_sse(body)
         for event in events:
             self.validator(f"{media}/schema").validate(event)
             if event["data"] != "[DONE]":

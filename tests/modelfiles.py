@@ -57,6 +57,17 @@ def succ_weight() -> np.ndarray:
     return weight
 
 
+def pattern_weight() -> np.ndarray:
+    """Build fixed, spread-out weights for every id without any random generator.
+
+    Returns:
+        Shape ``(256, 256)`` float32: ``((i * 31 + j * 17) % 23) / 4`` at row ``i``, column ``j``.
+    """
+    i = np.arange(256)[:, None]
+    j = np.arange(256)[None, :]
+    return (((i * 31 + j * 17) % 23) / 4.0).astype(np.float32)
+
+
 def write_model_dir(
     directory: str | os.PathLike,
     weight: np.ndarray,
@@ -87,7 +98,7 @@ def write_model_dir(
 
 
 def write_succ_model(directory: str | os.PathLike) -> Path:
-    """Write the "succ" test model of DESIGN §2 (metadata ``{"format":"tinyllm"}``).
+    """Write the "succ" test model, ``W[i][(i+1) % 256] = 2.0`` (metadata ``{"format":"tinyllm"}``).
 
     Args:
         directory: Model directory, created if needed.

@@ -13,11 +13,15 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 _LISTENING = re.compile(r"Listening at: (\S+)")
+T = TypeVar("T")
 
 
 class ServerDied(RuntimeError):
@@ -25,13 +29,17 @@ class ServerDied(RuntimeError):
 
 
 class GunicornServer:
-    """One gunicorn master with its workers.
+    """One gunicorn master with its workers; as a context manager, started on entry and stopped on exit.
 
     Args:
         workdir: a private directory for the log file.
-        env: extra environment variables (settings of DESIGN §7).
+        env: extra environment variables (the server's settings, as ``wsgi_app/settings.py`` reads them).
         workers: ``WEB_CONCURRENCY``.
         health_port: bind a second (health) port as well.
+        args: more gunicorn arguments.
+        command: the launcher instead of ``python -m gunicorn -c gunicorn.conf.py`` (the binds and
+            ``args`` follow a ``--``, as ``greenserve`` takes them).
+        cwd: the folder the server starts in (default: the checkout).
     """
 
     def __init__(
@@ -41,6 +49,8 @@ class GunicornServer:
         workers: int = 1,
         health_port: bool = True,
         args: tuple[str, ...] = (),
+        command: list[str] | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -70,17 +80,34 @@ class GunicornServer:
             "--no-control-socket",
             *args,
         ]
+        if command is not None:  # another launcher (the installed ``greenserve``) with these binds
+            self.cmd = [*command, "--", *binds, "--no-control-socket", *args]
+        self.cwd = cwd or ROOT
         self.proc: subprocess.Popen | None = None
         self.ports: list[int] = []
 
     # -- process ----------------------------------------------------------------------------------
 
     def start(self, timeout_s: float = 30.0) -> GunicornServer:
-        """Start the server and wait until ``/healthz`` answers on every port."""
+        """Start the server and wait until ``/healthz`` answers on every port.
+
+        A failed start leaves nothing running (the log stays readable).
+
+        Raises:
+            ServerDied: the master exited first.
+            TimeoutError: it did not bind or answer within ``timeout_s`` seconds.
+        """
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> GunicornServer:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             self.cmd,
-            cwd=ROOT,
+            cwd=self.cwd,
             env=self.env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -88,28 +115,41 @@ class GunicornServer:
             start_new_session=True,
         )
         deadline = time.monotonic() + timeout_s
-        while not self.ports:
-            self._check_alive()
-            match = _LISTENING.search(self.log_text())
-            if match:
-                self.ports = [int(u.rsplit(":", 1)[1]) for u in match.group(1).split(",")]
-            elif time.monotonic() > deadline:
-                raise TimeoutError("server did not bind:\n" + self.log_tail())
-            time.sleep(0.05)
-        for port in self.ports:
-            while True:
-                self._check_alive()
-                try:
-                    if self.get("/healthz", port=port)[0] == 200:
-                        break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError("server not ready:\n" + self.log_tail())
-                time.sleep(0.05)
+
+        def left_s() -> float:
+            return deadline - time.monotonic()
+
+        def healthy(port: int) -> bool:
+            try:
+                return self.get("/healthz", port=port)[0] == 200
+            except OSError:
+                return False
+
+        try:
+            bound = wait_until(
+                lambda: self._check_alive() or _LISTENING.search(self.log_text()),
+                left_s(),
+                "the server to bind",
+            )
+            self.ports = [int(u.rsplit(":", 1)[1]) for u in bound.group(1).split(",")]
+            for port in self.ports:
+                wait_until(
+                    lambda port=port: self._check_alive() or healthy(port),
+                    left_s(),
+                    f"/healthz on port {port}",
+                )
+        except AssertionError as timed_out:
+            raise TimeoutError(f"{timed_out}:\n{self.log_tail()}") from None
         return self
 
+    def __enter__(self) -> GunicornServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
     def _check_alive(self) -> None:
+        """Raise ``ServerDied`` (with the log tail) if the master has exited."""
         if self.proc is not None and self.proc.poll() is not None:
             raise ServerDied(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
 
@@ -127,6 +167,8 @@ class GunicornServer:
         """SIGTERM the master, then kill the whole process group if it lingers."""
         if self.proc is None:
             return None
+        if self._log.closed:  # stopped already
+            return self.proc.returncode
         code = self.proc.poll()
         if code is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -204,99 +246,55 @@ class GunicornServer:
         """POST ``body`` to ``/v1/completions``."""
         return self.post("/v1/completions", body, **kw)
 
+    # -- the server's own view ----------------------------------------------------------------------
 
-def sse_events(body: bytes) -> list[bytes]:
-    """Split an SSE body into its ``data:`` payloads (comments dropped), checking the framing."""
-    assert body.endswith(b"\n\n"), body[-40:]
-    payloads = []
-    for frame in body[:-2].split(b"\n\n"):
-        lines = [ln for ln in frame.split(b"\n") if not ln.startswith(b":")]
-        if not lines:
-            continue
-        assert len(lines) == 1 and lines[0].startswith(b"data: "), frame
-        payloads.append(lines[0][len(b"data: ") :])
-    return payloads
+    def state(self) -> dict:
+        """Return ``/debug/state`` of the worker that answers (slots, queue, in-flight requests, pid)."""
+        status, _, body = self.get("/debug/state")
+        assert status == 200, body
+        return json.loads(body)
+
+    def in_flight(self, request_id: str) -> dict | None:
+        """Return the ``/debug/state`` entry of request ``request_id``, or None when it holds none."""
+        return next((r for r in self.state()["requests"] if r["request_id"] == request_id), None)
+
+    def wait_idle(self, timeout_s: float = 10.0) -> dict:
+        """Poll until zero busy slots, an empty queue and no request in flight; return that state."""
+
+        seen: list[dict] = []
+
+        def idle() -> dict | None:
+            seen[:] = [self.state()]
+            s = seen[0]
+            return None if s["slots"]["busy"] or s["queue"]["waiting"] or s["requests"] else s
+
+        return wait_until(idle, timeout_s, lambda: f"the server to be idle; last state {seen}")
+
+    def wait_workers(self, n: int, timeout_s: float = 30.0) -> set[int]:
+        """Poll ``/debug/state`` until ``n`` different workers have answered (all booted); return
+        their pids."""
+        pids: set[int] = set()
+        return wait_until(
+            lambda: pids.add(self.state()["pid"]) or len(pids) >= n and pids,
+            timeout_s,
+            lambda: f"{n} workers to answer; only {sorted(pids)} did",
+        )
 
 
-def sse_json(body: bytes) -> list[dict]:
-    """The JSON payloads of an SSE body; asserts it ends with exactly one ``[DONE]``."""
-    payloads = sse_events(body)
-    assert payloads[-1] == b"[DONE]", payloads[-3:]
-    assert b"[DONE]" not in payloads[:-1]
-    return [json.loads(p) for p in payloads[:-1]]
-
-
-class EventReader:
-    """Read an SSE response event by event over a real connection (http.client decodes chunking).
+def wait_until(
+    predicate,
+    timeout_s: float = 10.0,
+    what: str | Callable[[], str] = "condition",
+    sleep: Callable[[float], object] = time.sleep,
+):
+    """Poll ``predicate`` every 20 ms until it returns something truthy; return that.
 
     Args:
-        port: the server's API port.
-        body: the JSON request body (a dict).
-        path: the route POSTed to.
-        rcvbuf: a small ``SO_RCVBUF`` in bytes, to make a non-reading client block the server sooner.
-    """
-
-    def __init__(
-        self,
-        port: int,
-        body: dict,
-        headers: dict[str, str] | None = None,
-        rcvbuf: int | None = None,
-        timeout_s: float = 30.0,
-        path: str = "/v1/completions",
-    ) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-        if rcvbuf is not None:
-            import socket
-
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            # Before connect(), so the advertised window stays small.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-            sock.settimeout(timeout_s)
-            sock.connect(("127.0.0.1", port))
-            self.conn.sock = sock
-        self.conn.request(
-            "POST",
-            path,
-            body=json.dumps(body),
-            headers={"Content-Type": "application/json", **(headers or {})},
-        )
-        self.sock = self.conn.sock
-        self.resp: http.client.HTTPResponse | None = None
-
-    def open(self) -> http.client.HTTPResponse:
-        """Read the status line and headers."""
-        self.resp = self.conn.getresponse()
-        return self.resp
-
-    def next_frame(self) -> bytes:
-        """Return the next frame (event or comment) without its blank line; b"" at the end."""
-        assert self.resp is not None
-        lines = []
-        while True:
-            line = self.resp.readline()
-            if not line:
-                return b"".join(lines)
-            if line == b"\n":
-                return b"".join(lines)
-            lines.append(line)
-
-    def close(self) -> None:
-        """Close the connection abruptly (as a client that goes away)."""
-        import socket
-
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        if self.resp is not None:
-            self.resp.close()
-        self.conn.close()
-        self.sock.close()
-
-
-def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    """Poll ``predicate`` every 20 ms until it returns something truthy; return that.
+        predicate: called with no arguments; its first truthy result is returned.
+        timeout_s: the deadline, in seconds.
+        what: what is awaited, for the failure message; a callable is asked at the deadline (to show
+            the state that was seen last).
+        sleep: the pause between polls (``gevent.sleep`` where other greenlets must run meanwhile).
 
     Raises:
         AssertionError: ``timeout_s`` passed first.
@@ -306,8 +304,39 @@ def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
         value = predicate()
         if value:
             return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+        sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
+
+
+def concurrently(call: Callable[[int], T], n: int, timeout_s: float = 60.0) -> list[T]:
+    """Run ``call(0)`` … ``call(n - 1)`` each in its own thread, released together; return the results
+    in index order.
+
+    Raises:
+        BaseException: the first exception a call raised (an assertion inside a call fails the test).
+        AssertionError: some call was still running after ``timeout_s`` seconds.
+    """
+    results: list = [None] * n
+    errors: list[BaseException] = []
+    start = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        start.wait()
+        try:
+            results[i] = call(i)
+        except BaseException as exc:  # handed to the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"calls still running after {timeout_s} s"
+    if errors:
+        raise errors[0]
+    return results
 
 
 # gevent's monitor thread reports any greenlet that holds the hub longer than this (100 ms).

@@ -2,8 +2,8 @@
 
 Both come from the OS packages (``.ci/run`` installs ``nginx`` and ``redis-server``). Each runs in its own
 process group with its output in a private directory, is polled until it answers, and is stopped (then
-killed) by the test that started it. nginx runs the repository's example site,
-``deploy/nginx/greenserve.conf``, with only its ports and log path changed.
+killed) when the test that started it is done (each is a context manager). nginx runs the repository's
+example site, ``deploy/nginx/greenserve.conf``, with only its ports and log path changed.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
+
+from tests.server import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 NGINX_SITE = ROOT / "deploy" / "nginx" / "greenserve.conf"
@@ -40,6 +42,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _serving(proc: subprocess.Popen, answers: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll until ``answers()`` is true (True), or the process exited or ``timeout_s`` passed (False)."""
+    try:
+        wait_until(lambda: proc.poll() is not None or answers(), timeout_s, "the service")
+    except AssertionError:
+        return False
+    return proc.poll() is None
 
 
 def _stop(
@@ -105,30 +116,42 @@ class RedisServer:
                 start_new_session=True,
             )
             log.close()
-            deadline = time.monotonic() + timeout_s
-            while self.proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    if self.client().ping():
-                        return self
-                except redis.RedisError:
-                    time.sleep(0.05)
+            if _serving(self.proc, self._pings, timeout_s):
+                return self
             _stop(self.proc, signal.SIGKILL)
             self.port = 0  # most likely the port was taken meanwhile: try another
         raise RuntimeError("redis-server did not start; see " + str(self.workdir))
+
+    def _pings(self) -> bool:
+        try:
+            return bool(self.client().ping())
+        except redis.RedisError:
+            return False
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL); its data is gone, its port is kept."""
         _stop(self.proc)
 
+    def __enter__(self) -> RedisServer:
+        return self.start()
 
-def render_site(site: str, upstream_port: int, listen_port: int, log_dir: Path) -> str:
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+UPSTREAM_LINE = "server 127.0.0.1:8000 max_fails=1 fail_timeout=10s;"
+
+
+def render_site(site: str, upstream_port: int | list[int], listen_port: int, log_dir: Path) -> str:
     """Return the example site with the test's ports and log path; every other directive unchanged.
+    A list of upstream ports repeats the upstream's ``server`` line once per port (several hosts).
 
     Raises:
         AssertionError: the example no longer has the lines this substitutes (keep them in sync).
     """
+    ports = upstream_port if isinstance(upstream_port, list) else [upstream_port]
     swaps = {
-        "server 127.0.0.1:8000;": f"server 127.0.0.1:{upstream_port};",
+        UPSTREAM_LINE: "\n    ".join(UPSTREAM_LINE.replace(":8000", f":{p}") for p in ports),
         "listen 80;": f"listen 127.0.0.1:{listen_port};",
         "/var/log/nginx/greenserve.access.log": str(log_dir / "access.log"),
     }
@@ -172,10 +195,10 @@ class NginxServer:
 
     Args:
         workdir: a private directory for the config, logs, pid and temp files.
-        upstream_port: the gunicorn API port.
+        upstream_port: the gunicorn API port, or a list of them (one upstream server each).
     """
 
-    def __init__(self, workdir: Path, upstream_port: int) -> None:
+    def __init__(self, workdir: Path, upstream_port: int | list[int]) -> None:
         if not os.access(NGINX, os.X_OK):
             missing_service(NGINX)
         self.workdir = Path(workdir)
@@ -202,15 +225,22 @@ class NginxServer:
                 start_new_session=True,
             )
             log.close()
-            deadline = time.monotonic() + timeout_s
-            while self.proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    if self.request("GET", "/healthz")[0] == 200:
-                        return self
-                except OSError:
-                    time.sleep(0.05)
+            if _serving(self.proc, self._healthy, timeout_s):
+                return self
             _stop(self.proc, signal.SIGKILL)
         raise RuntimeError("nginx did not start:\n" + self.log_tail())
+
+    def _healthy(self) -> bool:
+        try:
+            return self.request("GET", "/healthz")[0] == 200
+        except OSError:
+            return False
+
+    def __enter__(self) -> NginxServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
     def stop(self) -> None:
         """Stop nginx (SIGTERM: fast shutdown), then kill its process group if it lingers."""

@@ -23,8 +23,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry.logs import client_hash
-from tests.contract import Contract, parse_events
-from tests.server import EventReader, GunicornServer, sse_json, wait_until
+from tests.contract import Contract
+from tests.server import GunicornServer, wait_until
+from tests.sse import EventReader, sse_json
+from tests.sse import events as parse_events
 from tests.test_openapi import DOC_PATH
 from tests.test_startup_config import failed_start
 
@@ -222,7 +224,7 @@ def templated(succ_dir, tmp_path_factory):
     """A server with a CHAT_TEMPLATE that raises and loops on demand, slow steps and 2 slots."""
     tmp = tmp_path_factory.mktemp("chat-template")
     (tmp / "chat.jinja").write_text(TEMPLATE)
-    srv = GunicornServer(
+    with GunicornServer(
         tmp,
         {
             "MODEL_DIR": str(succ_dir),
@@ -233,9 +235,8 @@ def templated(succ_dir, tmp_path_factory):
             "CLIENT_HASH_SALT": "salt",
         },
         health_port=False,
-    ).start()
-    yield srv
-    srv.stop()
+    ) as srv:
+        yield srv
 
 
 def test_chat_template_setting_renders_the_prompt(templated):
@@ -277,13 +278,10 @@ def test_disconnect_mid_chat_frees_the_slot(templated):
     assert reader.next_frame() == b": ok\n"
     assert b'"role":"assistant"' in reader.next_frame()
     assert b'"content":' in reader.next_frame()
-    state = json.loads(templated.get("/debug/state")[2])
-    assert state["slots"]["busy"] == 1
+    assert templated.state()["slots"]["busy"] == 1
+    assert templated.in_flight("chat-gone") is not None
     reader.close()
-    wait_until(
-        lambda: json.loads(templated.get("/debug/state")[2])["slots"]["busy"] == 0,
-        what="the slot freed",
-    )
+    templated.wait_idle()
     line = wait_until(lambda: _log_line(templated, "chat-gone"), what="the request's log line")
     assert (line["endpoint"], line["path"], line["finish_reason"]) == (PATH, PATH, "abort")
     assert line["user_hash"] == client_hash("salt", "alice")

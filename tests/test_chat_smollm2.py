@@ -17,7 +17,8 @@ import pytest
 
 from model.chat_template import ChatTemplate
 from tests.gguffiles import golden, teacher_forced
-from tests.server import GunicornServer, sse_json
+from tests.server import GunicornServer
+from tests.sse import sse_json
 from wsgi_app.chat import serving_template
 from wsgi_app.settings import Settings
 
@@ -33,9 +34,11 @@ def server(smollm2_gguf, smollm2, gguf_cache_dir, tmp_path_factory):
         tmp_path_factory.mktemp("smollm2-chat"),
         {"MODEL_DIR": str(smollm2_gguf), "GREENSERVE_CACHE_DIR": str(gguf_cache_dir)},
         health_port=False,
-    ).start(timeout_s=120)
-    yield srv
-    srv.stop()
+    ).start(timeout_s=120)  # the first start maps the weights cache
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")

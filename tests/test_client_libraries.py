@@ -18,7 +18,7 @@ import pytest
 import requests
 import sseclient
 
-from tests.server import sse_json
+from tests.sse import sse_json
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 README_URL = "http://localhost:8000"
@@ -123,14 +123,15 @@ def test_sseclient_reads_the_event_source_stream(succ_server):
     assert events[-1].data == "[DONE]"
 
 
+def post_stream(server, body: dict) -> requests.Response:
+    """POST ``body`` as a stream with requests; the response is read as it arrives."""
+    url = f"{server.url}/v1/completions"
+    return requests.post(url, json={**body, "stream": True}, stream=True, timeout=30)
+
+
 def test_sseclient_reads_the_post_stream(default_server):
     body = {"model": "bigram", "prompt": "Is", "max_tokens": 25, "seed": 9}
-    with requests.post(
-        f"{default_server.url}/v1/completions",
-        json={**body, "stream": True},
-        stream=True,
-        timeout=30,
-    ) as resp:
+    with post_stream(default_server, body) as resp:
         events = list(sseclient.SSEClient(resp).events())
     assert events[-1].data == "[DONE]" and {e.id for e in events} == {None}
     streamed = "".join(json.loads(e.data)["choices"][0]["text"] for e in events[:-1])
@@ -139,12 +140,7 @@ def test_sseclient_reads_the_post_stream(default_server):
 
 def test_requests_iter_lines(default_server):
     body = {"model": "bigram", "prompt": "Is", "max_tokens": 25, "seed": 9}
-    with requests.post(
-        f"{default_server.url}/v1/completions",
-        json={**body, "stream": True},
-        stream=True,
-        timeout=30,
-    ) as resp:
+    with post_stream(default_server, body) as resp:
         lines = list(resp.iter_lines())
     data = [ln[len(b"data: ") :] for ln in lines if ln.startswith(b"data: ")]
     assert data[-1] == b"[DONE]" and len(data) == 26

@@ -1,4 +1,4 @@
-"""Client identity, API-key parsing and rate-limit settings: pure functions, known answers (issue 6)."""
+"""Client identity, API-key parsing and rate-limit settings: pure functions, known answers."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""The v0 completions contract (DESIGN §5) against a real gunicorn serving the succ model."""
+"""The basic completions contract (OpenAI's ``text_completion`` object, plain and streamed) against a
+real gunicorn serving the succ model."""
 
 from __future__ import annotations
 
 import json
 import re
 
-from tests.server import sse_events, sse_json
+from tests.sse import sse_events, sse_json
 
 GREEDY = {"model": "m", "temperature": 0}
 
@@ -24,7 +25,7 @@ def test_worked_example_plain(succ_server):
         {"index": 0, "text": "bcd", "logprobs": None, "finish_reason": "length"}
     ]
     assert doc["usage"] == {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
-    # Compact JSON, no trailing newline, keys in DESIGN order.
+    # Compact JSON, no trailing newline, keys in the OpenAI reference's order.
     assert body == (
         b'{"id":"'
         + doc["id"].encode()

@@ -25,14 +25,12 @@ def cors_server(
     succ_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GunicornServer]:
     """The succ model with two allowed origins."""
-    srv = GunicornServer(
+    with GunicornServer(
         tmp_path_factory.mktemp("cors"),
         {"MODEL_DIR": str(succ_dir), "CORS_ORIGINS": f"{ALLOWED}, https://b.example:8443/"},
         health_port=False,
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+    ) as srv:
+        yield srv
 
 
 def cors_headers(headers: dict[str, str]) -> dict[str, str]:

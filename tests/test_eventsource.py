@@ -1,4 +1,4 @@
-"""The ``EventSource`` stream: ``GET /v1/completions?…`` with ids, ``retry:`` and resumption (DESIGN §7)."""
+"""The ``EventSource`` stream: ``GET /v1/completions?…`` with ids, ``retry:`` and resumption."""
 
 from __future__ import annotations
 
@@ -8,29 +8,13 @@ from urllib.parse import urlencode
 import pytest
 from werkzeug.datastructures import MultiDict
 
+from tests.sse import frames, sse_json
 from wsgi_app.errors import ApiError
 from wsgi_app.routes.completions_get import parse_last_event_id, query_body
 from wsgi_app.sse import EventIds
 
 SSE = {"Accept": "text/event-stream"}
 GREEDY = {"model": "m", "prompt": "a", "max_tokens": 3, "temperature": 0}
-
-
-def frames(body: bytes) -> list[dict[str, str]]:
-    """Split an event stream into frames of ``{field: value}`` (comment lines dropped)."""
-    assert body.endswith(b"\n\n"), body[-40:]
-    out = []
-    for block in body[:-2].decode().split("\n\n"):
-        fields = {}
-        for line in block.split("\n"):
-            if line.startswith(":"):
-                continue
-            name, _, value = line.partition(": ")
-            assert name not in fields, block
-            fields[name] = value
-        if fields:
-            out.append(fields)
-    return out
 
 
 def url(params: dict | list) -> str:
@@ -66,12 +50,7 @@ def test_get_stream_equals_post_stream(default_server):
     params = {"model": "m", "prompt": "ROMEO:", "max_tokens": 40, "seed": 11, "temperature": 0.9}
     _, _, got = default_server.get(url(params), headers=SSE)
     _, _, posted = default_server.complete({**params, "stream": True})
-    post_texts = [
-        json.loads(p)["choices"][0]["text"]
-        for p in posted.split(b"\n\n")
-        if p.startswith(b"data: {")
-        for p in [p[len(b"data: ") :]]
-    ]
+    post_texts = [chunk["choices"][0]["text"] for chunk in sse_json(posted)]
     assert texts(frames(got)) == post_texts
     assert len(post_texts) == 40
 

@@ -10,6 +10,7 @@ from model.bigram.engine import SCORE_SLICE, BigramEngine, generate_ids
 from model.engine import GenerationRequest, Step
 from model.pcg32 import PCG32
 from model.sampling import SamplingParams, logprobs_of
+from tests.modelfiles import pattern_weight, succ_weight
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -29,20 +30,6 @@ class StandInModel:
         return self.weight[prev]
 
 
-def _succ_weight() -> np.ndarray:
-    """DESIGN §2's "succ" model: W[i][(i + 1) % 256] = 2.0, all else 0."""
-    weight = np.zeros((256, 256), dtype=np.float32)
-    weight[np.arange(256), (np.arange(256) + 1) % 256] = 2.0
-    return weight
-
-
-def _pattern_weight() -> np.ndarray:
-    """A fixed, spread-out row for every id, built without any random generator."""
-    i = np.arange(256)[:, None]
-    j = np.arange(256)[None, :]
-    return (((i * 31 + j * 17) % 23) / 4.0).astype(np.float32)
-
-
 def _penalty_weight() -> np.ndarray:
     """Row 0 prefers 1 (5.0); row 1 prefers 1 (3.0) over 2 (2.5); row 2 prefers 0 (1.0)."""
     weight = np.zeros((256, 256), dtype=np.float32)
@@ -59,20 +46,20 @@ def _request(**kwargs) -> GenerationRequest:
     return GenerationRequest(**fields)
 
 
-def test_greedy_succ_model_matches_the_design_example():
-    engine = BigramEngine(StandInModel(_succ_weight()))
+def test_greedy_succ_model_continues_a_with_bcd():
+    engine = BigramEngine(StandInModel(succ_weight()))
     req = _request(prompt_ids=(ord("a"),), max_tokens=3, params=GREEDY)
     assert generate_ids(engine, req) == [ord("b"), ord("c"), ord("d")]
 
 
 def test_generation_starts_from_the_last_prompt_id():
-    engine = BigramEngine(StandInModel(_succ_weight()))
+    engine = BigramEngine(StandInModel(succ_weight()))
     req = _request(prompt_ids=(10, 20, 255), max_tokens=2, params=GREEDY)
     assert generate_ids(engine, req) == [0, 1]
 
 
 def test_same_seed_same_ids_golden():
-    engine = BigramEngine(StandInModel(_pattern_weight()))
+    engine = BigramEngine(StandInModel(pattern_weight()))
     ids = generate_ids(engine, _request(max_tokens=12))
     assert ids == generate_ids(engine, _request(max_tokens=12))
     assert ids == GOLDEN_SEED_42
@@ -82,7 +69,11 @@ GOLDEN_SEED_42 = [158, 184, 188, 194, 232, 49, 238, 42, 160, 206, 145, 71]
 
 
 def _reference_ids(weight: np.ndarray, prev: int, n: int, seed: int, seq: int) -> list[int]:
-    """Transcribe DESIGN §3 with Python floats and math.exp: a second implementation."""
+    """Transcribe the sampling rule with Python floats and math.exp: a second implementation.
+
+    The rule: softmax of the row at temperature 1, then the first id whose running sum of
+    probabilities exceeds one PCG32 uniform.
+    """
     rng = PCG32(seed, seq)
     ids = []
     for _ in range(n):
@@ -103,11 +94,11 @@ def _reference_ids(weight: np.ndarray, prev: int, n: int, seed: int, seq: int) -
 
 
 def test_golden_matches_a_pure_python_transcription():
-    assert _reference_ids(_pattern_weight(), 97, 12, 42, 54) == GOLDEN_SEED_42
+    assert _reference_ids(pattern_weight(), 97, 12, 42, 54) == GOLDEN_SEED_42
 
 
 def test_other_seed_and_other_seq_differ():
-    engine = BigramEngine(StandInModel(_pattern_weight()))
+    engine = BigramEngine(StandInModel(pattern_weight()))
     base = generate_ids(engine, _request(max_tokens=20))
     assert generate_ids(engine, _request(max_tokens=20, seed=43)) != base
     assert generate_ids(engine, _request(max_tokens=20, seq=55)) != base
@@ -138,7 +129,7 @@ def test_penalties_do_not_count_the_prompt():
 
 
 def test_stops_at_max_tokens():
-    model = StandInModel(_succ_weight())
+    model = StandInModel(succ_weight())
     engine = BigramEngine(model)
     steps = list(engine.stream(_request(max_tokens=5, params=GREEDY)))
     assert [s.token_id for s in steps] == [98, 99, 100, 101, 102]
@@ -148,7 +139,7 @@ def test_stops_at_max_tokens():
 
 
 def test_no_work_after_close():
-    model = StandInModel(_pattern_weight())
+    model = StandInModel(pattern_weight())
     stream = BigramEngine(model).stream(_request(max_tokens=100))
     assert model.calls == 0  # creating the stream does no model work
     next(stream)
@@ -161,7 +152,7 @@ def test_no_work_after_close():
 
 
 def test_no_work_after_garbage_collection():
-    model = StandInModel(_pattern_weight())
+    model = StandInModel(pattern_weight())
     stream = BigramEngine(model).stream(_request(max_tokens=100))
     next(stream)
     del stream
@@ -170,7 +161,7 @@ def test_no_work_after_garbage_collection():
 
 
 def test_empty_prompt_raises_at_once():
-    engine = BigramEngine(StandInModel(_succ_weight()))
+    engine = BigramEngine(StandInModel(succ_weight()))
     with pytest.raises(ValueError, match="prompt"):
         engine.stream(_request(prompt_ids=()))
     with pytest.raises(ValueError, match="prompt_ids"):
@@ -180,7 +171,7 @@ def test_empty_prompt_raises_at_once():
 
 
 def test_steps_without_logprobs_carry_only_the_id():
-    engine = BigramEngine(StandInModel(_succ_weight()))
+    engine = BigramEngine(StandInModel(succ_weight()))
     steps = list(engine.stream(_request(max_tokens=1, params=GREEDY)))
     assert steps == [Step(98)]
     assert steps[0].logprob is None and steps[0].top_logprobs is None
@@ -196,7 +187,7 @@ def test_logprobs_and_top_logprobs_ties_by_lower_id():
 
 
 def test_logprobs_report_the_raw_logits_not_the_biased_ones():
-    model = StandInModel(_pattern_weight())
+    model = StandInModel(pattern_weight())
     engine = BigramEngine(model)
     params = SamplingParams(temperature=0.7, logit_bias=((5, 50.0),))
     step = next(engine.stream(_request(params=params, logprobs=3)))
@@ -208,7 +199,7 @@ def test_logprobs_report_the_raw_logits_not_the_biased_ones():
 
 
 def test_logprobs_zero_reports_the_token_and_no_alternatives():
-    engine = BigramEngine(StandInModel(_succ_weight()))
+    engine = BigramEngine(StandInModel(succ_weight()))
     (step,) = engine.stream(_request(max_tokens=1, params=GREEDY, logprobs=0))
     assert step.token_id == 98
     assert step.top_logprobs == ()
@@ -216,13 +207,13 @@ def test_logprobs_zero_reports_the_token_and_no_alternatives():
 
 
 def test_score_reports_each_token_under_the_previous_one_and_pauses_in_slices():
-    engine = BigramEngine(StandInModel(_pattern_weight()))
+    engine = BigramEngine(StandInModel(pattern_weight()))
     prompt = [i % 7 for i in range(2 * SCORE_SLICE + 5)]
     pauses = []
     steps = engine.score(prompt, 2, pause=lambda: pauses.append(1))
     assert steps == engine.score(prompt, 2)  # pausing changes nothing but the timing
     assert len(pauses) == 2  # after tokens 2048 and 4096 of the 4,100 scored
     assert steps[0] == Step(0)
-    lp = logprobs_of(_pattern_weight()[3])
+    lp = logprobs_of(pattern_weight()[3])
     top = np.argsort(-lp, kind="stable")[:2]
     assert steps[4] == Step(4, float(lp[4]), tuple((int(i), float(lp[i])) for i in top))

@@ -18,19 +18,14 @@ from tests.server import HUB_MONITOR_ENV, GunicornServer, assert_hub_never_block
 def watched(succ_dir, tmp_path_factory):
     """The succ model under gevent's monitor thread, with a slow-step twin for disconnect tests."""
     with FakeCollector() as collector:
-        srv = GunicornServer(
-            tmp_path_factory.mktemp("watched"),
-            {
-                "MODEL_DIR": str(succ_dir),
-                **HUB_MONITOR_ENV,
-                "REQUEST_TIMEOUT_S": "2",
-                "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
-            },
-        ).start()
-        try:
+        env = {
+            "MODEL_DIR": str(succ_dir),
+            **HUB_MONITOR_ENV,
+            "REQUEST_TIMEOUT_S": "2",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
+        }
+        with GunicornServer(tmp_path_factory.mktemp("watched"), env) as srv:
             yield srv, collector
-        finally:
-            srv.stop()
         assert_hub_never_blocked(srv)
 
 
@@ -98,57 +93,51 @@ def test_slow_body_is_cut_by_the_deadline(watched):
     assert json.loads(body)["error"]["code"] == "request_timeout"
 
 
-def test_plain_request_stops_when_its_client_leaves(succ_dir, tmp_path):
+def test_plain_request_stops_when_its_client_leaves(succ_dir, serve):
     with FakeCollector() as collector:
-        srv = GunicornServer(
-            tmp_path,
-            {
-                "MODEL_DIR": str(succ_dir),
-                "GREENSERVE_FAULTS": "slow_step_s=0.02",
-                "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
-            },
-        ).start()
-        try:
-            body = json.dumps({"model": "m", "prompt": "a", "max_tokens": 500}).encode()
-            sock = socket.create_connection(("127.0.0.1", srv.port))
-            sock.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: leaver\r\n"
-                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
-            )
-            time.sleep(0.3)
-            sock.close()
-
-            def idle():
-                state = json.loads(srv.get("/debug/state")[2])
-                return state["slots"]["busy"] == 0
-
-            wait_until(idle, 5, "the slot to come back")
-            span = collector.span_for("leaver")
-            assert span["attrs"]["http.response.status_code"] == {"intValue": "499"}
-            assert int(span["attrs"]["gen_ai.usage.output_tokens"]["intValue"]) < 100
-        finally:
-            srv.stop()
+        srv = serve(
+            MODEL_DIR=str(succ_dir),
+            GREENSERVE_FAULTS="slow_step_s=0.02",
+            OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+        )
+        body = json.dumps({"model": "m", "prompt": "a", "max_tokens": 500}).encode()
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: leaver\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        wait_until(
+            lambda: (srv.in_flight("leaver") or {}).get("tokens", 0) >= 5, what="tokens to flow"
+        )
+        sock.close()
+        srv.wait_idle(5)
+        span = collector.span_for("leaver")
+        assert span["attrs"]["http.response.status_code"] == {"intValue": "499"}
+        assert int(span["attrs"]["gen_ai.usage.output_tokens"]["intValue"]) < 100
 
 
-def test_reload_serves_every_request(succ_dir, tmp_path):
-    srv = GunicornServer(tmp_path, {"MODEL_DIR": str(succ_dir)}, workers=2).start()
-    try:
-        statuses: list[int] = []
+def test_reload_serves_every_request(succ_dir, serve):
+    srv = serve(MODEL_DIR=str(succ_dir), workers=2)
+    statuses: list[int] = []
+    reloaded = threading.Event()
 
-        def client():
-            for _ in range(60):
-                statuses.append(
-                    srv.complete({"model": "m", "prompt": "a", "max_tokens": 4, "temperature": 0})[
-                        0
-                    ]
-                )
-                time.sleep(0.02)
+    def client():
+        # Requests before, during and after the reload, until the new workers have served some.
+        while not reloaded.is_set():
+            body = {"model": "m", "prompt": "a", "max_tokens": 4, "temperature": 0}
+            statuses.append(srv.complete(body)[0])
+            time.sleep(0.02)
 
-        t = threading.Thread(target=client)
-        t.start()
-        time.sleep(0.4)
-        srv.signal(signal.SIGHUP)  # reload: new workers, old ones stop gracefully
-        t.join(60)
-        assert statuses == [200] * 60
-    finally:
-        srv.stop()
+    def booted() -> int:
+        return srv.log_text().count("Booting worker")
+
+    t = threading.Thread(target=client)
+    t.start()
+    wait_until(lambda: len(statuses) >= 5, what="requests before the reload")
+    srv.signal(signal.SIGHUP)  # reload: new workers, old ones stop gracefully
+    wait_until(lambda: booted() == 4, 30, lambda: f"two new workers; log:\n{srv.log_tail()}")
+    after = len(statuses)
+    wait_until(lambda: len(statuses) >= after + 10, what="requests after the reload")
+    reloaded.set()
+    t.join(60)
+    assert statuses == [200] * len(statuses)

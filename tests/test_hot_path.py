@@ -20,6 +20,7 @@ from model.engine import GenerationRequest
 from model.pcg32 import PCG32
 from model.sampling import SamplingParams, sample
 from model.utf8 import Utf8Decoder
+from tests.modelfiles import pattern_weight
 from wsgi_app.completion import Completion
 from wsgi_app.pacer import Unpaced
 from wsgi_app.protocol import parse_completion_request
@@ -40,15 +41,9 @@ class ReadOnlyModel:
         return self.weight[prev]
 
 
-def _pattern_weight() -> np.ndarray:
-    i = np.arange(256)[:, None]
-    j = np.arange(256)[None, :]
-    return (((i * 31 + j * 17) % 23) / 4.0).astype(np.float32)
-
-
 def _odd_weight() -> np.ndarray:
     """Rows with ties, NaN, +inf, -inf, an all -inf row and an all-NaN row (row 9)."""
-    w = _pattern_weight()
+    w = pattern_weight()
     w[:, 200:] = w[:, :56]  # ties between low and high ids
     w[1, 5] = np.nan
     w[2, 7] = np.inf
@@ -104,7 +99,7 @@ PARAMS = [
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=repr)
-@pytest.mark.parametrize("weight", [_pattern_weight, _odd_weight], ids=["pattern", "odd"])
+@pytest.mark.parametrize("weight", [pattern_weight, _odd_weight], ids=["pattern", "odd"])
 def test_cached_rows_draw_exactly_what_sample_draws(params, weight):
     model = ReadOnlyModel(weight())
     engine = BigramEngine(model)
@@ -126,7 +121,7 @@ def test_an_all_nan_row_still_raises_from_the_cached_path():
 
 
 def test_a_bad_logit_bias_id_still_raises_on_the_first_token():
-    engine = BigramEngine(ReadOnlyModel(_pattern_weight()))
+    engine = BigramEngine(ReadOnlyModel(pattern_weight()))
     for t in (0.0, 1.0):
         params = SamplingParams(temperature=t, logit_bias=((300, 1.0),))
         stream = engine.stream(GenerationRequest((97,), 5, params, 1))
@@ -135,7 +130,7 @@ def test_a_bad_logit_bias_id_still_raises_on_the_first_token():
 
 
 def test_tables_are_chosen_by_parameters_and_bounded():
-    model = ReadOnlyModel(_pattern_weight())
+    model = ReadOnlyModel(pattern_weight())
     cache = RowCache(model.logits, 256, max_tables=2)
     assert isinstance(cache.table(SamplingParams(temperature=0.0)), GreedyTable)
     t1 = cache.table(SamplingParams(temperature=1.0))
@@ -148,8 +143,8 @@ def test_tables_are_chosen_by_parameters_and_bounded():
 
 def test_only_read_only_weights_are_cached():
     assert has_fixed_rows(Bigram.load())
-    assert has_fixed_rows(ReadOnlyModel(_pattern_weight()))
-    writable = ReadOnlyModel(_pattern_weight())
+    assert has_fixed_rows(ReadOnlyModel(pattern_weight()))
+    writable = ReadOnlyModel(pattern_weight())
     writable.weight = np.array(writable.weight)
     assert not has_fixed_rows(writable)
     assert not has_fixed_rows(object())
@@ -187,7 +182,8 @@ def test_batched_uniforms_equal_one_at_a_time(n):
 
 
 def test_batched_uniforms_known_answer():
-    # From the DESIGN §3 outputs for (42, 54): a = 0xa15c02b7, b = 0x7b47f409.
+    # PCG32's first two outputs for (seed 42, sequence 54), from the PCG reference's pcg32-demo:
+    # a = 0xa15c02b7, b = 0x7b47f409; a uniform takes 27 bits of a and 26 of b.
     u = ((0xA15C02B7 >> 5) * 2**26 + (0x7B47F409 >> 6)) * 2.0**-53
     assert PCG32(42, 54).uniforms(1) == [u]
     assert math.isclose(u, 0.630310, abs_tol=1e-6)
@@ -268,21 +264,29 @@ def test_the_benchmarks_straightforward_sampler_draws_the_same_ids():
 
 
 @pytest.mark.parametrize(
-    "body",
+    ("body", "events", "finish_reason"),
     [
-        {"max_tokens": 40, "seed": 3},
-        {"max_tokens": 40, "seed": 3, "temperature": 0},
-        {"max_tokens": 30, "seed": 9, "stop": ["e"]},
-        {"max_tokens": 12, "seed": 1, "echo": True, "stream_options": {"include_usage": True}},
-        {"prompt": [0xE2, 0x82], "max_tokens": 20, "seed": 5},
+        ({"max_tokens": 40, "seed": 3}, 40, "length"),
+        ({"max_tokens": 40, "seed": 3, "temperature": 0}, 40, "length"),
+        # The stop string ends it at the 27th event (26 tokens, then the empty "stop" chunk).
+        ({"max_tokens": 30, "seed": 9, "stop": ["e"]}, 27, "stop"),
+        # The echo is one event more.
+        (
+            {"max_tokens": 12, "seed": 1, "echo": True, "stream_options": {"include_usage": True}},
+            13,
+            "length",
+        ),
+        ({"prompt": [0xE2, 0x82], "max_tokens": 20, "seed": 5}, 20, "length"),
     ],
 )
-def test_the_single_choice_fast_loop_yields_the_general_loops_events(body):
+def test_the_single_choice_fast_loop_yields_the_general_loops_events(body, events, finish_reason):
     # PLAIN framing takes the fast loop; EventIds framing takes the general one. Same seed, same events.
     fast = list(_completion(body).chunks())
     general = [e.split(b"\n", 1)[1] for e in _completion(body, EventIds(7, 1000)).chunks()]
     assert fast == general
-    assert len(fast) == body["max_tokens"] + body.get("echo", False) or "stop" in body
+    assert len(fast) == events
+    last = json.loads(fast[-1].removeprefix(b"data: "))
+    assert last["choices"][0]["finish_reason"] == finish_reason
 
 
 def test_a_usual_answer_is_one_write_and_a_huge_one_is_parts_of_the_same_json():

@@ -5,6 +5,7 @@ import time
 import gevent
 import pytest
 
+from tests.server import wait_until
 from wsgi_app.hubturn import HubTurn
 from wsgi_app.pacer import HUB_ROUND_S, HUB_SLICE_S, hub_slice
 
@@ -92,7 +93,10 @@ def test_a_killed_greenlet_stops_its_watchers():
 
     h = gevent.spawn(hog)
     g = gevent.spawn(wait_forever)
-    gevent.sleep(0.01)
+    # The hog keeps the loop busy, so g's turn stays pending with its watchers started.
+    wait_until(
+        lambda: turn._idle and turn._idle.active, 5, "g to wait in its turn", sleep=gevent.sleep
+    )
     g.kill()
     h.kill()
     assert not turn._idle.active and not turn._timer.active

@@ -1,4 +1,4 @@
-"""Stream lifetime (DESIGN §1, issue 5): every path gives its slot back, and overload is an honest 429.
+"""Stream lifetime: every path gives its slot back, and overload is an honest 429.
 
 Each test drives a real gunicorn, then asserts via ``/debug/state`` that no slot is busy and nothing is
 queued once the traffic stops.
@@ -8,62 +8,38 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
-import time
 
 import pytest
 
 from tests.collector import FakeCollector
-from tests.server import EventReader, GunicornServer, sse_events, wait_until
+from tests.server import GunicornServer, concurrently, wait_until
+from tests.sse import EventReader, sse_events
 
 SLOW = "slow_step_s=0.02"  # 50 tokens/s: long enough streams to disconnect from, short tests
-
-
-def state(srv: GunicornServer) -> dict:
-    status, _, body = srv.get("/debug/state")
-    assert status == 200, body
-    return json.loads(body)
-
-
-def wait_idle(srv: GunicornServer, timeout_s: float = 10.0) -> dict:
-    """Poll until zero busy slots and an empty queue; return that state."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        s = state(srv)
-        if s["slots"]["busy"] == 0 and s["queue"]["waiting"] == 0 and not s["requests"]:
-            return s
-        if time.monotonic() > deadline:
-            raise AssertionError(f"server not idle: {s}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
 def slow(succ_dir, tmp_path_factory):
     """A server with slow steps, 2 slots, a queue of 2, quick heartbeats, and a collector."""
     with FakeCollector() as collector:
-        srv = GunicornServer(
-            tmp_path_factory.mktemp("slow"),
-            {
-                "MODEL_DIR": str(succ_dir),
-                "GREENSERVE_FAULTS": SLOW,
-                "MAX_SLOTS": "2",
-                "MAX_QUEUE": "2",
-                "HEARTBEAT_S": "0.2",
-                "SEND_TIMEOUT_S": "1",
-                "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
-            },
-        ).start()
-        try:
+        env = {
+            "MODEL_DIR": str(succ_dir),
+            "GREENSERVE_FAULTS": SLOW,
+            "MAX_SLOTS": "2",
+            "MAX_QUEUE": "2",
+            "HEARTBEAT_S": "0.2",
+            "SEND_TIMEOUT_S": "1",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
+        }
+        with GunicornServer(tmp_path_factory.mktemp("slow"), env) as srv:
             yield srv, collector
-        finally:
-            srv.stop()
 
 
 def test_normal_end_frees_the_slot(slow):
     srv, _ = slow
     status, _, body = srv.complete({"model": "m", "prompt": "a", "max_tokens": 5, "stream": True})
     assert status == 200 and sse_events(body)[-1] == b"[DONE]"
-    s = wait_idle(srv)
+    s = srv.wait_idle()
     assert s["slots"] == {"busy": 0, "total": 2}
     assert s["queue"] == {"waiting": 0, "max": 2}
 
@@ -80,9 +56,9 @@ def test_disconnect_mid_stream_stops_generation(slow):
     assert reader.next_frame() == b": ok\n"
     for _ in range(5):
         assert reader.next_frame().startswith(b"data: {")
-    assert state(srv)["slots"]["busy"] == 1
+    assert srv.state()["slots"]["busy"] == 1
     reader.close()
-    wait_idle(srv)
+    srv.wait_idle()
     span = collector.span_for("disc-mid")
     generated = int(span["attrs"]["gen_ai.usage.output_tokens"]["intValue"])
     # It stopped within a token or two of the disconnect, nowhere near max_tokens.
@@ -100,13 +76,13 @@ def test_disconnect_while_queued(slow):
     assert queued.open().status == 200
     assert queued.next_frame() == b": ok\n"
     assert queued.next_frame() == b": queued\n"  # after one heartbeat, still no slot
-    s = state(srv)
+    s = srv.state()
     assert (s["slots"]["busy"], s["queue"]["waiting"]) == (2, 1)
     queued.close()
-    wait_until(lambda: state(srv)["queue"]["waiting"] == 0, what="queue to empty")
+    wait_until(lambda: srv.state()["queue"]["waiting"] == 0, what="queue to empty")
     for h in holders:
         h.close()
-    wait_idle(srv)
+    srv.wait_idle()
 
 
 def test_queued_plain_request_runs_when_a_slot_frees(slow):
@@ -117,31 +93,17 @@ def test_queued_plain_request_runs_when_a_slot_frees(slow):
     status, _, body = srv.complete({"model": "m", "prompt": "a", "max_tokens": 3, "temperature": 0})
     assert status == 200 and json.loads(body)["choices"][0]["text"] == "bcd"
     holder.close(), holder2.close()
-    wait_idle(srv)
+    srv.wait_idle()
 
 
 def test_burst_of_ten_times_capacity(slow):
     srv, _ = slow
-    results: list[tuple[int, dict[str, str], bytes]] = []
-    lock = threading.Lock()
-
-    start = threading.Barrier(40)
-
-    def one(i: int) -> None:
-        start.wait()  # all 40 arrive together; each needs 1 s of slot time (50 slow tokens)
-        r = srv.complete({"model": "m", "prompt": "a", "max_tokens": 50, "temperature": 0})
-        with lock:
-            results.append(r)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(40)]  # capacity 2 + 2
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    # All 40 arrive together (capacity 2 + 2); each needs 1 s of slot time (50 slow tokens).
+    body = {"model": "m", "prompt": "a", "max_tokens": 50, "temperature": 0}
+    results = concurrently(lambda _: srv.complete(body), 40)
     statuses = sorted(r[0] for r in results)
-    assert len(results) == 40
-    assert set(statuses) <= {200, 429}, statuses
-    assert statuses.count(200) >= 4 and statuses.count(429) >= 1
+    # All 40 arrive within the first stream's second: 2 run, 2 queue, the other 36 are refused.
+    assert statuses == [200] * 4 + [429] * 36, statuses
     for status, headers, body in results:
         if status == 200:
             assert json.loads(body)["choices"][0]["text"] == bytes(range(98, 148)).decode(
@@ -152,7 +114,7 @@ def test_burst_of_ten_times_capacity(slow):
             assert (err["type"], err["code"]) == ("rate_limit_error", "server_busy")
             assert int(headers["retry-after"]) >= 1
             assert "queued" in err["message"]
-    wait_idle(srv)
+    srv.wait_idle()
 
 
 def test_debug_state_lists_in_flight_requests(slow):
@@ -165,17 +127,17 @@ def test_debug_state_lists_in_flight_requests(slow):
     reader.open()
     for _ in range(4):
         reader.next_frame()
-    s = state(srv)
+    s = srv.state()
     (entry,) = s["requests"]
     assert entry["request_id"] == "inflight-1" and entry["state"] == "running"
     assert entry["tokens"] >= 3 and entry["age_s"] > 0 and 0 < entry["deadline_in_s"] <= 60
     reader.close()
-    wait_idle(srv)
+    srv.wait_idle()
 
 
 def test_startup_objects_are_frozen_out_of_the_collector(slow):
     srv, _ = slow
-    gc_state = state(srv)["gc"]
+    gc_state = srv.state()["gc"]
     # The app, Flask, numpy and the model: tens of thousands of objects no full collection walks.
     assert gc_state["frozen"] > 20_000
     assert len(gc_state["counts"]) == len(gc_state["collections"]) == 3
@@ -190,20 +152,15 @@ def test_debug_endpoints_refuse_forwarded_requests(slow):
 
 
 @pytest.fixture
-def make_server(succ_dir, tmp_path):
-    started: list[GunicornServer] = []
+def make_server(succ_dir, serve):
+    """Return ``make(faults="", **env)``: a started succ-model server with ``GREENSERVE_FAULTS``."""
 
     def make(faults: str = "", **env: str) -> GunicornServer:
-        full = {"MODEL_DIR": str(succ_dir), **env}
         if faults:
-            full["GREENSERVE_FAULTS"] = faults
-        srv = GunicornServer(tmp_path / str(len(started)), full).start()
-        started.append(srv)
-        return srv
+            env["GREENSERVE_FAULTS"] = faults
+        return serve(MODEL_DIR=str(succ_dir), **env)
 
-    yield make
-    for srv in started:
-        srv.stop()
+    return make
 
 
 def test_reader_that_never_reads_is_cut(make_server):
@@ -216,8 +173,8 @@ def test_reader_that_never_reads_is_cut(make_server):
     )
     # Never read: the server's writes block and SEND_TIMEOUT_S=1 cuts the stream well before the
     # 60 s deadline; the slot comes back.
-    wait_until(lambda: state(srv)["slots"]["busy"] == 1, what="stream start")
-    s = wait_idle(srv, timeout_s=20)
+    wait_until(lambda: srv.state()["slots"]["busy"] == 1, what="stream start")
+    s = srv.wait_idle(timeout_s=20)
     assert s["slots"]["busy"] == 0
     reader.close()
 
@@ -235,7 +192,7 @@ def test_deadline_before_first_byte_is_504(make_server):
     assert payloads[-1] == b"[DONE]"
     assert json.loads(payloads[-2])["error"]["code"] == "timeout"
     assert 5 <= len(payloads) - 2 <= 20  # ~15 tokens at 50/s in 0.3 s
-    wait_idle(srv)
+    srv.wait_idle()
     # Both log lines say why, whether the status could still change or not.
     lines = [json.loads(x) for x in srv.log_text().splitlines() if '"message": "request"' in x]
     lines = [x for x in lines if x["path"] == "/v1/completions"]
@@ -261,7 +218,7 @@ def test_engine_exception(make_server):
     assert payloads[3:] == [b"[DONE]"]
     # A non-fatal failure keeps the worker ready.
     assert srv.get("/ready")[0] == 200
-    wait_idle(srv)
+    srv.wait_idle()
 
 
 def test_fatal_engine_failure_turns_readiness_off(make_server):
@@ -270,7 +227,7 @@ def test_fatal_engine_failure_turns_readiness_off(make_server):
     status, _, body = srv.get("/ready")
     assert status == 503 and json.loads(body) == {"status": "not_ready", "reason": "engine_failed"}
     assert srv.get("/health")[0] == 200  # alive, just not ready
-    wait_idle(srv)
+    srv.wait_idle()
 
 
 def test_memory_error_is_503_and_the_worker_recovers(make_server):
@@ -281,7 +238,7 @@ def test_memory_error_is_503_and_the_worker_recovers(make_server):
     status, _, body = srv.complete({"model": "m", "prompt": "a", "max_tokens": 2, "temperature": 0})
     assert status == 200 and json.loads(body)["choices"][0]["text"] == "bc"
     assert srv.get("/ready")[0] == 200
-    wait_idle(srv)
+    srv.wait_idle()
 
 
 def test_drain_turns_ready_off_while_serving_continues(make_server):
@@ -295,48 +252,42 @@ def test_drain_turns_ready_off_while_serving_continues(make_server):
     assert status == 200 and json.loads(body)["choices"][0]["text"] == "bcd"
 
 
-def test_sigterm_with_streams_in_flight(succ_dir, tmp_path):
+def test_sigterm_with_streams_in_flight(succ_dir, serve):
     with FakeCollector() as collector:
-        srv = GunicornServer(
-            tmp_path,
-            {
-                "MODEL_DIR": str(succ_dir),
-                "GREENSERVE_FAULTS": SLOW,
-                "GRACEFUL_TIMEOUT_S": "3",
-                "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
-            },
-        ).start()
-        try:
-            readers = []
-            for i in range(20):
-                # Half finish within the grace period, half are ended by the final event.
-                tokens = 20 if i % 2 == 0 else 1000
-                r = EventReader(
-                    srv.port,
-                    {"model": "m", "prompt": "a", "max_tokens": tokens, "stream": True},
-                    headers={"X-Request-Id": f"term-{i}"},
+        srv = serve(
+            MODEL_DIR=str(succ_dir),
+            GREENSERVE_FAULTS=SLOW,
+            GRACEFUL_TIMEOUT_S="3",
+            OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+        )
+        readers = []
+        for i in range(20):
+            # Half finish within the grace period, half are ended by the final event.
+            tokens = 20 if i % 2 == 0 else 1000
+            r = EventReader(
+                srv.port,
+                {"model": "m", "prompt": "a", "max_tokens": tokens, "stream": True},
+                headers={"X-Request-Id": f"term-{i}"},
+            )
+            r.open()
+            assert r.next_frame() == b": ok\n"
+            readers.append((tokens, r))
+        wait_until(lambda: srv.state()["slots"]["busy"] == 20, what="20 streams running")
+        srv.signal(signal.SIGTERM)
+        for tokens, r in readers:
+            body = r.resp.read()
+            payloads = sse_events(b": ok\n\n" + body)
+            assert payloads[-1] == b"[DONE]"
+            last = json.loads(payloads[-2])
+            if tokens == 20:
+                assert last["choices"][0]["finish_reason"] == "length"
+                assert len(payloads) == 21
+            else:
+                assert (last["error"]["code"], last["error"]["message"]) == (
+                    "unavailable",
+                    "Server is shutting down; generation was ended early.",
                 )
-                r.open()
-                assert r.next_frame() == b": ok\n"
-                readers.append((tokens, r))
-            wait_until(lambda: state(srv)["slots"]["busy"] == 20, what="20 streams running")
-            srv.signal(signal.SIGTERM)
-            for tokens, r in readers:
-                body = r.resp.read()
-                payloads = sse_events(b": ok\n\n" + body)
-                assert payloads[-1] == b"[DONE]"
-                last = json.loads(payloads[-2])
-                if tokens == 20:
-                    assert last["choices"][0]["finish_reason"] == "length"
-                    assert len(payloads) == 21
-                else:
-                    assert (last["error"]["code"], last["error"]["message"]) == (
-                        "unavailable",
-                        "Server is shutting down; generation was ended early.",
-                    )
-                r.close()
-            assert srv.wait(30) == 0
-            for i in range(20):
-                collector.span_for(f"term-{i}", timeout_s=5)
-        finally:
-            srv.stop()
+            r.close()
+        assert srv.wait(30) == 0
+        for i in range(20):
+            collector.span_for(f"term-{i}", timeout_s=5)

@@ -1,24 +1,17 @@
-"""Serving a Llama model (issue 11): converted stories260K behind the real gunicorn, continuous batching
+"""Serving a Llama model: converted stories260K behind the real gunicorn, continuous batching
 on a native thread, the hub never blocked (gevent's monitor thread watches), the same HTTP contract."""
 
 from __future__ import annotations
 
 import json
 import signal
-import threading
 
 import pytest
 
 from tests.collector import FakeCollector
 from tests.llamafiles import convert_stories, expected_greedy
-from tests.server import (
-    HUB_MONITOR_ENV,
-    EventReader,
-    GunicornServer,
-    assert_hub_never_blocked,
-    sse_events,
-    sse_json,
-)
+from tests.server import HUB_MONITOR_ENV, GunicornServer, assert_hub_never_blocked, concurrently
+from tests.sse import EventReader, sse_events, sse_json
 
 
 @pytest.fixture(scope="module")
@@ -29,18 +22,13 @@ def stories_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama(stories_dir, tmp_path_factory):
     with FakeCollector() as collector:
-        srv = GunicornServer(
-            tmp_path_factory.mktemp("llama-server"),
-            {
-                "MODEL_DIR": str(stories_dir),
-                **HUB_MONITOR_ENV,
-                "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
-            },
-        ).start()
-        try:
+        env = {
+            "MODEL_DIR": str(stories_dir),
+            **HUB_MONITOR_ENV,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
+        }
+        with GunicornServer(tmp_path_factory.mktemp("llama-server"), env) as srv:
             yield srv, collector
-        finally:
-            srv.stop()
         assert_hub_never_blocked(srv)
 
 
@@ -114,18 +102,7 @@ def test_alone_equals_beside_seven_others(llama):
         for i, p in enumerate(prompts)
     ]
     alone = [plain(srv, b)["choices"][0]["text"] for b in bodies]
-    together: list[str | None] = [None] * 8
-    start = threading.Barrier(8)
-
-    def one(i):
-        start.wait()
-        together[i] = plain(srv, bodies[i])["choices"][0]["text"]
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    together = concurrently(lambda i: plain(srv, bodies[i])["choices"][0]["text"], 8)
     assert together == alone
     assert len(set(alone)) == 8
 
@@ -212,77 +189,65 @@ def test_healthz_answers_while_the_engine_is_busy(llama):
     assert_hub_never_blocked(srv)
 
 
-def test_sigterm_drains_engine_streams(stories_dir, tmp_path):
-    srv = GunicornServer(tmp_path, {"MODEL_DIR": str(stories_dir), "GRACEFUL_TIMEOUT_S": "5"})
-    srv.start()
-    try:
-        readers = [
-            EventReader(
-                srv.port,
-                {
-                    "model": "s",
-                    "prompt": "Once",
-                    "max_tokens": 500,
-                    "ignore_eos": True,
-                    "stream": True,
-                },
-            )
-            for _ in range(6)
-        ]
-        for r in readers:
-            r.open()
-            assert r.next_frame() == b": ok\n"
-        srv.signal(signal.SIGTERM)
-        for r in readers:
-            payloads = sse_events(b": ok\n\n" + r.resp.read())
-            assert payloads[-1] == b"[DONE]"
-            last = json.loads(payloads[-2])
-            assert last.get("error", {}).get("code") == "unavailable" or (
-                last["choices"][0]["finish_reason"] == "length"
-            )
-            r.close()
-        assert srv.wait(30) == 0
-    finally:
-        srv.stop()
+def test_sigterm_drains_engine_streams(stories_dir, serve):
+    # 50 tokens/s: 500 tokens take 10 s, so every stream is still running when the grace period
+    # (3 s, streams end 1 s before it) runs out.
+    srv = serve(
+        MODEL_DIR=str(stories_dir), GRACEFUL_TIMEOUT_S="3", GREENSERVE_FAULTS="slow_step_s=0.02"
+    )
+    body = {"model": "s", "prompt": "Once", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    readers = [EventReader(srv.port, body) for _ in range(6)]
+    for r in readers:
+        r.open()
+        assert r.next_frame() == b": ok\n"
+    srv.signal(signal.SIGTERM)
+    for r in readers:
+        payloads = sse_events(b": ok\n\n" + r.resp.read())
+        assert payloads[-1] == b"[DONE]"
+        last = json.loads(payloads[-2])
+        assert (last["error"]["code"], last["error"]["message"]) == (
+            "unavailable",
+            "Server is shutting down; generation was ended early.",
+        )
+        assert 0 < len(payloads) - 2 < 500  # some tokens, then the final event
+        r.close()
+    assert srv.wait(30) == 0
 
 
-def test_a_leaving_client_frees_its_batch_places_for_the_next(stories_dir, tmp_path):
+def test_a_leaving_client_frees_its_batch_places_for_the_next(stories_dir, serve):
     # One slot: A streams 8 choices, B waits in the queue; A hangs up; B must be served, not refused
     # by a batch that still counts A's cancelled sequences.
-    srv = GunicornServer(tmp_path, {"MODEL_DIR": str(stories_dir), "MAX_SLOTS": "1"}).start()
-    try:
+    srv = serve(MODEL_DIR=str(stories_dir), MAX_SLOTS="1")
+    for _ in range(3):
+        a = EventReader(
+            srv.port,
+            {
+                "model": "s",
+                "prompt": "Once upon a time",
+                "n": 8,
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        )
+        a.open()
         for _ in range(3):
-            a = EventReader(
-                srv.port,
-                {
-                    "model": "s",
-                    "prompt": "Once upon a time",
-                    "n": 8,
-                    "max_tokens": 400,
-                    "ignore_eos": True,
-                    "stream": True,
-                },
-            )
-            a.open()
-            for _ in range(3):
-                a.next_frame()
-            b = EventReader(
-                srv.port,
-                {
-                    "model": "s",
-                    "prompt": "Once",
-                    "max_tokens": 20,
-                    "ignore_eos": True,
-                    "stream": True,
-                },
-            )
-            b.open()
-            a.close()
-            payloads = sse_events(b": ok\n\n" + b.resp.read())
-            b.close()
-            chunks = [json.loads(p) for p in payloads[:-1]]
-            assert payloads[-1] == b"[DONE]" and "error" not in chunks[-1], chunks[-1]
-            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert "Traceback" not in srv.log_text()
-    finally:
-        srv.stop()
+            a.next_frame()
+        b = EventReader(
+            srv.port,
+            {
+                "model": "s",
+                "prompt": "Once",
+                "max_tokens": 20,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        )
+        b.open()
+        a.close()
+        payloads = sse_events(b": ok\n\n" + b.resp.read())
+        b.close()
+        chunks = [json.loads(p) for p in payloads[:-1]]
+        assert payloads[-1] == b"[DONE]" and "error" not in chunks[-1], chunks[-1]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "Traceback" not in srv.log_text()

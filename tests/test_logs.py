@@ -1,4 +1,4 @@
-"""JSON logs (issue 7): one typed line per request, gunicorn's own lines in the same shape, slow-request
+"""JSON logs: one typed line per request, gunicorn's own lines in the same shape, slow-request
 timelines, per-step debug lines, and prompts only with ``LOG_PROMPTS=1``."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
 from array import array
 from types import SimpleNamespace
 
 import pytest
 
 from telemetry.logs import JsonFormatter, client_hash, logging_config
-from tests.server import GunicornServer, sse_events
+from tests.server import GunicornServer, wait_until
+from tests.sse import sse_events
 from wsgi_app.request_telemetry import finish_reason, is_failed, summarize
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -143,13 +143,12 @@ def log_lines(srv: GunicornServer) -> list[dict]:
 
 
 def wait_for(srv: GunicornServer, predicate, timeout_s: float = 10.0) -> list[dict]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = [line for line in log_lines(srv) if predicate(line)]
-        if found:
-            return found
-        assert time.monotonic() < deadline, srv.log_tail()
-        time.sleep(0.05)
+    """Poll the log until some lines satisfy ``predicate``; return those lines."""
+    return wait_until(
+        lambda: [line for line in log_lines(srv) if predicate(line)],
+        timeout_s,
+        lambda: f"a log line; log:\n{srv.log_tail()}",
+    )
 
 
 def request_line(srv: GunicornServer, request_id: str) -> dict:
@@ -167,12 +166,9 @@ def check_types(line: dict) -> None:
 
 @pytest.fixture(scope="module")
 def logged(succ_dir, tmp_path_factory):
-    srv = GunicornServer(
-        tmp_path_factory.mktemp("logs"),
-        {"MODEL_DIR": str(succ_dir), "CLIENT_HASH_SALT": SALT, "GREENSERVE_FAULTS": "fail_at=40"},
-    ).start()
-    yield srv
-    srv.stop()
+    env = {"MODEL_DIR": str(succ_dir), "CLIENT_HASH_SALT": SALT, "GREENSERVE_FAULTS": "fail_at=40"}
+    with GunicornServer(tmp_path_factory.mktemp("logs"), env) as srv:
+        yield srv
 
 
 def test_request_line_has_every_field_typed_and_no_prompt(logged):
@@ -204,8 +200,7 @@ def test_request_line_has_every_field_typed_and_no_prompt(logged):
     assert 0 < line["ttft_s"] <= line["latency_s"]
     assert 0 <= line["itl_p50_s"] <= line["itl_p95_s"]
     assert 0 <= line["queue_wait_s"] <= line["ttft_s"]
-    pids = {json.loads(srv.get("/debug/state")[2])["pid"]}
-    assert line["pid"] in pids
+    assert line["pid"] == srv.state()["pid"]  # the one worker
     assert "prompt" not in line and "texts" not in line
     assert SECRET_PROMPT not in srv.log_text()
 
@@ -239,59 +234,44 @@ def test_rejected_and_failed_requests(logged):
     assert line["error"] == "Generation failed: EngineFailure."
 
 
-def test_log_prompts_logs_prompt_and_texts(succ_dir, tmp_path):
-    srv = GunicornServer(tmp_path, {"MODEL_DIR": str(succ_dir), "LOG_PROMPTS": "1"}).start()
-    try:
-        srv.complete(
-            {"model": "m", "prompt": "ab", "max_tokens": 3, "temperature": 0, "n": 2},
-            headers={"X-Request-Id": "log-prompts"},
-        )
-        line = request_line(srv, "log-prompts")
-        check_types(line)
-        assert (line["prompt"], line["texts"]) == ("ab", ["cde", "cde"])
-    finally:
-        srv.stop()
+def test_log_prompts_logs_prompt_and_texts(succ_dir, serve):
+    srv = serve(MODEL_DIR=str(succ_dir), LOG_PROMPTS="1")
+    srv.complete(
+        {"model": "m", "prompt": "ab", "max_tokens": 3, "temperature": 0, "n": 2},
+        headers={"X-Request-Id": "log-prompts"},
+    )
+    line = request_line(srv, "log-prompts")
+    check_types(line)
+    assert (line["prompt"], line["texts"]) == ("ab", ["cde", "cde"])
 
 
-def test_debug_steps_and_slow_timeline(succ_dir, tmp_path):
-    srv = GunicornServer(
-        tmp_path,
-        {
-            "MODEL_DIR": str(succ_dir),
-            "LOG_LEVEL": "debug",
-            "SLOW_REQUEST_S": "0.05",
-            "GREENSERVE_FAULTS": "slow_step_s=0.02",
-        },
-    ).start()
-    try:
-        srv.complete(
-            {"model": "m", "prompt": "a", "max_tokens": 5}, headers={"X-Request-Id": "dbg"}
-        )
-        request_line(srv, "dbg")
-        steps = [
-            x for x in log_lines(srv) if x["message"] == "step" and x.get("request_id") == "dbg"
-        ]
-        assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
-        assert {s["logger"] for s in steps} == {"greenserve.step"}
-        assert steps[0]["gap_s"] is None and all(s["gap_s"] >= 0.015 for s in steps[1:])
-        assert all(a["t_s"] < b["t_s"] for a, b in zip(steps, steps[1:], strict=False))
-        (slow,) = wait_for(
-            srv, lambda x: x["message"] == "slow request" and x.get("request_id") == "dbg"
-        )
-        assert (slow["level"], slow["logger"]) == ("WARNING", "greenserve.slow")
-        names = [event for event, _ in slow["timeline"]]
-        assert names == ["arrived", "slot", "first_token", "last_token", "closed"]
-        times = [t for _, t in slow["timeline"]]
-        assert times == sorted(times) and times[-1] == slow["latency_s"] > 0.05
-        assert [i for i, _ in slow["longest_gaps"]] != [] and len(slow["longest_gaps"]) == 3
-        assert all(1 <= i <= 4 and gap >= 0.015 for i, gap in slow["longest_gaps"])
-        # A quick request is not slow: no timeline for it.
-        srv.complete({"model": "m", "prompt": "a", "max_tokens": 1}, headers={"X-Request-Id": "q"})
-        request_line(srv, "q")
-        assert not [
-            x
-            for x in log_lines(srv)
-            if x["message"] == "slow request" and x.get("request_id") == "q"
-        ]
-    finally:
-        srv.stop()
+def test_debug_steps_and_slow_timeline(succ_dir, serve):
+    srv = serve(
+        MODEL_DIR=str(succ_dir),
+        LOG_LEVEL="debug",
+        SLOW_REQUEST_S="0.05",
+        GREENSERVE_FAULTS="slow_step_s=0.02",
+    )
+    srv.complete({"model": "m", "prompt": "a", "max_tokens": 5}, headers={"X-Request-Id": "dbg"})
+    request_line(srv, "dbg")
+    steps = [x for x in log_lines(srv) if x["message"] == "step" and x.get("request_id") == "dbg"]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
+    assert {s["logger"] for s in steps} == {"greenserve.step"}
+    assert steps[0]["gap_s"] is None and all(s["gap_s"] >= 0.015 for s in steps[1:])
+    assert all(a["t_s"] < b["t_s"] for a, b in zip(steps, steps[1:], strict=False))
+    (slow,) = wait_for(
+        srv, lambda x: x["message"] == "slow request" and x.get("request_id") == "dbg"
+    )
+    assert (slow["level"], slow["logger"]) == ("WARNING", "greenserve.slow")
+    names = [event for event, _ in slow["timeline"]]
+    assert names == ["arrived", "slot", "first_token", "last_token", "closed"]
+    times = [t for _, t in slow["timeline"]]
+    assert times == sorted(times) and times[-1] == slow["latency_s"] > 0.05
+    assert len(slow["longest_gaps"]) == 3
+    assert all(1 <= i <= 4 and gap >= 0.015 for i, gap in slow["longest_gaps"])
+    # A quick request is not slow: no timeline for it.
+    srv.complete({"model": "m", "prompt": "a", "max_tokens": 1}, headers={"X-Request-Id": "q"})
+    request_line(srv, "q")
+    assert not [
+        x for x in log_lines(srv) if x["message"] == "slow request" and x.get("request_id") == "q"
+    ]

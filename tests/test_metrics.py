@@ -1,4 +1,4 @@
-"""Prometheus metrics (issue 7): exact counts summed over gunicorn workers, parseable exposition, no gauge
+"""Prometheus metrics: exact counts summed over gunicorn workers, parseable exposition, no gauge
 left behind by a killed worker, span-export counters; plus the pure pieces (quantiles, bucket adds)."""
 
 from __future__ import annotations
@@ -7,10 +7,6 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
-import threading
-import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
@@ -19,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from telemetry.metrics import ITL_BUCKETS, Metrics, add_bucket_counts, render, summarize
 from telemetry.quantiles import bucket_index, cumulate, histogram_quantile
 from tests.collector import FakeCollector
-from tests.server import ROOT, EventReader, GunicornServer, sse_json
+from tests.server import GunicornServer, concurrently, wait_until
+from tests.sse import EventReader, sse_json
 
 BUCKETS = [(0.1, 2), (0.5, 6), (1.0, 8), (math.inf, 10)]
 
@@ -146,17 +143,6 @@ def test_metrics_are_per_registry_and_summarize_exactly():
     } <= names
 
 
-def test_telemetry_modules_import_no_flask_nor_app():
-    code = (
-        "import sys, telemetry.metrics, telemetry.logs, telemetry.history, telemetry.recorder,"
-        " telemetry.flusher;"
-        "print(sorted(m for m in ('flask', 'wsgi_app', 'model', 'requests') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
-
-
 # -- against a real gunicorn with two workers -------------------------------------------------------
 
 
@@ -178,32 +164,16 @@ def value(metrics: dict, family: str, sample: str | None = None, **labels: str) 
 
 @pytest.fixture(scope="module")
 def two_workers(succ_dir, tmp_path_factory):
-    srv = GunicornServer(
-        tmp_path_factory.mktemp("metrics2"),
-        {"MODEL_DIR": str(succ_dir), "GREENSERVE_FAULTS": "slow_step_s=0.001"},
-        workers=2,
-    ).start()
-    yield srv
-    srv.stop()
-
-
-def wait_workers(srv: GunicornServer, n: int, timeout_s: float = 20.0) -> set[int]:
-    """Poll ``/debug/state`` until ``n`` different workers have answered (one may boot late)."""
-    pids: set[int] = set()
-    deadline = time.monotonic() + timeout_s
-    while len(pids) < n:
-        assert time.monotonic() < deadline, pids
-        pids.add(json.loads(srv.get("/debug/state")[2])["pid"])
-    return pids
+    env = {"MODEL_DIR": str(succ_dir), "GREENSERVE_FAULTS": "slow_step_s=0.001"}
+    with GunicornServer(tmp_path_factory.mktemp("metrics2"), env, workers=2) as srv:
+        yield srv
 
 
 def test_forty_requests_over_two_workers_count_exactly(two_workers):
     srv = two_workers
-    wait_workers(srv, 2)  # both serve: the counts below are sums over two processes
-    results: list[dict] = []
-    lock = threading.Lock()
+    srv.wait_workers(2)  # both serve: the counts below are sums over two processes
 
-    def one(i: int) -> None:
+    def one(i: int) -> dict:
         body = {"model": "m", "prompt": "ab"[: 1 + i % 2], "max_tokens": 1 + i % 7}
         if i % 3 == 0:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
@@ -213,15 +183,9 @@ def test_forty_requests_over_two_workers_count_exactly(two_workers):
             status, _, raw = srv.complete(body)
             usage = json.loads(raw)["usage"]
         assert status == 200
-        with lock:
-            results.append(usage)
+        return usage
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(40)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert len(results) == 40
+    results = concurrently(one, 40)
     for port in (srv.port, srv.health_port):  # both ports answer with the sum of both workers
         m = scrape(srv, port)
         assert (
@@ -269,76 +233,62 @@ def master_children(master_pid: int) -> set[int]:
     return pids
 
 
-def test_killed_worker_leaves_no_running_gauge(succ_dir, tmp_path):
-    srv = GunicornServer(
-        tmp_path, {"MODEL_DIR": str(succ_dir), "GREENSERVE_FAULTS": "slow_step_s=0.02"}, workers=2
-    ).start()
+def test_killed_worker_leaves_no_running_gauge(succ_dir, serve):
+    srv = serve(MODEL_DIR=str(succ_dir), GREENSERVE_FAULTS="slow_step_s=0.02", workers=2)
     readers = []
-    try:
-        body = {"model": "m", "prompt": "a", "max_tokens": 3000, "stream": True}
-        for _ in range(6):
-            r = EventReader(srv.port, body)
-            r.open()
-            assert r.next_frame() == b": ok\n"
-            readers.append(r)
-        assert value(scrape(srv), "greenserve_requests_running") == 6
-        # The worker that answers /debug/state while busy holds some of the streams: kill it.
-        deadline = time.monotonic() + 10
-        while True:
-            state = json.loads(srv.get("/debug/state")[2])
-            if state["slots"]["busy"] > 0:
-                break
-            assert time.monotonic() < deadline, "no busy worker answered"
-        victim = state["pid"]
-        assert victim in master_children(srv.proc.pid)
-        os.kill(victim, signal.SIGKILL)
-        for r in readers:
-            r.close()
-        # gunicorn respawns the worker; child_exit dropped its gauge file, the streams on the other
-        # worker ended with their readers: nothing is left running anywhere.
-        deadline = time.monotonic() + 20
-        while True:
-            m = scrape(srv)
-            children = master_children(srv.proc.pid)
-            if value(m, "greenserve_requests_running") == 0 and len(children) == 2:
-                break
-            assert time.monotonic() < deadline, m["greenserve_requests_running"]
-            time.sleep(0.1)
-        assert victim not in children
-        assert value(m, "greenserve_requests_queued") == 0
-        assert srv.complete({"model": "m", "prompt": "a", "max_tokens": 2})[0] == 200
-    finally:
-        for r in readers:
-            r.close()
-        srv.stop()
+    body = {"model": "m", "prompt": "a", "max_tokens": 3000, "stream": True}
+    for _ in range(6):
+        r = EventReader(srv.port, body)
+        r.open()
+        assert r.next_frame() == b": ok\n"
+        readers.append(r)
+    assert value(scrape(srv), "greenserve_requests_running") == 6
+    # The worker that answers /debug/state while busy holds some of the streams: kill it.
+    state = wait_until(
+        lambda: (s := srv.state())["slots"]["busy"] > 0 and s, what="a busy worker to answer"
+    )
+    victim = state["pid"]
+    assert victim in master_children(srv.proc.pid)
+    os.kill(victim, signal.SIGKILL)
+    for r in readers:
+        r.close()
+    # gunicorn respawns the worker; child_exit dropped its gauge file, the streams on the other
+    # worker ended with their readers: nothing is left running anywhere.
+    seen: list[dict] = []
+
+    def settled() -> bool:
+        seen[:] = [scrape(srv)]
+        running = value(seen[0], "greenserve_requests_running")
+        return running == 0 and len(master_children(srv.proc.pid)) == 2
+
+    wait_until(settled, 20, lambda: f"no stream running: {seen[0]['greenserve_requests_running']}")
+    assert victim not in master_children(srv.proc.pid)
+    assert value(seen[0], "greenserve_requests_queued") == 0
+    assert srv.complete({"model": "m", "prompt": "a", "max_tokens": 2})[0] == 200
 
 
-def test_span_export_counters_match_the_collector(succ_dir, tmp_path):
+def exported(srv: GunicornServer) -> dict[str, float]:
+    """The ``greenserve_exported_spans_total`` counts by result, summed over workers."""
+    m = scrape(srv)
+    name = "greenserve_exported_spans"
+    return {r: value(m, name, name + "_total", result=r) for r in ("sent", "dropped", "failed")}
+
+
+def test_span_export_counters_match_the_collector(succ_dir, serve):
     # The first POST is refused with a non-retryable 400 (failed); later ones are accepted (sent).
     with FakeCollector(statuses=[400]) as collector:
-        srv = GunicornServer(
-            tmp_path, {"MODEL_DIR": str(succ_dir), "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url}
-        ).start()
-        try:
-            assert srv.complete({"model": "m", "prompt": "a", "max_tokens": 2})[0] == 200
-            deadline = time.monotonic() + 20
-            while True:
-                m = scrape(srv)
-                got = {
-                    r: value(
-                        m, "greenserve_exported_spans", "greenserve_exported_spans_total", result=r
-                    )
-                    for r in ("sent", "dropped", "failed")
-                }
-                attempts = collector.attempts()
-                want = {
-                    "sent": sum(len(a.spans) for a in attempts if a.status == 200),
-                    "dropped": 0,
-                    "failed": sum(len(a.spans) for a in attempts if a.status == 400),
-                }
-                if got == want and want["sent"] >= 1 and want["failed"] >= 1:
-                    break
-                assert time.monotonic() < deadline, (got, want)
-                time.sleep(0.1)
-        finally:
-            srv.stop()
+        srv = serve(MODEL_DIR=str(succ_dir), OTEL_EXPORTER_OTLP_ENDPOINT=collector.url)
+        assert srv.complete({"model": "m", "prompt": "a", "max_tokens": 2})[0] == 200
+        seen: list = []
+
+        def counted() -> bool:
+            attempts = collector.attempts()
+            want = {
+                "sent": sum(len(a.spans) for a in attempts if a.status == 200),
+                "dropped": 0,
+                "failed": sum(len(a.spans) for a in attempts if a.status == 400),
+            }
+            seen[:] = [exported(srv), want]
+            return seen[0] == want and want["sent"] >= 1 and want["failed"] >= 1
+
+        wait_until(counted, 20, lambda: f"counters equal to the collector's: {seen}")

@@ -1,4 +1,4 @@
-"""greenserve behind the real nginx (issue 6), running the example site ``deploy/nginx/greenserve.conf``.
+"""greenserve behind the real nginx, running the example site ``deploy/nginx/greenserve.conf``.
 
 Events pass through one at a time while the model is still generating; gzip (on globally, as in Debian's
 nginx.conf, and here for every type) stays off for them; the client's address reaches the rate limiter
@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.collector import FakeCollector
-from tests.server import ROOT, EventReader, GunicornServer, wait_until
+from tests.server import ROOT, GunicornServer, wait_until
 from tests.services import NGINX_SITE, NginxServer
+from tests.sse import EventReader
 
 STEP_S = 0.2  # GREENSERVE_FAULTS slow step: each token takes at least this long
 
@@ -28,35 +29,22 @@ def stack(
     succ_dir, tmp_path_factory
 ) -> Iterator[tuple[NginxServer, GunicornServer, FakeCollector]]:
     """nginx -> gunicorn (1 worker, slow steps, 3 requests/minute per client) -> a span collector."""
-    with FakeCollector() as collector:
-        srv = GunicornServer(
+    env = {
+        "MODEL_DIR": str(succ_dir),
+        "GREENSERVE_FAULTS": f"slow_step_s={STEP_S}",
+        "TRUSTED_PROXIES": "1",
+        "RATE_LIMIT": "3/minute",
+    }
+    # NginxServer skips (or fails under CI) without nginx: the upstream stops then too.
+    with (
+        FakeCollector() as collector,
+        GunicornServer(
             tmp_path_factory.mktemp("upstream"),
-            {
-                "MODEL_DIR": str(succ_dir),
-                "GREENSERVE_FAULTS": f"slow_step_s={STEP_S}",
-                "TRUSTED_PROXIES": "1",
-                "RATE_LIMIT": "3/minute",
-                "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
-            },
-        )
-        try:  # NginxServer skips (or fails under CI) without nginx: the upstream must stop then too
-            srv.start()
-            nginx = NginxServer(tmp_path_factory.mktemp("nginx"), srv.port)
-            try:
-                nginx.start()
-                yield nginx, srv, collector
-            finally:
-                nginx.stop()
-        finally:
-            srv.stop()
-
-
-def in_flight(srv: GunicornServer, request_id: str) -> dict | None:
-    """This request's ``/debug/state`` entry, asked directly of gunicorn (not through nginx)."""
-    status, _, body = srv.get("/debug/state")
-    assert status == 200, body
-    state = json.loads(body)
-    return next((r for r in state["requests"] if r["request_id"] == request_id), None)
+            {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url},
+        ) as srv,
+        NginxServer(tmp_path_factory.mktemp("nginx"), srv.port) as nginx,
+    ):
+        yield nginx, srv, collector
 
 
 def test_each_event_arrives_before_the_next_token(stack):
@@ -79,7 +67,7 @@ def test_each_event_arrives_before_the_next_token(stack):
         texts.append(json.loads(frame[len(b"data: ") :])["choices"][0]["text"])
         if i < 6:
             # The server is at most one token ahead of what the client has: nothing is buffered.
-            entry = in_flight(srv, "via-nginx")
+            entry = srv.in_flight("via-nginx")
             assert entry is not None and entry["tokens"] <= i + 1, (i, entry)
     assert reader.next_frame() == b"data: [DONE]\n"
     assert reader.next_frame() == b""
@@ -120,9 +108,9 @@ def test_disconnect_at_nginx_stops_generation(stack):
     assert reader.next_frame() == b": ok\n"
     for _ in range(3):
         assert reader.next_frame().startswith(b"data: {")
-    assert in_flight(srv, "nginx-hangup") is not None
+    assert srv.in_flight("nginx-hangup") is not None
     reader.close()
-    wait_until(lambda: in_flight(srv, "nginx-hangup") is None, what="generation to stop")
+    wait_until(lambda: srv.in_flight("nginx-hangup") is None, what="generation to stop")
 
     attrs = collector.span_for("nginx-hangup")["attrs"]
     generated = int(attrs["gen_ai.usage.output_tokens"]["intValue"])

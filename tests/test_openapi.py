@@ -11,8 +11,8 @@ import pytest
 from jsonschema import ValidationError
 from openapi_spec_validator import validate
 
-from tests.contract import Contract, parse_events
-from tests.server import GunicornServer
+from tests.contract import Contract
+from tests.sse import events
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "wsgi_app" / "openapi.json"
 SSE = {"Accept": "text/event-stream"}
@@ -86,7 +86,7 @@ def test_stream_events_are_checked_strictly(succ_server, contract):
 def test_event_source_answers_validate(succ_server, contract):
     status, headers, raw = succ_server.get(STREAM_URL, headers=SSE)
     assert contract.check("/v1/completions", "GET", status, headers, raw) == 2 + 4
-    assert [e["id"] for e in parse_events(raw)] == ["5-0", "5-1", "5-2", "5-done"]
+    assert [e["id"] for e in events(raw)] == ["5-0", "5-1", "5-2", "5-done"]
     status, headers, raw = succ_server.get(STREAM_URL, headers={**SSE, "Last-Event-ID": "5-done"})
     assert status == 204
     contract.check("/v1/completions", "GET", status, headers, raw)
@@ -147,16 +147,13 @@ def test_openapi_json_validates(succ_server, contract):
     contract.check("/openapi.json", "GET", status, headers, raw)
 
 
-def test_drain_and_not_ready_validate(succ_dir, tmp_path, contract):
-    srv = GunicornServer(tmp_path, {"MODEL_DIR": str(succ_dir)}, health_port=False).start()
-    try:
-        status, headers, raw = srv.post("/debug/drain", b"")
-        contract.check("/debug/drain", "POST", status, headers, raw)
-        status, headers, raw = srv.get("/ready")
-        assert (status, json.loads(raw)) == (503, {"status": "not_ready", "reason": "draining"})
-        contract.check("/ready", "GET", status, headers, raw)
-        status, headers, raw = srv.post("/debug/drain", b"", headers={"X-Forwarded-For": "1.2.3.4"})
-        contract.check("/debug/drain", "POST", status, headers, raw)
-        assert status == 404
-    finally:
-        srv.stop()
+def test_drain_and_not_ready_validate(succ_dir, serve, contract):
+    srv = serve(MODEL_DIR=str(succ_dir), health_port=False)
+    status, headers, raw = srv.post("/debug/drain", b"")
+    contract.check("/debug/drain", "POST", status, headers, raw)
+    status, headers, raw = srv.get("/ready")
+    assert (status, json.loads(raw)) == (503, {"status": "not_ready", "reason": "draining"})
+    contract.check("/ready", "GET", status, headers, raw)
+    status, headers, raw = srv.post("/debug/drain", b"", headers={"X-Forwarded-For": "1.2.3.4"})
+    contract.check("/debug/drain", "POST", status, headers, raw)
+    assert status == 404

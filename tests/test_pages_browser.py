@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,9 +111,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GunicornServer]
         "STATS_FLUSH_S": "0.2",
         "SLO_TTFT_S": "0.5",
     }
-    srv = GunicornServer(tmp_path_factory.mktemp("pages-browser"), env).start()
-    yield srv
-    srv.stop()
+    with GunicornServer(tmp_path_factory.mktemp("pages-browser"), env) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -175,12 +173,6 @@ def fill_request(pg: Page, max_tokens: int, seed: int, key: str = KEY) -> None:
     pg.fill("#api_key", key)
 
 
-def debug_state(server: GunicornServer) -> dict:
-    status, _, body = server.get("/debug/state")
-    assert status == 200
-    return json.loads(body)
-
-
 def test_demo_streams_the_continuation_token_by_token(server, page):
     pg, watch = page
     params = {
@@ -234,7 +226,7 @@ def test_stop_closes_the_stream_and_frees_the_slot(server, page):
     fill_request(pg, 4096, 3)  # about 200 s of tokens at the injected pace
     pg.click("#generate")
     pg.wait_for_function("() => document.getElementById('completion').textContent.length >= 5")
-    held = debug_state(server)
+    held = server.state()
     assert held["slots"]["busy"] == 1 and [r["state"] for r in held["requests"]] == ["running"]
 
     pg.click("#stop")
@@ -243,10 +235,7 @@ def test_stop_closes_the_stream_and_frees_the_slot(server, page):
     tokens = int(pg.text_content("#tokens"))
     assert pg.text_content("#state") == f"Stopped after {tokens} tokens."
     text = pg.text_content("#completion")
-    deadline = time.monotonic() + 10
-    while (state := debug_state(server))["slots"]["busy"] or state["requests"]:
-        assert time.monotonic() < deadline, state
-        time.sleep(0.05)
+    server.wait_idle()
     pg.wait_for_timeout(4 * SLOW_STEP_S * 1000)
     assert pg.text_content("#completion") == text  # nothing arrived after Stop
     assert pg.is_enabled("#generate") and not pg.is_enabled("#stop")

@@ -1,4 +1,4 @@
-"""The OpenAI sampling parameters over HTTP (issue 3): stop, n, echo, logprobs, usage chunk, filters,
+"""The OpenAI sampling parameters over HTTP : stop, n, echo, logprobs, usage chunk, filters,
 bias, penalties, and their validation. The sampling math itself is pinned in tests/test_sampling.py."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import math
 import pytest
 
 from tests.modelfiles import path_weight, write_model_dir
-from tests.server import GunicornServer, sse_json
+from tests.server import GunicornServer
+from tests.sse import sse_json
 
 # Greedy from "a": q, é (C3 A9), !, x, y, z, then byte 0 (z has no successor; ties go to id 0).
 PATH = b"aq\xc3\xa9!xyz"
@@ -18,10 +19,8 @@ PATH = b"aq\xc3\xa9!xyz"
 @pytest.fixture(scope="module")
 def path_server(tmp_path_factory):
     model = write_model_dir(tmp_path_factory.mktemp("path-model"), path_weight(PATH))
-    srv = GunicornServer(tmp_path_factory.mktemp("path-server"), {"MODEL_DIR": str(model)})
-    srv.start()
-    yield srv
-    srv.stop()
+    with GunicornServer(tmp_path_factory.mktemp("path-server"), {"MODEL_DIR": str(model)}) as srv:
+        yield srv
 
 
 def plain(srv: GunicornServer, body: dict) -> dict:

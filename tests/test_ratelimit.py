@@ -1,4 +1,4 @@
-"""Per-client rate limits (issue 6) against a real gunicorn and a real Redis.
+"""Per-client rate limits against a real gunicorn and a real Redis.
 
 Redis storage is exact across workers; memory storage counts per worker (the README's caveat); a Redis
 that goes away is failed open, logged and counted; the client is its API key or its address, and a
@@ -8,13 +8,12 @@ forged ``X-Forwarded-For`` only counts when a proxy is trusted to have written i
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from tests.server import GunicornServer, ServerDied
+from tests.server import GunicornServer, ServerDied, concurrently, wait_until
 from tests.services import RedisServer
 
 BODY = {"model": "m", "prompt": "a", "max_tokens": 1, "temperature": 0}
@@ -35,73 +34,32 @@ def too_many(limit: str) -> dict:
 Result = tuple[int, dict[str, str], bytes]
 
 
-def burst(srv: GunicornServer, n: int, threads: int = 4, **kw) -> list[Result]:
-    """Send ``n`` completions from ``threads`` threads, each on a fresh connection."""
-    results: list[Result] = []
-    lock = threading.Lock()
-    todo = iter(range(n))
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if next(todo, None) is None:
-                    return
-            r = srv.complete(BODY, **kw)
-            with lock:
-                results.append(r)
-
-    pool = [threading.Thread(target=worker) for _ in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join(60)
-    assert len(results) == n
-    return results
-
-
-def debug_state(srv: GunicornServer) -> dict:
-    status, _, body = srv.get("/debug/state")
-    assert status == 200, body
-    return json.loads(body)
-
-
-def wait_for_workers(srv: GunicornServer, n: int, timeout_s: float = 30.0) -> None:
-    """Poll ``/debug/state`` until ``n`` different workers have answered (all booted)."""
-    pids: set[int] = set()
-    deadline = time.monotonic() + timeout_s
-    while len(pids) < n:
-        assert time.monotonic() < deadline, f"only workers {pids} answered"
-        pids.add(debug_state(srv)["pid"])
+def burst(srv: GunicornServer, n: int, **kw) -> list[Result]:
+    """Send ``n`` completions at once, each from its own thread on a fresh connection."""
+    return concurrently(lambda _: srv.complete(BODY, **kw), n)
 
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
     """One Redis for the module; each test uses its own database number."""
-    srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield srv
-    srv.stop()
+    with RedisServer(tmp_path_factory.mktemp("redis")) as srv:
+        yield srv
 
 
 @pytest.fixture
-def make_server(succ_dir, tmp_path) -> Iterator:
-    started: list[GunicornServer] = []
+def make_server(succ_dir, serve):
+    """Return ``make(workers=1, **env)``: a started succ-model server."""
 
     def make(workers: int = 1, **env: str) -> GunicornServer:
-        srv = GunicornServer(
-            tmp_path / f"g{len(started)}", {"MODEL_DIR": str(succ_dir), **env}, workers=workers
-        )
-        started.append(srv)
-        return srv.start()
+        return serve(MODEL_DIR=str(succ_dir), workers=workers, **env)
 
-    yield make
-    for srv in started:
-        srv.stop()
+    return make
 
 
 def test_redis_limit_is_exact_across_two_workers(make_server, redis_server):
     redis_server.client(1).flushdb()
     srv = make_server(2, RATE_LIMIT="5/minute", RATE_LIMIT_STORAGE_URI=redis_server.url(1))
-    wait_for_workers(srv, 2)
+    srv.wait_workers(2)
     # One at a time, the counter reads 4, 3, 2 left (whichever worker answered).
     first = [srv.complete(BODY) for _ in range(3)]
     assert [int(h["x-ratelimit-remaining"]) for _, h, _ in first] == [4, 3, 2]
@@ -132,7 +90,7 @@ def test_redis_limit_is_exact_across_two_workers(make_server, redis_server):
 def test_memory_storage_counts_per_worker(make_server):
     # The README's caveat: with W workers and memory:// storage a client may get up to W x the limit.
     srv = make_server(2, RATE_LIMIT="5/minute")
-    wait_for_workers(srv, 2)
+    srv.wait_workers(2)
     results: list[Result] = []
     for _ in range(10):  # which worker accepts is up to the kernel: send until both are spent
         results += burst(srv, 20)
@@ -143,8 +101,7 @@ def test_memory_storage_counts_per_worker(make_server):
 
 
 def test_redis_down_fails_open_and_recovers(make_server, tmp_path):
-    redis = RedisServer(tmp_path / "redis").start()
-    try:
+    with RedisServer(tmp_path / "redis") as redis:
         srv = make_server(1, RATE_LIMIT="2/minute", RATE_LIMIT_STORAGE_URI=redis.url(2))
         assert [srv.complete(BODY)[0] for _ in range(3)] == [200, 200, 429]
         redis.stop()
@@ -153,22 +110,19 @@ def test_redis_down_fails_open_and_recovers(make_server, tmp_path):
             status, headers, body = srv.complete(BODY)
             assert status == 200 and json.loads(body)["choices"][0]["text"] == "b"
             assert "x-ratelimit-limit" not in headers
-        assert debug_state(srv)["rate_limit"]["storage_errors"] >= 1
+        assert srv.state()["rate_limit"]["storage_errors"] >= 1
         assert f"rate-limit storage {redis.url(2)} unreachable" in srv.log_text()
         # Redis is back (empty, on the same port): counting resumes after the cool-down.
         redis.start()
-        deadline = time.monotonic() + 10
-        while True:
+
+        def counted() -> dict[str, str] | None:
             status, headers, _ = srv.complete(BODY)
             assert status == 200
-            if "x-ratelimit-remaining" in headers:
-                break
-            assert time.monotonic() < deadline, "limits did not resume"
-            time.sleep(0.1)
+            return headers if "x-ratelimit-remaining" in headers else None
+
+        headers = wait_until(counted, 10, "limits to resume")
         assert headers["x-ratelimit-remaining"] == "1"
         assert [srv.complete(BODY)[0] for _ in range(2)] == [200, 429]
-    finally:
-        redis.stop()
 
 
 def test_forwarded_for_is_ignored_unless_trusted(make_server):
@@ -210,8 +164,7 @@ def test_api_key_is_the_client(make_server):
 def test_bad_rate_limit_stops_the_server_at_start(succ_dir, tmp_path):
     srv = GunicornServer(tmp_path, {"MODEL_DIR": str(succ_dir), "RATE_LIMIT": "lots"})
     with pytest.raises(ServerDied) as exc:
-        srv.start(timeout_s=20)
-    srv.stop()
+        srv.start(timeout_s=20)  # a failed start leaves nothing running
     assert "greenserve: cannot start: RATE_LIMIT must look like '600/minute', got 'lots'" in str(
         exc.value
     )

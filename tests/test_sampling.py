@@ -26,7 +26,10 @@ class FixedUniform:
 
 
 def _worked_example_row() -> np.ndarray:
-    """DESIGN §3: z_A = ln 0.75 (id 65), z_B = ln 0.25 (id 66), all others -30."""
+    """A worked example: z_A = ln 0.75 (id 65), z_B = ln 0.25 (id 66), all others -30.
+
+    At T = 0.5, p_A = 0.75² / (0.75² + 0.25²) = 0.9 and p_B = 0.1 (the others vanish).
+    """
     z = np.full(256, -30.0)
     z[65] = math.log(0.75)
     z[66] = math.log(0.25)
@@ -71,7 +74,7 @@ def test_temperature_zero_is_greedy_and_draws_nothing():
 # --- the tempered draw ----------------------------------------------------------------------
 
 
-def test_design_worked_example():
+def test_tempered_draw_worked_example():
     z = _worked_example_row()
     params = SamplingParams(temperature=0.5)
     assert sample(z, params, FixedUniform(0.3)) == 65

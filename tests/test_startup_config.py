@@ -149,35 +149,30 @@ def test_otlp_endpoint_and_faults_parse_when_valid():
 
 
 @pytest.mark.parametrize(("workers", "health_port"), [(2, True), (1, False)])
-def test_each_worker_logs_what_it_serves_and_where(succ_dir, tmp_path, workers, health_port):
-    srv = GunicornServer(
-        tmp_path, {"MODEL_DIR": str(succ_dir)}, workers=workers, health_port=health_port
-    ).start()
-    try:
-        status, headers, body = srv.get("/v1/models")
-        assert status == 200
+def test_each_worker_logs_what_it_serves_and_where(succ_dir, serve, workers, health_port):
+    srv = serve(MODEL_DIR=str(succ_dir), workers=workers, health_port=health_port)
+    status, headers, body = srv.get("/v1/models")
+    assert status == 200
 
-        def start_lines():
-            lines = [json.loads(line) for line in srv.log_text().splitlines() if "{" in line]
-            found = [line for line in lines if line["logger"] == "greenserve.start"]
-            return found if len(found) == workers else None
+    def start_lines():
+        lines = [json.loads(line) for line in srv.log_text().splitlines() if "{" in line]
+        found = [line for line in lines if line["logger"] == "greenserve.start"]
+        return found if len(found) == workers else None
 
-        lines = wait_until(start_lines, what=f"{workers} start lines")
-        checksum = load_model(str(succ_dir)).checksum
-        expected = {
-            "level": "INFO",
-            "logger": "greenserve.start",
-            "message": "serving",
-            "model": json.loads(body)["data"][0]["id"],
-            "model_kind": "bigram",
-            "model_version": headers["x-model-version"],
-            "api_address": f"http://127.0.0.1:{srv.port}",
-            "health_address": f"http://127.0.0.1:{srv.health_port}" if health_port else None,
-        }
-        assert expected["model"] == succ_dir.name
-        assert expected["model_version"].startswith(checksum[:16] + "+greenserve-")
-        for line in lines:
-            assert {k: line[k] for k in expected} == expected
-        assert len({line["pid"] for line in lines}) == workers  # one line per worker
-    finally:
-        srv.stop()
+    lines = wait_until(start_lines, what=f"{workers} start lines")
+    checksum = load_model(str(succ_dir)).checksum
+    expected = {
+        "level": "INFO",
+        "logger": "greenserve.start",
+        "message": "serving",
+        "model": json.loads(body)["data"][0]["id"],
+        "model_kind": "bigram",
+        "model_version": headers["x-model-version"],
+        "api_address": f"http://127.0.0.1:{srv.port}",
+        "health_address": f"http://127.0.0.1:{srv.health_port}" if health_port else None,
+    }
+    assert expected["model"] == succ_dir.name
+    assert expected["model_version"].startswith(checksum[:16] + "+greenserve-")
+    for line in lines:
+        assert {k: line[k] for k in expected} == expected
+    assert len({line["pid"] for line in lines}) == workers  # one line per worker

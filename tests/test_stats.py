@@ -1,4 +1,4 @@
-"""``/stats`` and ``/stats/history`` (issue 7): per-minute counts equal the traffic sent, the error budget
+"""``/stats`` and ``/stats/history``: per-minute counts equal the traffic sent, the error budget
 moves with injected 5xx, the SQLite store is shared by workers and survives restarts. A fake clock steps
 through minutes and days instead of waiting for them."""
 
@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 
 from telemetry.flusher import Flusher
 from telemetry.history import KEEP_MINUTES, HistoryStore
 from telemetry.recorder import HistoryRecorder
-from tests.server import GunicornServer
+from tests.server import GunicornServer, wait_until
 from wsgi_app import create_app
 from wsgi_app.routes.stats import parse_minutes
 from wsgi_app.settings import Settings
@@ -265,13 +264,13 @@ def history(srv: GunicornServer) -> dict:
 
 def wait_history(srv: GunicornServer, requests: int, timeout_s: float = 10.0) -> dict:
     """Poll until every worker has flushed (``STATS_FLUSH_S``) and the hour holds ``requests``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        h = history(srv)
-        if sum(m["requests"] for m in h["minutes"]) == requests:
-            return h
-        assert time.monotonic() < deadline, h["minutes"][-2:]
-        time.sleep(0.05)
+    seen: list[dict] = []
+
+    def counted() -> dict | None:
+        seen[:] = [history(srv)]
+        return seen[0] if sum(m["requests"] for m in seen[0]["minutes"]) == requests else None
+
+    return wait_until(counted, timeout_s, lambda: f"{requests} requests: {seen[0]['minutes'][-2:]}")
 
 
 def test_history_counts_traffic_budget_and_survives_restart(succ_dir, tmp_path):
@@ -281,8 +280,7 @@ def test_history_counts_traffic_budget_and_survives_restart(succ_dir, tmp_path):
         "STATS_FLUSH_S": "0.1",
         "GREENSERVE_FAULTS": "fail_at=6",
     }
-    srv = GunicornServer(tmp_path / "a", env, workers=2).start()
-    try:
+    with GunicornServer(tmp_path / "a", env, workers=2) as srv:
         for i in range(30):
             body = {"model": "m", "prompt": "a", "max_tokens": 3, "stream": i % 2 == 0}
             assert srv.complete(body)[0] == 200
@@ -296,26 +294,19 @@ def test_history_counts_traffic_budget_and_survives_restart(succ_dir, tmp_path):
         assert (budget["requests"], budget["failed"], budget["bad"]) == (34, 4, 4)
         assert budget["remaining"] == pytest.approx(1 - 4 / (0.01 * 34))
         assert sum(m["failed"] for m in h["minutes"]) == 4
-        deadline = time.monotonic() + 20
-        while len((stats := json.loads(srv.get("/stats")[2]))["workers"]) < 2:
-            assert time.monotonic() < deadline, stats["workers"]  # the 2nd worker may boot late
-            time.sleep(0.05)
+        stats = wait_until(  # the 2nd worker may boot late
+            lambda: len((s := json.loads(srv.get("/stats")[2]))["workers"]) == 2 and s,
+            20,
+            "both workers in /stats",
+        )
         assert stats["totals"]["requests"] == 34 and stats["totals"]["failed"] == 4
-        assert len(stats["workers"]) == 2
         assert {w["slots_busy"] for w in stats["workers"]} == {0}
         assert sum(w["served"] for w in stats["workers"]) == 34
-        assert stats["latency"]["ttft"]["count"] == 34 and stats["load"] == {
-            "running": 0,
-            "queued": 0,
-        }
-    finally:
-        srv.stop()
-    again = GunicornServer(tmp_path / "b", env, workers=1).start()
-    try:
+        assert stats["latency"]["ttft"]["count"] == 34
+        assert stats["load"] == {"running": 0, "queued": 0}
+    with GunicornServer(tmp_path / "b", env, workers=1) as again:
         h = history(again)
         assert sum(m["requests"] for m in h["minutes"]) == 34
         assert h["error_budget"]["failed"] == 4
         # Prometheus counters start afresh with the new server; the history does not.
         assert json.loads(again.get("/stats")[2])["totals"]["requests"] == 0
-    finally:
-        again.stop()

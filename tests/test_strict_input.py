@@ -28,14 +28,12 @@ def small_server(
     succ_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GunicornServer]:
     """The succ model with ``MAX_BODY_BYTES=2048``."""
-    srv = GunicornServer(
+    with GunicornServer(
         tmp_path_factory.mktemp("small-body"),
         {"MODEL_DIR": str(succ_dir), "MAX_BODY_BYTES": str(LIMIT)},
         health_port=False,
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+    ) as srv:
+        yield srv
 
 
 def chunked(body: bytes, size: int = 500) -> bytes:

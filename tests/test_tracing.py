@@ -1,4 +1,4 @@
-"""Server spans exported as OTLP/HTTP JSON to a real (fake) collector (DESIGN §6)."""
+"""Server spans exported as OTLP/HTTP JSON to a real (fake) collector."""
 
 from __future__ import annotations
 
@@ -17,18 +17,13 @@ PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 @pytest.fixture(scope="module")
 def traced(succ_dir, tmp_path_factory):
     with FakeCollector() as collector:
-        srv = GunicornServer(
-            tmp_path_factory.mktemp("traced"),
-            {
-                "MODEL_DIR": str(succ_dir),
-                "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
-                "OTEL_SERVICE_NAME": "greenserve-test",
-            },
-        ).start()
-        try:
+        env = {
+            "MODEL_DIR": str(succ_dir),
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
+            "OTEL_SERVICE_NAME": "greenserve-test",
+        }
+        with GunicornServer(tmp_path_factory.mktemp("traced"), env) as srv:
             yield srv, collector
-        finally:
-            srv.stop()
 
 
 def _attrs(span: dict) -> dict:
@@ -101,7 +96,7 @@ def test_stream_span_and_error_status(traced):
 
 
 @pytest.mark.parametrize("mode", ["down", "slow"])
-def test_dead_or_slow_collector_does_not_delay_answers(succ_dir, tmp_path, mode):
+def test_dead_or_slow_collector_does_not_delay_answers(succ_dir, serve, mode):
     if mode == "slow":
         ctx = FakeCollector(delay_s=5.0)
     else:
@@ -110,18 +105,13 @@ def test_dead_or_slow_collector_does_not_delay_answers(succ_dir, tmp_path, mode)
         url = collector.url
         if mode == "down":
             collector.close()  # nothing listens on that port any more
-        srv = GunicornServer(
-            tmp_path, {"MODEL_DIR": str(succ_dir), "OTEL_EXPORTER_OTLP_ENDPOINT": url}
-        ).start()
-        try:
-            body = {"model": "m", "prompt": "a", "max_tokens": 8, "temperature": 0}
-            latencies = []
-            for _ in range(20):
-                started = time.perf_counter()
-                status, _, raw = srv.complete(body)
-                latencies.append(time.perf_counter() - started)
-                assert status == 200 and json.loads(raw)["choices"][0]["text"] == "bcdefghi"
-            # The exporter posts from its own greenlet: no answer waits for the 5 s collector.
-            assert max(latencies) < 1.0, latencies
-        finally:
-            srv.stop()
+        srv = serve(MODEL_DIR=str(succ_dir), OTEL_EXPORTER_OTLP_ENDPOINT=url)
+        body = {"model": "m", "prompt": "a", "max_tokens": 8, "temperature": 0}
+        latencies = []
+        for _ in range(20):
+            started = time.perf_counter()
+            status, _, raw = srv.complete(body)
+            latencies.append(time.perf_counter() - started)
+            assert status == 200 and json.loads(raw)["choices"][0]["text"] == "bcdefghi"
+        # The exporter posts from its own greenlet: no answer waits for the 5 s collector.
+        assert max(latencies) < 1.0, latencies

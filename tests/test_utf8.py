@@ -34,7 +34,7 @@ def _expected_pending(data: bytes) -> bytes:
     return b""
 
 
-def test_design_example_c3_a9_ff():
+def test_worked_example_c3_a9_ff_is_e_acute_then_one_replacement():
     assert _feed_bytewise(b"\xc3\xa9\xff") == ["", "é", FFFD, ""]
 
 

@@ -181,18 +181,15 @@ def _stream(port: int, body: dict, rcvbuf: int | None) -> bytes:
         conn.close()
 
 
-def test_stream_through_a_tiny_window_is_byte_identical(tmp_path, succ_dir):
-    srv = GunicornServer(tmp_path, {"MODEL_DIR": str(succ_dir)}).start()
-    try:
-        body = {"model": "m", "prompt": "a", "max_tokens": 4096, "n": 4, "seed": 7, "stream": True}
-        slow = _stream(srv.port, body, rcvbuf=2048)
-        fast = _stream(srv.port, body, rcvbuf=None)
-        # One multi-megabyte write: the kernel takes part of it, the fallback the rest.
-        plain = {**body, "stream": False, "logprobs": 5}
-        slow_plain = json.loads(_stream(srv.port, plain, rcvbuf=2048))
-        fast_plain = json.loads(_stream(srv.port, plain, rcvbuf=None))
-    finally:
-        srv.stop()
+def test_stream_through_a_tiny_window_is_byte_identical(serve, succ_dir):
+    srv = serve(MODEL_DIR=str(succ_dir))
+    body = {"model": "m", "prompt": "a", "max_tokens": 4096, "n": 4, "seed": 7, "stream": True}
+    slow = _stream(srv.port, body, rcvbuf=2048)
+    fast = _stream(srv.port, body, rcvbuf=None)
+    # One multi-megabyte write: the kernel takes part of it, the fallback the rest.
+    plain = {**body, "stream": False, "logprobs": 5}
+    slow_plain = json.loads(_stream(srv.port, plain, rcvbuf=2048))
+    fast_plain = json.loads(_stream(srv.port, plain, rcvbuf=None))
 
     # The succ model is deterministic: the same events in the same order, except the response id and
     # creation time, which differ between two requests.
@@ -211,27 +208,26 @@ def test_stream_through_a_tiny_window_is_byte_identical(tmp_path, succ_dir):
     assert [len(c["logprobs"]["tokens"]) for c in slow_plain["choices"]] == [4096] * 4
 
 
-def _raw_request(body: dict) -> bytes:
+def _raw_request(body: dict, request_id: str = "") -> bytes:
     data = json.dumps(body).encode()
     head = "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    if request_id:
+        head += f"X-Request-Id: {request_id}\r\n"
     return (head + f"Content-Length: {len(data)}\r\n\r\n").encode() + data
 
 
-def test_slow_body_on_a_reused_connection_is_not_cut(tmp_path, succ_dir):
-    srv = GunicornServer(tmp_path, {"MODEL_DIR": str(succ_dir), "SEND_TIMEOUT_S": "1"}).start()
-    try:
-        conn = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
-        conn.sendall(_raw_request({"model": "m", "prompt": "a", "max_tokens": 2, "temperature": 0}))
-        first = _response(conn)
-        # The second request on the same connection pauses longer than SEND_TIMEOUT_S mid-body.
-        second = _raw_request({"model": "m", "prompt": "b", "max_tokens": 2, "temperature": 0})
-        conn.sendall(second[:-5])
-        time.sleep(1.5)
-        conn.sendall(second[-5:])
-        answer = _response(conn)
-        conn.close()
-    finally:
-        srv.stop()
+def test_slow_body_on_a_reused_connection_is_not_cut(serve, succ_dir):
+    srv = serve(MODEL_DIR=str(succ_dir), SEND_TIMEOUT_S="1")
+    conn = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+    conn.sendall(_raw_request({"model": "m", "prompt": "a", "max_tokens": 2, "temperature": 0}))
+    first = _response(conn)
+    # The second request on the same connection pauses longer than SEND_TIMEOUT_S mid-body.
+    second = _raw_request({"model": "m", "prompt": "b", "max_tokens": 2, "temperature": 0})
+    conn.sendall(second[:-5])
+    time.sleep(1.5)  # the client's pause is what is tested, not a wait for the server
+    conn.sendall(second[-5:])
+    answer = _response(conn)
+    conn.close()
     assert first[0] == 200 and first[1]["choices"][0]["text"] == "bc"
     assert answer[0] == 200, answer
     assert answer[1]["choices"][0]["text"] == "cd"
@@ -244,10 +240,9 @@ def _response(conn: socket.socket) -> tuple[int, dict]:
     return resp.status, json.loads(resp.read())
 
 
-def test_reader_that_stops_is_cut_with_a_warning_not_a_traceback(tmp_path, succ_dir):
-    srv = GunicornServer(tmp_path, {"MODEL_DIR": str(succ_dir), "SEND_TIMEOUT_S": "1"}).start()
-    try:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+def test_reader_that_stops_is_cut_with_a_warning_not_a_traceback(serve, succ_dir):
+    srv = serve(MODEL_DIR=str(succ_dir), SEND_TIMEOUT_S="1")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", srv.port))
         body = {"model": "m", "prompt": "a", "max_tokens": 4096, "n": 8, "stream": True}
@@ -257,9 +252,7 @@ def test_reader_that_stops_is_cut_with_a_warning_not_a_traceback(tmp_path, succ_
             timeout_s=20,
             what="the request's log line",
         )
-        sock.close()
-    finally:
-        srv.stop()
+    srv.stop()  # the log is complete once the server has stopped
     (request_line,) = [json.loads(x) for x in lines]
     warnings = [json.loads(x) for x in srv.log_text().splitlines() if "client stopped reading" in x]
     assert [(w["level"], w["request_id"], w["send_timeout_s"]) for w in warnings] == [
@@ -269,20 +262,24 @@ def test_reader_that_stops_is_cut_with_a_warning_not_a_traceback(tmp_path, succ_
     assert "Traceback" not in srv.log_text() and "Socket error" not in srv.log_text()
 
 
-def test_sigterm_cuts_a_blocked_write_before_the_worker_is_killed(tmp_path, succ_dir):
-    env = {"MODEL_DIR": str(succ_dir), "GRACEFUL_TIMEOUT_S": "3", "SEND_TIMEOUT_S": "60"}
-    srv = GunicornServer(tmp_path, env).start()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", srv.port))
-    body = {"model": "m", "prompt": "a", "max_tokens": 4096, "n": 8, "stream": True}
-    sock.sendall(_raw_request(body))
-    try:
-        time.sleep(1.0)  # the server fills the socket buffers and blocks on this reader
+def blocked_on_its_reader(srv: GunicornServer, request_id: str) -> bool:
+    """True when request ``request_id`` is in flight and made no token in 0.2 s (its write blocks)."""
+    before = srv.in_flight(request_id)
+    time.sleep(0.2)
+    after = srv.in_flight(request_id)
+    return bool(before and after and 0 < before["tokens"] == after["tokens"])
+
+
+def test_sigterm_cuts_a_blocked_write_before_the_worker_is_killed(serve, succ_dir):
+    srv = serve(MODEL_DIR=str(succ_dir), GRACEFUL_TIMEOUT_S="3", SEND_TIMEOUT_S="60")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", srv.port))
+        body = {"model": "m", "prompt": "a", "max_tokens": 4096, "n": 8, "stream": True}
+        sock.sendall(_raw_request(body, request_id="blocked"))
+        wait_until(lambda: blocked_on_its_reader(srv, "blocked"), what="the write to block")
         srv.signal(signal.SIGTERM)
         assert srv.wait(15) == 0
-    finally:
-        sock.close()
-        srv.stop()
-    (line,) = [json.loads(x) for x in srv.log_text().splitlines() if '"message": "request"' in x]
+    lines = [json.loads(x) for x in srv.log_text().splitlines() if '"message": "request"' in x]
+    (line,) = [x for x in lines if x["request_id"] == "blocked"]
     assert (line["status"], line["finish_reason"]) == (200, "abort")

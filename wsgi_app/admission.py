@@ -5,7 +5,7 @@ A request either gets a slot at once, waits in the queue, or is refused with ``4
 waiter, so the queue is fair and nobody races for it. Every ticket is released exactly once, whatever path
 the request takes (finished, disconnected, timed out, failed, shut down).
 
-Source: DESIGN §1 "Stream lifetime" and §7 "Admission".
+Source: docs/ARCHITECTURE.md §9 (admission and stream lifetime).
 """
 
 from __future__ import annotations

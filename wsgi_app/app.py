@@ -99,7 +99,14 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
         observer=observer,
         chat_template=chat_template,
     )
-    observer.flusher.worker_state = app.extensions[EXTENSION].worker_state
+    rt = app.extensions[EXTENSION]
+
+    def heartbeat_state() -> dict:
+        state = rt.worker_state()
+        observer.metrics.set_ready(state["ready"])  # greenserve_workers_ready follows /ready
+        return state
+
+    observer.flusher.worker_state = heartbeat_state
     register_error_handlers(app)
     app.after_request(_options_no_content)
     lifecycle.install(app)

@@ -6,7 +6,7 @@ do CORS preflights (``OPTIONS``), which browsers send without credentials. Keys 
 digests with ``hmac.compare_digest`` against every configured key, so the time taken tells nothing about
 how much of a key matched, nor which key.
 
-Source: RFC 6750 §2.1 and §3 (Bearer tokens, ``WWW-Authenticate``); DESIGN §7 (401
+Source: RFC 6750 §2.1 and §3 (Bearer tokens, ``WWW-Authenticate``); docs/ARCHITECTURE.md §8 (401
 ``authentication_error`` / ``invalid_api_key``).
 """
 

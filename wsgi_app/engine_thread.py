@@ -11,7 +11,7 @@ The stream has the bigram engine's interface, plus heartbeat ticks: while its ne
 after ``tick_s`` it yields ``None``, so the HTTP layer can check deadlines and write keep-alives (for
 example during a long prefill, which runs in chunks and notices a cancellation within one chunk).
 
-Source: DESIGN §1 "The engine boundary", §8 (heavy numpy work off the hub); gevent docs, "Threads and
+Source: docs/ARCHITECTURE.md §5, §15 (heavy numpy work off the hub); gevent docs, "Threads and
 the hub" (async watchers are the safe cross-thread wakeup).
 """
 

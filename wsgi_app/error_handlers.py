@@ -62,7 +62,7 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(ParseException)
     def _bad_framing(exc: ParseException) -> Response:
         # gunicorn parses a chunked body lazily, so a malformed one raises while the view reads it:
-        # the client's fault, a 400 (DESIGN §8). gunicorn closes the connection afterwards.
+        # the client's fault, a 400 (docs/ARCHITECTURE.md §15). gunicorn closes the connection afterwards.
         return error_response(invalid(f"Malformed request body: {exc}.", None))
 
     @app.errorhandler(NoMoreData)

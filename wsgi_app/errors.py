@@ -1,6 +1,6 @@
 """The OpenAI error envelope for every failure, and the compact JSON encoding of every answer (no Flask here).
 
-Source: OpenAI API reference, "Error codes"; DESIGN §5 (JSON byte rules) and §7 (error types).
+Source: OpenAI API reference, "Error codes"; docs/ARCHITECTURE.md §8 (JSON bytes, error types).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ itself (``gunicorn.util.write_error``). :func:`install_json_errors`, called in e
 ``{"error": {...}}``, with ``X-Request-Id`` and ``X-Model-Version`` like every other answer. An unknown
 transfer coding (gunicorn's 501) becomes a 400: it is the client's input, and no client input is a 5xx.
 
-Source: RFC 9112 §3 and §5 (request line, field syntax), §6.1 (transfer codings); DESIGN §7 "Error types".
+Source: RFC 9112 §3 and §5 (request line, field syntax), §6.1 (transfer codings); docs/ARCHITECTURE.md §8.
 """
 
 from __future__ import annotations

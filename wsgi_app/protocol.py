@@ -3,7 +3,7 @@
 Precedence for every field: the request's value, else the OpenAI default. ``null`` means absent, booleans are
 not numbers, unknown fields are ignored, and every violation is a 400 naming its ``param``.
 
-Source: OpenAI API reference, "Completions" (legacy); DESIGN §3 and §5.
+Source: OpenAI API reference, "Completions" (legacy); docs/ARCHITECTURE.md §6 and §8.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class CompletionRequest:
         prompt_ids: prompt token ids (the model tokenizer's; bytes for the bigram), non-empty.
         prompt_text: the prompt as text (for ``echo``).
         max_tokens: tokens to generate per choice, 0..4096 (0 only with ``echo``).
-        sampling: the sampling parameters of DESIGN §3.
+        sampling: the sampling parameters of docs/ARCHITECTURE.md §6.
         seed: 0..2**64-1, or None when the server should pick one.
         n: number of choices.
         stop: up to 4 non-empty stop strings.

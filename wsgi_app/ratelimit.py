@@ -1,6 +1,6 @@
 """Per-client rate limits on the API routes, with flask-limiter (``RATE_LIMIT``, ``RATE_LIMIT_STORAGE_URI``).
 
-One moving-window bucket per client (``wsgi_app.clients.client_identity``) shared by every ``/v1/`` route;
+One moving-window bucket per client (``wsgi_app.client_identity``) shared by every ``/v1/`` route;
 health, readiness, metrics, pages and ``/debug`` are never counted. ``memory://`` storage counts per
 worker process, so with ``W`` workers a client can get up to ``W`` times the limit; ``redis://`` storage is
 exact across workers and hosts. A request over the limit is a 429 ``rate_limit_exceeded`` with
@@ -14,7 +14,7 @@ The headers are written here rather than by flask-limiter's ``headers_enabled``,
 ``Retry-After`` on every successful answer and raises the ``Retry-After`` of a ``server_busy`` 429 to the
 end of the client's rate-limit window.
 
-Source: OpenAI API reference, "Error codes" (429); RFC 9110 §10.2.3 (``Retry-After``); DESIGN §7.
+Source: OpenAI API reference, "Error codes" (429); RFC 9110 §10.2.3 (Retry-After); docs/ARCHITECTURE.md §9.
 """
 
 from __future__ import annotations
@@ -134,6 +134,8 @@ class ClientRateLimits:
 
     def _storage_failed(self) -> None:
         self._rt.rate_limit_storage_errors += 1
+        if self._rt.observer is not None:
+            self._rt.observer.metrics.rate_limit_storage_errors.inc()
         self._down_until = time.monotonic() + COOLDOWN_S
         log.warning(
             "rate-limit storage %s unreachable: serving without limits for %g s (failures: %d)",

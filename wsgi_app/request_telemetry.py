@@ -7,7 +7,7 @@ everything derived from the token times (inter-token gaps, their percentiles and
 is computed here, with numpy, once.
 Nothing here raises into the request: a telemetry failure is logged and forgotten.
 
-Source: DESIGN §7 (one JSON log line per request; slow requests log their timeline); issue 7.
+Source: docs/ARCHITECTURE.md §10 (one JSON log line per request; slow requests log their timeline).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Server settings read from the environment: the only module of the app that reads it.
 
-Every name, default and meaning follows DESIGN §7 "Settings". Values are validated here so that a typo in a
+Names, defaults and readers: docs/ARCHITECTURE.md §11. Values are validated here so that a typo in a
 deployment fails the worker at start with a message naming the variable, not at the first request.
 """
 
@@ -196,7 +196,7 @@ def _rate_limit(env: Mapping[str, str], storage_uri: str) -> str:
 
 @dataclass(frozen=True)
 class Settings:
-    """Immutable server settings (DESIGN §7).
+    """Immutable server settings (docs/ARCHITECTURE.md §11).
 
     Attributes:
         model_dir: model directory, or None for the packaged default model.
@@ -359,7 +359,7 @@ def _host(env: Mapping[str, str], default: str) -> str:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """gunicorn's own settings, read by ``gunicorn.conf.py`` in the master (DESIGN §7).
+    """gunicorn's own settings, read by ``gunicorn.conf.py`` in the master (docs/ARCHITECTURE.md §11).
 
     Attributes:
         host: the address both ports bind to (an IP address or a host name).

@@ -70,7 +70,7 @@ class EventIds(Framing):
         resume_after: index of the last event the client has, or -1 for a fresh stream.
 
     Source: WHATWG HTML Living Standard, §9.2 "Server-sent events" (``id``, ``retry``,
-    ``Last-Event-ID``); DESIGN §7 "Browser EventSource".
+    ``Last-Event-ID``); docs/ARCHITECTURE.md §8 (the ``EventSource`` stream).
     """
 
     def __init__(self, seed: int, retry_ms: int, resume_after: int = -1) -> None:

@@ -46,7 +46,7 @@ def load_config(model_dir: str | os.PathLike) -> dict:
             ``tl_tokenizer`` or ``vocab_size`` is not exactly ``"bigram"``, ``"bytes"``, ``256``;
             the message names the file and the field.
 
-    Source: DESIGN.md §2 (the model directory).
+    Source: docs/ARCHITECTURE.md §12 (the bigram's model directory).
     """
     path = Path(model_dir) / CONFIG_NAME
     config = read_json_object(path)
@@ -72,7 +72,7 @@ def load_bigram_weight(path: str | os.PathLike) -> np.ndarray:
             :func:`model.files.check_safetensors_header`) or has no ``bigram.weight`` of shape
             ``[256, 256]``; the message names the file and the tensor or field.
 
-    Source: DESIGN.md §2; the safetensors format (huggingface/safetensors README).
+    Source: docs/ARCHITECTURE.md §12; the safetensors format (huggingface/safetensors README).
     """
     return load_bigram_file(path)[0]
 
@@ -92,7 +92,7 @@ def load_bigram_file(path: str | os.PathLike) -> tuple[np.ndarray, str]:
     Raises:
         ValueError: As :func:`load_bigram_weight`, also when the file cannot be read.
 
-    Source: DESIGN.md §2.
+    Source: docs/ARCHITECTURE.md §12.
     """
     path = Path(path)
     try:

@@ -34,7 +34,7 @@ class BigramEngine:
     cooperates with the gevent hub between steps. Closing the stream (`close()` or dropping the
     last reference) stops all work at once, because no step runs unless the consumer asks for it.
 
-    Source: DESIGN §1 "The engine boundary", §2 (start from the prompt's last id), §3.
+    Source: docs/ARCHITECTURE.md §5 (engine contract), §12 (start from the prompt's last id), §6.
     """
 
     def __init__(self, model: LogitsModel) -> None:

@@ -62,10 +62,10 @@ class Bigram:
             The model.
 
         Raises:
-            ValueError: If the config or the weights break DESIGN §2; the message names the file
+            ValueError: If the config or weights break docs/ARCHITECTURE.md §12; the message names the file
                 and the field or tensor.
 
-        Source: DESIGN.md §2.
+        Source: docs/ARCHITECTURE.md §12 (the bigram).
         """
         directory = default_model_dir() if model_dir is None else Path(model_dir)
         # Config first: a directory for another architecture is refused by its config, not by
@@ -89,7 +89,7 @@ class Bigram:
             IndexError: If ``prev`` is outside ``0..255`` (negative ids do not wrap around).
             TypeError: If ``prev`` is not an integer.
 
-        Source: DESIGN.md §2.
+        Source: docs/ARCHITECTURE.md §12 (the bigram).
         """
         index = operator.index(prev)
         if not 0 <= index < self.vocab_size:

@@ -16,7 +16,7 @@ A row whose generic path raises (an all-NaN row, a `logit_bias` id outside the v
 cumulative sums hold a NaN is never cached: it takes the generic `sample()` at draw time, which raises
 or draws exactly as before.
 
-Source: DESIGN §3 "Sampling" and "Exactness" (the procedure the cached values come from).
+Source: docs/ARCHITECTURE.md §6, the draw and its exactness rules (the procedure the cached values come from).
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def train_bigram(texts: Iterable[bytes], k: float = DEFAULT_K) -> np.ndarray:
     Raises:
         ValueError: If ``k`` is not a finite positive number.
 
-    Source: DESIGN.md §2 (the trainer).
+    Source: docs/ARCHITECTURE.md §12 (the trainer).
     """
     smoothed_log_probs(np.zeros(BIGRAM_SHAPE, dtype=np.int64), k)  # refuse a bad k before reading
     counts = np.zeros(BIGRAM_SHAPE, dtype=np.int64)
@@ -132,7 +132,7 @@ def write_model(out_dir: str | os.PathLike, weight: np.ndarray, config_extra: Ma
             required key.
         OSError: If the files cannot be written.
 
-    Source: DESIGN.md §2; the safetensors format.
+    Source: docs/ARCHITECTURE.md §12; the safetensors format.
     """
     if weight.shape != BIGRAM_SHAPE or weight.dtype != np.float32:
         raise ValueError(

@@ -7,7 +7,7 @@ stream owns its KV cache and its PCG32; the model is shared. Work happens only w
 asks for the next step (the prompt is prefilled on the first ``next()``), so closing the stream
 stops everything at once and frees the cache with the generator.
 
-Source: DESIGN §1 "The engine boundary", §3 (sampling, seeds).
+Source: docs/ARCHITECTURE.md §5 (the engine contract), §6 (sampling, seeds).
 """
 
 from __future__ import annotations

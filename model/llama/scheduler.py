@@ -15,7 +15,7 @@ soon as it finishes or is cancelled.
 A sequence's tokens never depend on its batch: its prefill is its own, ``Llama.decode`` gives each row
 the same bits whatever the other rows are, and each sequence samples with its own PCG32.
 
-Source: DESIGN §1 "The engine boundary"; Yu et al., "Orca" (OSDI 2022) for iteration-level scheduling.
+Source: docs/ARCHITECTURE.md §5; Yu et al., "Orca" (OSDI 2022) for iteration-level scheduling.
 """
 
 from __future__ import annotations

@@ -95,11 +95,11 @@ def map_safetensors(path: Path) -> dict[str, np.ndarray]:
         F16 and BF16.
 
     Raises:
-        ValueError: If the file cannot be read or breaks a rule of DESIGN §2 (header length,
+        ValueError: If the file cannot be read or breaks a rule of the safetensors format (header length,
             JSON, duplicate names, ``__metadata__``, dtype not F32/F16/BF16, shape, offsets,
             tiling of the data buffer); the message names the file and tensor.
 
-    Source: the safetensors format; DESIGN §2.
+    Source: the safetensors format (huggingface/safetensors README); docs/ARCHITECTURE.md §12.
     """
     head, size = read_safetensors_head(path)
     entries, data_start = check_safetensors_header(head, path, size, DTYPE_BYTES)

@@ -1,4 +1,4 @@
-"""``GET /v1/completions?…``: the completion stream for browsers' ``EventSource`` (DESIGN §7).
+"""``GET /v1/completions?…``: the stream for browsers' ``EventSource`` (docs/ARCHITECTURE.md §8).
 
 ``EventSource`` can only GET and cannot send headers (besides ``Last-Event-ID``), so the request is the
 query string: each parameter is converted by its field's type and then validated exactly like a POST
@@ -15,7 +15,7 @@ check and is never logged (logs and spans carry the path, not the query).
 
 A GET without ``Accept: text/event-stream`` is a 400: JSON answers come from ``POST``.
 
-Source: WHATWG HTML Living Standard, §9.2 "Server-sent events"; DESIGN §5 and §7.
+Source: WHATWG HTML Living Standard, §9.2 "Server-sent events"; docs/ARCHITECTURE.md §8.
 """
 
 from __future__ import annotations

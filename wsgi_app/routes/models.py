@@ -4,7 +4,7 @@ The served id is the model's ``config.json`` ``name`` when it is a non-empty str
 ``bigram`` for the packaged default model and the model directory's name for a ``MODEL_DIR`` (so
 ``MODEL_DIR=my-model`` serves ``my-model``); a GGUF file is served under its file stem.
 Completions still accept any ``model`` string and echo it
-(DESIGN §5): the list tells clients what to send, it does not police them.
+(docs/ARCHITECTURE.md §8): the list tells clients what to send, it does not police them.
 
 Source: OpenAI API reference, "Models" (list, retrieve; the ``model`` object).
 """

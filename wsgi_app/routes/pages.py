@@ -8,7 +8,7 @@ the ``GET /v1/completions`` stream, passing the optional API key as ``api_key`` 
 send headers); the status page polls ``/stats`` and ``/stats/history``. With ``PAGES=0`` the blueprint
 is not registered, so the pages and their assets are 404.
 
-Source: DESIGN §7 "Endpoints"; WHATWG HTML Living Standard §9.2 (``EventSource``); W3C CSP Level 3.
+Source: docs/ARCHITECTURE.md §8; WHATWG HTML Living Standard §9.2 (``EventSource``); W3C CSP Level 3.
 """
 
 from __future__ import annotations

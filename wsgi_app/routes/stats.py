@@ -5,7 +5,7 @@ covers all workers, whichever worker answers: ``/metrics`` and the ``/stats`` to
 Prometheus files, the rates, the per-worker state and the history come from the host's SQLite store.
 File and SQLite reads run on the hub's thread pool.
 
-Source: DESIGN §7 "Endpoints"; Prometheus text exposition format.
+Source: docs/ARCHITECTURE.md §10; Prometheus text exposition format.
 """
 
 from __future__ import annotations

@@ -1,0 +1,78 @@
+"""The Prometheus files in deploy/prometheus/: valid for ``promtool``, their unit tests pass (alerts
+that must and must not fire), every alert is exercised, and every metric they read is one a real
+server exports."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from tests.server import ROOT
+
+PROM = ROOT / "deploy" / "prometheus"
+RULES = PROM / "greenserve.rules.yml"
+RULE_TESTS = PROM / "greenserve.rules.test.yml"
+
+
+def promtool(*args: str) -> str:
+    """Run ``promtool`` in deploy/prometheus/ and return its output; skip without it (never in CI)."""
+    binary = shutil.which("promtool")
+    if binary is None:
+        message = "promtool not found: install the Debian package prometheus (.ci/run does)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    proc = subprocess.run([binary, *args], cwd=PROM, capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_rules_and_config_check():
+    assert "SUCCESS: 21 rules found" in promtool("check", "rules", RULES.name)
+    assert "is valid prometheus config file syntax" in promtool("check", "config", "prometheus.yml")
+
+
+def test_rule_unit_tests_pass():
+    assert "SUCCESS" in promtool("test", "rules", RULE_TESTS.name)
+
+
+def test_every_alert_is_tested_firing():
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    alerts = {r["alert"] for g in groups for r in g["rules"] if "alert" in r}
+    assert len(alerts) == 10
+    fired = {
+        case["alertname"]
+        for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
+        for case in test["alert_rule_test"]
+        if case["exp_alerts"]
+    }
+    assert fired == alerts
+
+
+def test_rules_read_only_exported_metrics(succ_server):
+    # greenserve_requests_total has its first sample once a request was answered.
+    assert succ_server.complete({"model": "m", "prompt": "a", "max_tokens": 1})[0] == 200
+    status, _, body = succ_server.get("/metrics", port=succ_server.health_port)
+    assert status == 200
+    exported = set(re.findall(r"^(greenserve_\w+)", body.decode(), re.MULTILINE))
+    # Metric names, not the level:name:operations of recording rules.
+    used = set(re.findall(r"(?<![:\w])(greenserve_\w+)", RULES.read_text()))
+    assert used == {
+        "greenserve_requests_total",
+        "greenserve_time_to_first_token_seconds_bucket",
+        "greenserve_time_to_first_token_seconds_count",
+        "greenserve_requests_queued",
+        "greenserve_rate_limit_storage_errors_total",
+        "greenserve_exported_spans_total",
+        "greenserve_workers_ready",
+        "greenserve_workers",
+    }
+    assert used <= exported, used - exported
+    # The TTFT objective's bucket (SLO_TTFT_S = 1 s) is one the histogram has.
+    assert b'greenserve_time_to_first_token_seconds_bucket{le="1.0"}' in body
