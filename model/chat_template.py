@@ -185,7 +185,22 @@ class ChatTemplate:
             TemplateError: as :meth:`render`; or the template changes message text in a way that
                 hides which characters are contents, while a content holds special-token text.
         """
+        return self.render_and_encode(messages, tokenizer)[1]
+
+    def render_and_encode(
+        self, messages: Sequence[dict[str, str]], tokenizer: ChatTokenizer
+    ) -> tuple[str, list[int]]:
+        """Return :meth:`render`'s text and :meth:`encode`'s ids of ``messages``, rendering once.
+
+        Raises:
+            TemplateError: as :meth:`encode`.
+        """
         text = self.render(messages)
+        return text, self._encode(messages, text, tokenizer)
+
+    def _encode(
+        self, messages: Sequence[dict[str, str]], text: str, tokenizer: ChatTokenizer
+    ) -> list[int]:
         specials = tokenizer.special_tokens
         if not specials:
             return tokenizer.encode(text, special=False, bos=False)

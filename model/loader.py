@@ -6,6 +6,13 @@
 without ``config.json`` holding exactly one) -> a Llama from its float32 cache file and the
 tokenizer its metadata describes. Everything is validated here, at
 start-up, so a bad directory fails the worker with a ``ValueError`` naming the file and field.
+
+The model's chat template is found here too (its source and BOS/EOS text; ``model.chat_template``
+compiles it): a GGUF's ``tokenizer.chat_template``; a Hugging Face directory's
+``tokenizer_config.json`` ``chat_template`` (a string, or a list of ``{"name", "template"}`` of which
+``"default"`` is taken) or its ``chat_template.jinja`` file.
+
+Source: GGUF specification, "tokenizer.chat_template"; Hugging Face transformers, "Chat templates".
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Literal
 
 from model.bigram.engine import BigramEngine
 from model.bigram.model import Bigram, default_model_dir
+from model.chat_template import ChatTemplate
 from model.engine import Engine
 from model.files import CONFIG_NAME, file_sha256, read_json_object
 from model.llama.config import token_id_field, token_ids_field
@@ -30,6 +38,9 @@ from model.tokenizer import ByteTokenizer, HFTokenizer
 
 TOKENIZER_NAME = "tokenizer.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+CHAT_TEMPLATE_NAME = "chat_template.jinja"
+GGUF_CHAT_TEMPLATE = "tokenizer.chat_template"
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,6 +60,9 @@ class LoadedModel:
         model_dir: The directory it was loaded from (the ``.gguf`` file for a GGUF).
         name: The served name when the source fixes one (a GGUF's file stem), else None.
         quantization: The GGUF file type the float32 weights came from (``"Q4_1"``), else None.
+        chat_template_source: The model's own chat template (Jinja2 source), or None when it has
+            none (the bigram, llama2.c conversions).
+        bos_token, eos_token: The text of the BOS and EOS tokens, for templates (``""`` if none).
     """
 
     model: Bigram | Llama
@@ -59,6 +73,21 @@ class LoadedModel:
     model_dir: Path
     name: str | None = None
     quantization: str | None = None
+    chat_template_source: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def chat_template(self, source: str | None = None) -> ChatTemplate:
+        """Return the chat template to serve: ``source`` (a ``CHAT_TEMPLATE`` file's text) if given,
+        else the model's own, else :meth:`ChatTemplate.default` (with its stop string).
+
+        Raises:
+            TemplateError: the template is too long or does not compile.
+        """
+        source = source if source is not None else self.chat_template_source
+        if source is None:
+            return ChatTemplate.default(self.bos_token, self.eos_token)
+        return ChatTemplate.from_source(source, self.bos_token, self.eos_token)
 
     def make_engine(self) -> Engine:
         """Return the simple inline engine for this model (one sequence at a time)."""
@@ -123,9 +152,60 @@ def _load_llama(directory: Path) -> LoadedModel:
     if gen_path.is_file():
         files.append(gen_path)
     files += [tokenizer_path, *weight_files]
+    source, bos_token, eos_token = _hf_chat_template(directory)
+    if not bos_token and bos_id is not None:
+        bos_token = tokenizer.token_str(bos_id)
+    if not eos_token and config.eos_ids:
+        eos_token = tokenizer.token_str(min(config.eos_ids))
     return LoadedModel(
-        model, tokenizer, "llama", config.max_seq_len, _files_checksum(files), directory
+        model,
+        tokenizer,
+        "llama",
+        config.max_seq_len,
+        _files_checksum(files),
+        directory,
+        chat_template_source=source,
+        bos_token=bos_token,
+        eos_token=eos_token,
     )
+
+
+def _hf_chat_template(directory: Path) -> tuple[str | None, str, str]:
+    """Return a Hugging Face directory's chat template source (or None) and its BOS/EOS text.
+
+    ``tokenizer_config.json``'s ``chat_template`` wins over ``chat_template.jinja``, as in
+    transformers; of a list of named templates, the one named ``"default"`` is taken.
+
+    Raises:
+        ValueError: ``tokenizer_config.json`` is not a JSON object, its ``chat_template`` is neither
+            a string nor a list of named templates with a ``"default"``, or the ``.jinja`` file is
+            not UTF-8 (the message names the file and field).
+    """
+    config_path = directory / TOKENIZER_CONFIG_NAME
+    config = read_json_object(config_path) if config_path.is_file() else {}
+    where = f"{config_path}: chat_template"
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+        if source is None:
+            raise ValueError(f"{where} lists no template named 'default'")
+    if source is not None and not isinstance(source, str):
+        raise ValueError(f"{where} must be a string or a list of named templates")
+    jinja_path = directory / CHAT_TEMPLATE_NAME
+    if source is None and jinja_path.is_file():
+        try:
+            source = jinja_path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{jinja_path}: not UTF-8 text ({exc.reason})") from None
+    return source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+
+
+def _token_text(value: object) -> str:
+    """Return a ``tokenizer_config.json`` token's text: a string or an ``{"content": ...}`` object."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
 
 
 def _gguf_path(path: Path) -> Path | None:
@@ -153,6 +233,9 @@ def _load_gguf(path: Path, cache_dir: Path) -> LoadedModel:
     checksum = file_sha256(path)
     tensors, _ = load_or_build(cache_dir, checksum, gguf_model.dequantize)
     model = Llama(config, check_tensors(tensors, config, str(path)))
+    source = gguf_model.metadata.get(GGUF_CHAT_TEMPLATE)
+    if source is not None and not isinstance(source, str):
+        raise ValueError(f"{path}: {GGUF_CHAT_TEMPLATE} is not a string")
     return LoadedModel(
         model,
         info.tokenizer,
@@ -162,6 +245,9 @@ def _load_gguf(path: Path, cache_dir: Path) -> LoadedModel:
         path,
         name=path.stem,
         quantization=gguf_model.quantization,
+        chat_template_source=source,
+        bos_token="" if info.bos_id is None else info.tokenizer.token_str(info.bos_id),
+        eos_token="" if info.eos_id is None else info.tokenizer.token_str(info.eos_id),
     )
 
 

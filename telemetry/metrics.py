@@ -72,7 +72,8 @@ class Metrics:
     """The worker's metric objects (names as exposed).
 
     Attributes:
-        requests: ``greenserve_requests_total{status,finish_reason}``, completion requests answered.
+        requests: ``greenserve_requests_total{endpoint,status,finish_reason}``, generation requests
+            answered (``endpoint``: ``/v1/completions`` or ``/v1/chat/completions``).
         prompt_tokens: ``greenserve_prompt_tokens_total``, prompt tokens of requests that got a slot.
         generation_tokens: ``greenserve_generation_tokens_total``, tokens generated.
         ttft: ``greenserve_time_to_first_token_seconds``, arrival to first generated token.
@@ -117,8 +118,8 @@ class Metrics:
         m = cls(
             requests=Counter(
                 "greenserve_requests",
-                "Completion requests answered, by HTTP status and finish reason.",
-                ["status", "finish_reason"],
+                "Generation requests answered, by endpoint, HTTP status and finish reason.",
+                ["endpoint", "status", "finish_reason"],
                 registry=r,
             ),
             prompt_tokens=Counter(
@@ -199,6 +200,7 @@ class Metrics:
         *,
         status: int,
         finish_reason: str,
+        endpoint: str = "/v1/completions",
         prompt_tokens: int,
         completion_tokens: int,
         ttft_s: float | None,
@@ -207,9 +209,10 @@ class Metrics:
         itl_counts: Sequence[int] = (),
         itl_sum_s: float = 0.0,
     ) -> None:
-        """Record one finished completion request.
+        """Record one finished generation request.
 
         Args:
+            endpoint: the route answered (``/v1/completions``, ``/v1/chat/completions``).
             status: the HTTP status sent.
             finish_reason: the request's finish reason label (``length``, ``stop``, ``error``, …).
             prompt_tokens: prompt tokens counted (0 when the request never got a slot).
@@ -220,7 +223,9 @@ class Metrics:
             itl_counts: inter-token gaps per bucket of ``ITL_BUCKETS`` (+Inf last), or empty.
             itl_sum_s: the sum of those gaps, seconds.
         """
-        self.requests.labels(status=str(status), finish_reason=finish_reason).inc()
+        self.requests.labels(
+            endpoint=endpoint, status=str(status), finish_reason=finish_reason
+        ).inc()
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
         if completion_tokens:
@@ -313,17 +318,20 @@ def summarize(registry: CollectorRegistry) -> dict[str, Any]:
     """Read totals, load and latency quantiles (interpolated in buckets) from a scrape registry.
 
     Returns:
-        ``{"requests", "failed", "by_status", "prompt_tokens", "generation_tokens", "running",
+        ``{"requests", "failed", "by_status", "by_endpoint", "prompt_tokens", "generation_tokens", "running",
         "queued", "spans", "latency"}``; ``failed`` counts 5xx answers and streams that ended with an
         error event (``finish_reason="error"``); ``latency`` maps ``ttft``, ``itl``, ``e2e`` and
         ``queue_wait`` to ``count``, ``mean``, ``p50``, ``p90``, ``p99`` in seconds (None when empty).
     """
     samples = _samples(registry)
     by_status: dict[str, int] = {}
+    by_endpoint: dict[str, int] = {}
     failed = 0
     for s in samples.get("greenserve_requests_total", []):
         n = int(s.value)
         by_status[s.labels["status"]] = by_status.get(s.labels["status"], 0) + n
+        endpoint = s.labels.get("endpoint", "")
+        by_endpoint[endpoint] = by_endpoint.get(endpoint, 0) + n
         if s.labels["status"].startswith("5") or s.labels["finish_reason"] == "error":
             failed += n
 
@@ -337,6 +345,7 @@ def summarize(registry: CollectorRegistry) -> dict[str, Any]:
         "requests": sum(by_status.values()),
         "failed": failed,
         "by_status": dict(sorted(by_status.items())),
+        "by_endpoint": dict(sorted(by_endpoint.items())),
         "prompt_tokens": total("greenserve_prompt_tokens_total"),
         "generation_tokens": total("greenserve_generation_tokens_total"),
         "running": total("greenserve_requests_running"),

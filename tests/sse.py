@@ -80,6 +80,7 @@ class EventReader:
         headers: extra request headers.
         rcvbuf: a small ``SO_RCVBUF`` in bytes, to make a non-reading client block the server sooner.
         timeout_s: the socket timeout, in seconds.
+        path: the route POSTed to.
     """
 
     def __init__(
@@ -89,6 +90,7 @@ class EventReader:
         headers: dict[str, str] | None = None,
         rcvbuf: int | None = None,
         timeout_s: float = 30.0,
+        path: str = "/v1/completions",
     ) -> None:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
         if rcvbuf is not None:
@@ -100,7 +102,7 @@ class EventReader:
             self.conn.sock = sock
         self.conn.request(
             "POST",
-            "/v1/completions",
+            path,
             body=json.dumps(body),
             headers={"Content-Type": "application/json", **(headers or {})},
         )

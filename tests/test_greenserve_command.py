@@ -36,9 +36,8 @@ def server(installed, elsewhere, tmp_path_factory) -> Iterator[GunicornServer]:
         cwd=elsewhere,
     )
     srv.env.pop("VIRTUAL_ENV", None)
-    srv.start()
-    yield srv
-    srv.stop()
+    with srv:
+        yield srv
 
 
 def test_the_wheel_is_what_runs(installed, elsewhere):

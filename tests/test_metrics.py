@@ -193,6 +193,7 @@ def test_forty_requests_over_two_workers_count_exactly(two_workers):
                 m,
                 "greenserve_requests",
                 "greenserve_requests_total",
+                endpoint="/v1/completions",
                 status="200",
                 finish_reason="length",
             )

@@ -10,6 +10,7 @@ streams end complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,33 +36,23 @@ STREAM_TEXT = "".join(chr(ord("B") + i) for i in range(STREAM_TOKENS))
 @pytest.fixture(scope="module")
 def hosts(succ_dir, tmp_path_factory) -> Iterator[tuple[NginxServer, list[GunicornServer]]]:
     """nginx -> two gunicorns (1 worker each) -> one Redis for the limits."""
-    redis = RedisServer(tmp_path_factory.mktemp("redis"))
-    servers = [
-        GunicornServer(
-            tmp_path_factory.mktemp(f"host{i}"),
-            {
-                "MODEL_DIR": str(succ_dir),
-                "TRUSTED_PROXIES": "1",
-                "RATE_LIMIT": f"{LIMIT}/minute",
-                "GREENSERVE_FAULTS": f"slow_step_s={STEP_S}",
-            },
+    with contextlib.ExitStack() as stack:  # stopped in reverse: nginx, the hosts, Redis
+        redis = stack.enter_context(RedisServer(tmp_path_factory.mktemp("redis")))
+        env = {
+            "MODEL_DIR": str(succ_dir),
+            "TRUSTED_PROXIES": "1",
+            "RATE_LIMIT": f"{LIMIT}/minute",
+            "RATE_LIMIT_STORAGE_URI": redis.url(0),
+            "GREENSERVE_FAULTS": f"slow_step_s={STEP_S}",
+        }
+        servers = [
+            stack.enter_context(GunicornServer(tmp_path_factory.mktemp(f"host{i}"), env))
+            for i in (1, 2)
+        ]
+        nginx = stack.enter_context(
+            NginxServer(tmp_path_factory.mktemp("nginx"), [s.port for s in servers])
         )
-        for i in (1, 2)
-    ]
-    nginx = None
-    try:
-        redis.start()
-        for srv in servers:
-            srv.env["RATE_LIMIT_STORAGE_URI"] = redis.url(0)
-            srv.start()
-        nginx = NginxServer(tmp_path_factory.mktemp("nginx"), [s.port for s in servers]).start()
         yield nginx, servers
-    finally:
-        if nginx is not None:
-            nginx.stop()
-        for srv in servers:
-            srv.stop()
-        redis.stop()
 
 
 def complete(nginx: NginxServer, source: str) -> tuple[int, bytes]:
@@ -80,12 +71,6 @@ def served(srv: GunicornServer) -> float:
         for line in body.decode().splitlines()
         if line.startswith("greenserve_requests_total{") and 'status="200"' in line
     )
-
-
-def in_flight(srv: GunicornServer) -> set[str]:
-    status, _, body = srv.get("/debug/state")
-    assert status == 200, body
-    return {r["request_id"] for r in json.loads(body)["requests"]}
 
 
 def test_a_client_past_the_limit_is_refused_once_across_hosts(hosts):
@@ -130,8 +115,8 @@ def test_a_killed_host_fails_over(hosts, tmp_path):
         streams[-1].start()
         host = wait_until(
             lambda rid=rid: (
-                (rid in in_flight(doomed) and "doomed")
-                or (rid in in_flight(survivor) and "survivor")
+                (doomed.in_flight(rid) is not None and "doomed")
+                or (survivor.in_flight(rid) is not None and "survivor")
             ),
             what=f"{rid} to start",
         )

@@ -6,7 +6,7 @@ while a stream is in flight. systemd itself is not PID 1 here: its notification 
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import shlex
 import shutil
@@ -20,7 +20,7 @@ import pytest
 from tests.notify import NotifySocket
 from tests.server import ROOT, GunicornServer
 from tests.services import free_port
-from tests.sse import EventReader
+from tests.sse import EventReader, sse_json
 
 UNIT = ROOT / "deploy" / "systemd" / "greenserve.service"
 ENV_FILE = ROOT / "deploy" / "systemd" / "greenserve.env"
@@ -114,8 +114,7 @@ def test_exec_start_runs_as_the_unit_says(succ_dir, tmp_path):
     notify = NotifySocket(tmp_path / "notify")
     srv = GunicornServer(tmp_path / "log")
     srv.cmd, srv.cwd, srv.env = argv, Path("/"), {**env, "NOTIFY_SOCKET": notify.path}
-    try:
-        srv.start()
+    with contextlib.closing(notify), srv:
         assert srv.ports == [int(env["PORT"]), int(env["HEALTH_PORT"])]
         assert notify.wait_for(lambda m: "READY=1" in m)
         # A stream is in flight when systemd stops the service: it still ends complete.
@@ -132,9 +131,7 @@ def test_exec_start_runs_as_the_unit_says(succ_dir, tmp_path):
             frames.append(frame)
         reader.close()
         assert frames[-1] == b"data: [DONE]\n"
-        text = "".join(json.loads(f[6:])["choices"][0]["text"] for f in frames[:-1])
+        chunks = sse_json(b"".join(f + b"\n" for f in frames))
+        text = "".join(c["choices"][0]["text"] for c in chunks)
         assert text == "bcdefghijklmnopqrstu"
         assert srv.wait(int(unit["TimeoutStopSec"])) == 0
-    finally:
-        srv.stop()
-        notify.close()

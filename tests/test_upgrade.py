@@ -8,6 +8,7 @@ streams and exit). A SIGHUP alone would not do: it forks new workers from the ol
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -87,8 +88,20 @@ def test_usr2_upgrade_serves_the_new_version_and_fails_nothing(layout):
                 results.append((status, headers["x-model-version"], text))
 
     new_master = 0
-    try:
-        srv.start()
+
+    def stop_new_master() -> None:
+        if new_master:
+            try:
+                os.kill(new_master, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    # Undone in reverse: the loaders stop, the new master, the old one, the notification socket.
+    with contextlib.ExitStack() as stack:
+        stack.callback(notify.close)
+        stack.enter_context(srv)
+        stack.callback(stop_new_master)
+        stack.callback(stop.set)
         old_master = srv.proc.pid
         assert notify.wait_for(lambda m: "READY=1" in m)
         assert (
@@ -124,15 +137,6 @@ def test_usr2_upgrade_serves_the_new_version_and_fails_nothing(layout):
         assert status == 200 and headers["x-model-version"] == new
         assert json.loads(body)["choices"][0]["text"] == "C"
         os.kill(new_master, 0)  # still serving after its parent left
-    finally:
-        stop.set()
-        if new_master:
-            try:
-                os.kill(new_master, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        srv.stop()
-        notify.close()
 
     failed = [r for r in results if r[0] != 200]
     assert not failed, failed

@@ -18,10 +18,12 @@ from model.loader import LoadedModel, load_model
 from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app import auth, cors, lifecycle, ratelimit
 from wsgi_app.admission import Admission
+from wsgi_app.chat import serving_template
 from wsgi_app.error_handlers import register_error_handlers
 from wsgi_app.faults import Faults, FaultyEngine
 from wsgi_app.request_telemetry import build_observer
 from wsgi_app.routes import (
+    chat,
     completions,
     completions_get,
     models,
@@ -69,6 +71,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     settings = settings or Settings.from_env()
     logging.getLogger("greenserve").setLevel(settings.log_level.upper())
     model = load_model(settings.model_dir)
+    chat_template = serving_template(model, settings)
     observer = build_observer(settings, clock or time.time)
     if settings.otlp_endpoint:
         exporter = SpanExporter(
@@ -94,6 +97,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
         exporter=exporter,
         model_version=f"{model.checksum[:16]}+greenserve-{__version__}",
         observer=observer,
+        chat_template=chat_template,
     )
     rt = app.extensions[EXTENSION]
 
@@ -113,6 +117,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     ratelimit.install(app, app.extensions[EXTENSION])
     app.register_blueprint(completions.bp)
     app.register_blueprint(completions_get.bp)
+    app.register_blueprint(chat.bp)
     app.register_blueprint(models.bp)
     app.register_blueprint(openapi.bp)
     app.register_blueprint(ops.bp)

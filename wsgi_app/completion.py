@@ -68,6 +68,7 @@ class Completion:
         heartbeat_s: while only ticks come, a ``: ping`` is streamed this often, in seconds.
         tokenizer: the model's tokenizer (bytes for the bigram).
         wire: the wire format of the answer.
+        fingerprint: the model version, for wire formats that carry ``system_fingerprint``.
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class Completion:
         heartbeat_s: float = 15.0,
         tokenizer: TextTokenizer = BYTE_TOKENIZER,
         wire: WireFormat = TEXT_COMPLETION,
+        fingerprint: str | None = None,
     ) -> None:
         self.req = req
         self._engine = engine
@@ -96,7 +98,7 @@ class Completion:
         self.choices: list[Choice] = []
         echo_text = req.prompt_text if req.echo else ""
         for i in range(req.n):
-            logprobs = None if req.logprobs is None else Logprobs(tokenizer.token_str)
+            logprobs = None if req.logprobs is None else wire.new_logprobs(tokenizer)
             gen = GenerationRequest(
                 prompt_ids=req.prompt_ids,
                 max_tokens=req.max_tokens,
@@ -112,8 +114,8 @@ class Completion:
                     i, stream, req.max_tokens, req.stop, echo_text, logprobs, tokenizer.token_bytes
                 )
             )
-        self.encoder = ChunkEncoder(
-            wire, completion_id, created, req.model, req.n, req.include_usage, framing
+        self.encoder: ChunkEncoder = wire.encoder(
+            completion_id, created, req.model, req.n, req.include_usage, framing, fingerprint
         )
 
     # -- accounting ---------------------------------------------------------------------------
@@ -174,8 +176,9 @@ class Completion:
         """Generate every choice to its end: one SSE event per token, round-robin over the live
         choices (so an engine that batches, Llama, has them all in flight at once).
 
-        With ``echo`` each choice first gets a chunk with the prompt text. The caller frames the stream
-        (opening comment, usage chunk, ``[DONE]``) and handles errors. Events the framing drops (a
+        Each choice may first get an opening chunk (the prompt text with ``echo``; the chat
+        completion's role): ``ChunkEncoder.first_chunks``. The caller frames the stream (opening
+        comment, usage chunk, ``[DONE]``) and handles errors. Events the framing drops (a
         resumed ``EventSource`` stream) are built but not yielded.
 
         Args:
@@ -186,9 +189,9 @@ class Completion:
         """
         self._score_echo()
         chunk, pace = self.encoder.chunk, self.pacer
-        if events and self.req.echo:
-            for c in self.choices:
-                event = chunk(c, self.req.prompt_text, 0)
+        if events:
+            echo_text = self.req.prompt_text if self.req.echo else None
+            for event in self.encoder.first_chunks(self.choices, echo_text):
                 if event:
                     yield event
         live = [c for c in self.choices if c.finish_reason is None]

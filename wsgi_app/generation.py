@@ -20,7 +20,7 @@ from wsgi_app.protocol import CompletionRequest
 from wsgi_app.record import RequestRecord
 from wsgi_app.runtime import Runtime
 from wsgi_app.sse import PLAIN, Framing
-from wsgi_app.wire_format import TEXT_COMPLETION
+from wsgi_app.wire_format import TEXT_COMPLETION, WireFormat
 
 
 def random_seed() -> int:
@@ -52,6 +52,7 @@ def admit(
     seed: int,
     sock: socket.socket | None,
     framing: Framing = PLAIN,
+    wire: WireFormat = TEXT_COMPLETION,
 ) -> tuple[Completion, Ticket, Pacer]:
     """Take a place in the worker's slots or queue for ``req`` and set up its generation.
 
@@ -65,6 +66,7 @@ def admit(
         seed: the effective seed, 0..2**64-1.
         sock: the client's connection (tuned for streaming), or None.
         framing: the SSE framing of a streamed answer.
+        wire: the wire format of the answer (``TEXT_COMPLETION``, the chat completion's).
 
     Raises:
         ApiError: 429 ``server_busy`` when slots and queue are full, 503 when the worker is stopping.
@@ -89,12 +91,14 @@ def admit(
             rt.engine,
             req,
             seed,
-            TEXT_COMPLETION.new_id(),
+            wire.new_id(),
             int(time.time()),
             pacer,
             framing,
             heartbeat_s=settings.heartbeat_s,
             tokenizer=rt.model.tokenizer,
+            wire=wire,
+            fingerprint=rt.model_version,
         )
     except BaseException:
         ticket.release()

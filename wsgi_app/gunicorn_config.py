@@ -125,6 +125,7 @@ def _check_config_or_exit():
     import socket
 
     from model.loader import load_model
+    from wsgi_app.chat import check_chat_template
     from wsgi_app.settings import Settings, check_stats_db
 
     try:
@@ -139,10 +140,11 @@ def _check_config_or_exit():
             raise ValueError(f"HOST cannot be resolved: {_server.host!r} ({exc.strerror})") from exc
         check_stats_db(settings.stats_db)
         try:
-            load_model(settings.model_dir)
+            model = load_model(settings.model_dir)
         except ValueError as exc:
             where = settings.model_dir or "the embedded default model"
             raise ValueError(f"MODEL_DIR ({where}): {exc}") from exc
+        check_chat_template(model, settings)  # CHAT_TEMPLATE rendered once on a sample
     except ValueError as exc:
         _cannot_start(exc)
 

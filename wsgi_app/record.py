@@ -31,6 +31,7 @@ class RequestRecord:
         done: True once :func:`wsgi_app.lifecycle.finish` has run (it runs once).
         method, path, route: the HTTP method, the path (no query string) and the matched rule or None.
         client_hash: salted hash of the client's address (``telemetry.logs.client_hash``).
+        user_hash: salted hash of the request's ``user`` (the same function), or None without one.
         model: the request's ``model`` once validated, else None.
         prompt: the prompt text, kept only with ``LOG_PROMPTS=1`` (else None).
         texts: each choice's text, kept only with ``LOG_PROMPTS=1`` (else None).
@@ -53,6 +54,7 @@ class RequestRecord:
     path: str = ""
     route: str | None = None
     client_hash: str = ""
+    user_hash: str | None = None
     model: str | None = None
     prompt: str | None = None
     texts: list[str] | None = None

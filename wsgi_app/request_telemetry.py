@@ -43,7 +43,7 @@ access_log = logging.getLogger("greenserve.access")
 slow_log = logging.getLogger("greenserve.slow")
 
 # Generation routes: counted in metrics and history. Probes and scrapes only get a debug log line.
-API_ROUTES = frozenset({"/v1/completions"})
+API_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 QUIET_ROUTES = frozenset({"/health", "/healthz", "/ready", "/metrics", "/stats", "/stats/history"})
 _ITL_BOUNDS = np.asarray(ITL_BUCKETS, dtype=np.float64)
 _TOP_GAPS = 3  # the longest stalls a slow request's timeline shows
@@ -139,6 +139,7 @@ def request_fields(record: RequestRecord, elapsed_s: float, gaps: Gaps | None) -
         "client_hash": record.client_hash,
         "method": record.method,
         "path": record.path,
+        "endpoint": record.route,
         "status": record.status,
         "model": record.model,
         "prompt_tokens": record.prompt_tokens,
@@ -150,6 +151,7 @@ def request_fields(record: RequestRecord, elapsed_s: float, gaps: Gaps | None) -
         "finish_reason": finish_reason(record),
         "queue_wait_s": _r(record.queue_wait_s),
         "error": record.error,
+        "user_hash": record.user_hash,
     }
     if record.prompt is not None:  # only with LOG_PROMPTS=1
         fields["prompt"] = record.prompt
@@ -237,6 +239,7 @@ class Observer:
         prompt_tokens = record.prompt_tokens if record.slot_at is not None else 0
         failed = is_failed(record)
         self.metrics.observe_request(
+            endpoint=record.route or "",
             status=record.status,
             finish_reason=finish_reason(record),
             prompt_tokens=prompt_tokens,

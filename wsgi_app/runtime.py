@@ -38,6 +38,8 @@ class Runtime:
         rate_limit_storage_errors: times the rate-limit storage (Redis) could not be reached; the
             limiter fails open, so requests are served unchecked meanwhile.
         observer: the request observer (logs, metrics, history), or None.
+        chat_template: the chat template (``model.chat_template.ChatTemplate``) chat requests are
+            rendered with: ``CHAT_TEMPLATE``, else the model's, else the default.
     """
 
     settings: Settings
@@ -52,6 +54,7 @@ class Runtime:
     stop_at: float | None = None
     rate_limit_storage_errors: int = 0
     observer: Observer | None = None
+    chat_template: Any = None
 
     @property
     def parse_limits(self) -> dict[str, Any]:

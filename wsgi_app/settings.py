@@ -229,6 +229,10 @@ class Settings:
         prometheus_multiproc_dir: ``prometheus_client``'s multiprocess directory, or None for
             single-process metrics (set by gunicorn.conf.py).
         pages: serve the demo page ``/`` and the status page ``/status`` (``PAGES``, 1 or 0).
+        chat_template: a Jinja2 chat template file that overrides the model's (``CHAT_TEMPLATE``),
+            or None.
+        chat_max_tokens: the cap on a chat answer's default ``max_tokens`` (``CHAT_MAX_TOKENS``):
+            without ``max_tokens`` an answer may use the rest of the context up to this, in tokens.
     """
 
     model_dir: str | None = None
@@ -259,6 +263,8 @@ class Settings:
     client_hash_salt: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     prometheus_multiproc_dir: str | None = None
     pages: bool = True
+    chat_template: str | None = None
+    chat_max_tokens: int = 512
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -300,7 +306,30 @@ class Settings:
             client_hash_salt=_str(env, "CLIENT_HASH_SALT", "") or secrets.token_hex(16),
             prometheus_multiproc_dir=_metrics_dir(env),
             pages=_int(env, "PAGES", int(d["pages"]), 0, 1) == 1,
+            chat_template=_readable_file(env, "CHAT_TEMPLATE"),
+            chat_max_tokens=_int(env, "CHAT_MAX_TOKENS", d["chat_max_tokens"], 1, 4096),
         )
+
+    def chat_template_source(self) -> str | None:
+        """Return the text of the ``CHAT_TEMPLATE`` file, or None when the setting is unset.
+
+        Raises:
+            ValueError: the file cannot be read or is not UTF-8 (the message names ``CHAT_TEMPLATE``).
+        """
+        if self.chat_template is None:
+            return None
+        try:
+            with open(self.chat_template, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"CHAT_TEMPLATE ({self.chat_template}): cannot read: {exc}") from None
+
+
+def _readable_file(env: Mapping[str, str], name: str) -> str | None:
+    path = _str(env, name, "") or None
+    if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+        raise ValueError(f"{name} must be a readable file, got {path!r}")
+    return path
 
 
 # A host name: dot-separated labels of letters, digits and inner hyphens (RFC 1123 §2.1).

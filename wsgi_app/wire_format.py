@@ -2,8 +2,10 @@
 
 A :class:`WireFormat` says what differs between OpenAI's completion objects (the ``object`` names, the
 id's prefix, the keys around a choice's text); a :class:`ChunkEncoder` builds every streamed event of one
-completion from it, whatever the SSE framing, and its non-streamed answer. Only the legacy text completion
-is served: :data:`TEXT_COMPLETION`.
+completion from it, whatever the SSE framing, and its non-streamed answer. This module serves the legacy
+text completion, :data:`TEXT_COMPLETION`; a wire format whose events differ in shape (the chat
+completion's deltas, ``wsgi_app.chat_wire``) subclasses :class:`WireFormat` and returns its own encoder
+and logprobs object from :meth:`WireFormat.encoder` and :meth:`WireFormat.new_logprobs`.
 
 Source: OpenAI API reference, "Completions" (legacy): the completion object and its streamed chunks.
 """
@@ -12,10 +14,11 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from wsgi_app.choice import Choice
+from model.tokenizer import TextTokenizer
+from wsgi_app.choice import Choice, Logprobs
 from wsgi_app.errors import json_bytes
 from wsgi_app.sse import PLAIN, Framing
 
@@ -63,6 +66,24 @@ class WireFormat:
     def new_id(self) -> str:
         """Return a fresh completion id: the prefix and 24 hex digits from the OS's randomness."""
         return self.id_prefix + secrets.token_hex(12)
+
+    def encoder(
+        self,
+        completion_id: str,
+        created: int,
+        model: str,
+        n: int,
+        include_usage: bool,
+        framing: Framing = PLAIN,
+        fingerprint: str | None = None,
+    ) -> ChunkEncoder:
+        """Return the encoder of one completion in this format (arguments: :class:`ChunkEncoder`;
+        ``fingerprint``, the model version, is for formats that carry ``system_fingerprint``)."""
+        return ChunkEncoder(self, completion_id, created, model, n, include_usage, framing)
+
+    def new_logprobs(self, tokenizer: TextTokenizer) -> Logprobs:
+        """Return an empty ``logprobs`` object for one choice (the legacy shape here)."""
+        return Logprobs(tokenizer.token_str)
 
 
 TEXT_COMPLETION = WireFormat(
@@ -122,6 +143,13 @@ class ChunkEncoder:
             fmt.text_end + b',"logprobs":null,"finish_reason":null}]' + usage_tail + closing
         )
         self._end = (b"}]" + usage_tail + closing, fmt.text_end + b',"logprobs":')
+
+    def first_chunks(self, choices: Sequence[Choice], echo_text: str | None) -> Iterator[bytes]:
+        """Yield the events that come before any token: with ``echo``, each choice's prompt chunk
+        (with all its prompt ``logprobs`` entries)."""
+        if echo_text is not None:
+            for c in choices:
+                yield self.chunk(c, echo_text, 0)
 
     def chunk(self, choice: Choice, text: str, lp_start: int = -1) -> bytes:
         """Return the streamed event of ``choice`` releasing ``text`` (b"" when the framing drops it).

@@ -30,11 +30,12 @@ from werkzeug.datastructures import MultiDict
 
 from wsgi_app.errors import invalid
 from wsgi_app.generation import admit, random_seed
-from wsgi_app.protocol import SEED_LIMIT, parse_completion_request
+from wsgi_app.protocol import SEED_LIMIT, CompletionRequest, parse_completion_request
 from wsgi_app.record import RequestRecord
-from wsgi_app.runtime import runtime
+from wsgi_app.runtime import Runtime, runtime
 from wsgi_app.sse import EventIds
 from wsgi_app.streaming import STREAM_HEADERS, EventStreamResponse, StreamBody
+from wsgi_app.wire_format import TEXT_COMPLETION, WireFormat
 
 bp = Blueprint("eventsource", __name__)
 
@@ -109,11 +110,18 @@ def _form_bytes(part: str) -> bytes:
     return unquote_to_bytes(part.replace("+", " ").encode("latin-1", "replace"))
 
 
-def query_body(args: MultiDict) -> dict[str, Any]:
+def query_body(
+    args: MultiDict,
+    text: tuple[str, ...] = TEXT_PARAMS,
+    numbers: tuple[str, ...] = NUMBER_PARAMS,
+    booleans: tuple[str, ...] = BOOLEAN_PARAMS,
+    lists: tuple[str, ...] = LIST_PARAMS,
+) -> dict[str, Any]:
     """Convert a query string into the JSON body it stands for (``stream`` always true).
 
     Args:
         args: the parsed query string.
+        text, numbers, booleans, lists: the parameters of each kind (the completion's by default).
 
     Returns:
         A dict for :func:`~wsgi_app.protocol.parse_completion_request`.
@@ -122,22 +130,22 @@ def query_body(args: MultiDict) -> dict[str, Any]:
         ApiError: 400 naming the parameter that repeats or does not convert to its field's type.
     """
     body: dict[str, Any] = {"stream": True}
-    for name in (*TEXT_PARAMS, *NUMBER_PARAMS, *BOOLEAN_PARAMS):
+    for name in (*text, *numbers, *booleans):
         values = args.getlist(name)
         if not values:
             continue
         if len(values) > 1:
             raise invalid(f"Query parameter '{name}' is given more than once.", name)
         raw = values[0]
-        if name in TEXT_PARAMS:
+        if name in text:
             body[name] = raw
         elif raw == "":
             continue  # an empty form field: absent, as JSON null is
-        elif name in NUMBER_PARAMS:
+        elif name in numbers:
             body[name] = _number(name, raw)
         else:
             body[name] = _boolean(name, raw)
-    for name in LIST_PARAMS:
+    for name in lists:
         values = args.getlist(name)
         if values:
             body[name] = values
@@ -186,16 +194,37 @@ def stream_completion() -> Response:
             a malformed ``Last-Event-ID`` or one whose seed contradicts ``seed``; 429 ``server_busy``;
             503 when stopping.
     """
+    rt = runtime()
+    check_event_source("/v1/completions")
+    req = parse_completion_request(query_body(request.args), **rt.parse_limits)
+    return event_stream(rt, req, g.record)
+
+
+def check_event_source(path: str) -> None:
+    """Refuse an ``EventSource`` request without ``Accept: text/event-stream`` or whose query string
+    is not UTF-8.
+
+    Raises:
+        ApiError: 400 (the query parameter named, for bad UTF-8).
+    """
     if not wants_event_stream():
         raise invalid(
-            "GET /v1/completions is the EventSource stream: send 'Accept: text/event-stream', "
+            f"GET {path} is the EventSource stream: send 'Accept: text/event-stream', "
             "or POST a JSON body for a JSON answer.",
             None,
         )
-    rt = runtime()
-    record: RequestRecord = g.record
     check_query_utf8(request.environ.get("QUERY_STRING", ""))
-    req = parse_completion_request(query_body(request.args), **rt.parse_limits)
+
+
+def event_stream(
+    rt: Runtime, req: CompletionRequest, record: RequestRecord, wire: WireFormat = TEXT_COMPLETION
+) -> Response:
+    """Stream ``req`` to an ``EventSource`` in ``wire``'s format, resuming after ``Last-Event-ID``.
+
+    Raises:
+        ApiError: 400 for a malformed ``Last-Event-ID`` or one whose seed contradicts ``seed``;
+            429 ``server_busy``; 503 when stopping.
+    """
     last = parse_last_event_id(request.headers.get("Last-Event-ID"))
     if last is not None and req.seed is not None and last[0] != req.seed:
         raise invalid("'Last-Event-ID' names another seed than 'seed'.", "Last-Event-ID")
@@ -209,6 +238,6 @@ def stream_completion() -> Response:
         return Response(content_type="text/event-stream", headers=STREAM_HEADERS)
     framing = EventIds(seed, RETRY_MS, resume_after=-1 if last is None else last[1])
     sock = request.environ.get("gunicorn.socket")
-    completion, ticket, pacer = admit(rt, req, record, seed, sock, framing)
+    completion, ticket, pacer = admit(rt, req, record, seed, sock, framing, wire)
     body = StreamBody(rt, completion, ticket, pacer, record)
     return EventStreamResponse(body)

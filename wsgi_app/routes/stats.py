@@ -70,6 +70,7 @@ def stats() -> Response:
                 "requests": summary["requests"],
                 "failed": summary["failed"],
                 "by_status": summary["by_status"],
+                "by_endpoint": summary["by_endpoint"],
                 "prompt_tokens": summary["prompt_tokens"],
                 "generation_tokens": summary["generation_tokens"],
             },
