@@ -31,17 +31,20 @@ PATH = "/v1/chat/completions"
 
 pytestmark = needs_chromium
 
-# Record every change of the answer being streamed (its length and the page's state at that moment).
+# Record every change of the answer being streamed (its length and the page's state at that moment),
+# from its first character on (the empty answer is added while connecting).
 RECORD = """() => {
   window.samples = [];
+  window.recorder?.disconnect();
   const list = document.getElementById("conversation");
-  new MutationObserver(() => {
+  window.recorder = new MutationObserver(() => {
     const answer = list.querySelector(".turn.pending .content");
-    if (answer) window.samples.push({
+    if (answer?.textContent) window.samples.push({
       length: answer.textContent.length,
       state: document.getElementById("demo").dataset.state,
     });
-  }).observe(list, { childList: true, characterData: true, subtree: true });
+  });
+  window.recorder.observe(list, { childList: true, characterData: true, subtree: true });
 }"""
 
 # The conversation as the page shows it: (role label, text) per turn.
@@ -66,7 +69,7 @@ def browser() -> Iterator[Browser]:
 def page(browser: Browser, server: GunicornServer) -> Iterator[tuple[Page, Watch]]:
     for pg, watch in new_page(browser):
         pg.goto(server.url + "/")
-        pg.check("#mode-chat")
+        pg.click("label[for=mode-chat]")
         yield pg, watch
 
 
@@ -218,9 +221,12 @@ def test_switching_back_to_complete_mode_keeps_the_conversation(server, page):
     pg, _ = page
     send(pg, "Hi.", 3, 5)
     pg.wait_for_selector('#demo[data-state="done"]')
-    pg.check("#mode-complete")
+    pg.click("label[for=mode-complete]")
     assert pg.text_content("#output-heading") == "Continuation"
     assert pg.text_content("#generate") == "Generate"
     assert pg.is_visible("#prompt") and pg.is_hidden("#conversation")
-    pg.check("#mode-chat")
+    # The mode switch is a radio group: arrow keys move between the modes.
+    pg.focus("#mode-complete")
+    pg.keyboard.press("ArrowRight")
+    assert pg.get_attribute("#demo", "data-mode") == "chat" and pg.is_visible("#conversation")
     assert [role for role, _ in pg.evaluate(TURNS)] == ["You", "Assistant"]

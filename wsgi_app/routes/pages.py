@@ -6,8 +6,9 @@ from another origin: no CDN, no chart library, and the ``Content-Security-Policy
 the browser refuse anything but this server. The demo streams a completion through ``EventSource`` on
 the ``GET /v1/completions`` stream, passing the optional API key as ``api_key`` (``EventSource`` cannot
 send headers); its chat mode (when the worker has a chat template) streams each answer on the
-``GET /v1/chat/completions`` stream with the whole conversation as ``messages``; the status page polls ``/stats`` and ``/stats/history``. With ``PAGES=0`` the blueprint
-is not registered, so the pages and their assets are 404.
+``GET /v1/chat/completions`` stream with the whole conversation as ``messages``; the status page
+polls ``/stats`` and ``/stats/history``. With ``PAGES=0`` the blueprint is not registered, so the
+pages and their assets are 404.
 
 Source: docs/ARCHITECTURE.md §8; WHATWG HTML Living Standard §9.2 (``EventSource``); W3C CSP Level 3.
 """
