@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -380,3 +383,30 @@ def test_metrics_count_chat_under_its_endpoint(succ_server):
     assert chat_ok and chat_ok[0] >= 1
     stats = json.loads(succ_server.get("/stats")[2])
     assert stats["totals"]["by_endpoint"][PATH] >= 1
+
+
+# -- the README's chat examples, as written --------------------------------------------------------
+
+
+def test_readme_chat_examples_run_as_written(default_server):
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("### Chat completions") :]
+    section = section[: section.index("\n## ")]
+    (sh,) = re.findall(r"```sh\n(.*?)```", section, re.S)
+    (py,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    url = default_server.url.removeprefix("http://")
+    body = {"model": "m", "messages": HELLO, "max_tokens": 16, "seed": 1}
+    expected = json.loads(chat(default_server, body)[2])["choices"][0]["message"]["content"]
+    run = subprocess.run(
+        ["bash", "-c", sh.replace("localhost:8000", url)], capture_output=True, timeout=60
+    )
+    assert json.loads(run.stdout)["choices"][0]["message"]["content"] == expected
+    run = subprocess.run(
+        [sys.executable, "-c", py.replace("localhost:8000", url)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert run.stdout.startswith(expected + "\n")
+    assert len(run.stdout) > len(expected) + 2  # the streamed answer followed
