@@ -133,6 +133,25 @@ def test_query_key_only_on_the_event_stream(keyed):
     assert (status, json.loads(body)) == (401, MISSING)
 
 
+def test_query_key_on_the_chat_event_stream(keyed):
+    messages = json.dumps([{"role": "user", "content": "a"}])
+    query = urlencode({"model": "m", "messages": messages, "max_tokens": 2, "temperature": 0})
+    accept = {"Accept": "text/event-stream"}
+    status, headers, body = keyed.get(
+        f"/v1/chat/completions?{query}&api_key={KEYS[0]}", headers=accept
+    )
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert [e["data"] for e in events(body)][-1] == "[DONE]"
+    status, _, body = keyed.get(f"/v1/chat/completions?{query}&api_key=wrong", headers=accept)
+    assert (status, json.loads(body)) == (401, INVALID)
+    status, _, body = keyed.get(f"/v1/chat/completions?{query}", headers=accept)
+    assert (status, json.loads(body)) == (401, MISSING)
+    # POST never reads the query string.
+    body = {"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+    status, _, raw = keyed.post(f"/v1/chat/completions?api_key={KEYS[0]}", body)
+    assert (status, json.loads(raw)) == (401, MISSING)
+
+
 def test_keys_off_by_default(succ_server):
     status, _, body = succ_server.complete(BODY)
     assert status == 200 and json.loads(body)["choices"][0]["text"] == "bcd"

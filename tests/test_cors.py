@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.server import GunicornServer
-from wsgi_app.cors import allowed_origin
+from wsgi_app.cors import ALLOW_HEADERS, allow_headers, allowed_origin
 from wsgi_app.settings import Settings
 
 ALLOWED = "http://a.example"
@@ -18,6 +18,9 @@ PREFLIGHT = {
     "Access-Control-Request-Headers": "content-type, authorization",
 }
 STREAM = "/v1/completions?model=m&prompt=a&max_tokens=1"
+# What the official openai JavaScript SDK's preflight asks for from a browser (Chromium's form:
+# lowercase, sorted, no spaces).
+SDK_HEADERS = "authorization,content-type,x-stainless-os,x-stainless-timeout"
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +59,50 @@ def test_preflight_from_an_allowed_origin(cors_server):
     assert cors_headers(headers) == {
         "access-control-allow-origin": ALLOWED,
         "access-control-allow-methods": "GET, POST, OPTIONS",
-        "access-control-allow-headers": "Authorization, Content-Type, Last-Event-ID, "
-        "X-Request-Id, traceparent",
+        "access-control-allow-headers": "content-type, authorization",
         "access-control-max-age": "600",
     }
-    assert headers["vary"] == "Origin"
+    assert headers["vary"] == "Access-Control-Request-Headers, Origin"
 
 
-def test_preflight_from_another_origin_gets_no_cors_headers(cors_server):
-    headers = {**PREFLIGHT, "Origin": "http://evil.example"}
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/models"])
+def test_preflight_allows_the_headers_the_openai_sdk_sends(cors_server, path):
+    headers = {**PREFLIGHT, "Access-Control-Request-Headers": SDK_HEADERS}
+    status, got, body = cors_server.request("OPTIONS", path, headers=headers)
+    assert (status, body) == (204, b"")
+    assert cors_headers(got) == {
+        "access-control-allow-origin": ALLOWED,
+        "access-control-allow-methods": "GET, POST, OPTIONS",
+        "access-control-allow-headers": "authorization, content-type, x-stainless-os, "
+        "x-stainless-timeout",
+        "access-control-max-age": "600",
+    }
+    # Every header a client of the family may add is echoed, whatever its case.
+    many = "X-Stainless-Lang,x-stainless-retry-count,OpenAI-Organization,openai-project,Idempotency-Key"
+    status, got, _ = cors_server.request(
+        "OPTIONS", path, headers={**PREFLIGHT, "Access-Control-Request-Headers": many}
+    )
+    assert status == 204
+    assert got["access-control-allow-headers"] == (
+        "x-stainless-lang, x-stainless-retry-count, openai-organization, openai-project, "
+        "idempotency-key"
+    )
+
+
+def test_a_preflight_without_header_list_gets_the_base_list(cors_server):
+    headers = {k: v for k, v in PREFLIGHT.items() if k != "Access-Control-Request-Headers"}
+    status, got, _ = cors_server.request("OPTIONS", "/v1/completions", headers=headers)
+    assert status == 204
+    assert got["access-control-allow-headers"] == ALLOW_HEADERS
+
+
+@pytest.mark.parametrize("requested", ["content-type, authorization", SDK_HEADERS])
+def test_preflight_from_another_origin_gets_no_cors_headers(cors_server, requested):
+    headers = {
+        **PREFLIGHT,
+        "Origin": "http://evil.example",
+        "Access-Control-Request-Headers": requested,
+    }
     status, got, _ = cors_server.request("OPTIONS", "/v1/completions", headers=headers)
     assert status == 204  # the plain OPTIONS answer, without CORS headers
     assert cors_headers(got) == {}
@@ -93,6 +131,19 @@ def test_actual_requests_from_allowed_origins(cors_server):
 
 def test_unknown_path_preflight_stays_404(cors_server):
     assert cors_server.request("OPTIONS", "/nope", headers=PREFLIGHT)[0] == 404
+
+
+def test_allow_headers_echoes_well_formed_lists_only():
+    assert allow_headers(SDK_HEADERS) == (
+        "authorization, content-type, x-stainless-os, x-stainless-timeout"
+    )
+    assert allow_headers(" A , b,,a ") == "a, b"  # trimmed, lowercased, empty elements dropped
+    assert allow_headers(None) == ALLOW_HEADERS
+    assert allow_headers(" , ") == ALLOW_HEADERS
+    for bad in ("x-a x-b", "x-a,(x)", "x-é", "x:y", "a\tb"):
+        assert allow_headers(bad) == ALLOW_HEADERS, bad
+    assert allow_headers(",".join(f"x-{i}" for i in range(64))).count(",") == 63
+    assert allow_headers(",".join(f"x-{i}" for i in range(65))) == ALLOW_HEADERS
 
 
 def test_allowed_origin():

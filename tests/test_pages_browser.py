@@ -1,6 +1,5 @@
-"""The demo (``/``) and status (``/status``) pages in a real browser: headless Chromium from Debian's
-``chromium`` package, driven by Playwright with that system executable (``.ci/run`` installs it; a
-Playwright-downloaded browser is never used).
+"""The demo (``/``) and status (``/status``) pages in a real browser (``tests.browser``: Debian's headless
+Chromium driven by Playwright).
 
 The server streams slowly (``GREENSERVE_FAULTS=slow_step_s=0.05``) so that every token is its own update
 on the page, and requires an API key, which the demo passes as ``api_key``. Screenshots of both pages,
@@ -10,36 +9,20 @@ wide and narrow, are saved under ``test-artifacts/`` at the repository root.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Browser, Page
 
-from tests.server import ROOT, GunicornServer
+from tests.browser import NARROW, WIDE, Watch, launch, needs_chromium, new_page, screenshot
+from tests.browser import check_page as check_page_from
+from tests.server import GunicornServer
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-ARTIFACTS = ROOT / "test-artifacts"
 KEY = "demo-key-1"
 SLOW_STEP_S = 0.05
-WIDE = {"width": 1280, "height": 900}
-NARROW = {"width": 390, "height": 844}
 
-pytestmark = pytest.mark.skipif(
-    not os.access(CHROMIUM, os.X_OK),
-    reason=f"{CHROMIUM} is missing: install Debian's chromium package (.ci/run does)",
-)
+pytestmark = needs_chromium
 
 # Record every change of the continuation's text (its length and the page's state at that moment).
 RECORD = """() => {
@@ -50,57 +33,6 @@ RECORD = """() => {
     state: document.getElementById("demo").dataset.state,
   })).observe(completion, { childList: true, characterData: true, subtree: true });
 }"""
-
-# WCAG 2.x contrast of every visible text (4.5:1) and every chart mark (3:1) against the nearest
-# opaque background; controls that are disabled are exempt, as in WCAG.
-CONTRAST = """() => {
-  const rgb = (s) => (s.match(/[\\d.]+/g) || []).map(Number);
-  const lum = ([r, g, b]) => {
-    const f = (c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; };
-    return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
-  };
-  const ratio = (a, b) => {
-    const [x, y] = [lum(a), lum(b)].sort((p, q) => q - p);
-    return (x + 0.05) / (y + 0.05);
-  };
-  const background = (el) => {
-    for (let n = el; n; n = n.parentElement) {
-      const c = rgb(getComputedStyle(n).backgroundColor);
-      if (c.length === 3 || (c.length === 4 && c[3] === 1)) return c.slice(0, 3);
-    }
-    return [255, 255, 255];
-  };
-  const visible = (el) => {
-    const r = el.getBoundingClientRect();
-    return r.width > 0 && r.height > 0 && getComputedStyle(el).visibility !== "hidden";
-  };
-  const failures = [];
-  let checked = 0;
-  for (const el of document.querySelectorAll("body *")) {
-    if (!visible(el) || el.closest("[disabled], .visually-hidden, .skip")) continue;
-    const svg = el instanceof SVGElement;
-    const hasText = [...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
-    const mark = svg && el.classList.contains("mark");
-    if (!hasText && !mark) continue;
-    const color = rgb(getComputedStyle(el)[svg ? "fill" : "color"]).slice(0, 3);
-    const value = ratio(color, background(el));
-    checked += 1;
-    if (value < (mark ? 3 : 4.5)) {
-      const text = el.textContent.trim().slice(0, 30);
-      failures.push(`${el.tagName}.${el.getAttribute("class")} "${text}" ${value.toFixed(2)}`);
-    }
-  }
-  return { checked, failures };
-}"""
-
-# Every form control has a label, every chart a name, the page a language.
-LABELS = """() => ({
-  lang: document.documentElement.lang,
-  unlabelled: [...document.querySelectorAll("input, textarea, select")]
-    .filter((c) => !c.labels.length && !c.getAttribute("aria-label")).map((c) => c.id),
-  charts: [...document.querySelectorAll("svg[role=img]")].map((s) => s.getAttribute("aria-label")),
-  overflow: document.documentElement.scrollWidth - window.innerWidth,
-})"""
 
 
 @pytest.fixture(scope="module")
@@ -117,52 +49,20 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GunicornServer]
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
-
-
-class Watch:
-    """What a page loaded and complained about."""
-
-    def __init__(self, page: Page) -> None:
-        self.urls: list[str] = []
-        self.errors: list[str] = []
-        page.on("request", lambda r: self.urls.append(r.url))
-        page.on("pageerror", lambda e: self.errors.append(str(e)))
-        page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+    yield from launch()
 
 
 @pytest.fixture
 def page(browser: Browser) -> Iterator[tuple[Page, Watch]]:
-    context = browser.new_context(viewport=WIDE, color_scheme="light")
-    pg = context.new_page()
-    pg.set_default_timeout(15_000)
-    yield pg, Watch(pg)
-    context.close()
+    yield from new_page(browser)
 
 
 def bearer() -> dict[str, str]:
     return {"Authorization": f"Bearer {KEY}"}
 
 
-def screenshot(pg: Page, name: str) -> Path:
-    ARTIFACTS.mkdir(exist_ok=True)
-    path = ARTIFACTS / name
-    pg.screenshot(path=str(path), full_page=True)
-    return path
-
-
 def check_page(pg: Page, watch: Watch, server: GunicornServer) -> dict:
-    """Assert what every page owes: same-origin loads only, no errors, labels, contrast."""
-    assert [u for u in watch.urls if not u.startswith(server.url + "/")] == []
-    assert watch.errors == []
-    labels = pg.evaluate(LABELS)
-    assert labels["lang"] == "en" and labels["unlabelled"] == [] and labels["overflow"] <= 0
-    contrast = pg.evaluate(CONTRAST)
-    assert contrast["failures"] == [] and contrast["checked"] > 20
-    return labels
+    return check_page_from(pg, watch, server.url)
 
 
 def fill_request(pg: Page, max_tokens: int, seed: int, key: str = KEY) -> None:
@@ -218,6 +118,33 @@ def test_demo_streams_the_continuation_token_by_token(server, page):
     screenshot(pg, "demo-narrow.png")
     pg.emulate_media(color_scheme="dark")
     check_page(pg, watch, server)  # the dark theme is legible too
+
+
+# The number of lines each meter's value takes: its height over its line height (rounded, as a
+# fractional line height such as 1.9rem renders in whole device pixels).
+METER_LINES = """() => Object.fromEntries([...document.querySelectorAll(".meters dd")].map((dd) => [
+  dd.id, Math.round(dd.getBoundingClientRect().height / parseFloat(getComputedStyle(dd).lineHeight)),
+]))"""
+
+
+@pytest.mark.parametrize("width", [1200, 1280, 900, 390])
+def test_every_meter_stays_on_one_line(server, page, width):
+    pg, _ = page
+    pg.set_viewport_size({"width": width, "height": 900})
+    pg.goto(server.url + "/")
+    fill_request(pg, 12, 4)
+    pg.click("#generate")
+    pg.wait_for_selector('#demo[data-state="done"]')
+    assert re.fullmatch(r"\d+\.\d", pg.text_content("#tps"))
+    assert pg.evaluate(METER_LINES) == {"ttft": 1, "tps": 1, "tokens": 1, "seed-used": 1}
+    # The widest values the meters show: a fast server's speed, a slow first token, a long run.
+    pg.evaluate("""() => {
+      document.getElementById("tps").textContent = "99999.9";
+      document.getElementById("ttft").textContent = "999.99 s";
+      document.getElementById("tokens").textContent = "4096";
+    }""")
+    assert pg.evaluate(METER_LINES) == {"ttft": 1, "tps": 1, "tokens": 1, "seed-used": 1}
+    assert pg.text_content(".meters div:has(#tps) dt") == "Tokens/s"
 
 
 def test_stop_closes_the_stream_and_frees_the_slot(server, page):

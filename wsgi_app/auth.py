@@ -1,5 +1,6 @@
 """API keys (``API_KEYS``) for the API routes: ``Authorization: Bearer <key>``, or ``?api_key=`` on the
-``GET /v1/completions`` event stream (browsers' ``EventSource`` cannot send headers).
+``GET /v1/completions`` and ``GET /v1/chat/completions`` event streams (browsers' ``EventSource`` cannot
+send headers).
 
 Only paths under ``/v1/`` are guarded; health, readiness, metrics, pages and ``/debug`` stay open, and so
 do CORS preflights (``OPTIONS``), which browsers send without credentials. Keys are compared as SHA-256
@@ -22,7 +23,7 @@ from wsgi_app.client_identity import key_digest
 from wsgi_app.errors import ApiError
 
 API_PREFIX = "/v1/"
-STREAM_PATH = "/v1/completions"
+STREAM_PATHS = ("/v1/completions", "/v1/chat/completions")  # the EventSource streams
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="greenserve"'}
 
 
@@ -79,10 +80,10 @@ def invalid_key() -> ApiError:
 
 
 def presented_key() -> str | None:
-    """Return the key the current request presents: the Bearer token, else (only on the
-    ``GET /v1/completions`` stream) the ``api_key`` query parameter; None when there is none."""
+    """Return the key the current request presents: the Bearer token, else (only on the ``GET``
+    event streams, :data:`STREAM_PATHS`) the ``api_key`` query parameter; None when there is none."""
     token = bearer_token(request.headers.get("Authorization"))
-    if token is None and request.method == "GET" and request.path == STREAM_PATH:
+    if token is None and request.method == "GET" and request.path in STREAM_PATHS:
         token = request.args.get("api_key") or None
     return token
 

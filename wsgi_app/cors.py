@@ -6,18 +6,31 @@ With origins configured, a request whose ``Origin`` is one of them (or any origi
 headers. Other origins get no CORS headers, so the browser keeps the answer from the page. No
 credentials mode: API keys travel as ``Authorization`` or ``?api_key=``, never as cookies.
 
-Source: WHATWG Fetch Standard, §3.2 "CORS protocol" (preflight, ``Vary: Origin``).
+An allowed origin may send any request header: the preflight echoes the names the browser asks for in
+``Access-Control-Request-Headers``. Real clients send headers no fixed list keeps up with (the openai
+JavaScript SDK's ``x-stainless-*`` family, ``openai-*``, ``idempotency-key``, tracing headers), and
+the origin is trusted already; the server ignores the headers it does not know. A malformed request
+list (not comma-separated field names) gets :data:`ALLOW_HEADERS` instead. The wildcard ``*`` is not
+used for headers because it never covers ``Authorization``.
+
+Source: WHATWG Fetch Standard, §3.2 "CORS protocol" (preflight, ``Vary: Origin``,
+``Access-Control-Allow-Headers``); RFC 9110 §5.1 (field names are tokens) and §5.6.1 (lists).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from flask import Flask, Response, request
 
 ALLOW_METHODS = "GET, POST, OPTIONS"
-# Request headers a page may send: the API's own, and the ones EventSource and fetch() add.
+# Request headers a page may send when its preflight's list cannot be echoed: the API's own, and the
+# ones EventSource and fetch() add.
 ALLOW_HEADERS = "Authorization, Content-Type, Last-Event-ID, X-Request-Id, traceparent"
+# RFC 9110 §5.1: a field name is a token (tchar = "!#$%&'*+-.^_`|~", digits, letters).
+FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+MAX_REQUEST_HEADERS = 64  # the most names echoed; a longer list gets ALLOW_HEADERS
 EXPOSE_HEADERS = "X-Request-Id, X-Model-Version, Retry-After"
 MAX_AGE_S = 600  # how long a browser may cache a preflight answer, in seconds
 
@@ -34,6 +47,28 @@ def allowed_origin(origin: str | None, origins: Sequence[str]) -> str | None:
     if "*" in origins:
         return "*"
     return origin if origin in origins else None
+
+
+def allow_headers(requested: str | None) -> str:
+    """Return the ``Access-Control-Allow-Headers`` value for an allowed origin's preflight.
+
+    Args:
+        requested: the preflight's ``Access-Control-Request-Headers`` (a comma-separated list of
+            field names, lowercase from browsers), or None.
+
+    Returns:
+        The requested names, lowercased, deduplicated in order and joined by ``", "``; or
+        :data:`ALLOW_HEADERS` when nothing was requested or the list is malformed or too long.
+
+    Source: WHATWG Fetch Standard, §3.2.2 "HTTP requests" and §3.2.3 "HTTP responses".
+    """
+    names = [n.strip().lower() for n in (requested or "").split(",")]
+    names = [n for n in names if n]  # RFC 9110 §5.6.1: empty list elements are ignored
+    if not names or len(names) > MAX_REQUEST_HEADERS:
+        return ALLOW_HEADERS
+    if not all(FIELD_NAME.fullmatch(n) for n in names):
+        return ALLOW_HEADERS
+    return ", ".join(dict.fromkeys(names))
 
 
 def _is_preflight() -> bool:
@@ -55,7 +90,11 @@ def install(app: Flask, origins: Sequence[str]) -> None:
         response = Response(status=204)
         del response.headers["Content-Type"]  # no body, so no type
         response.headers["Access-Control-Allow-Methods"] = ALLOW_METHODS
-        response.headers["Access-Control-Allow-Headers"] = ALLOW_HEADERS
+        response.headers["Access-Control-Allow-Headers"] = allow_headers(
+            request.headers.get("Access-Control-Request-Headers")
+        )
+        # The answer depends on the requested headers: a cache must not reuse it for other ones.
+        response.vary.add("Access-Control-Request-Headers")
         response.headers["Access-Control-Max-Age"] = str(MAX_AGE_S)
         return response
 

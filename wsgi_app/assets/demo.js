@@ -1,4 +1,6 @@
-// The demo page: stream a completion through EventSource on GET /v1/completions.
+// The demo page: stream a completion through EventSource on GET /v1/completions, or, in chat mode
+// (shown when the model has a chat template), a conversation's next answer on GET
+// /v1/chat/completions with the conversation as the JSON query parameter `messages`.
 //
 // One stream at a time. The page closes the stream itself on [DONE] (otherwise the browser would
 // reconnect when the server ends the response), on an error event, and when Stop is pressed (the
@@ -24,13 +26,26 @@ const ui = {
   tps: $("tps"),
   tokens: $("tokens"),
   seedUsed: $("seed-used"),
+  outputHeading: $("output-heading"),
+  // Chat mode; all null when the page has no chat mode.
+  system: $("system"),
+  message: $("message"),
+  conversation: $("conversation"),
+  newChat: $("new-chat"),
 };
+const modes = [...document.querySelectorAll('input[name="mode"]')];
 // gunicorn refuses request lines over 8190 bytes; keep the stream's URL well below that.
 const MAX_URL_BYTES = 8000;
 
 // The current stream; exposed for tests and the console (readyState 2 = closed for good).
 const run = { source: null, opened: 0, first: 0, lastToken: 0, tokens: 0, seed: null };
 window.greenserve = run;
+// The conversation so far: {role, content} turns, user and assistant (the system message is sent
+// from its field each time); the answer being streamed joins it when its stream ends.
+const chat = { messages: [], answer: null };
+run.chat = chat;
+
+const mode = () => root.dataset.mode;
 
 function setState(state, message) {
   root.dataset.state = state;
@@ -38,6 +53,19 @@ function setState(state, message) {
   const busy = state === "connecting" || state === "streaming";
   ui.generate.disabled = busy;
   ui.stop.disabled = !busy;
+  for (const m of modes) m.disabled = busy;
+  if (ui.newChat) ui.newChat.disabled = busy || chat.messages.length === 0;
+}
+
+function setMode(next) {
+  root.dataset.mode = next;
+  for (const el of document.querySelectorAll("[data-for]")) el.hidden = el.dataset.for !== next;
+  ui.prompt.required = next === "complete";
+  if (ui.message) ui.message.required = next === "chat";
+  ui.generate.textContent = next === "chat" ? "Send" : "Generate";
+  ui.outputHeading.textContent = next === "chat" ? "Conversation" : "Continuation";
+  const ready = next === "chat" ? "Ready: write a message and press Send." : "Ready: press Generate.";
+  if (root.dataset.state !== "streaming" && root.dataset.state !== "connecting") setState("idle", ready);
 }
 
 function showError(message) {
@@ -58,30 +86,87 @@ function updateMeters() {
   ui.seedUsed.textContent = run.seed ?? "—";
 }
 
-// The query string of the stream: the request's fields (empty seed = the server picks one).
-function streamUrl() {
-  const params = new URLSearchParams({
-    model: root.dataset.model,
-    prompt: ui.prompt.value,
-    max_tokens: ui.maxTokens.value,
-    temperature: ui.temperature.value,
-  });
+// The messages of the next chat request: the system message, the conversation, the new message.
+function chatMessages(message) {
+  const system = ui.system.value.trim() ? [{ role: "system", content: ui.system.value }] : [];
+  return [...system, ...chat.messages, { role: "user", content: message }];
+}
+
+// The URL of the stream: the request's fields (empty seed = the server picks one).
+function streamUrl(messages) {
+  const params = new URLSearchParams({ model: root.dataset.model });
+  if (messages) params.set("messages", JSON.stringify(messages));
+  else params.set("prompt", ui.prompt.value);
+  params.set("max_tokens", ui.maxTokens.value);
+  params.set("temperature", ui.temperature.value);
   if (ui.seed.value.trim()) params.set("seed", ui.seed.value.trim());
   if (ui.apiKey.value) params.set("api_key", ui.apiKey.value);
-  return `/v1/completions?${params}`;
+  return `/v1/${messages ? "chat/completions" : "completions"}?${params}`;
 }
 
 function invalidField() {
-  for (const input of [ui.prompt, ui.temperature, ui.maxTokens, ui.seed, ui.apiKey]) {
+  const text = mode() === "chat" ? [ui.system, ui.message] : [ui.prompt];
+  for (const input of [...text, ui.temperature, ui.maxTokens, ui.seed, ui.apiKey]) {
     if (!input.checkValidity()) return input;
   }
   return null;
 }
 
+// One turn of the conversation on the page: its role and its text (a text node, never HTML).
+function addTurn(role, content) {
+  const item = document.createElement("li");
+  item.className = `turn turn-${role}`;
+  const label = document.createElement("span");
+  label.className = "role";
+  label.textContent = { user: "You", assistant: "Assistant", system: "System" }[role];
+  const text = document.createElement("p");
+  text.className = "content";
+  text.textContent = content;
+  item.append(label, text);
+  ui.conversation.append(item);
+  return item;
+}
+
+function scrollConversation() {
+  ui.conversation.scrollTop = ui.conversation.scrollHeight;
+}
+
+function newConversation() {
+  chat.messages = [];
+  chat.answer = null;
+  ui.conversation.textContent = "";
+  showError("");
+  Object.assign(run, { tokens: 0, first: 0, seed: null });
+  updateMeters();
+  setState("idle", "Ready: write a message and press Send.");
+}
+
 function finish(state, message) {
   if (run.source) run.source.close();
+  if (chat.answer) endAnswer(state);
   updateMeters();
   setState(state, message);
+}
+
+// The streamed answer joins the conversation when it ended or was stopped (what was said stays said);
+// with no token (refused, or stopped at once), the question goes back into the message box to retry.
+function endAnswer(state) {
+  const { item, text, message } = chat.answer;
+  chat.answer = null;
+  item.classList.remove("pending");
+  if (state !== "done" && !run.tokens) {
+    item.previousElementSibling.remove();
+    item.remove();
+    ui.message.value = message;
+    return;
+  }
+  chat.messages.push({ role: "user", content: message }, { role: "assistant", content: text.textContent });
+  if (state !== "done") {
+    const note = document.createElement("span");
+    note.className = "note";
+    note.textContent = state === "stopped" ? "Stopped." : "Interrupted by an error.";
+    item.append(note);
+  }
 }
 
 // EventSource hides the status and body of a refused stream: ask once more with fetch to show the
@@ -121,11 +206,21 @@ function onMessage(event) {
     return;
   }
   const choice = chunk.choices[0];
+  if (!choice) return; // a usage chunk
+  if (choice.finish_reason) run.finishReason = choice.finish_reason;
+  // A chat stream opens with a role chunk and ends with an empty delta: neither is a token.
+  const delta = choice.delta;
+  if (delta && (delta.role || delta.content === undefined)) return;
   if (!run.first) run.first = now;
   run.lastToken = now;
   run.tokens += 1;
-  if (choice.text) ui.completion.append(choice.text);
-  if (choice.finish_reason) run.finishReason = choice.finish_reason;
+  const text = delta ? delta.content : choice.text;
+  if (text) {
+    if (delta) {
+      chat.answer.text.append(text);
+      scrollConversation();
+    } else ui.completion.append(text);
+  }
   if (root.dataset.state !== "streaming") setState("streaming", "Streaming…");
   updateMeters();
 }
@@ -138,17 +233,31 @@ function start(event) {
     bad.focus();
     return;
   }
-  const url = streamUrl();
+  const message = mode() === "chat" ? ui.message.value : null;
+  const url = streamUrl(message === null ? null : chatMessages(message));
   if (new TextEncoder().encode(url).length > MAX_URL_BYTES) {
-    showError("The prompt is too long for a streamed GET request; shorten it.");
-    ui.prompt.focus();
+    showError(
+      message === null
+        ? "The prompt is too long for a streamed GET request; shorten it."
+        : "The conversation is too long for a streamed GET request; start a new conversation.",
+    );
+    (message === null ? ui.prompt : ui.message).focus();
     return;
   }
   showError("");
   Object.assign(run, { opened: performance.now(), first: 0, lastToken: 0, tokens: 0, seed: null });
   run.finishReason = null;
-  ui.promptEcho.textContent = ui.prompt.value;
-  ui.completion.textContent = "";
+  if (message === null) {
+    ui.promptEcho.textContent = ui.prompt.value;
+    ui.completion.textContent = "";
+  } else {
+    addTurn("user", message);
+    const item = addTurn("assistant", "");
+    item.classList.add("pending");
+    chat.answer = { item, text: item.querySelector(".content"), message };
+    ui.message.value = "";
+    scrollConversation();
+  }
   updateMeters();
   setState("connecting", "Waiting for the first token…");
 
@@ -177,7 +286,12 @@ function stop() {
 
 form.addEventListener("submit", start);
 ui.stop.addEventListener("click", stop);
-// Ctrl+Enter (or Cmd+Enter) in the prompt starts a run, as in most playgrounds.
-ui.prompt.addEventListener("keydown", (e) => {
-  if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) form.requestSubmit();
-});
+// Ctrl+Enter (or Cmd+Enter) in the prompt or the message starts a run, as in most playgrounds.
+for (const box of [ui.prompt, ui.message]) {
+  box?.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) form.requestSubmit();
+  });
+}
+for (const m of modes) m.addEventListener("change", () => setMode(m.value));
+ui.newChat?.addEventListener("click", newConversation);
+if (modes.length) setMode(modes.find((m) => m.checked).value); // a reload keeps the checked mode

@@ -5,8 +5,10 @@ served from ``/assets/<name>`` (``wsgi_app/assets``; both directories are packag
 from another origin: no CDN, no chart library, and the ``Content-Security-Policy`` of every page makes
 the browser refuse anything but this server. The demo streams a completion through ``EventSource`` on
 the ``GET /v1/completions`` stream, passing the optional API key as ``api_key`` (``EventSource`` cannot
-send headers); the status page polls ``/stats`` and ``/stats/history``. With ``PAGES=0`` the blueprint
-is not registered, so the pages and their assets are 404.
+send headers); its chat mode (when the worker has a chat template) streams each answer on the
+``GET /v1/chat/completions`` stream with the whole conversation as ``messages``; the status page
+polls ``/stats`` and ``/stats/history``. With ``PAGES=0`` the blueprint is not registered, so the
+pages and their assets are 404.
 
 Source: docs/ARCHITECTURE.md §8; WHATWG HTML Living Standard §9.2 (``EventSource``); W3C CSP Level 3.
 """
@@ -77,7 +79,8 @@ def _page(template: str, **context: object) -> Response:
 
 @bp.get("/")
 def demo() -> Response:
-    """The demo: a prompt, sampling settings, and the continuation streaming in with TTFT and tokens/s."""
+    """The demo: a prompt (or a conversation, in chat mode), sampling settings, and the answer streaming
+    in with TTFT and tokens/s."""
     rt = runtime()
     context = rt.model.context_length
     llama = rt.model.engine_kind == "llama"
@@ -90,6 +93,8 @@ def demo() -> Response:
         else min(MAX_TOKENS_LIMIT, context // 2),
         prompt_max_chars=PROMPT_MAX_CHARS,
         default_prompt="Once upon a time" if llama else "ROMEO:",
+        # Every model chats (the default template counts); the page offers chat when one is loaded.
+        chat_template=rt.chat_template is not None,
     )
 
 
