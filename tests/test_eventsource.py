@@ -46,6 +46,19 @@ def test_worked_example_frames(succ_server):
     assert {c["id"] for c in chunks} == {chunks[0]["id"]}
 
 
+def test_seed_minus_one_picks_a_seed_that_ids_report(succ_server):
+    _, _, body = succ_server.get(url({**GREEDY, "seed": -1}), headers=SSE)
+    ids = [f["id"] for f in frames(body) if "id" in f]
+    seed = ids[0].split("-")[0]
+    assert ids == [f"{seed}-0", f"{seed}-1", f"{seed}-2", f"{seed}-done"]
+    assert 0 <= int(seed) < 2**64
+    # A reconnect sends the same URL (seed=-1) and the last id: it resumes that seed's stream.
+    _, _, body = succ_server.get(
+        url({**GREEDY, "seed": -1}), headers={**SSE, "Last-Event-ID": f"{seed}-1"}
+    )
+    assert [f["id"] for f in frames(body) if "id" in f] == [f"{seed}-2", f"{seed}-done"]
+
+
 def test_get_stream_equals_post_stream(default_server):
     params = {"model": "m", "prompt": "ROMEO:", "max_tokens": 40, "seed": 11, "temperature": 0.9}
     _, _, got = default_server.get(url(params), headers=SSE)
@@ -123,7 +136,7 @@ BAD_QUERIES = [
     ({"top_k": "0x10"}, "top_k", None),
     ({"max_tokens": "2.0"}, "max_tokens", "'max_tokens' must be an integer, got float."),
     ({"max_tokens": "1" + "0" * 5000}, "max_tokens", None),
-    ({"seed": "-1"}, "seed", None),
+    ({"seed": "-2"}, "seed", None),
     ({"seed": str(2**64)}, "seed", None),
     ({"temperature": "3"}, "temperature", None),
     ({"echo": "yes"}, "echo", "Query parameter 'echo' must be true or false, got 'yes'."),

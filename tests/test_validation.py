@@ -28,7 +28,7 @@ BAD_BODIES = [
     ({**OK, "temperature": 2.01}, "temperature"),
     ({**OK, "temperature": "hot"}, "temperature"),
     ({**OK, "temperature": False}, "temperature"),
-    ({**OK, "seed": -1}, "seed"),
+    ({**OK, "seed": -2}, "seed"),
     ({**OK, "seed": 2**64}, "seed"),
     ({**OK, "seed": 1.5}, "seed"),
     ({**OK, "seed": True}, "seed"),
@@ -76,6 +76,18 @@ def test_seed_bounds_are_inclusive(succ_server):
     for seed in (0, 2**64 - 1):
         status, _, _ = succ_server.complete({**OK, "seed": seed, "temperature": 1})
         assert status == 200
+
+
+def test_seed_minus_one_means_a_random_seed(default_server):
+    """llama.cpp's and vLLM's "random seed": two requests with -1 get different seeds (a 64-token
+    text at temperature 1 from the bigram repeats with negligible probability)."""
+    body = {"model": "m", "prompt": "ROMEO:", "max_tokens": 64, "temperature": 1, "seed": -1}
+    answers = []
+    for _ in range(2):
+        status, _, raw = default_server.complete(body)
+        assert status == 200, raw
+        answers.append(json.loads(raw)["choices"][0]["text"])
+    assert answers[0] != answers[1]
 
 
 def test_max_tokens_4096_is_accepted(succ_server):

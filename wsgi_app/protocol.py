@@ -34,7 +34,7 @@ class CompletionRequest:
         prompt_text: the prompt as text (for ``echo``).
         max_tokens: tokens to generate per choice, 0..4096 (0 only with ``echo``).
         sampling: the sampling parameters of docs/ARCHITECTURE.md §6.
-        seed: 0..2**64-1, or None when the server should pick one.
+        seed: 0..2**64-1, or None when the server should pick one (absent, ``null`` or ``-1``).
         n: number of choices.
         stop: up to 4 non-empty stop strings.
         echo: prepend the prompt to each choice's text.
@@ -336,9 +336,28 @@ def parse_sampling_fields(body: dict[str, Any], vocab_size: int, max_n: int) -> 
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        seed=_integer(body, "seed", None, 0, SEED_LIMIT - 1),
+        seed=_seed(body),
         n=_integer(body, "n", 1, 1, max_n),
     )
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    """Return ``seed`` (0..2**64-1), or None when absent, ``null`` or ``-1``.
+
+    ``-1`` is "pick a random seed" in llama.cpp and vLLM, and clients written for them send it; any
+    other negative seed is still a 400.
+
+    Raises:
+        ApiError: 400 with ``param`` ``seed``.
+    """
+    value = body.get("seed")
+    if _is_int(value) and value == -1:
+        return None
+    if _is_int(value) and not 0 <= value < SEED_LIMIT:
+        raise invalid(
+            f"'seed' must be in 0..{SEED_LIMIT - 1}, or -1 for a random seed, got {value}.", "seed"
+        )
+    return _integer(body, "seed", None, 0, SEED_LIMIT - 1)
 
 
 @dataclass(frozen=True, slots=True)
