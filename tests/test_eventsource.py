@@ -255,7 +255,7 @@ def test_query_body_converts_by_field_type():
     args = MultiDict(
         [("model", "m"), ("prompt", "1"), ("max_tokens", "7"), ("temperature", "0.5")]
         + [("top_p", "1e-1"), ("echo", "false"), ("stop", "x"), ("stop", "y"), ("n", "")]
-        + [("stream", "false"), ("api_key", "k"), ("unknown", "1")]
+        + [("api_key", "k")]
     )
     assert query_body(args) == {
         "stream": True,
@@ -267,6 +267,28 @@ def test_query_body_converts_by_field_type():
         "echo": False,
         "stop": ["x", "y"],
     }
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("max_token", "Unrecognized request argument supplied: max_token"),
+        ("_", "Unrecognized request argument supplied: _"),
+        (
+            "logit_bias",
+            "'logit_bias' cannot be sent on the EventSource stream; POST a JSON body to use it.",
+        ),
+        (
+            "stream",
+            "'stream' cannot be sent on the EventSource stream; POST a JSON body to use it.",
+        ),
+    ],
+)
+def test_unknown_or_post_only_query_parameter_is_400_naming_it(succ_server, name, message):
+    status, _, body = succ_server.get(url({**GREEDY, name: "8"}), headers=SSE)
+    assert status == 400
+    err = json.loads(body)["error"]
+    assert (err["message"], err["param"], err["type"]) == (message, name, "invalid_request_error")
 
 
 def test_parse_last_event_id():

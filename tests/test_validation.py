@@ -72,6 +72,36 @@ def test_malformed_body_is_400_with_null_param(succ_server, raw):
     assert err["type"] == "invalid_request_error" and err["param"] is None
 
 
+@pytest.mark.parametrize("name", ["max_token", "temprature", "repetition_penalty", "messages"])
+def test_unknown_field_is_400_naming_it(succ_server, name):
+    """OpenAI's answer to a typo: a 400 naming the field, not a completion that ignored it."""
+    status, _, raw = succ_server.complete({**OK, name: 8})
+    assert status == 400
+    assert json.loads(raw)["error"] == {
+        "message": f"Unrecognized request argument supplied: {name}",
+        "type": "invalid_request_error",
+        "param": name,
+        "code": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("suffix", "!", "'suffix' is not supported by this server."),
+        ("best_of", 2, "'best_of' is not supported by this server."),
+    ],
+)
+def test_documented_but_unimplemented_fields_keep_their_own_400(succ_server, field, value, message):
+    status, _, raw = succ_server.complete({**OK, field: value})
+    assert status == 400
+    assert (json.loads(raw)["error"]["message"], json.loads(raw)["error"]["param"]) == (
+        message,
+        field,
+    )
+    assert succ_server.complete({**OK, "best_of": 1, "suffix": None})[0] == 200
+
+
 def test_seed_bounds_are_inclusive(succ_server):
     for seed in (0, 2**64 - 1):
         status, _, _ = succ_server.complete({**OK, "seed": seed, "temperature": 1})

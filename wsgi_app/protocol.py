@@ -1,7 +1,9 @@
 """OpenAI legacy Completions wire types and their validation (no Flask here).
 
 Precedence for every field: the request's value, else the OpenAI default. ``null`` means absent, booleans are
-not numbers, unknown fields are ignored, and every violation is a 400 naming its ``param``.
+not numbers, an unknown field is a 400 as OpenAI answers it ("Unrecognized request argument supplied"), the
+documented fields this server does not implement (``suffix``, ``best_of`` above 1) are a 400 saying so, and
+every violation is a 400 naming its ``param``.
 
 Source: OpenAI API reference, "Completions" (legacy); docs/ARCHITECTURE.md §6 and §8.
 """
@@ -22,6 +24,16 @@ MAX_MODEL_CHARS = 256
 MAX_STOP = 4
 MAX_LOGPROBS = 5
 SEED_LIMIT = 1 << 64
+
+# The request fields of OpenAI's legacy Completions, and the extensions shared with vLLM (top_k, min_p,
+# ignore_eos); anything else is refused by name.
+KNOWN_FIELDS = frozenset(
+    {
+        "model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "n", "stream",
+        "stream_options", "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty",
+        "best_of", "logit_bias", "user", "seed", "top_k", "min_p", "ignore_eos",
+    }
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +82,19 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"duplicate key {key!r}")
         obj[key] = value
     return obj
+
+
+def reject_unknown(body: dict[str, Any], known: frozenset[str]) -> None:
+    """Refuse the first field of ``body`` that is not in ``known``, as OpenAI does.
+
+    Raises:
+        ApiError: 400 "Unrecognized request argument supplied: NAME" with ``param`` NAME.
+
+    Source: OpenAI API reference (the error its API answers for an unknown request field).
+    """
+    for name in body:
+        if name not in known:
+            raise invalid(f"Unrecognized request argument supplied: {name}", name)
 
 
 def decode_json_body(body: bytes) -> dict[str, Any]:
@@ -251,8 +276,9 @@ def parse_completion_request(
         context_length: the model's context in tokens (prompt + completion), or None for no limit.
 
     Raises:
-        ApiError: 400 naming the first invalid field in ``param``.
+        ApiError: 400 naming the first invalid field in ``param``; an unknown field first of all.
     """
+    reject_unknown(body, KNOWN_FIELDS)
     model = parse_model(body)
     if "prompt" not in body or body["prompt"] is None:
         raise invalid("'prompt' is required.", "prompt")

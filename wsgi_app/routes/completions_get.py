@@ -10,8 +10,9 @@ resumes after that event, or the request gets a ``204`` (which stops the browser
 Query values: numbers as in JSON (``0.5``, ``1e-3``; not ``nan``, ``inf`` or ``0x1``), booleans as
 ``true``/``false``, ``stop`` repeatable (up to 4); an empty value for a number or boolean means "absent";
 every other parameter may appear once; names and values must be UTF-8 once percent-decoded (as a POST
-body must be). Unknown parameters are ignored; ``api_key`` is for the API-key
-check and is never logged (logs and spans carry the path, not the query).
+body must be). An unknown parameter is a 400 naming it, as an unknown body field is; the body fields a
+query cannot carry (``logit_bias``, ``stream_options``...) are a 400 saying to POST them. ``api_key`` is
+for the API-key check and is never logged (logs and spans carry the path, not the query).
 
 A GET without ``Accept: text/event-stream`` is a 400: JSON answers come from ``POST``.
 
@@ -30,7 +31,7 @@ from werkzeug.datastructures import MultiDict
 
 from wsgi_app.errors import invalid
 from wsgi_app.generation import admit, random_seed
-from wsgi_app.protocol import SEED_LIMIT, parse_completion_request
+from wsgi_app.protocol import KNOWN_FIELDS, SEED_LIMIT, parse_completion_request
 from wsgi_app.record import RequestRecord
 from wsgi_app.runtime import runtime
 from wsgi_app.sse import EventIds
@@ -54,6 +55,7 @@ NUMBER_PARAMS = (
 )
 BOOLEAN_PARAMS = ("echo", "ignore_eos")
 LIST_PARAMS = ("stop",)
+AUTH_PARAMS = ("api_key",)  # read by wsgi_app.auth, not a request field
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _EVENT_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,10}|done)")
 
@@ -119,8 +121,18 @@ def query_body(args: MultiDict) -> dict[str, Any]:
         A dict for :func:`~wsgi_app.protocol.parse_completion_request`.
 
     Raises:
-        ApiError: 400 naming the parameter that repeats or does not convert to its field's type.
+        ApiError: 400 naming the parameter that is unknown, that only a POST body can carry, that
+            repeats, or that does not convert to its field's type.
     """
+    for name in args:
+        if name in (*TEXT_PARAMS, *NUMBER_PARAMS, *BOOLEAN_PARAMS, *LIST_PARAMS, *AUTH_PARAMS):
+            continue
+        if name in KNOWN_FIELDS:
+            raise invalid(
+                f"'{name}' cannot be sent on the EventSource stream; POST a JSON body to use it.",
+                name,
+            )
+        raise invalid(f"Unrecognized request argument supplied: {name}", name)
     body: dict[str, Any] = {"stream": True}
     for name in (*TEXT_PARAMS, *NUMBER_PARAMS, *BOOLEAN_PARAMS):
         values = args.getlist(name)
