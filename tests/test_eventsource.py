@@ -59,6 +59,27 @@ def test_seed_minus_one_picks_a_seed_that_ids_report(succ_server):
     assert [f["id"] for f in frames(body) if "id" in f] == [f"{seed}-2", f"{seed}-done"]
 
 
+def completion_ids(body: bytes) -> set[str]:
+    return {
+        json.loads(f["data"])["id"] for f in frames(body) if f.get("data", "[DONE]") != "[DONE]"
+    }
+
+
+def test_resumed_stream_carries_the_completion_id_of_the_stream_it_continues(succ_server):
+    _, _, fresh = succ_server.get(url(GREEDY), headers=SSE)
+    first = frames(fresh)[1]["id"]  # <seed>-0: the server picked the seed
+    seed = first.split("-")[0]
+    (cid,) = completion_ids(fresh)
+    assert cid.startswith("cmpl-") and len(cid) == 29
+    _, _, resumed = succ_server.get(url(GREEDY), headers={**SSE, "Last-Event-ID": first})
+    assert texts(frames(resumed)) == ["c", "d"]
+    assert completion_ids(resumed) == {cid}
+    # The id names this stream: another seed or another request is another completion.
+    _, _, other_seed = succ_server.get(url({**GREEDY, "seed": int(seed) ^ 1}), headers=SSE)
+    _, _, other_prompt = succ_server.get(url({**GREEDY, "prompt": "b"}), headers=SSE)
+    assert len(completion_ids(other_seed) | completion_ids(other_prompt) | {cid}) == 3
+
+
 def test_get_stream_equals_post_stream(default_server):
     params = {"model": "m", "prompt": "ROMEO:", "max_tokens": 40, "seed": 11, "temperature": 0.9}
     _, _, got = default_server.get(url(params), headers=SSE)

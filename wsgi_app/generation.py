@@ -52,6 +52,7 @@ def admit(
     seed: int,
     sock: socket.socket | None,
     framing: Framing = PLAIN,
+    completion_id: str | None = None,
 ) -> tuple[Completion, Ticket, Pacer]:
     """Take a place in the worker's slots or queue for ``req`` and set up its generation.
 
@@ -65,6 +66,7 @@ def admit(
         seed: the effective seed, 0..2**64-1.
         sock: the client's connection (tuned for streaming), or None.
         framing: the SSE framing of a streamed answer.
+        completion_id: the answer's id; None for a fresh random one.
 
     Raises:
         ApiError: 429 ``server_busy`` when slots and queue are full, 503 when the worker is stopping.
@@ -89,7 +91,7 @@ def admit(
             rt.engine,
             req,
             seed,
-            TEXT_COMPLETION.new_id(),
+            completion_id or TEXT_COMPLETION.new_id(),
             int(time.time()),
             pacer,
             framing,

@@ -6,6 +6,7 @@ body (``protocol.parse_completion_request``). The answer is always a stream, fra
 :class:`~wsgi_app.sse.EventIds`: ``retry:``, ``id: <seed>-<index>`` on every data event, ``[DONE]`` with
 ``id: <seed>-done``. A reconnect sends ``Last-Event-ID``: the same seed regenerates the same stream, which
 resumes after that event, or the request gets a ``204`` (which stops the browser) when it names ``done``.
+The completion ``id`` is a hash of the seed and the request, so a resumed stream carries the same one.
 
 Query values: numbers as in JSON (``0.5``, ``1e-3``; not ``nan``, ``inf`` or ``0x1``), booleans as
 ``true``/``false``, ``stop`` repeatable (up to 4); an empty value for a number or boolean means "absent";
@@ -21,6 +22,7 @@ Source: WHATWG HTML Living Standard, §9.2 "Server-sent events"; docs/ARCHITECTU
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any
@@ -177,6 +179,21 @@ def parse_last_event_id(value: str | None) -> tuple[int, int | None] | None:
     return int(match.group(1)), None if index == "done" else int(index)
 
 
+def stream_id(seed: int, body: dict[str, Any]) -> str:
+    """Return the completion id of the stream of ``body`` with ``seed``: ``cmpl-`` and 24 hex digits
+    of a hash of both.
+
+    A reconnect knows exactly these two (the same URL, the seed in ``Last-Event-ID``), so the events of
+    a resumed stream carry the id of the stream they continue.
+
+    Args:
+        seed: the effective seed, 0..2**64-1.
+        body: the request as :func:`query_body` made it (``api_key`` is not in it).
+    """
+    key = json.dumps([seed, body], sort_keys=True, ensure_ascii=False).encode()
+    return "cmpl-" + hashlib.blake2b(key, digest_size=12).hexdigest()
+
+
 def no_content() -> Response:
     """Return an empty ``204`` (without the default ``Content-Type`` of a body it does not have)."""
     response = Response(status=204)
@@ -207,7 +224,8 @@ def stream_completion() -> Response:
     rt = runtime()
     record: RequestRecord = g.record
     check_query_utf8(request.environ.get("QUERY_STRING", ""))
-    req = parse_completion_request(query_body(request.args), **rt.parse_limits)
+    body = query_body(request.args)
+    req = parse_completion_request(body, **rt.parse_limits)
     last = parse_last_event_id(request.headers.get("Last-Event-ID"))
     if last is not None and req.seed is not None and last[0] != req.seed:
         raise invalid("'Last-Event-ID' names another seed than 'seed'.", "Last-Event-ID")
@@ -221,6 +239,7 @@ def stream_completion() -> Response:
         return Response(content_type="text/event-stream", headers=STREAM_HEADERS)
     framing = EventIds(seed, RETRY_MS, resume_after=-1 if last is None else last[1])
     sock = request.environ.get("gunicorn.socket")
-    completion, ticket, pacer = admit(rt, req, record, seed, sock, framing)
-    body = StreamBody(rt, completion, ticket, pacer, record)
-    return EventStreamResponse(body)
+    completion, ticket, pacer = admit(
+        rt, req, record, seed, sock, framing, completion_id=stream_id(seed, body)
+    )
+    return EventStreamResponse(StreamBody(rt, completion, ticket, pacer, record))
