@@ -328,6 +328,25 @@ def _host(env: Mapping[str, str], default: str) -> str:
     return host
 
 
+def usable_cpus() -> int:
+    """Return the CPUs this container may really use: the cgroup CPU quota first, then the affinity
+    mask (``WEB_CONCURRENCY`` 0 or unset starts one worker per CPU)."""
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]  # cgroup v2
+        if quota != "max":
+            return max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read())  # cgroup v1
+        period = int(open("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read())
+        if quota > 0 and period > 0:
+            return max(1, -(-quota // period))
+    except (OSError, ValueError):
+        pass
+    return len(os.sched_getaffinity(0)) or 1
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """gunicorn's own settings, read by ``gunicorn.conf.py`` in the master (docs/ARCHITECTURE.md §11).
