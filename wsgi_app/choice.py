@@ -88,6 +88,8 @@ class Choice:
         echo_text: the prompt text when ``echo`` is set, else "".
         logprobs: a :class:`Logprobs` to fill, or None.
         token_bytes: the bytes each token id adds to the text (the tokenizer's ``token_bytes``).
+        pending: with ``echo``, the echoed prompt's unfinished UTF-8 tail: prompt and completion are
+            one byte stream, so the first tokens may finish that character.
     """
 
     __slots__ = (
@@ -114,12 +116,14 @@ class Choice:
         echo_text: str,
         logprobs: Logprobs | None,
         token_bytes: list[bytes] = BYTE_TOKENIZER.token_bytes,
+        pending: bytes = b"",
     ) -> None:
         self.index = index
         self._token_bytes = token_bytes
         self._stream = stream
         self.max_tokens = max_tokens
         self._decoder = Utf8Decoder()
+        self._decoder.feed(pending)  # a proper prefix of a character: releases no text
         self._matcher = StopMatcher(stop)
         self._stops = bool(stop)  # without stop strings the matcher releases text unchanged
         self.parts: list[str] = [echo_text] if echo_text else []

@@ -19,7 +19,7 @@ from model.engine import GenerationRequest, Step
 from model.tokenizer import TextTokenizer
 from model.utf8 import Utf8Decoder
 from wsgi_app.choice import BYTE_TOKENIZER, Choice, Logprobs
-from wsgi_app.protocol import CompletionRequest
+from wsgi_app.protocol import CompletionRequest, Prompt
 from wsgi_app.sse import PING, PLAIN, Framing
 from wsgi_app.wire_format import TEXT_COMPLETION, ChunkEncoder, WireFormat
 
@@ -94,26 +94,35 @@ class Completion:
         self.framing = framing
         self.seed = seed
         self.choices: list[Choice] = []
-        echo_text = req.prompt_text if req.echo else ""
-        for i in range(req.n):
-            logprobs = None if req.logprobs is None else Logprobs(tokenizer.token_str)
-            gen = GenerationRequest(
-                prompt_ids=req.prompt_ids,
-                max_tokens=req.max_tokens,
-                params=req.sampling,
-                seed=seed,
-                seq=54 + i,
-                logprobs=req.logprobs,
-                ignore_eos=req.ignore_eos,
-            )
-            stream = engine.stream(gen)
-            self.choices.append(
-                Choice(
-                    i, stream, req.max_tokens, req.stop, echo_text, logprobs, tokenizer.token_bytes
+        self.echo_texts: list[str] = []  # per prompt: the text its choices' echo chunk carries
+        n = req.n
+        for prompt in req.prompts():
+            echo_text, pending = _echo(prompt, req) if req.echo else ("", b"")
+            self.echo_texts.append(echo_text)
+            for i in range(n):  # choice i of prompt p is index p*n + i, seeded as choice i
+                logprobs = None if req.logprobs is None else Logprobs(tokenizer.token_str)
+                gen = GenerationRequest(
+                    prompt_ids=prompt.ids,
+                    max_tokens=req.max_tokens,
+                    params=req.sampling,
+                    seed=seed,
+                    seq=54 + i,
+                    logprobs=req.logprobs,
+                    ignore_eos=req.ignore_eos,
                 )
-            )
+                choice = Choice(
+                    len(self.choices),
+                    engine.stream(gen),
+                    req.max_tokens,
+                    req.stop,
+                    echo_text,
+                    logprobs,
+                    tokenizer.token_bytes,
+                    pending,
+                )
+                self.choices.append(choice)
         self.encoder = ChunkEncoder(
-            wire, completion_id, created, req.model, req.n, req.include_usage, framing
+            wire, completion_id, created, req.model, len(self.choices), req.include_usage, framing
         )
 
     # -- accounting ---------------------------------------------------------------------------
@@ -124,8 +133,8 @@ class Completion:
         return sum(c.tokens for c in self.choices)
 
     def usage(self) -> dict[str, int]:
-        """Return the ``usage`` object: prompt counted once, completions summed over choices."""
-        prompt = len(self.req.prompt_ids)
+        """Return the ``usage`` object: each prompt counted once, completions summed over choices."""
+        prompt = self.req.prompt_tokens
         completion = self.completion_tokens
         return {
             "prompt_tokens": prompt,
@@ -150,16 +159,17 @@ class Completion:
         if self._echo_scored:
             return
         self._echo_scored = True
-        req, pause = self.req, self.pacer.pause
-        scored = self._engine.score(req.prompt_ids, req.logprobs, pause)
-        prompt = Logprobs(self._tokenizer.token_str)
-        offsets = _offsets(req.prompt_ids, self._tokenizer.token_bytes, pause)
-        for i, (offset, step) in enumerate(zip(offsets, scored, strict=True)):
-            prompt.add(step, offset)
-            if i % 1024 == 1023:
-                pause()
-        for choice in self.choices:
-            choice.logprobs.extend(prompt)  # C-level list copies: n choices cost one scoring
+        req, pause, n = self.req, self.pacer.pause, self.req.n
+        for p, prompt in enumerate(req.prompts()):
+            scored = self._engine.score(prompt.ids, req.logprobs, pause)
+            entries = Logprobs(self._tokenizer.token_str)
+            offsets = _offsets(prompt, self._tokenizer.token_bytes, pause)
+            for i, (offset, step) in enumerate(zip(offsets, scored, strict=True)):
+                entries.add(step, offset)
+                if i % 1024 == 1023:
+                    pause()
+            for choice in self.choices[p * n : (p + 1) * n]:
+                choice.logprobs.extend(entries)  # C-level list copies: n choices cost one scoring
 
     def _tick(self) -> Iterator[bytes]:
         """Handle an engine tick: enforce deadlines, and stream a ``: ping`` at most every
@@ -187,8 +197,9 @@ class Completion:
         self._score_echo()
         chunk, pace = self.encoder.chunk, self.pacer
         if events and self.req.echo:
+            n = self.req.n
             for c in self.choices:
-                event = chunk(c, self.req.prompt_text, 0)
+                event = chunk(c, self.echo_texts[c.index // n], 0)
                 if event:
                     yield event
         live = [c for c in self.choices if c.finish_reason is None]
@@ -221,13 +232,23 @@ class Completion:
         return self.encoder.answer(self.choices, self.usage(), self.pacer.pause)
 
 
-def _offsets(
-    prompt_ids: tuple[int, ...], token_bytes: list[bytes], pause: Callable[[], None]
-) -> list[int]:
+def _echo(prompt: Prompt, req: CompletionRequest) -> tuple[str, bytes]:
+    """Return the text an echoing choice starts with, and the bytes its decoder starts with.
+
+    Prompt and completion are one byte stream: a token-id prompt ending inside a character (its
+    ``tail``) is echoed without that character's U+FFFD, and the tail goes to the choice's decoder,
+    which the first generated bytes may complete. With nothing to generate, the U+FFFD stays.
+    """
+    if prompt.tail and req.max_tokens > 0:
+        return prompt.text[:-1], prompt.tail  # text ends with the tail's one U+FFFD
+    return prompt.text, b""
+
+
+def _offsets(prompt: Prompt, token_bytes: list[bytes], pause: Callable[[], None]) -> list[int]:
     """Character offset at which each prompt token's text starts (for echoed logprobs)."""
     decoder = Utf8Decoder()
     offsets, chars = [], 0
-    for i, token_id in enumerate(prompt_ids):
+    for i, token_id in enumerate(prompt.ids):
         offsets.append(chars)
         chars += len(decoder.feed(token_bytes[token_id]))
         if i % 8192 == 8191:

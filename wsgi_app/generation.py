@@ -72,7 +72,7 @@ def admit(
         ApiError: 429 ``server_busy`` when slots and queue are full, 503 when the worker is stopping.
     """
     settings = rt.settings
-    record.prompt_tokens = len(req.prompt_ids)
+    record.prompt_tokens = req.prompt_tokens
     record.model = req.model
     if settings.log_prompts:
         record.prompt = req.prompt_text

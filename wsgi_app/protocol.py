@@ -17,6 +17,7 @@ from typing import Any
 
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer, TextTokenizer
+from model.utf8 import Utf8Decoder
 from wsgi_app.errors import invalid
 
 MAX_TOKENS_LIMIT = 4096
@@ -37,13 +38,31 @@ KNOWN_FIELDS = frozenset(
 
 
 @dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt of a request.
+
+    Attributes:
+        ids: its token ids (the model tokenizer's; bytes for the bigram), non-empty.
+        text: the prompt as text (for ``echo`` and logs): the string sent, or the token ids' bytes
+            decoded with U+FFFD for invalid UTF-8.
+        tail: the last bytes of a token-id prompt that begin a UTF-8 character without ending it
+            (``text`` shows them as one U+FFFD); with ``echo`` they begin the completion's bytes,
+            which may finish that character.
+    """
+
+    ids: tuple[int, ...]
+    text: str
+    tail: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
 class CompletionRequest:
     """A validated ``POST /v1/completions`` request.
 
     Attributes:
         model: the requested model name, echoed in every answer.
-        prompt_ids: prompt token ids (the model tokenizer's; bytes for the bigram), non-empty.
-        prompt_text: the prompt as text (for ``echo``).
+        prompt_ids: the (first) prompt's token ids (the model tokenizer's; bytes for the bigram).
+        prompt_text: the (first) prompt as text (for ``echo``).
         max_tokens: tokens to generate per choice, 0..4096 (0 only with ``echo``).
         sampling: the sampling parameters of docs/ARCHITECTURE.md §6.
         seed: 0..2**64-1, or None when the server should pick one (absent, ``null`` or ``-1``).
@@ -54,6 +73,8 @@ class CompletionRequest:
         stream: answer as Server-Sent Events.
         include_usage: with ``stream``, send a final usage chunk before ``[DONE]``.
         ignore_eos: keep generating past the model's end-of-sequence token (vLLM's extension).
+        prompt_tail: the first prompt's :attr:`Prompt.tail`.
+        more_prompts: the prompts after the first of a batch (OpenAI's list of prompts).
     """
 
     model: str
@@ -69,6 +90,17 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False
+    prompt_tail: bytes = b""
+    more_prompts: tuple[Prompt, ...] = ()
+
+    def prompts(self) -> tuple[Prompt, ...]:
+        """Return every prompt of the request, in order (prompt ``p`` has choices ``p*n .. p*n+n-1``)."""
+        return (Prompt(self.prompt_ids, self.prompt_text, self.prompt_tail), *self.more_prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Return the prompt tokens of every prompt, summed (``usage.prompt_tokens``)."""
+        return len(self.prompt_ids) + sum(len(p.ids) for p in self.more_prompts)
 
 
 def _reject_constant(name: str) -> Any:
@@ -170,39 +202,49 @@ def _check_unicode(text: str, name: str) -> None:
         raise invalid(f"'{name}' contains a lone surrogate code point.", name) from None
 
 
-def _prompt(
-    value: Any, max_prompt_tokens: int, tokenizer: TextTokenizer
-) -> tuple[tuple[int, ...], str]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        value = value[0]
+def _prompt_list(value: Any) -> list[Any]:
+    """Split ``prompt`` into its prompts: a string or a token array is one prompt; a list of strings
+    or a list of token arrays is a batch (OpenAI's forms)."""
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value) or all(isinstance(p, list) for p in value):
+            return value
+    return [value]
+
+
+def _prompt(value: Any, max_prompt_tokens: int, tokenizer: TextTokenizer, where: str) -> Prompt:
     vocab_size = tokenizer.vocab_size
+    tail = b""
     if isinstance(value, str):
         _check_unicode(value, "prompt")
         if not value:
-            raise invalid("'prompt' must not be empty.", "prompt")
+            raise invalid(f"'{where}' must not be empty.", "prompt")
         ids = tuple(tokenizer.encode(value))
         text = value
     elif isinstance(value, list) and value and all(_is_int(t) for t in value):
         bad = next((t for t in value if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise invalid(
-                f"Token id {bad} in 'prompt' is outside the vocabulary 0..{vocab_size - 1}.",
+                f"Token id {bad} in '{where}' is outside the vocabulary 0..{vocab_size - 1}.",
                 "prompt",
             )
         ids = tuple(value)
-        text = b"".join(tokenizer.token_bytes[t] for t in ids).decode("utf-8", "replace")
-    elif isinstance(value, list) and len(value) > 1 and all(isinstance(p, str) for p in value):
-        raise invalid("Only one prompt per request is supported; send one string.", "prompt")
+        decoder = Utf8Decoder()
+        text = decoder.feed(b"".join(tokenizer.token_bytes[t] for t in ids))
+        tail = decoder.pending
+        text += decoder.finish()
     else:
         raise invalid(
-            "'prompt' must be a non-empty string, a list of token ids, or a list holding one string.",
+            "'prompt' must be a non-empty string, a list of token ids, or a non-empty list of "
+            "strings or of token-id lists.",
             "prompt",
         )
     if not ids:
-        raise invalid("'prompt' must not be empty.", "prompt")
+        raise invalid(f"'{where}' must not be empty.", "prompt")
     if len(ids) > max_prompt_tokens:
-        raise invalid(f"'prompt' is {len(ids)} tokens; the limit is {max_prompt_tokens}.", "prompt")
-    return ids, text
+        raise invalid(
+            f"'{where}' is {len(ids)} tokens; the limit is {max_prompt_tokens}.", "prompt"
+        )
+    return Prompt(ids, text, tail)
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -284,7 +326,17 @@ def parse_completion_request(
         raise invalid("'prompt' is required.", "prompt")
     tokenizer = tokenizer or ByteTokenizer()
     vocab_size = tokenizer.vocab_size
-    prompt_ids, prompt_text = _prompt(body["prompt"], max_prompt_tokens, tokenizer)
+    values = _prompt_list(body["prompt"])
+    if len(values) > max_n:  # before tokenizing them all
+        raise invalid(
+            f"'prompt' holds {len(values)} prompts; a request makes at most MAX_N ({max_n}) "
+            "choices (prompts × n).",
+            "prompt",
+        )
+    prompts = [
+        _prompt(v, max_prompt_tokens, tokenizer, "prompt" if len(values) == 1 else f"prompt[{i}]")
+        for i, v in enumerate(values)
+    ]
 
     for unsupported in ("suffix", "best_of"):
         value = body.get(unsupported)
@@ -298,15 +350,25 @@ def parse_completion_request(
             "'max_tokens' must be at least 1 (0 is allowed only with 'echo').", "max_tokens"
         )
     fields = parse_sampling_fields(body, vocab_size, max_n)
+    if len(prompts) * fields.n > max_n:
+        raise invalid(
+            f"{len(prompts)} prompts × 'n' {fields.n} = {len(prompts) * fields.n} choices; a "
+            f"request makes at most MAX_N ({max_n}) choices (prompts × n).",
+            "n",
+        )
     logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
     stream = parse_stream_fields(body)
     if context_length is not None:
-        _check_context(len(prompt_ids), max_tokens, context_length)
+        for p in prompts:
+            _check_context(len(p.ids), max_tokens, context_length)
 
+    first = prompts[0]
     return CompletionRequest(
         model=model,
-        prompt_ids=prompt_ids,
-        prompt_text=prompt_text,
+        prompt_ids=first.ids,
+        prompt_text=first.text,
+        prompt_tail=first.tail,
+        more_prompts=tuple(prompts[1:]),
         max_tokens=max_tokens,
         sampling=build_sampling(fields, body, vocab_size),
         seed=fields.seed,
