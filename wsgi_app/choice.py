@@ -21,6 +21,24 @@ from wsgi_app.errors import json_bytes
 BYTE_TOKENIZER = ByteTokenizer()
 
 
+def token_start(released: str, data: bytes) -> int:
+    """Return where a token's own text starts in the text its bytes released.
+
+    A token fed while the decoder held earlier bytes may release their U+FFFD (the token showed them
+    invalid) before its own text: ``"\ufffd\x1c"`` for ``\x1c`` after ``\xf1``. Its own text starts
+    after that; a token that completed the held bytes into a character starts with that character (0).
+
+    Args:
+        released: the text the decoder returned for the token's bytes.
+        data: the token's bytes.
+    """
+    try:
+        own = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return 0
+    return len(released) - len(own) if own and released.endswith(own) else 0
+
+
 class Logprobs:
     """The legacy ``logprobs`` object of one choice: ``tokens``, ``token_logprobs``, ``top_logprobs``,
     ``text_offset`` (character offsets into the choice's text)."""
@@ -148,13 +166,18 @@ class Choice:
             return None
         self.tokens += 1
         ended = step.finish_reason
-        text = "" if ended == "stop" else self._decoder.feed(self._token_bytes[step.token_id])
+        held = self.logprobs is not None and self._decoder.pending
+        data = self._token_bytes[step.token_id]
+        text = "" if ended == "stop" else self._decoder.feed(data)
         last = ended is not None or self.tokens >= self.max_tokens
-        if last:
-            text += self._decoder.finish()
         if self.logprobs is not None:  # the character count is only for ``text_offset``
-            self.logprobs.add(step, self._chars)
+            start = token_start(text, data) if held and text else 0
+            self.logprobs.add(step, self._chars + start)
             self._chars += len(text)
+        if last:
+            tail = self._decoder.finish()
+            text += tail
+            self._chars += len(tail)
         if self._stops:
             out, stopped = self._matcher.push(text)
         else:

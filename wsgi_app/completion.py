@@ -18,10 +18,14 @@ from typing import Protocol
 from model.engine import GenerationRequest, Step
 from model.tokenizer import TextTokenizer
 from model.utf8 import Utf8Decoder
-from wsgi_app.choice import BYTE_TOKENIZER, Choice, Logprobs
+from wsgi_app.choice import BYTE_TOKENIZER, Choice, Logprobs, token_start
 from wsgi_app.protocol import CompletionRequest, Prompt
 from wsgi_app.sse import PING, PLAIN, Framing
 from wsgi_app.wire_format import TEXT_COMPLETION, ChunkEncoder, WireFormat
+
+# How far ahead of its expected place a prompt token's text is looked for, in characters, where the
+# tokenizer changed the prompt's text (so the search stays linear in the prompt).
+_RESYNC_CHARS = 16
 
 
 class Engine(Protocol):
@@ -245,12 +249,45 @@ def _echo(prompt: Prompt, req: CompletionRequest) -> tuple[str, bytes]:
 
 
 def _offsets(prompt: Prompt, token_bytes: list[bytes], pause: Callable[[], None]) -> list[int]:
-    """Character offset at which each prompt token's text starts (for echoed logprobs)."""
+    """Return the character offset in the echoed prompt at which each prompt token's text starts.
+
+    The echoed text is the string the client sent, which is not always the tokens' own text: a
+    SentencePiece tokenizer prepends a space (its dummy prefix, " Once" for "Once"). Offsets count the
+    tokens' text and are shifted back by what the tokenizer added in front (never below 0), so that the
+    echoed text at ``text_offset[i]`` starts with token ``i``'s text wherever that text is there. A
+    tokenizer that changed the text elsewhere (a normalizer) gets each token placed at its text found
+    just ahead, when found; offsets never decrease.
+
+    Args:
+        prompt: the prompt (its ids and the text echoed).
+        token_bytes: the bytes of each token id.
+        pause: called between slices of a long prompt.
+    """
     decoder = Utf8Decoder()
-    offsets, chars = [], 0
+    pieces, starts = [], []
     for i, token_id in enumerate(prompt.ids):
-        offsets.append(chars)
-        chars += len(decoder.feed(token_bytes[token_id]))
+        held, data = decoder.pending, token_bytes[token_id]
+        piece = decoder.feed(data)
+        pieces.append(piece)
+        starts.append(token_start(piece, data) if held and piece else 0)
         if i % 8192 == 8191:
             pause()
+    joined, text = "".join(pieces), prompt.text
+    offsets, chars = [], 0
+    if text.startswith(joined) or joined.endswith(text):
+        shift = max(0, len(joined) - len(text))  # the characters added in front of the text
+        for piece, start in zip(pieces, starts, strict=True):
+            offsets.append(max(0, chars + start - shift))
+            chars += len(piece)
+        return offsets
+    for piece in pieces:  # the tokens' text differs from the prompt's inside: resynchronise
+        if not piece or text.startswith(piece, chars):
+            offsets.append(chars)
+            chars += len(piece)
+            continue
+        core = piece.strip()
+        found = text.find(core, chars, chars + len(piece) + _RESYNC_CHARS) if core else -1
+        offsets.append(chars if found < 0 else found)
+        if found >= 0:
+            chars = found + len(core)
     return offsets
