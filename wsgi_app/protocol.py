@@ -307,6 +307,7 @@ def parse_completion_request(
     max_n: int = 8,
     tokenizer: TextTokenizer | None = None,
     context_length: int | None = None,
+    max_logprob_entries: int = 262_144,
 ) -> CompletionRequest:
     """Validate a decoded ``/v1/completions`` body into a :class:`CompletionRequest`.
 
@@ -316,6 +317,7 @@ def parse_completion_request(
         max_n: largest accepted ``n`` (``MAX_N``).
         tokenizer: the model's tokenizer (default: bytes, the bigram's).
         context_length: the model's context in tokens (prompt + completion), or None for no limit.
+        max_logprob_entries: the request's budget of ``logprobs`` entries (``MAX_LOGPROB_ENTRIES``).
 
     Raises:
         ApiError: 400 naming the first invalid field in ``param``; an unknown field first of all.
@@ -357,6 +359,8 @@ def parse_completion_request(
             "n",
         )
     logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    if logprobs is not None:
+        _check_logprob_budget(prompts, fields.n, max_tokens, echo, logprobs, max_logprob_entries)
     stream = parse_stream_fields(body)
     if context_length is not None:
         for p in prompts:
@@ -486,6 +490,34 @@ def build_sampling(fields: SamplingFields, body: dict[str, Any], vocab_size: int
         presence_penalty=fields.presence_penalty,
         frequency_penalty=fields.frequency_penalty,
     )
+
+
+def logprob_entries(
+    prompts: tuple[Prompt, ...] | list[Prompt], n: int, max_tokens: int, echo: bool, logprobs: int
+) -> int:
+    """Return the most ``logprobs`` entries a request can make: choices × (``max_tokens`` + echoed
+    prompt tokens) × (``logprobs`` + 1), each choice's tokens counted with its own prompt."""
+    tokens = sum(n * (max_tokens + (len(p.ids) if echo else 0)) for p in prompts)
+    return tokens * (logprobs + 1)
+
+
+def _check_logprob_budget(
+    prompts: list[Prompt], n: int, max_tokens: int, echo: bool, logprobs: int, budget: int
+) -> None:
+    """Refuse a request whose ``logprobs`` could exceed ``budget`` entries: every token of every
+    choice (the echoed prompt's too) holds ``logprobs + 1`` numbers until the answer is written, so
+    this bounds what one request makes the worker hold (a 33 KB body could otherwise ask for 44 MB of
+    JSON and far more in memory)."""
+    entries = logprob_entries(prompts, n, max_tokens, echo, logprobs)
+    if entries > budget:
+        tokens = entries // (logprobs + 1)
+        echoed = " + the echoed prompt" if echo else ""
+        raise invalid(
+            f"This request could return {entries} logprobs entries (choices × ('max_tokens'"
+            f"{echoed}) × ('logprobs' + 1) = {tokens} × {logprobs + 1}); the limit is "
+            f"MAX_LOGPROB_ENTRIES ({budget}). Reduce 'logprobs', 'max_tokens', 'n' or the prompt.",
+            "logprobs",
+        )
 
 
 def _check_context(prompt_tokens: int, max_tokens: int, context_length: int) -> None:

@@ -205,6 +205,8 @@ class Settings:
         max_body_bytes: largest request body accepted, in bytes (413 beyond).
         max_prompt_tokens: largest prompt, in tokens (bytes for the bigram).
         max_n: largest ``n`` (choices per request).
+        max_logprob_entries: a request's budget of ``logprobs`` entries: choices × (``max_tokens`` +
+            echoed prompt tokens) × (``logprobs`` + 1), checked before admission (400 beyond).
         request_timeout_s: per-request deadline, in seconds.
         heartbeat_s: SSE ``: ping`` interval while nothing else is written, in seconds.
         send_timeout_s: how long a blocked write may wait on a stalled reader, in seconds.
@@ -237,6 +239,7 @@ class Settings:
     max_body_bytes: int = 1_048_576
     max_prompt_tokens: int = 32_768
     max_n: int = 8
+    max_logprob_entries: int = 262_144
     request_timeout_s: float = 60.0
     heartbeat_s: float = 15.0
     send_timeout_s: float = 30.0
@@ -277,6 +280,9 @@ class Settings:
             max_body_bytes=_int(env, "MAX_BODY_BYTES", d["max_body_bytes"], 1024, 1 << 30),
             max_prompt_tokens=_int(env, "MAX_PROMPT_TOKENS", d["max_prompt_tokens"], 1, 1 << 24),
             max_n=_int(env, "MAX_N", d["max_n"], 1, 128),
+            max_logprob_entries=_int(
+                env, "MAX_LOGPROB_ENTRIES", d["max_logprob_entries"], 1, 1 << 30
+            ),
             request_timeout_s=_float(
                 env, "REQUEST_TIMEOUT_S", d["request_timeout_s"], 0.001, 86_400.0
             ),
