@@ -10,6 +10,7 @@ factory (no ``preload_app``), so each worker owns its model and its span exporte
 import os
 import sys
 import tempfile
+import time
 from typing import NoReturn
 
 from gunicorn.glogging import Logger
@@ -38,6 +39,10 @@ try:
     logconfig_dict = logging_config(_server.log_level)
 except ValueError as exc:
     _cannot_start(exc)
+
+# When this server started (Unix seconds), for /stats' "since start" percentiles: set once per master
+# and kept across reloads and upgrades (SIGHUP, SIGUSR2), as the metrics dir below is.
+os.environ.setdefault("GREENSERVE_STARTED_AT", repr(time.time()))
 
 # numpy reads this at import; one BLAS thread per worker, the workers are the parallelism.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

@@ -231,6 +231,8 @@ class Settings:
         prometheus_multiproc_dir: ``prometheus_client``'s multiprocess directory, or None for
             single-process metrics (set by gunicorn.conf.py).
         pages: serve the demo page ``/`` and the status page ``/status`` (``PAGES``, 1 or 0).
+        server_started_at: when the gunicorn master started, Unix seconds (``GREENSERVE_STARTED_AT``,
+            set by gunicorn.conf.py), or None outside gunicorn.
     """
 
     model_dir: str | None = None
@@ -262,6 +264,7 @@ class Settings:
     client_hash_salt: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     prometheus_multiproc_dir: str | None = None
     pages: bool = True
+    server_started_at: float | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -306,6 +309,11 @@ class Settings:
             client_hash_salt=_str(env, "CLIENT_HASH_SALT", "") or secrets.token_hex(16),
             prometheus_multiproc_dir=_metrics_dir(env),
             pages=_int(env, "PAGES", int(d["pages"]), 0, 1) == 1,
+            server_started_at=(
+                _float(env, "GREENSERVE_STARTED_AT", 0.0, 0.0, 1e12)
+                if env.get("GREENSERVE_STARTED_AT")
+                else None
+            ),
         )
 
 
