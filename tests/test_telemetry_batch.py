@@ -135,3 +135,21 @@ def test_deferred_observer_queues_until_its_flush(caplog):
     observer.flush()
     observer.request_done(_record(4, 2), 0.01)
     assert observer.flusher.recorder.seen == [4, 1, 7, 2, 2]
+
+
+def test_deferred_load_gauges_take_the_turns_last_values():
+    reg = CollectorRegistry()
+    observer = Observer(reg, Metrics.create(reg), _Flusher(), slow_request_s=0.0)
+    scheduled = []
+    observer.defer = scheduled.append
+    observer.set_load(1, 0)
+    observer.set_load(2, 1)
+    observer.set_load(1, 1)
+    assert len(scheduled) == 1
+    assert _samples(reg)[("greenserve_requests_running", ())] == 0
+    scheduled[0]()
+    assert _samples(reg)[("greenserve_requests_running", ())] == 1
+    assert _samples(reg)[("greenserve_requests_queued", ())] == 1
+    observer.set_load(0, 0)
+    observer.flush()  # a scrape flushes first: the gauges are current
+    assert _samples(reg)[("greenserve_requests_running", ())] == 0

@@ -230,6 +230,8 @@ class Observer:
         # the worker); None observes each request at once.
         self.defer: Callable[[Callable[[], None]], Any] | None = None
         self._pending: list[tuple[RequestRecord, float]] = []
+        self._load = self._load_written = (0, 0)  # (running, queued): the gauges start at 0
+        self._load_scheduled = False
 
     def request_done(self, record: RequestRecord, elapsed_s: float) -> None:
         """Observe one finished request: at once, or with :attr:`defer` set, queued for
@@ -247,7 +249,9 @@ class Observer:
             self.flush()
 
     def flush(self) -> None:
-        """Log, count and record every queued request (request order); never raises."""
+        """Write the load gauges, and log, count and record every queued request (request order);
+        never raises."""
+        self._write_load()
         pending, self._pending = self._pending, []
         if not pending:
             return
@@ -301,9 +305,25 @@ class Observer:
         )
 
     def set_load(self, running: int, queued: int) -> None:
-        """The admission listener: update the running and queued gauges."""
+        """The admission listener: update the running and queued gauges (with :attr:`defer`, on the
+        event loop's next turn, once with the turn's last values). Never raises."""
+        self._load = (running, queued)
+        if self.defer is None:
+            self._write_load()
+        elif not self._load_scheduled:
+            self._load_scheduled = True
+            try:
+                self.defer(self._write_load)
+            except Exception:  # no event loop to defer to: write now
+                self._write_load()
+
+    def _write_load(self) -> None:
+        self._load_scheduled = False
+        if self._load == self._load_written:
+            return
         try:
-            self.metrics.set_load(running, queued)
+            self.metrics.set_load(*self._load)
+            self._load_written = self._load
         except Exception:
             access_log.exception("could not set the load gauges")
 
