@@ -17,7 +17,7 @@ from model.llama.scheduler import BatchScheduler
 from model.loader import LoadedModel, load_model
 from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app import auth, cors, lifecycle, ratelimit
-from wsgi_app.admission import Admission
+from wsgi_app.admission import Admission, default_limits
 from wsgi_app.error_handlers import register_error_handlers
 from wsgi_app.faults import Faults, FaultyEngine
 from wsgi_app.request_telemetry import build_observer
@@ -41,7 +41,8 @@ def make_engine(model: LoadedModel, settings: Settings) -> Any:
     if model.engine_kind == "llama":
         from wsgi_app.engine_thread import ThreadedEngine
 
-        batch = settings.max_slots * settings.max_n
+        slots, _ = default_limits(model.engine_kind, settings.max_slots, settings.max_queue)
+        batch = slots * settings.max_n
         return ThreadedEngine(BatchScheduler(model.model, model.tokenizer.eos_ids, batch))
     return model.make_engine()
 
@@ -90,7 +91,10 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
         settings=settings,
         model=model,
         engine=engine,
-        admission=Admission(settings.max_slots, settings.max_queue, observer.set_load),
+        admission=Admission(
+            *default_limits(model.engine_kind, settings.max_slots, settings.max_queue),
+            observer.set_load,
+        ),
         exporter=exporter,
         model_version=f"{model.checksum[:16]}+greenserve-{__version__}",
         observer=observer,

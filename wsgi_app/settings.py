@@ -200,8 +200,10 @@ class Settings:
 
     Attributes:
         model_dir: model directory, or None for the packaged default model.
-        max_slots: concurrent generations per worker.
-        max_queue: requests allowed to wait for a slot, per worker.
+        max_slots: concurrent generations per worker; None: sized to the model
+            (``admission.default_limits``: 1024 for the bigram, 64 for a Llama).
+        max_queue: requests allowed to wait for a slot, per worker; None: sized to the model
+            (1024 for the bigram, 256 for a Llama).
         max_body_bytes: largest request body accepted, in bytes (413 beyond).
         max_prompt_tokens: largest prompt, in tokens (bytes for the bigram).
         max_n: largest ``n`` (choices per request).
@@ -232,8 +234,8 @@ class Settings:
     """
 
     model_dir: str | None = None
-    max_slots: int = 64
-    max_queue: int = 256
+    max_slots: int | None = None
+    max_queue: int | None = None
     max_body_bytes: int = 1_048_576
     max_prompt_tokens: int = 32_768
     max_n: int = 8
