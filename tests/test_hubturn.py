@@ -73,10 +73,14 @@ def test_a_reused_turn_still_waits_its_full_cap_for_a_busy_hub():
 def test_watchers_are_stopped_between_turns_and_reused():
     turn = HubTurn(1.0)
     turn()
-    idle, timer = turn._idle, turn._timer
+    gevent.sleep(0.001)  # the hub got back: nothing waits, the watchers are stopped
+    turns = turn._turns
+    idle, timer = turns.idle, turns.timer
     assert not idle.active and not timer.active
     turn()
-    assert turn._idle is idle and turn._timer is timer
+    gevent.sleep(0.001)
+    assert HubTurn(1.0)._turns is None  # made on the first turn, then shared by the hub's turns
+    assert turn._turns.idle is idle and turn._turns.timer is timer
     assert not idle.active and not timer.active
 
 
@@ -95,11 +99,58 @@ def test_a_killed_greenlet_stops_its_watchers():
     g = gevent.spawn(wait_forever)
     # The hog keeps the loop busy, so g's turn stays pending with its watchers started.
     wait_until(
-        lambda: turn._idle and turn._idle.active, 5, "g to wait in its turn", sleep=gevent.sleep
+        lambda: turn._turns and turn._turns.idle.active,
+        5,
+        "g to wait in its turn",
+        sleep=gevent.sleep,
     )
     g.kill()
     h.kill()
-    assert not turn._idle.active and not turn._timer.active
+    assert not turn._turns.waiting
+    assert not turn._turns.idle.active and not turn._turns.timer.active
+
+
+def test_new_connections_wait_for_the_poll_budget_not_a_round_of_every_stream():
+    # 100 streams of 1 ms slices: a round takes ~100 ms, but the hub polls every ~POLL_S (2 ms), so a
+    # timer (a new connection, a probe) fires within a few ms of its due time.
+    stop = []
+
+    def stream() -> None:
+        turn = HubTurn(1.0)
+        while not stop:
+            started = time.perf_counter()
+            while time.perf_counter() - started < 0.001:
+                pass
+            turn()
+
+    streams = [gevent.spawn(stream) for _ in range(100)]
+    gevent.sleep(0.3)  # past the start, when every new greenlet runs its first slice at once
+    late = []
+    for _ in range(10):
+        due = time.perf_counter() + 0.01
+        gevent.sleep(0.01)
+        late.append(time.perf_counter() - due)
+    stop.append(True)
+    gevent.joinall(streams)
+    assert max(late) < 0.03, late  # a full round would be ~0.1 s
+
+
+def test_streams_take_turns_in_order():
+    order = []
+    stop = []
+
+    def stream(i: int) -> None:
+        turn = HubTurn(1.0)
+        while not stop:
+            order.append(i)
+            turn()
+
+    gs = [gevent.spawn(stream, i) for i in range(4)]
+    while len(order) < 40:
+        gevent.sleep(0.001)
+    stop.append(True)
+    gevent.joinall(gs)
+    assert order[:40] == [0, 1, 2, 3] * 10
 
 
 @pytest.mark.parametrize(
