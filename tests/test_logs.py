@@ -3,6 +3,8 @@ timelines, per-step debug lines, and prompts only with ``LOG_PROMPTS=1``."""
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import json
 import logging
 import re
@@ -10,6 +12,7 @@ from array import array
 from types import SimpleNamespace
 
 import pytest
+from pythonjsonlogger.json import JsonFormatter as LibraryFormatter
 
 from telemetry.logs import JsonFormatter, client_hash, logging_config
 from tests.server import GunicornServer, wait_until
@@ -75,6 +78,20 @@ def test_formatter_formats_percent_args_and_exceptions():
     out = json.loads(JsonFormatter().format(record))
     assert out["message"] == "x=7" and out["level"] == "ERROR"
     assert out["exc_info"].startswith("Traceback") and "RuntimeError: boom" in out["exc_info"]
+
+
+def test_formatter_encodes_as_the_librarys_serializer():
+    # One encoder made once must give the bytes of json.dumps(cls=JsonEncoder) for every value kind.
+    class Reference(JsonFormatter):
+        def jsonify_log_record(self, log_data):
+            return LibraryFormatter.jsonify_log_record(self, log_data)
+
+    values = [1, 1.5, None, "é\n\x00", ["a", (1, 2)], {"k": {"n": float("inf")}}, b"x"]
+    values += [datetime.datetime(2020, 1, 1), decimal.Decimal("1.1"), ValueError("e"), object]
+    for value in values:
+        record = logging.LogRecord("greenserve.access", 20, __file__, 1, "m %s", (1,), None)
+        record.extra_value = value
+        assert JsonFormatter().format(record) == Reference().format(record), value
 
 
 def test_client_hash_known_answer():
