@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from pythonjsonlogger.json import JsonFormatter as LibraryFormatter
 
-from telemetry.logs import JsonFormatter, client_hash, logging_config
+from telemetry.logs import JsonFormatter, StderrHandler, client_hash, held_lines, logging_config
 from tests.server import GunicornServer, wait_until
 from tests.sse import sse_events
 from wsgi_app.request_telemetry import finish_reason, is_failed, summarize
@@ -292,3 +292,40 @@ def test_debug_steps_and_slow_timeline(succ_dir, serve):
     assert not [
         x for x in log_lines(srv) if x["message"] == "slow request" and x.get("request_id") == "q"
     ]
+
+
+def test_held_lines_leave_in_one_write_in_order():
+    class Stream:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> None:
+            self.writes.append(text)
+
+        def flush(self) -> None:
+            pass
+
+    stream = Stream()
+    handler = StderrHandler(stream)
+    handler.setFormatter(logging.Formatter("%(name)s %(message)s"))
+    parent = logging.getLogger("held-test")
+    parent.addHandler(handler)
+    parent.propagate = False
+    child = logging.getLogger("held-test.access")
+    child.setLevel(logging.INFO)
+    try:
+        child.info("before")
+        with held_lines(child):
+            child.info("one")
+            with held_lines(child):  # nested: the outer block writes
+                child.info("two")
+            assert stream.writes == ["held-test.access before\n"]
+        child.info("after")
+    finally:
+        parent.removeHandler(handler)
+    assert stream.writes == [
+        "held-test.access before\n",
+        "held-test.access one\nheld-test.access two\n",
+        "held-test.access after\n",
+    ]
+    assert logging_config("info")["handlers"]["stderr"]["class"] == "telemetry.logs.StderrHandler"

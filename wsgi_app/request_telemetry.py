@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from telemetry.flusher import Flusher
 from telemetry.history import HistoryStore
+from telemetry.logs import held_lines
 from telemetry.metrics import ITL_BUCKETS, Metrics
 from telemetry.recorder import HistoryRecorder
 from wsgi_app.record import RequestRecord
@@ -262,19 +263,21 @@ class Observer:
             gaps = BatchGaps([None] * len(pending), [], 0.0)
         slow_s = self.slow_request_s
         batch: list[Observation] = []
-        for (record, elapsed_s), q in zip(pending, gaps.quantiles, strict=True):
-            try:
-                # Only a slow request's timeline needs its longest gaps: summarize it alone.
-                slow = 0 < slow_s < elapsed_s and record.route not in QUIET_ROUTES
-                log_request(record, elapsed_s, summarize(record.token_times) if slow else q, slow_s)
-            except Exception:
-                access_log.exception("could not log request %s", record.request_id)
-            if record.route not in API_ROUTES:
-                continue
-            try:
-                batch.append(self._observation(record, elapsed_s))
-            except Exception:
-                access_log.exception("could not count request %s", record.request_id)
+        with held_lines(access_log):  # the batch's lines leave in one write
+            for (record, elapsed_s), q in zip(pending, gaps.quantiles, strict=True):
+                try:
+                    # Only a slow request's timeline needs its longest gaps: summarize it alone.
+                    slow = 0 < slow_s < elapsed_s and record.route not in QUIET_ROUTES
+                    gaps_of = summarize(record.token_times) if slow else q
+                    log_request(record, elapsed_s, gaps_of, slow_s)
+                except Exception:
+                    access_log.exception("could not log request %s", record.request_id)
+                if record.route not in API_ROUTES:
+                    continue
+                try:
+                    batch.append(self._observation(record, elapsed_s))
+                except Exception:
+                    access_log.exception("could not count request %s", record.request_id)
         if not batch:
             return
         try:
