@@ -72,10 +72,13 @@ def reduce_gaps(stamps: Sequence[Any]) -> BatchGaps:
     keep = np.ones(diffs.size, dtype=bool)
     keep[cross[(cross >= 0) & (cross < diffs.size)]] = False
     gaps = diffs[keep]  # (total,) in request order
-    seg = np.repeat(np.arange(len(stamps)), m)  # (total,) the request of each gap
-    ordered = gaps[np.lexsort((gaps, seg))]  # each request's gaps sorted, requests in order
-    offsets = np.cumsum(m) - m  # (B,) where each request's sorted gaps begin
+    ordered = gaps.copy()
+    offsets = np.cumsum(m) - m  # (B,) where each request's gaps begin
     has = m > 0
+    for o, k in zip(offsets[has].tolist(), m[has].tolist(), strict=True):
+        ordered[
+            o : o + k
+        ].sort()  # in place: each request's gaps sorted (a sort of one request each)
     p = []
     for q in (0.50, 0.95):
         pos = (m[has] - 1) * q  # float64, as _percentile's (size - 1) * q
@@ -83,7 +86,7 @@ def reduce_gaps(stamps: Sequence[Any]) -> BatchGaps:
         hi = np.minimum(lo + 1, m[has] - 1)
         a, b = ordered[offsets[has] + lo], ordered[offsets[has] + hi]
         p.append((a + (b - a) * (pos - lo)).tolist())
-    it = iter(zip(*p, strict=True))
+    it = zip(*p, strict=True)
     quantiles = [Quantiles(*next(it)) if k else None for k in has.tolist()]
     # side="left": a gap equal to a bound belongs to that bucket, as in Prometheus (le = "<=").
     counts = np.bincount(
