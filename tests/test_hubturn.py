@@ -75,13 +75,13 @@ def test_watchers_are_stopped_between_turns_and_reused():
     turn()
     gevent.sleep(0.001)  # the hub got back: nothing waits, the watchers are stopped
     turns = turn._turns
-    idle, timer = turns.idle, turns.timer
-    assert not idle.active and not timer.active
+    idle = turns.idle
+    assert not idle.active and not turns.timer.active
     turn()
     gevent.sleep(0.001)
     assert HubTurn(1.0)._turns is None  # made on the first turn, then shared by the hub's turns
-    assert turn._turns.idle is idle and turn._turns.timer is timer
-    assert not idle.active and not timer.active
+    assert turn._turns.idle is idle
+    assert not idle.active and not turns.timer.active
 
 
 def test_a_killed_greenlet_stops_its_watchers():
@@ -133,6 +133,40 @@ def test_new_connections_wait_for_the_poll_budget_not_a_round_of_every_stream():
     stop.append(True)
     gevent.joinall(streams)
     assert max(late) < 0.03, late  # a full round would be ~0.1 s
+
+
+def test_no_stream_waits_much_past_the_cap_when_the_hub_is_rarely_idle():
+    # The hub goes idle only every ~10 ms (a closed loop of short requests keeps it busy), and an
+    # idle turn serves only POLL_S of streams: 20 streams of 1 ms would wait ~100 ms for their next
+    # turn; once the oldest has waited the cap (30 ms), a forced round serves them all.
+    stop = []
+    gaps: list[float] = []
+
+    def busy() -> None:
+        while not stop:
+            started = time.perf_counter()
+            while time.perf_counter() - started < 0.01:
+                gevent.sleep(0)  # pending work all along: no idle turn
+            gevent.sleep(0.0005)  # a moment with nothing pending
+
+    def stream() -> None:
+        turn = HubTurn(0.03)
+        last = time.perf_counter()
+        while not stop:
+            started = time.perf_counter()
+            while time.perf_counter() - started < 0.001:
+                pass
+            turn()
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    gs = [gevent.spawn(busy)] + [gevent.spawn(stream) for _ in range(20)]
+    gevent.sleep(0.5)
+    stop.append(True)
+    gevent.joinall(gs)
+    gaps.sort()
+    assert gaps[int(0.99 * len(gaps))] < 0.075, gaps[-5:]  # cap + a round of 20 ms + slack
 
 
 def test_streams_take_turns_in_order():

@@ -12,11 +12,12 @@ requests) an idle watcher can wait for seconds.
 at a time: when the hub is idle it resumes waiting streams, in order, for at most ``poll_s`` (each
 runs its slice and queues again), then lets the loop poll for I/O before the next ones. So a new
 connection or a probe waits at most about ``poll_s`` for the hub, however many streams run, while the
-streams still share the core round-robin. If the hub stays busy for ``max_wait_s`` (no idle turn at
-all), a timer resumes every waiting stream.
+streams still share the core round-robin. No stream waits much longer than ``max_wait_s``: once the
+oldest has waited that long (the hub was too busy to go idle often enough), a timer resumes every
+waiting stream.
 
 Source: libev documentation, "ev_idle" (invoked when no other events of the same or higher priority
-are pending) and "ev_timer" (``ev_timer_again``); gevent's ``gevent.idle``, ``Hub.wait`` and
+are pending) and "ev_timer"; gevent's ``gevent.idle``, ``Hub.wait`` and
 ``Waiter`` (switched from the hub).
 """
 
@@ -39,55 +40,63 @@ class _Turns:
 
     def __init__(self, hub: Any, max_wait_s: float, poll_s: float) -> None:
         self.hub = hub
+        self.max_wait_s = max_wait_s
         self.poll_s = poll_s
-        self.waiting: deque[Waiter] = deque()
+        self.waiting: deque[tuple[Waiter, float]] = deque()  # (waiter, perf_counter when queued)
         self.idle = hub.loop.idle()
-        # A repeating timer restarted with again(): libev's ev_timer_stop keeps only the time that
-        # was left, so a plain start() of a reused timer would fire sooner after every early stop.
-        self.timer = hub.loop.timer(max_wait_s, max_wait_s)
+        self.timer: Any = None
 
     def wait(self) -> None:
         """Queue the current greenlet; return when the hub resumes it."""
-        waiter = Waiter(self.hub)
-        self.waiting.append(waiter)
+        entry = (Waiter(self.hub), time.perf_counter())
+        self.waiting.append(entry)
         if not self.idle.active:  # the first to wait arms the watchers
             self.idle.start(self._on_idle)
-            self.timer.again(self._on_timer)
+            self._arm(self.max_wait_s)
         try:
-            waiter.get()
+            entry[0].get()
         except BaseException:  # killed or timed out while waiting: leave the queue
             try:
-                self.waiting.remove(waiter)
+                self.waiting.remove(entry)
             except ValueError:
                 pass
             if not self.waiting:
                 self._stop()
             raise
 
+    def _arm(self, after_s: float) -> None:
+        """(Re)start the timer to fire in ``after_s`` seconds."""
+        if self.timer is not None:
+            self.timer.stop()
+        self.timer = self.hub.loop.timer(max(after_s, 0.0))
+        self.timer.start(self._on_timer)
+
     def _on_idle(self) -> None:
         self._resume(time.perf_counter() + self.poll_s)
 
     def _on_timer(self) -> None:
-        self._resume(None)  # the hub stayed busy for max_wait_s: everyone waiting gets a turn
+        # The oldest has waited max_wait_s (the hub never went idle meanwhile): a full round.
+        self._resume(None)
 
     def _resume(self, until: float | None) -> None:
         """Resume waiting greenlets (in the hub) until ``until`` (``perf_counter``) or, with None,
-        every one that waits now."""
+        every one that waits now; then time the next forced round by the oldest still waiting."""
         waiting = self.waiting
         n = len(waiting) if until is None else -1
         while waiting and n != 0:
             n -= 1
-            waiting.popleft().switch(None)  # returns when that greenlet gives the hub back
+            waiting.popleft()[0].switch(None)  # returns when that greenlet gives the hub back
             if until is not None and time.perf_counter() >= until:
                 break
         if waiting:
-            self.timer.again(self._on_timer)
+            self._arm(waiting[0][1] + self.max_wait_s - time.perf_counter())
         else:
             self._stop()
 
     def _stop(self) -> None:
         self.idle.stop()
-        self.timer.stop()
+        if self.timer is not None:
+            self.timer.stop()
 
 
 _TURNS: weakref.WeakKeyDictionary[Any, dict[tuple[float, float], _Turns]] = (
