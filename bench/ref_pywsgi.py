@@ -4,9 +4,9 @@
 frames of the same shape and size as greenserve's (one ``data:`` event per token, the last one with
 ``"finish_reason":"length"``, then ``[DONE]``), pre-formatted once per request. Like greenserve it
 gives the hub a turn once a stream has run for its slice (``REF_HUB_SLICE_S``, shrunk to
-``REF_HUB_ROUND_S`` divided by the running streams), resuming when the hub is idle or after
-``REF_HUB_MAX_WAIT_S`` (greenserve's ``wsgi_app.hubturn``; the benchmark passes greenserve's values), so
-the comparison is the same scheduling with no model, no Flask and no gunicorn. ``GET /healthz`` answers
+``REF_HUB_ROUND_S`` divided by the running streams) with greenserve's own ``wsgi_app.hubturn.HubTurn``
+(``REF_HUB_MAX_WAIT_S``, ``REF_HUB_POLL_S``; the benchmark passes greenserve's values), so the
+comparison is the same scheduling with no model, no Flask and no gunicorn. ``GET /healthz`` answers
 ``{"status":"ok"}``.
 
 Run: ``python -m bench.ref_pywsgi PORT`` (one process, one core).
@@ -20,12 +20,14 @@ import socket
 import sys
 import time
 
-from gevent.hub import Waiter, get_hub
 from gevent.pywsgi import WSGIHandler, WSGIServer
+
+from wsgi_app.hubturn import POLL_S, HubTurn
 
 HUB_SLICE_S = float(os.environ.get("REF_HUB_SLICE_S", "0.0005"))
 HUB_ROUND_S = float(os.environ.get("REF_HUB_ROUND_S", "0.02"))
 HUB_MAX_WAIT_S = float(os.environ.get("REF_HUB_MAX_WAIT_S", "0.05"))
+HUB_POLL_S = float(os.environ.get("REF_HUB_POLL_S", str(POLL_S)))
 _running = [0]  # streams in progress (greenserve reads its busy slots)
 _ID = b'{"id":"cmpl-000000000000000000000000","object":"text_completion","created":1700000000,'
 _OK = b'{"status":"ok"}'
@@ -41,20 +43,6 @@ def _frames(model: str) -> tuple[bytes, bytes]:
     )
 
 
-def _turn() -> None:
-    """Wait until the hub is idle, or at most HUB_MAX_WAIT_S (as greenserve's HubTurn)."""
-    hub = get_hub()
-    idle, timer = hub.loop.idle(), hub.loop.timer(HUB_MAX_WAIT_S)
-    waiter = Waiter(hub)
-    idle.start(waiter.switch, None)
-    timer.start(waiter.switch, None)
-    try:
-        waiter.get()
-    finally:
-        idle.stop()
-        timer.stop()
-
-
 def _stream(model: str, max_tokens: int):
     running, final = _frames(model)
     _running[0] += 1
@@ -62,10 +50,11 @@ def _stream(model: str, max_tokens: int):
         yield b": ok\n\n"
         since = time.perf_counter()
         slice_s = min(HUB_SLICE_S, HUB_ROUND_S / _running[0])
+        turn = HubTurn(HUB_MAX_WAIT_S, HUB_POLL_S)
         for _ in range(max_tokens - 1):
             yield running
             if time.perf_counter() - since >= slice_s:
-                _turn()
+                turn()
                 since = time.perf_counter()
                 slice_s = min(HUB_SLICE_S, HUB_ROUND_S / _running[0])
         yield final

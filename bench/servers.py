@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import procstat
+from wsgi_app.hubturn import POLL_S
 from wsgi_app.pacer import HUB_MAX_WAIT_S, HUB_ROUND_S, HUB_SLICE_S
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,7 +125,7 @@ def start(name: str, logdir: Path, env: dict[str, str] | None = None) -> Server:
     elif name == "pywsgi":
         # The same scheduling as greenserve's Pacer, so the ceiling differs only by the work done.
         full_env.update(REF_HUB_SLICE_S=str(HUB_SLICE_S), REF_HUB_ROUND_S=str(HUB_ROUND_S))
-        full_env.update(REF_HUB_MAX_WAIT_S=str(HUB_MAX_WAIT_S))
+        full_env.update(REF_HUB_MAX_WAIT_S=str(HUB_MAX_WAIT_S), REF_HUB_POLL_S=str(POLL_S))
         argv = [sys.executable, "-m", "bench.ref_pywsgi", str(port)]
     elif name == "fastapi":
         argv = [sys.executable, "-m", "uvicorn", "bench.ref_fastapi:app", "--host", "127.0.0.1"]

@@ -11,14 +11,25 @@ Source: python-json-logger documentation (``pythonjsonlogger.json.JsonFormatter`
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+from pythonjsonlogger.json import JsonEncoder
 from pythonjsonlogger.json import JsonFormatter as _JsonFormatter
 
-__all__ = ["CLIENT_HASH_HEX", "JsonFormatter", "client_hash", "logging_config"]
+__all__ = [
+    "CLIENT_HASH_HEX",
+    "JsonFormatter",
+    "StderrHandler",
+    "client_hash",
+    "held_lines",
+    "logging_config",
+]
 
 CLIENT_HASH_HEX = (
     16  # hex characters kept of the salted SHA-256: 64 bits, enough to tell clients apart
@@ -37,6 +48,9 @@ class JsonFormatter(_JsonFormatter):
             rename_fields={"levelname": "level", "name": "logger", "process": "pid"},
             json_ensure_ascii=False,
         )
+        # The library's serializer, json.dumps(data, cls=JsonEncoder, ensure_ascii=False), makes an
+        # encoder per line; one made once encodes the same bytes.
+        self._encode = JsonEncoder(ensure_ascii=False).encode
 
     def add_fields(
         self, log_data: dict[str, Any], record: logging.LogRecord, message_dict: dict[str, Any]
@@ -46,7 +60,67 @@ class JsonFormatter(_JsonFormatter):
         log_data["time"] = stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
         super().add_fields(log_data, record, message_dict)
 
+    def jsonify_log_record(self, log_data: dict[str, Any]) -> str:
+        """Return the line's JSON text (as the library's, with one encoder for every line)."""
+        return self._encode(log_data)
 
+
+class StderrHandler(logging.StreamHandler):
+    """A ``StreamHandler`` (stderr by default) that can hold lines: within :func:`held_lines` the
+    formatted lines are kept, then written with one ``write`` (one system call for a batch of
+    request lines instead of one each). Every line is written, in order.
+    """
+
+    def __init__(self, stream: Any = None) -> None:
+        super().__init__(stream)
+        self._held: list[str] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Write the record's line now, or keep it while lines are held."""
+        if self._held is None:
+            super().emit(record)
+            return
+        try:
+            self._held.append(self.format(record) + self.terminator)
+        except Exception:
+            self.handleError(record)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Keep the lines emitted inside the block; write them at its end (nested blocks: the outer
+        one writes)."""
+        if self._held is not None:
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            lines, self._held = self._held, None
+            if lines:
+                with self.lock:
+                    try:
+                        self.stream.write("".join(lines))
+                        self.flush()
+                    except Exception:  # as StreamHandler.emit: report, never raise
+                        self.handleError(logging.makeLogRecord({"msg": "held lines lost"}))
+
+
+@contextlib.contextmanager
+def held_lines(logger: logging.Logger) -> Iterator[None]:
+    """Hold the lines of every :class:`StderrHandler` that ``logger``'s records reach, and write
+    them at the end of the block (see :class:`StderrHandler`)."""
+    with contextlib.ExitStack() as stack:
+        node: logging.Logger | None = logger
+        while node is not None:
+            for handler in node.handlers:
+                if isinstance(handler, StderrHandler):
+                    stack.enter_context(handler.held())
+            node = node.parent if node.propagate else None
+        yield
+
+
+@functools.lru_cache(maxsize=4096)  # clients come back: hash each address once per worker
 def client_hash(salt: str, peer: str | None) -> str:
     """Return the salted, truncated SHA-256 of a client's address, safe to log.
 
@@ -87,7 +161,7 @@ def logging_config(level: str) -> dict[str, Any]:
         "formatters": {"json": {"()": "telemetry.logs.JsonFormatter"}},
         "handlers": {
             "stderr": {
-                "class": "logging.StreamHandler",
+                "class": "telemetry.logs.StderrHandler",
                 "formatter": "json",
                 "stream": "ext://sys.stderr",
             }

@@ -14,6 +14,7 @@ import pytest
 from tests.collector import FakeCollector
 from tests.server import GunicornServer, concurrently, wait_until
 from tests.sse import EventReader, sse_events
+from wsgi_app.admission import default_limits
 
 SLOW = "slow_step_s=0.02"  # 50 tokens/s: long enough streams to disconnect from, short tests
 
@@ -291,3 +292,14 @@ def test_sigterm_with_streams_in_flight(succ_dir, serve):
         assert srv.wait(30) == 0
         for i in range(20):
             collector.span_for(f"term-{i}", timeout_s=5)
+
+
+def test_default_limits_follow_the_model(serve):
+    # The bigram runs inline at ~32 KiB a stream: its default slots and queue are 1024 each (a Llama
+    # slot is a batched decode row: 64 slots, 256 queued; tests/test_llama_serving.py).
+    srv = serve()
+    s = srv.state()
+    assert s["slots"] == {"busy": 0, "total": 1024}
+    assert s["queue"] == {"waiting": 0, "max": 1024}
+    assert default_limits("llama", None, None) == (64, 256)
+    assert default_limits("bigram", 3, 0) == (3, 0)  # MAX_SLOTS and MAX_QUEUE win when set

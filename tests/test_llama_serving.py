@@ -251,3 +251,9 @@ def test_a_leaving_client_frees_its_batch_places_for_the_next(stories_dir, serve
         assert payloads[-1] == b"[DONE]" and "error" not in chunks[-1], chunks[-1]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert "Traceback" not in srv.log_text()
+
+
+def test_default_slots_are_batch_rows(llama):
+    srv, _ = llama
+    s = srv.state()
+    assert s["slots"]["total"] == 64 and s["queue"]["max"] == 256

@@ -3,6 +3,8 @@ timelines, per-step debug lines, and prompts only with ``LOG_PROMPTS=1``."""
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import json
 import logging
 import re
@@ -10,8 +12,9 @@ from array import array
 from types import SimpleNamespace
 
 import pytest
+from pythonjsonlogger.json import JsonFormatter as LibraryFormatter
 
-from telemetry.logs import JsonFormatter, client_hash, logging_config
+from telemetry.logs import JsonFormatter, StderrHandler, client_hash, held_lines, logging_config
 from tests.server import GunicornServer, wait_until
 from tests.sse import sse_events
 from wsgi_app.request_telemetry import finish_reason, is_failed, summarize
@@ -75,6 +78,20 @@ def test_formatter_formats_percent_args_and_exceptions():
     out = json.loads(JsonFormatter().format(record))
     assert out["message"] == "x=7" and out["level"] == "ERROR"
     assert out["exc_info"].startswith("Traceback") and "RuntimeError: boom" in out["exc_info"]
+
+
+def test_formatter_encodes_as_the_librarys_serializer():
+    # One encoder made once must give the bytes of json.dumps(cls=JsonEncoder) for every value kind.
+    class Reference(JsonFormatter):
+        def jsonify_log_record(self, log_data):
+            return LibraryFormatter.jsonify_log_record(self, log_data)
+
+    values = [1, 1.5, None, "é\n\x00", ["a", (1, 2)], {"k": {"n": float("inf")}}, b"x"]
+    values += [datetime.datetime(2020, 1, 1), decimal.Decimal("1.1"), ValueError("e"), object]
+    for value in values:
+        record = logging.LogRecord("greenserve.access", 20, __file__, 1, "m %s", (1,), None)
+        record.extra_value = value
+        assert JsonFormatter().format(record) == Reference().format(record), value
 
 
 def test_client_hash_known_answer():
@@ -275,3 +292,40 @@ def test_debug_steps_and_slow_timeline(succ_dir, serve):
     assert not [
         x for x in log_lines(srv) if x["message"] == "slow request" and x.get("request_id") == "q"
     ]
+
+
+def test_held_lines_leave_in_one_write_in_order():
+    class Stream:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> None:
+            self.writes.append(text)
+
+        def flush(self) -> None:
+            pass
+
+    stream = Stream()
+    handler = StderrHandler(stream)
+    handler.setFormatter(logging.Formatter("%(name)s %(message)s"))
+    parent = logging.getLogger("held-test")
+    parent.addHandler(handler)
+    parent.propagate = False
+    child = logging.getLogger("held-test.access")
+    child.setLevel(logging.INFO)
+    try:
+        child.info("before")
+        with held_lines(child):
+            child.info("one")
+            with held_lines(child):  # nested: the outer block writes
+                child.info("two")
+            assert stream.writes == ["held-test.access before\n"]
+        child.info("after")
+    finally:
+        parent.removeHandler(handler)
+    assert stream.writes == [
+        "held-test.access before\n",
+        "held-test.access one\nheld-test.access two\n",
+        "held-test.access after\n",
+    ]
+    assert logging_config("info")["handlers"]["stderr"]["class"] == "telemetry.logs.StderrHandler"

@@ -89,6 +89,36 @@ class Ticket:
         self._admission._release(self)
 
 
+# Default limits, sized to what a slot costs (docs/ARCHITECTURE.md §9). A bigram stream runs inline in
+# its greenlet and holds ~32 KiB (a generator, a record, a socket): 1024 of them cost ~32 MiB, and the
+# pacer keeps a round of all running streams near HUB_ROUND_S (wsgi_app/pacer.py), so slots are not
+# what limits it; WORKER_CONNECTIONS (1000) is reached first. A Llama slot is a row of every batched
+# decode step (up to MAX_N sequences): rows beyond what the step keeps busy only lengthen every
+# stream's inter-token time, so slots stay few and the rest wait in the queue.
+INLINE_SLOTS, INLINE_QUEUE = 1024, 1024
+BATCHED_SLOTS, BATCHED_QUEUE = 64, 256
+
+
+def default_limits(
+    engine_kind: str, max_slots: int | None, max_queue: int | None
+) -> tuple[int, int]:
+    """Return ``(slots, queue)`` per worker: ``MAX_SLOTS`` and ``MAX_QUEUE`` when set, else sized to
+    the model's engine.
+
+    Args:
+        engine_kind: ``"bigram"`` (inline) or ``"llama"`` (batched on the engine thread).
+        max_slots: ``MAX_SLOTS``, or None for the model's default.
+        max_queue: ``MAX_QUEUE``, or None for the model's default.
+    """
+    slots, queue = (
+        (BATCHED_SLOTS, BATCHED_QUEUE) if engine_kind == "llama" else (INLINE_SLOTS, INLINE_QUEUE)
+    )
+    return (
+        slots if max_slots is None else max_slots,
+        queue if max_queue is None else max_queue,
+    )
+
+
 class Admission:
     """Slots and queue of one worker.
 

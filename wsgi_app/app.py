@@ -17,7 +17,7 @@ from model.llama.scheduler import BatchScheduler
 from model.loader import LoadedModel, load_model
 from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app import auth, cors, lifecycle, ratelimit
-from wsgi_app.admission import Admission
+from wsgi_app.admission import Admission, default_limits
 from wsgi_app.chat import serving_template
 from wsgi_app.error_handlers import register_error_handlers
 from wsgi_app.faults import Faults, FaultyEngine
@@ -43,7 +43,8 @@ def make_engine(model: LoadedModel, settings: Settings) -> Any:
     if model.engine_kind == "llama":
         from wsgi_app.engine_thread import ThreadedEngine
 
-        batch = settings.max_slots * settings.max_n
+        slots, _ = default_limits(model.engine_kind, settings.max_slots, settings.max_queue)
+        batch = slots * settings.max_n
         scheduler = BatchScheduler(
             model.model,
             model.tokenizer.eos_ids,
@@ -100,8 +101,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
         model=model,
         engine=engine,
         admission=Admission(
-            settings.max_slots,
-            settings.max_queue,
+            *default_limits(model.engine_kind, settings.max_slots, settings.max_queue),
             observer.set_load,
             kv_budget_bytes=settings.kv_cache_budget_mb << 20,
         ),

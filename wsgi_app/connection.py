@@ -1,12 +1,11 @@
 """The client's connection as the generating code sees it: tuned for streaming, and checked for a
 client that left.
 
-Source: POSIX ``select`` and ``recv(MSG_PEEK)`` (a zero-byte read is the peer's FIN); RFC 9293 (TCP).
+Source: POSIX ``recv(MSG_PEEK | MSG_DONTWAIT)`` (a zero-byte read is the peer's FIN); RFC 9293 (TCP).
 """
 
 from __future__ import annotations
 
-import select
 import socket
 
 from wsgi_app.worker import StreamSocket
@@ -42,9 +41,12 @@ def peer_closed(sock: socket.socket | None) -> bool:
     """
     if sock is None:
         return False
+    # A non-blocking peek of the real socket (gevent's wraps one; its recv would wait on EAGAIN).
+    # Not select(): it refuses descriptors past FD_SETSIZE (1024), which a busy worker has.
+    raw = getattr(sock, "_sock", sock)
     try:
-        # gevent's recv would wait on EAGAIN: ask select first (timeout 0), then peek what is there.
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+        return raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:  # nothing to read: the client is still there
+        return False
     except OSError:
         return True

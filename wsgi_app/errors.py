@@ -8,14 +8,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# json.dumps with non-default arguments makes an encoder per call; this one, made once, encodes the
+# same text (json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
 
 def json_bytes(obj: Any) -> bytes:
     """Encode ``obj`` as compact UTF-8 JSON, non-ASCII unescaped, no trailing newline.
 
     Control characters are still escaped by the encoder, so a generated newline or NUL never breaks an SSE
     frame. ``allow_nan=False`` makes a stray NaN a bug we see, not invalid JSON a client sees.
+
+    Raises:
+        ValueError: ``obj`` holds a NaN or an infinity.
+        TypeError: ``obj`` holds something JSON cannot encode.
     """
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    return _ENCODER.encode(obj).encode()
 
 
 class ApiError(Exception):

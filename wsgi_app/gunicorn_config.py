@@ -239,6 +239,10 @@ def post_worker_init(worker):
     install_json_errors(state.model_version)  # requests gunicorn cannot parse: JSON, not HTML
     if state.observer is not None:
         state.observer.flusher.start()  # history and the /stats heartbeat, from the first second
+        # Finished requests are observed in batches on the event loop's next turn, off their path.
+        from gevent import get_hub
+
+        state.observer.defer = get_hub().loop.run_callback
     gunicorn_handler = worker.handle_exit
 
     def handle_exit(sig, frame):

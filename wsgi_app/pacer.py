@@ -27,9 +27,10 @@ if typing.TYPE_CHECKING:
 # The bigram engine runs inline in the request's greenlet: give the hub a turn at least this often, so
 # one fast stream never holds the other connections (and /healthz) for more than about a millisecond.
 HUB_SLICE_S = 0.0005
-# Streams yield with a HubTurn (wsgi_app/hubturn.py), which resumes them when the hub has nothing else
-# pending: new connections, /healthz probes and other I/O go first, and the hub polls for I/O once per
-# round of the running streams. So that a round stays near HUB_ROUND_S however many streams run, the
+# Streams yield with a HubTurn (wsgi_app/hubturn.py), which queues them in order and resumes them when
+# the hub has nothing else pending, a few milliseconds' worth at a time (hubturn.POLL_S): new
+# connections, /healthz probes and other I/O go first and wait at most that long, however many streams
+# run. So that a round of all the streams (each one's inter-token gap) stays near HUB_ROUND_S, the
 # slice shrinks to HUB_ROUND_S divided by the busy slots (down to one token). While new work keeps the
 # hub busy, a turn still comes after HUB_MAX_WAIT_S. Chosen with bench/ (README, Performance): at 128
 # streams a 20 ms round gives ~12 % more tokens/s than 10 ms for a TTFT p99 of ~26 ms instead of ~15.

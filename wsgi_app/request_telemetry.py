@@ -2,9 +2,11 @@
 metrics and the per-minute history.
 
 Called once per request from ``wsgi_app.lifecycle.finish`` (after the last byte, on the request's
-greenlet). The per-token work during generation is one ``perf_counter`` append (``Pacer``);
-everything derived from the token times (inter-token gaps, their percentiles and histogram buckets)
-is computed here, with numpy, once.
+greenlet), which only queues it: in a worker, the event loop's next turn observes every request
+finished meanwhile (``Observer.flush``). The per-token work during generation is one
+``perf_counter`` append (``Pacer``); everything derived from the token times (inter-token gaps, their
+percentiles and histogram buckets) is computed then, with numpy, once per batch
+(``wsgi_app.telemetry_batch``).
 Nothing here raises into the request: a telemetry failure is logged and forgotten.
 
 Source: docs/ARCHITECTURE.md §10 (one JSON log line per request; slow requests log their timeline).
@@ -23,11 +25,13 @@ from prometheus_client import CollectorRegistry
 
 from telemetry.flusher import Flusher
 from telemetry.history import HistoryStore
+from telemetry.logs import held_lines
 from telemetry.metrics import ITL_BUCKETS, Metrics
 from telemetry.recorder import HistoryRecorder
 from telemetry.sketch import bin_counts
 from wsgi_app.record import RequestRecord
 from wsgi_app.settings import Settings
+from wsgi_app.telemetry_batch import BatchGaps, Observation, Quantiles, count_all, reduce_gaps
 
 __all__ = [
     "API_ROUTES",
@@ -134,8 +138,11 @@ def _r(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
 
 
-def request_fields(record: RequestRecord, elapsed_s: float, gaps: Gaps | None) -> dict[str, Any]:
-    """Return the request log line's fields (see README, "Logs")."""
+def request_fields(
+    record: RequestRecord, elapsed_s: float, gaps: Gaps | Quantiles | None
+) -> dict[str, Any]:
+    """Return the request log line's fields (see README, "Logs"); ``gaps`` gives the inter-token
+    quantiles."""
     fields: dict[str, Any] = {
         "request_id": record.request_id,
         "trace_id": record.span.trace_id,
@@ -177,9 +184,13 @@ def timeline(record: RequestRecord, elapsed_s: float, gaps: Gaps | None) -> list
 
 
 def log_request(
-    record: RequestRecord, elapsed_s: float, gaps: Gaps | None = None, slow_s: float = 0.0
+    record: RequestRecord,
+    elapsed_s: float,
+    gaps: Gaps | Quantiles | None = None,
+    slow_s: float = 0.0,
 ) -> None:
-    """Write the request's log line, and its timeline when it took longer than ``slow_s`` (> 0)."""
+    """Write the request's log line, and its timeline when it took longer than ``slow_s`` (> 0),
+    which names the longest gaps when ``gaps`` is a :class:`Gaps`."""
     quiet = record.route in QUIET_ROUTES and record.status < 400
     access_log.log(
         logging.DEBUG if quiet else logging.INFO,
@@ -194,7 +205,7 @@ def log_request(
                 "trace_id": record.span.trace_id,
                 "latency_s": round(elapsed_s, 6),
                 "timeline": timeline(record, elapsed_s, gaps),
-                "longest_gaps": [] if gaps is None else [list(t) for t in gaps.top],
+                "longest_gaps": [list(t) for t in gaps.top] if isinstance(gaps, Gaps) else [],
             },
         )
 
@@ -222,57 +233,120 @@ class Observer:
         self.recorder = flusher.recorder
         self.store = flusher.store
         self.slow_request_s = slow_request_s
+        # Schedules a callable on the event loop's next turn (gevent's ``loop.run_callback``, set by
+        # the worker); None observes each request at once.
+        self.defer: Callable[[Callable[[], None]], Any] | None = None
+        self._pending: list[tuple[RequestRecord, float]] = []
+        self._load = self._load_written = (0, 0)  # (running, queued): the gauges start at 0
+        self._load_scheduled = False
 
     def request_done(self, record: RequestRecord, elapsed_s: float) -> None:
-        """Log, count and record one finished request; never raises."""
-        gaps = None
-        try:
-            gaps = summarize(record.token_times)
-            log_request(record, elapsed_s, gaps, self.slow_request_s)
-        except Exception:  # telemetry never breaks a request
-            access_log.exception("could not log request %s", record.request_id)
-        if record.route not in API_ROUTES:
+        """Observe one finished request: at once, or with :attr:`defer` set, queued for
+        :meth:`flush` on the event loop's next turn (with every other request finished meanwhile),
+        off the request's greenlet. Never raises."""
+        self._pending.append((record, elapsed_s))
+        if len(self._pending) > 1:
+            return  # a flush is scheduled already
+        if self.defer is None:
+            self.flush()
             return
         try:
-            self._count(record, elapsed_s, gaps)
-        except Exception:
-            access_log.exception("could not count request %s", record.request_id)
+            self.defer(self.flush)
+        except Exception:  # no event loop to defer to: observe now
+            self.flush()
 
-    def _count(self, record: RequestRecord, elapsed_s: float, gaps: Gaps | None) -> None:
+    def flush(self) -> None:
+        """Write the load gauges, and log, count and record every queued request (request order);
+        never raises."""
+        self._write_load()
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        try:
+            gaps = reduce_gaps([record.token_times for record, _ in pending])
+        except Exception:  # telemetry never breaks a request
+            access_log.exception("could not summarize %d requests", len(pending))
+            gaps = BatchGaps([None] * len(pending), [], 0.0)
+        slow_s = self.slow_request_s
+        batch: list[Observation] = []
+        with held_lines(access_log):  # the batch's lines leave in one write
+            for (record, elapsed_s), q in zip(pending, gaps.quantiles, strict=True):
+                try:
+                    # Only a slow request's timeline needs its longest gaps: summarize it alone.
+                    slow = 0 < slow_s < elapsed_s and record.route not in QUIET_ROUTES
+                    gaps_of = summarize(record.token_times) if slow else q
+                    log_request(record, elapsed_s, gaps_of, slow_s)
+                except Exception:
+                    access_log.exception("could not log request %s", record.request_id)
+                if record.route not in API_ROUTES:
+                    continue
+                try:
+                    batch.append(self._observation(record, elapsed_s))
+                except Exception:
+                    access_log.exception("could not count request %s", record.request_id)
+        if not batch:
+            return
+        try:
+            count_all(self.metrics, batch, gaps)
+        except Exception:
+            access_log.exception("could not count %d requests", len(batch))
+
+    def _observation(self, record: RequestRecord, elapsed_s: float) -> Observation:
+        """Record the request in the history and return what the metrics count of it."""
         admitted = record.queue_wait_s is not None
         prompt_tokens = record.prompt_tokens if record.slot_at is not None else 0
-        failed = is_failed(record)
-        self.metrics.observe_request(
+        e2e_s = elapsed_s if admitted else None
+        times = record.token_times
+        itl_bins = None
+        if len(times) >= 2:
+            itl_bins = bin_counts(np.diff(np.frombuffer(times, dtype=np.float64)))
+        self.recorder.observe(
+            failed=is_failed(record),
+            ttft_s=record.ttft_s,
+            e2e_s=e2e_s,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=record.completion_tokens,
+            queue_wait_s=record.queue_wait_s,
+            itl_bins=itl_bins,
+        )
+        return Observation(
             endpoint=record.route or "",
             status=record.status,
             finish_reason=finish_reason(record),
             prompt_tokens=prompt_tokens,
             completion_tokens=record.completion_tokens,
             ttft_s=record.ttft_s,
-            e2e_s=elapsed_s if admitted else None,
+            e2e_s=e2e_s,
             queue_wait_s=record.queue_wait_s,
-            itl_counts=() if gaps is None else gaps.counts,
-            itl_sum_s=0.0 if gaps is None else gaps.sum_s,
-        )
-        self.recorder.observe(
-            failed=failed,
-            ttft_s=record.ttft_s,
-            e2e_s=elapsed_s if admitted else None,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=record.completion_tokens,
-            queue_wait_s=record.queue_wait_s,
-            itl_bins=None if gaps is None else gaps.bins,
         )
 
     def set_load(self, running: int, queued: int) -> None:
-        """The admission listener: update the running and queued gauges."""
+        """The admission listener: update the running and queued gauges (with :attr:`defer`, on the
+        event loop's next turn, once with the turn's last values). Never raises."""
+        self._load = (running, queued)
+        if self.defer is None:
+            self._write_load()
+        elif not self._load_scheduled:
+            self._load_scheduled = True
+            try:
+                self.defer(self._write_load)
+            except Exception:  # no event loop to defer to: write now
+                self._write_load()
+
+    def _write_load(self) -> None:
+        self._load_scheduled = False
+        if self._load == self._load_written:
+            return
         try:
-            self.metrics.set_load(running, queued)
+            self.metrics.set_load(*self._load)
+            self._load_written = self._load
         except Exception:
             access_log.exception("could not set the load gauges")
 
     def close(self) -> None:
-        """Write the pending history and remove this worker's heartbeat (gunicorn ``worker_exit``)."""
+        """Observe the queued requests, write the pending history and remove this worker's heartbeat
+        (gunicorn ``worker_exit``)."""
+        self.flush()
         self.flusher.close()
 
 

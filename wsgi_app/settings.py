@@ -200,8 +200,10 @@ class Settings:
 
     Attributes:
         model_dir: model directory, or None for the packaged default model.
-        max_slots: concurrent generations per worker.
-        max_queue: requests allowed to wait for a slot, per worker.
+        max_slots: concurrent generations per worker; None: sized to the model
+            (``admission.default_limits``: 1024 for the bigram, 64 for a Llama).
+        max_queue: requests allowed to wait for a slot, per worker; None: sized to the model
+            (1024 for the bigram, 256 for a Llama).
         kv_cache_budget_mb: KV-cache MiB the running requests of a worker may reserve together (a
             request reserves n x (prompt + max_tokens) tokens of its model's cache).
         batch_invariant: decode every sequence to the same bits whatever the batch (``1``), or let
@@ -244,8 +246,8 @@ class Settings:
     """
 
     model_dir: str | None = None
-    max_slots: int = 64
-    max_queue: int = 256
+    max_slots: int | None = None
+    max_queue: int | None = None
     kv_cache_budget_mb: int = 1024
     batch_invariant: bool = True
     max_body_bytes: int = 1_048_576

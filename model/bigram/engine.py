@@ -69,35 +69,38 @@ class BigramEngine:
         plain = self._plain_steps if req.logprobs is None else None
         prev = req.prompt_ids[-1]
         for _ in range(req.max_tokens):
-            logits = logits_of(prev)  # one model call per step, whatever the picker needs
-            token_id = pick(prev, logits)
+            token_id = pick(prev)
             yield (
-                plain[token_id] if plain is not None else make_step(token_id, logits, req.logprobs)
+                plain[token_id]
+                if plain is not None
+                else make_step(token_id, logits_of(prev), req.logprobs)
             )
             prev = token_id
 
-    def _picker(self, req: GenerationRequest, rng: PCG32) -> Callable[[int, np.ndarray], int]:
-        """Return `pick(prev, logits) -> token_id`, drawing from `rng` exactly as `sample()` does.
+    def _picker(self, req: GenerationRequest, rng: PCG32) -> Callable[[int], int]:
+        """Return `pick(prev) -> token_id`, drawing from `rng` exactly as `sample()` does.
 
         Penalty-free requests reuse the per-row work of the row cache (model.bigram.rowcache
-        explains why the ids are the same); the others take the generic `sample()`.
+        explains why the ids are the same), which asks the model for a row's logits only once; the
+        others take the generic `sample()` over the row's logits at every step.
         """
         params = req.params
+        logits_of = self.model.logits
         table = self._rows.table(params) if self._rows is not None else None
         if isinstance(table, DrawTable):
             # The same uniforms as one `uniform()` a step, drawn in batches (PCG32.uniforms).
             draw_with, uniforms = table.draw_with, _uniforms(rng, req.max_tokens)
-            return lambda prev, _logits: draw_with(prev, next(uniforms))
+            return lambda prev: draw_with(prev, next(uniforms))
         if table is not None:  # greedy: no uniforms at all
             draw = table.draw
-            return lambda prev, _logits: draw(prev, rng)
+            return lambda prev: draw(prev, rng)
         if not params.has_penalties:
-            return lambda _prev, logits: sample(logits, params, rng, None)
+            return lambda prev: sample(logits_of(prev), params, rng, None)
         # OpenAI's penalties count the tokens generated in this choice, not the prompt.
         counts = np.zeros(self.model.vocab_size, np.int64)
 
-        def pick(_prev: int, logits: np.ndarray) -> int:
-            token_id = sample(logits, params, rng, counts)
+        def pick(prev: int) -> int:
+            token_id = sample(logits_of(prev), params, rng, counts)
             counts[token_id] += 1
             return token_id
 

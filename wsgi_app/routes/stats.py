@@ -36,6 +36,7 @@ def metrics() -> Response:
     """Prometheus text exposition of every worker's metrics (counters and histograms summed, the
     running/queued gauges summed over live workers)."""
     obs = runtime().observer
+    obs.flush()  # this worker's requests finished this turn are counted first
     body, content_type = run_in_thread(
         render, obs.registry, runtime().settings.prometheus_multiproc_dir
     )
@@ -60,6 +61,7 @@ def stats() -> Response:
     """
     rt = runtime()
     obs = rt.observer
+    obs.flush()
     obs.flusher.flush(in_thread=True)
     now = _now(rt)
     summary = run_in_thread(_summary, rt)
@@ -127,6 +129,7 @@ def history() -> Response:
     rt = runtime()
     minutes = parse_minutes(request.args.get("minutes"))
     obs = rt.observer
+    obs.flush()
     obs.flusher.flush(in_thread=True)
     now = _now(rt)
     settings = rt.settings
