@@ -202,7 +202,9 @@ class HFTokenizer:
                 clone.encode_special_tokens = False
                 self._special_tokenizer = clone
             tokenizer = self._special_tokenizer
-        return tokenizer.encode(text, add_special_tokens=bos).ids
+        # encode_batch releases the GIL while the Rust side works (encode holds it): a long prompt
+        # tokenized on a worker thread then leaves the gevent hub free to serve other requests.
+        return tokenizer.encode_batch([text], add_special_tokens=bos)[0].ids
 
     def token_str(self, token_id: int) -> str:
         """Return the token's text, its name for special tokens, or ``bytes:\\xNN…``."""

@@ -31,6 +31,7 @@ from wsgi_app.protocol import (
 )
 
 MAX_TOP_LOGPROBS = 20
+MAX_CHAT_MESSAGES = 1024  # the MAX_CHAT_MESSAGES setting's default
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 # The request fields accepted; extensions shared with /v1/completions: top_k, min_p, ignore_eos.
@@ -96,13 +97,20 @@ def unsupported(name: str, what: str | None = None) -> ApiError:
     return invalid(f"{what or repr(name)} is not supported by this server.", name)
 
 
-def parse_chat_request(body: dict[str, Any], *, vocab_size: int, max_n: int = 8) -> ChatRequest:
+def parse_chat_request(
+    body: dict[str, Any],
+    *,
+    vocab_size: int,
+    max_n: int = 8,
+    max_messages: int = MAX_CHAT_MESSAGES,
+) -> ChatRequest:
     """Validate a decoded ``/v1/chat/completions`` body into a :class:`ChatRequest`.
 
     Args:
         body: the decoded JSON object (``wsgi_app.protocol.decode_json_body``).
         vocab_size: the model's vocabulary (bounds ``top_k`` and ``logit_bias`` keys).
         max_n: largest accepted ``n`` (``MAX_N``).
+        max_messages: the most messages accepted (``MAX_CHAT_MESSAGES``), checked before any is read.
 
     Raises:
         ApiError: 400 naming the first invalid field in ``param``: an unknown field
@@ -117,7 +125,7 @@ def parse_chat_request(body: dict[str, Any], *, vocab_size: int, max_n: int = 8)
             raise unsupported(name)
     _check_options(body)
     model = parse_model(body)
-    messages = _messages(body.get("messages"))
+    messages = _messages(body.get("messages"), max_messages)
     max_tokens, max_tokens_param = _max_tokens(body)
     fields = parse_sampling_fields(body, vocab_size, max_n)
     logprobs = _boolean(body, "logprobs")
@@ -247,13 +255,19 @@ def _max_tokens(body: dict[str, Any]) -> tuple[int | None, str]:
     return legacy, "max_tokens"
 
 
-def _messages(value: Any) -> tuple[dict[str, str], ...]:
+def _messages(value: Any, max_messages: int) -> tuple[dict[str, str], ...]:
     if value is None:
         raise invalid("'messages' is required.", "messages")
     if not isinstance(value, list):
         raise invalid("'messages' must be a list of message objects.", "messages")
     if not value:
         raise invalid("'messages' must not be empty.", "messages")
+    if len(value) > max_messages:  # before any is read or rendered
+        raise invalid(
+            f"'messages' holds {len(value)} messages; the limit is {max_messages} "
+            "(MAX_CHAT_MESSAGES).",
+            "messages",
+        )
     return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(value))
 
 

@@ -113,7 +113,10 @@ def _completion_request(
     """
     settings = rt.settings
     chat: ChatRequest = parse_chat_request(
-        body, vocab_size=rt.model.tokenizer.vocab_size, max_n=settings.max_n
+        body,
+        vocab_size=rt.model.tokenizer.vocab_size,
+        max_n=settings.max_n,
+        max_messages=settings.max_chat_messages,
     )
     if chat.user is not None:  # an end-user id is personal data: only its salted hash is logged
         record.user_hash = client_hash(settings.client_hash_salt, chat.user)
@@ -123,4 +126,5 @@ def _completion_request(
         rt.model,
         max_prompt_tokens=settings.max_prompt_tokens,
         chat_max_tokens=settings.chat_max_tokens,
+        offload=rt.offload,
     )
