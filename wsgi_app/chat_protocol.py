@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.sampling import SamplingParams
-from wsgi_app.errors import ApiError, invalid
+from wsgi_app.errors import ApiError, invalid, quote_name
 from wsgi_app.protocol import (
     MAX_TOKENS_LIMIT,
     CompletionRequest,
@@ -28,6 +28,7 @@ from wsgi_app.protocol import (
     parse_model,
     parse_sampling_fields,
     parse_stream_fields,
+    reject_unknown,
 )
 
 MAX_TOP_LOGPROBS = 20
@@ -117,9 +118,7 @@ def parse_chat_request(
             (``Unrecognized request argument supplied: NAME``), an unsupported one, or a bad value,
             down to the part (``messages[2].content[0].type``).
     """
-    for name in body:
-        if name not in KNOWN_FIELDS:
-            raise invalid(f"Unrecognized request argument supplied: {name}", name)
+    reject_unknown(body, KNOWN_FIELDS)
     for name in UNSUPPORTED_FIELDS:
         if body.get(name) is not None:
             raise unsupported(name)
@@ -221,7 +220,9 @@ def _check_options(body: dict[str, Any]) -> None:
         if fmt["type"] in ("json_object", "json_schema"):
             raise unsupported("response_format", f"'response_format' of type '{fmt['type']}'")
         if fmt["type"] != "text":
-            raise invalid(f"Invalid 'response_format.type': {fmt['type']!r}.", "response_format")
+            raise invalid(
+                f"Invalid 'response_format.type': {quote_name(fmt['type'])!r}.", "response_format"
+            )
     modalities = body.get("modalities")
     if modalities is not None:
         if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
@@ -231,8 +232,8 @@ def _check_options(body: dict[str, Any]) -> None:
     if body.get("store") is not None and _boolean(body, "store"):
         raise unsupported("store", "Storing completions ('store': true)")
     tier = body.get("service_tier")
-    if tier is not None and tier not in ("auto", "default"):
-        raise unsupported("service_tier", f"'service_tier' {tier!r}")
+    if tier is not None and (not isinstance(tier, str) or tier not in ("auto", "default")):
+        raise unsupported("service_tier", f"'service_tier' {quote_name(tier)!r}")
     for name in ("user", "prompt_cache_key", "safety_identifier"):
         value = body.get(name)
         if value is not None:
@@ -281,16 +282,15 @@ def _message(message: Any, where: str) -> dict[str, str]:
         raise unsupported(f"{where}.role", f"The '{role}' role")
     if role not in ROLES:
         raise invalid(
-            f"Invalid value for '{where}.role': {role!r}; expected one of 'system', 'developer', "
-            "'user', 'assistant'.",
+            f"Invalid value for '{where}.role': {quote_name(role)!r}; expected one of 'system', "
+            "'developer', 'user', 'assistant'.",
             f"{where}.role",
         )
     allowed = ASSISTANT_FIELDS if role == "assistant" else MESSAGE_FIELDS
     for key in message:
         if key not in allowed:
-            raise invalid(
-                f"Unrecognized request argument supplied: {where}.{key}", f"{where}.{key}"
-            )
+            at = f"{where}.{quote_name(key)}"
+            raise invalid(f"Unrecognized request argument supplied: {at}", at)
     for key in ("tool_calls", "function_call", "audio"):
         if message.get(key) is not None:
             raise unsupported(f"{where}.{key}")
@@ -314,15 +314,19 @@ def _content(content: Any, where: str) -> str:
         if not isinstance(part, dict):
             raise invalid(f"'{at}' must be an object.", at)
         kind = part.get("type")
+        if not isinstance(kind, str):  # a list or object is unhashable: no set lookup before this
+            raise invalid(f"'{at}.type' is required and must be a string.", f"{at}.type")
         if kind in UNSUPPORTED_PARTS:
             raise unsupported(f"{at}.type", f"Content part type '{kind}'")
         if kind != "text":
             raise invalid(
-                f"Invalid value for '{at}.type': {kind!r}; expected 'text'.", f"{at}.type"
+                f"Invalid value for '{at}.type': {quote_name(kind)!r}; expected 'text'.",
+                f"{at}.type",
             )
         for key in part:
             if key not in ("type", "text"):
-                raise invalid(f"Unrecognized request argument supplied: {at}.{key}", f"{at}.{key}")
+                bad = f"{at}.{quote_name(key)}"
+                raise invalid(f"Unrecognized request argument supplied: {bad}", bad)
         text = part.get("text")
         if not isinstance(text, str):
             raise invalid(f"'{at}.text' must be a string.", f"{at}.text")
