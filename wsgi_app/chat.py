@@ -94,6 +94,7 @@ def chat_completion_request(
     max_prompt_tokens: int,
     chat_max_tokens: int,
     offload: Callable[[Callable[..., Any], Sequence[Any]], Any] = _inline,
+    kv_budget_bytes: int | None = None,
 ) -> CompletionRequest:
     """Render ``chat``'s conversation and return the generation request it stands for.
 
@@ -106,6 +107,8 @@ def chat_completion_request(
         offload: runs ``func(*args)`` and returns its result: the render and the tokenization go
             through it (a native thread pool's ``apply`` in a worker, so the gevent hub keeps
             serving meanwhile); inline by default.
+        kv_budget_bytes: the worker's KV-cache budget (``KV_CACHE_BUDGET_MB``), bytes, or None:
+            without ``max_tokens``, the default answer is capped so the request fits it.
 
     Raises:
         ApiError: 400 ``messages`` when the contents are longer than any acceptable prompt
@@ -133,6 +136,7 @@ def chat_completion_request(
             f"{max_prompt_tokens}.",
             "messages",
         )
+    per_token = model.kv_bytes_per_token
     return completion_request(
         chat,
         prompt_ids,
@@ -140,4 +144,7 @@ def chat_completion_request(
         context_length=model.context_length,
         default_max_tokens=chat_max_tokens,
         template_stop=template.stop,
+        kv_tokens_per_choice=(
+            kv_budget_bytes // (chat.n * per_token) if kv_budget_bytes and per_token else None
+        ),
     )

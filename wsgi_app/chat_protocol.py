@@ -157,6 +157,7 @@ def completion_request(
     context_length: int | None,
     default_max_tokens: int,
     template_stop: tuple[str, ...] = (),
+    kv_tokens_per_choice: int | None = None,
 ) -> CompletionRequest:
     """Return the generation request for ``chat`` once its template has rendered the prompt.
 
@@ -168,10 +169,15 @@ def completion_request(
         default_max_tokens: the cap on the default ``max_tokens`` (a server setting); without
             ``max_tokens`` the answer may use the rest of the context up to this cap.
         template_stop: stop strings the template needs (``ChatTemplate.stop``), added to the request's.
+        kv_tokens_per_choice: the most tokens (prompt + answer) each of the ``n`` choices may hold
+            within the worker's KV-cache budget (``KV_CACHE_BUDGET_MB``), or None for no budget:
+            the default ``max_tokens`` is capped by it too. An explicit ``max_tokens`` is not (the
+            admission refuses it, naming ``max_tokens``, when it cannot fit).
 
     Raises:
-        ApiError: 400 ``messages`` when the rendered prompt is empty or fills the context; 400 naming
-            the client's ``max_tokens``/``max_completion_tokens`` when prompt + it exceed the context.
+        ApiError: 400 ``messages`` when the rendered prompt is empty, fills the context, or (without
+            ``max_tokens``) leaves no room in the KV budget; 400 naming the client's
+            ``max_tokens``/``max_completion_tokens`` when prompt + it exceed the context.
     """
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
@@ -186,6 +192,15 @@ def completion_request(
     max_tokens = chat.max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens if room is None else min(default_max_tokens, room)
+        if kv_tokens_per_choice is not None:
+            if kv_tokens_per_choice - n_prompt < 1:
+                raise invalid(
+                    f"The rendered conversation has {n_prompt} tokens; this server's KV-cache "
+                    f"budget holds at most {kv_tokens_per_choice} tokens for each of the "
+                    f"{chat.n} choices, which leaves no room for an answer.",
+                    "messages",
+                )
+            max_tokens = min(max_tokens, kv_tokens_per_choice - n_prompt)
     elif room is not None and max_tokens > room:
         raise invalid(
             f"This model's maximum context length is {context_length} tokens; you requested "

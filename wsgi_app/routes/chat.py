@@ -126,4 +126,5 @@ def _completion_request(
         max_prompt_tokens=settings.max_prompt_tokens,
         chat_max_tokens=settings.chat_max_tokens,
         offload=rt.offload,
+        kv_budget_bytes=settings.kv_cache_budget_mb << 20,
     )
