@@ -12,8 +12,13 @@ under a :class:`RenderBudget`:
 - size: every operation the template language offers that makes a value bigger than its operands
   (``~``, ``+``, ``*``, ``**``, ``%``, ``str.format``, the padding/replacing/joining string methods and
   filters, ``tojson``, output of ``{{ ... }}``) first checks the size of what it would make against
-  ``max_chars`` (lists count their items' sizes, so shared references are counted each time they would
-  be printed), and the sizes made are charged to a per-render total of ``16 * max_chars``;
+  ``max_chars`` (lists count their items' sizes plus one per item, so shared references are counted
+  each time they would be printed and a list of empty strings is not free), and the sizes made are
+  charged to a per-render total of ``16 * max_chars``;
+- length: no list, tuple or dict a template makes may hold more than ``MAX_ITEMS`` items (each item
+  is a pointer in memory whatever it prints as);
+- word-wise filters (``title``, ``wordwrap``, ``urlize``, ``striptags``), which make one Python
+  object per word without a call the deadline could interrupt, take at most ``MAX_WORDWISE_CHARS``;
 - ``lipsum`` is removed (it writes paragraphs on request).
 
 Exceeding either raises :class:`TemplateError`.
@@ -40,6 +45,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 MAX_INT_BITS = 1 << 16
 MAX_TOJSON_INDENT = 16
+MAX_ITEMS = 1 << 17
+MAX_WORDWISE_CHARS = 1 << 18
+_WORDWISE_FILTERS = {"title", "wordwrap", "urlize", "striptags"}
 _WIDTH = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?")
 _SPEC_NUMBER = re.compile(r"\d+")
 _PADDING_METHODS = {"center", "ljust", "rjust", "zfill"}
@@ -81,6 +89,27 @@ class RenderBudget:
         if self.chars_left < 0:
             raise TemplateError("chat template: the render made too much text in total")
 
+    def check_items(self, n_items: int, what: str) -> None:
+        """Refuse a list, tuple or dict of ``n_items`` items over :data:`MAX_ITEMS`.
+
+        Raises:
+            TemplateError: if it is over.
+        """
+        if n_items > MAX_ITEMS:
+            raise TemplateError(
+                f"chat template: {what} would make {n_items} items; the limit is {MAX_ITEMS}"
+            )
+
+    def charge_value(self, value: Any, what: str) -> None:
+        """Account for ``value`` just made by ``what``: its length if a container, and its weight.
+
+        Raises:
+            TemplateError: as :meth:`charge` and :meth:`check_items`.
+        """
+        if isinstance(value, list | tuple | dict):
+            self.check_items(len(value), what)
+        self.charge(weight(value), what)
+
 
 _BUDGET: contextvars.ContextVar[RenderBudget | None] = contextvars.ContextVar(
     "chat_template_budget", default=None
@@ -97,8 +126,9 @@ def _budget() -> RenderBudget:
 def weight(value: Any, _seen: dict[int, int] | None = None) -> int:
     """Return how many characters ``value`` takes when printed, roughly (shared items count each time).
 
-    Strings count their length, lists/tuples/dicts the weights of their items plus 2, anything else 8.
-    Memoised per object, so a structure of shared references costs its unique objects to measure.
+    Strings count their length, lists/tuples/dicts 2 plus, per item, 1 (its separator) and its
+    weight; anything else 8. Memoised per object, so a structure of shared references costs its
+    unique objects to measure.
     """
     seen = {} if _seen is None else _seen
     if isinstance(value, str):
@@ -108,7 +138,7 @@ def weight(value: Any, _seen: dict[int, int] | None = None) -> int:
         if key not in seen:
             seen[key] = 0  # a cycle (impossible in the immutable sandbox) counts as empty
             items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
-            seen[key] = 2 + sum(weight(item, seen) for item in items)
+            seen[key] = 2 + sum(1 + weight(item, seen) for item in items)
         return seen[key]
     return 8
 
@@ -165,6 +195,10 @@ def _bounded_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
 
     def check_params(value: Any, args: tuple, kwargs: dict) -> None:
         budget = _budget()
+        if name in _WORDWISE_FILTERS and isinstance(value, str) and len(value) > MAX_WORDWISE_CHARS:
+            raise TemplateError(
+                f"chat template: the '{name}' filter takes at most {MAX_WORDWISE_CHARS} characters"
+            )
         if name in ("center", "indent", "batch", "wordwrap") and args and isinstance(args[0], int):
             lines = value.count("\n") + 1 if isinstance(value, str) else 1
             budget.charge(weight(value) + args[0] * lines, f"the '{name}' filter")
@@ -187,8 +221,8 @@ def _bounded_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
         )
         check_params(value, args, kwargs)
         result = func(*all_args, **kwargs)
-        if isinstance(result, str | list | tuple):
-            _budget().charge(weight(result), f"the '{name}' filter")
+        if isinstance(result, str | list | tuple | dict):
+            _budget().charge_value(result, f"the '{name}' filter")
         return result
 
     bounded.__wrapped__ = func  # type: ignore[attr-defined]
@@ -266,11 +300,15 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         budget = _budget()
         sequence = (str, list, tuple)
         if operator == "+" and isinstance(left, sequence) and isinstance(right, sequence):
+            if not isinstance(left, str):
+                budget.check_items(len(left) + len(right), "'+'")
             budget.charge(weight(left) + weight(right), "'+'")
         elif operator == "*":
             if isinstance(left, int) and isinstance(right, sequence):
                 left, right = right, left
             if isinstance(left, sequence) and isinstance(right, int):
+                if not isinstance(left, str):
+                    budget.check_items(len(left) * max(right, 0), "'*'")
                 budget.charge(weight(left) * max(right, 0), "'*'")
             elif isinstance(left, int) and isinstance(right, int):
                 _check_int(1 << (left.bit_length() + right.bit_length()), "'*'")
@@ -288,8 +326,8 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         """Call ``__obj`` from template code, refusing string methods that would overspend."""
         _check_call(__obj, args, kwargs)
         result = super().call(__context, __obj, *args, **kwargs)
-        if isinstance(result, str | list | tuple):
-            _budget().charge(weight(result), "a call")
+        if isinstance(result, str | list | tuple | dict):
+            _budget().charge_value(result, "a call")
         return result
 
 

@@ -6,10 +6,10 @@ extension, a ``tojson`` filter without HTML escaping, the globals ``raise_except
 ``strftime_now(format)``, and the variables ``messages``, ``bos_token``, ``eos_token`` and
 ``add_generation_prompt=True``. Renders are bounded in time and size (see ``model.chat_sandbox``).
 
-Message text never becomes control tokens: :meth:`ChatTemplate.encode` renders the template around
-placeholders, so it knows which characters of the prompt are message contents; special-token text
-(``<|im_end|>``) is matched only in the template's own text, and a user who writes it gets those
-characters as text.
+Message text never becomes a token of its own: :meth:`ChatTemplate.encode` renders the template
+around placeholders, so it knows which characters of the prompt are message contents; the text of an
+added token, special (``<|im_end|>``) or user-defined (``<think>``), is matched only in the template's
+own text, and a user who writes it gets those characters as text.
 
 Source: Hugging Face transformers, "Chat templates" documentation and ``apply_chat_template``.
 """
@@ -55,10 +55,14 @@ MAX_STRFTIME_CHARS = 64
 class ChatTokenizer(Protocol):
     """What :meth:`ChatTemplate.encode` needs (``model.tokenizer``'s tokenizers have it)."""
 
-    special_tokens: dict[str, int]
+    added_tokens: dict[str, int]
 
     def encode(self, text: str, special: bool = False, *, bos: bool = True) -> list[int]:
         """Return the ids of ``text``; ``special``: match special-token text; ``bos``: add BOS."""
+        ...
+
+    def encode_text(self, text: str) -> list[int]:
+        """Return the ids of ``text`` with no added token matched or produced, no BOS."""
         ...
 
 
@@ -173,13 +177,14 @@ class ChatTemplate:
         return self._render([dict(m) for m in messages])
 
     def encode(self, messages: Sequence[dict[str, str]], tokenizer: ChatTokenizer) -> list[int]:
-        """Return the prompt's token ids: the template's special tokens as control ids, contents as text.
+        """Return the prompt's token ids: the template's added tokens as their ids, contents as text.
 
-        When no message contains special-token text, this is exactly the tokenizer's own
-        tokenization of :meth:`render` with special tokens parsed (what transformers and llama.cpp
-        do). Otherwise the prompt is split at the special tokens written by the template alone and
-        each piece between them is tokenized as plain text, as the tokenizer itself splits at added
-        tokens before its pre-tokenizer runs. No BOS is added: templates write ``bos_token``.
+        When no message contains added-token text (special or user-defined), this is exactly the
+        tokenizer's own tokenization of :meth:`render` with special tokens parsed (what transformers
+        and llama.cpp do). Otherwise the prompt is split at the added tokens written by the template
+        alone and each piece between them is tokenized as plain text (``encode_text``: no added
+        token matched or made), as the tokenizer itself splits at added tokens before its
+        pre-tokenizer runs. No BOS is added: templates write ``bos_token``.
 
         Raises:
             TemplateError: as :meth:`render`; or the template changes message text in a way that
@@ -201,7 +206,7 @@ class ChatTemplate:
     def _encode(
         self, messages: Sequence[dict[str, str]], text: str, tokenizer: ChatTokenizer
     ) -> list[int]:
-        specials = tokenizer.special_tokens
+        specials = tokenizer.added_tokens
         if not specials:
             return tokenizer.encode(text, special=False, bos=False)
         pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
@@ -227,13 +232,13 @@ class ChatTemplate:
             for match in pattern.finditer(seg.text):
                 run.append(seg.text[start : match.start()])
                 if "".join(run):
-                    ids += tokenizer.encode("".join(run), special=False, bos=False)
+                    ids += tokenizer.encode_text("".join(run))
                 run = []
                 ids.append(specials[match.group()])
                 start = match.end()
             run.append(seg.text[start:])
         if "".join(run):
-            ids += tokenizer.encode("".join(run), special=False, bos=False)
+            ids += tokenizer.encode_text("".join(run))
         return ids
 
     def _render(self, messages: list[dict[str, Any]]) -> str:

@@ -28,6 +28,7 @@ class TextTokenizer(Protocol):
     bos_id: int | None
     eos_ids: frozenset[int]
     special_tokens: dict[str, int]
+    added_tokens: dict[str, int]
 
     def encode(self, text: str, special: bool = False, *, bos: bool = True) -> list[int]:
         """Return the token ids of ``text``.
@@ -36,6 +37,11 @@ class TextTokenizer(Protocol):
         text. ``special=True`` (a rendered chat template): it is the control token. ``bos``: prepend
         BOS where the model's pipeline adds one (chat templates write their own, so they pass False).
         """
+        ...
+
+    def encode_text(self, text: str) -> list[int]:
+        """Return the ids of ``text`` as plain text: no added token (:attr:`added_tokens`) is
+        matched or produced, and no BOS is added (chat message contents)."""
         ...
 
     def token_str(self, token_id: int) -> str:
@@ -86,9 +92,18 @@ class ByteTokenizer:
     bos_id = None
     eos_ids: frozenset[int] = frozenset()
     special_tokens: dict[str, int] = {}
+    added_tokens: dict[str, int] = {}
 
     def encode(self, text: str, special: bool = False, *, bos: bool = True) -> list[int]:
         """Return the UTF-8 bytes of ``text`` (there are no special tokens and no BOS to add).
+
+        Raises:
+            UnicodeEncodeError: If ``text`` holds a lone surrogate.
+        """
+        return list(text.encode("utf-8"))
+
+    def encode_text(self, text: str) -> list[int]:
+        """Return the UTF-8 bytes of ``text`` (as :meth:`encode`).
 
         Raises:
             UnicodeEncodeError: If ``text`` holds a lone surrogate.
@@ -116,6 +131,8 @@ class HFTokenizer:
         bos_id: The model's BOS id, or None.
         eos_ids: Ids that end a sequence.
         special_tokens: Text -> id of every special (control) token, e.g. ``{"<|im_end|>": 2}``.
+        added_tokens: Text -> id of every added token, special or not (a GGUF's CONTROL, UNKNOWN
+            and USER_DEFINED tokens): the tokens the tokenizer matches in text as tokens of their own.
     """
 
     def __init__(
@@ -152,7 +169,9 @@ class HFTokenizer:
             i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
         }
         self.special_tokens = {text: i for i, text in self._specials.items()}
+        self.added_tokens = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
         self._special_tokenizer: Tokenizer | None = None
+        self._plain_tokenizer: Tokenizer | None = None
         self.token_bytes = _all_token_bytes(tokenizer, vocab_size, self._specials)
 
     @classmethod
@@ -202,12 +221,50 @@ class HFTokenizer:
                 clone.encode_special_tokens = False
                 self._special_tokenizer = clone
             tokenizer = self._special_tokenizer
-        return tokenizer.encode(text, add_special_tokens=bos).ids
+        # encode_batch releases the GIL while the Rust side works (encode holds it): a long prompt
+        # tokenized on a worker thread then leaves the gevent hub free to serve other requests.
+        return tokenizer.encode_batch([text], add_special_tokens=bos)[0].ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Return the ids of ``text`` as plain text: no added token is matched or produced, no BOS.
+
+        Message contents are text: a user who writes ``<|im_start|>`` or ``<think>`` (a special or a
+        user-defined token) gets those characters, never that token.
+
+        Raises:
+            UnicodeEncodeError: If ``text`` holds a lone surrogate.
+        """
+        text.encode("utf-8")
+        if self._plain_tokenizer is None:
+            self._plain_tokenizer = _without_added_tokens(self._tokenizer)
+        return self._plain_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def token_str(self, token_id: int) -> str:
         """Return the token's text, its name for special tokens, or ``bytes:\\xNN…``."""
         special = self._specials.get(token_id)
         return special if special is not None else bytes_display(self.token_bytes[token_id])
+
+
+def _without_added_tokens(tokenizer: Tokenizer) -> Tokenizer:
+    """Return a copy of ``tokenizer`` that can produce none of its added tokens.
+
+    The added tokens are no longer matched in the text, and a BPE model also loses them from its
+    vocabulary and every merge that makes or uses one, so no merge can spell one either. The other
+    ids are unchanged.
+    """
+    spec = json.loads(tokenizer.to_str())
+    added = {t["content"] for t in spec.get("added_tokens", [])}
+    spec["added_tokens"] = []
+    model = spec.get("model", {})
+    if model.get("type") == "BPE":
+        model["vocab"] = {t: i for t, i in model["vocab"].items() if t not in added}
+
+        def keep(merge: str | list[str]) -> bool:
+            left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+            return not {left, right, left + right} & added
+
+        model["merges"] = [m for m in model["merges"] if keep(m)]
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def _all_token_bytes(

@@ -261,7 +261,7 @@ def test_logprobs_without_top_logprobs_is_zero_alternatives() -> None:
         (
             {"messages": [{"role": "user", "content": [{"text": "a"}]}]},
             "messages[0].content[0].type",
-            "Invalid value for 'messages[0].content[0].type': None; expected 'text'.",
+            "'messages[0].content[0].type' is required and must be a string.",
         ),
         (
             {"messages": [{"role": "user", "content": ["a"]}]},

@@ -6,10 +6,12 @@ import json
 import subprocess
 import sys
 import time
+import tracemalloc
 
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from model.chat_sandbox import weight
 from model.chat_template import DEFAULT_STOP, ChatTemplate, TemplateError
 from model.tokenizer import ByteTokenizer, HFTokenizer, _byte_level_chars
 from tests.llamafiles import STORIES_DIR, write_tiny_tokenizer
@@ -132,6 +134,66 @@ def test_runaway_templates_stop_quickly(source: str) -> None:
     with pytest.raises(TemplateError, match="chat template"):
         template.render(USER)
     assert time.perf_counter() - start < 2.0
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (  # 200M references to one empty string: 1.5 GB of pointers, "weightless" as text
+            "{% set a = [''] * 100000 %}{% set b = a * 2000 %}{{ b | length }}",
+            "'*' would make 200000000 items; the limit is 131072",
+        ),
+        (
+            "{% set a = [[]] * 100000 %}{% set b = a + a %}{{ b | length }}",
+            "'+' would make 200000 items; the limit is 131072",
+        ),
+        (
+            "{% set a = ('a' * 4000000).split('a') %}{{ a | length }}",
+            "a call would make 4000001 items; the limit is 131072",
+        ),
+        (  # one Python string per word, in a comprehension no deadline check interrupts
+            "{% set s = 'a ' * 2000000 %}{{ s | title | length }}",
+            "the 'title' filter takes at most 262144 characters",
+        ),
+        (
+            "{% set s = 'a ' * 2000000 %}{{ s | wordwrap(5) | length }}",
+            "the 'wordwrap' filter takes at most 262144 characters",
+        ),
+    ],
+)
+def test_templates_cannot_build_huge_containers_or_wordwise_copies(source, message) -> None:
+    template = ChatTemplate.from_source(source)
+    tracemalloc.start()
+    try:
+        start = time.perf_counter()
+        with pytest.raises(TemplateError) as info:
+            template.render(USER)
+        elapsed = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(info.value) == f"chat template: {message}"
+    assert elapsed < 1.0
+    assert peak < 64 << 20, peak
+
+
+def test_weight_counts_every_container_item() -> None:
+    assert weight([""] * 3) == 2 + 3
+    assert weight(("",) * 3) == 2 + 3
+    assert weight({"": ""}) == 2 + 2
+    assert weight(["ab", ["c"]]) == 2 + (1 + 2) + (1 + 2 + 1 + 1)
+    shared = [""] * 1000
+    assert weight([shared] * 1000) == 2 + 1000 * (1 + 1002)
+
+
+def test_wordwise_filters_and_lists_within_limits_still_render() -> None:
+    template = ChatTemplate.from_source(
+        "{{ messages[0]['content'] | title }}|{{ ([''] * 100000) | length }}|"
+        "{{ ('a b ' * 10000) | title | length }}"
+    )
+    assert template.render([{"role": "user", "content": "hello there"}]) == (
+        "Hello There|100000|40000"
+    )
 
 
 def test_bad_source_is_a_template_error() -> None:

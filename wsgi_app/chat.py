@@ -10,6 +10,10 @@ Source: OpenAI API reference, "Chat Completions"; Hugging Face transformers, "Ch
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
 from model.chat_template import ChatTemplate, TemplateError
 from model.loader import LoadedModel
 from wsgi_app.chat_protocol import ChatRequest, completion_request
@@ -62,6 +66,26 @@ def check_chat_template(model: LoadedModel, settings: Settings) -> None:
         ) from None
 
 
+@functools.lru_cache(maxsize=8)
+def longest_token_bytes(tokenizer: Any) -> int:
+    """Return the most bytes one token of ``tokenizer``'s vocabulary stands for (at least 1)."""
+    return max(1, max(map(len, tokenizer.token_bytes), default=1))
+
+
+def content_char_limit(tokenizer: Any, max_prompt_tokens: int) -> int:
+    """Return the most message characters a prompt of ``max_prompt_tokens`` tokens can hold.
+
+    No token stands for more than :func:`longest_token_bytes` bytes, and a character is at least
+    one byte, so contents (surrounding whitespace aside, which templates may trim) longer than this
+    cannot render into an acceptable prompt: they are refused before the template runs.
+    """
+    return max_prompt_tokens * longest_token_bytes(tokenizer)
+
+
+def _inline(func: Callable[..., Any], args: Sequence[Any]) -> Any:
+    return func(*args)
+
+
 def chat_completion_request(
     chat: ChatRequest,
     template: ChatTemplate,
@@ -69,6 +93,8 @@ def chat_completion_request(
     *,
     max_prompt_tokens: int,
     chat_max_tokens: int,
+    offload: Callable[[Callable[..., Any], Sequence[Any]], Any] = _inline,
+    kv_budget_bytes: int | None = None,
 ) -> CompletionRequest:
     """Render ``chat``'s conversation and return the generation request it stands for.
 
@@ -78,14 +104,30 @@ def chat_completion_request(
         model: the loaded model (its tokenizer and context length).
         max_prompt_tokens: the longest rendered prompt, tokens (``MAX_PROMPT_TOKENS``).
         chat_max_tokens: the cap on the default ``max_tokens`` (``CHAT_MAX_TOKENS``).
+        offload: runs ``func(*args)`` and returns its result: the render and the tokenization go
+            through it (a native thread pool's ``apply`` in a worker, so the gevent hub keeps
+            serving meanwhile); inline by default.
+        kv_budget_bytes: the worker's KV-cache budget (``KV_CACHE_BUDGET_MB``), bytes, or None:
+            without ``max_tokens``, the default answer is capped so the request fits it.
 
     Raises:
-        ApiError: 400 ``messages`` when the template fails (its message) or the rendered prompt is
-            over ``max_prompt_tokens`` or fills the context; 400 naming ``max_tokens`` or
+        ApiError: 400 ``messages`` when the contents are longer than any acceptable prompt
+            (:func:`content_char_limit`), the template fails (its message) or the rendered prompt
+            is over ``max_prompt_tokens`` or fills the context; 400 naming ``max_tokens`` or
             ``max_completion_tokens`` when the answer would not fit.
     """
+    limit = content_char_limit(model.tokenizer, max_prompt_tokens)
+    chars = sum(len(m["content"].strip()) for m in chat.messages)
+    if chars > limit:
+        raise invalid(
+            f"The messages hold {chars} characters; no conversation over {limit} characters fits "
+            f"the prompt limit of {max_prompt_tokens} tokens.",
+            "messages",
+        )
     try:
-        prompt_text, prompt_ids = template.render_and_encode(chat.messages, model.tokenizer)
+        prompt_text, prompt_ids = offload(
+            template.render_and_encode, (chat.messages, model.tokenizer)
+        )
     except TemplateError as exc:
         raise invalid(f"The chat template failed on 'messages': {exc}", "messages") from None
     if len(prompt_ids) > max_prompt_tokens:
@@ -94,6 +136,7 @@ def chat_completion_request(
             f"{max_prompt_tokens}.",
             "messages",
         )
+    per_token = model.kv_bytes_per_token
     return completion_request(
         chat,
         prompt_ids,
@@ -101,4 +144,7 @@ def chat_completion_request(
         context_length=model.context_length,
         default_max_tokens=chat_max_tokens,
         template_stop=template.stop,
+        kv_tokens_per_choice=(
+            kv_budget_bytes // (chat.n * per_token) if kv_budget_bytes and per_token else None
+        ),
     )

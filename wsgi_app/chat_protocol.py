@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.sampling import SamplingParams
-from wsgi_app.errors import ApiError, invalid
+from wsgi_app.errors import ApiError, invalid, quote_name
 from wsgi_app.protocol import (
     MAX_TOKENS_LIMIT,
     CompletionRequest,
@@ -28,9 +28,11 @@ from wsgi_app.protocol import (
     parse_model,
     parse_sampling_fields,
     parse_stream_fields,
+    reject_unknown,
 )
 
 MAX_TOP_LOGPROBS = 20
+MAX_CHAT_MESSAGES = 1024  # the MAX_CHAT_MESSAGES setting's default
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 # The request fields accepted; extensions shared with /v1/completions: top_k, min_p, ignore_eos.
@@ -96,28 +98,33 @@ def unsupported(name: str, what: str | None = None) -> ApiError:
     return invalid(f"{what or repr(name)} is not supported by this server.", name)
 
 
-def parse_chat_request(body: dict[str, Any], *, vocab_size: int, max_n: int = 8) -> ChatRequest:
+def parse_chat_request(
+    body: dict[str, Any],
+    *,
+    vocab_size: int,
+    max_n: int = 8,
+    max_messages: int = MAX_CHAT_MESSAGES,
+) -> ChatRequest:
     """Validate a decoded ``/v1/chat/completions`` body into a :class:`ChatRequest`.
 
     Args:
         body: the decoded JSON object (``wsgi_app.protocol.decode_json_body``).
         vocab_size: the model's vocabulary (bounds ``top_k`` and ``logit_bias`` keys).
         max_n: largest accepted ``n`` (``MAX_N``).
+        max_messages: the most messages accepted (``MAX_CHAT_MESSAGES``), checked before any is read.
 
     Raises:
         ApiError: 400 naming the first invalid field in ``param``: an unknown field
             (``Unrecognized request argument supplied: NAME``), an unsupported one, or a bad value,
             down to the part (``messages[2].content[0].type``).
     """
-    for name in body:
-        if name not in KNOWN_FIELDS:
-            raise invalid(f"Unrecognized request argument supplied: {name}", name)
+    reject_unknown(body, KNOWN_FIELDS)
     for name in UNSUPPORTED_FIELDS:
         if body.get(name) is not None:
             raise unsupported(name)
     _check_options(body)
     model = parse_model(body)
-    messages = _messages(body.get("messages"))
+    messages = _messages(body.get("messages"), max_messages)
     max_tokens, max_tokens_param = _max_tokens(body)
     fields = parse_sampling_fields(body, vocab_size, max_n)
     logprobs = _boolean(body, "logprobs")
@@ -150,6 +157,7 @@ def completion_request(
     context_length: int | None,
     default_max_tokens: int,
     template_stop: tuple[str, ...] = (),
+    kv_tokens_per_choice: int | None = None,
 ) -> CompletionRequest:
     """Return the generation request for ``chat`` once its template has rendered the prompt.
 
@@ -161,10 +169,15 @@ def completion_request(
         default_max_tokens: the cap on the default ``max_tokens`` (a server setting); without
             ``max_tokens`` the answer may use the rest of the context up to this cap.
         template_stop: stop strings the template needs (``ChatTemplate.stop``), added to the request's.
+        kv_tokens_per_choice: the most tokens (prompt + answer) each of the ``n`` choices may hold
+            within the worker's KV-cache budget (``KV_CACHE_BUDGET_MB``), or None for no budget:
+            the default ``max_tokens`` is capped by it too. An explicit ``max_tokens`` is not (the
+            admission refuses it, naming ``max_tokens``, when it cannot fit).
 
     Raises:
-        ApiError: 400 ``messages`` when the rendered prompt is empty or fills the context; 400 naming
-            the client's ``max_tokens``/``max_completion_tokens`` when prompt + it exceed the context.
+        ApiError: 400 ``messages`` when the rendered prompt is empty, fills the context, or (without
+            ``max_tokens``) leaves no room in the KV budget; 400 naming the client's
+            ``max_tokens``/``max_completion_tokens`` when prompt + it exceed the context.
     """
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
@@ -179,6 +192,15 @@ def completion_request(
     max_tokens = chat.max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens if room is None else min(default_max_tokens, room)
+        if kv_tokens_per_choice is not None:
+            if kv_tokens_per_choice - n_prompt < 1:
+                raise invalid(
+                    f"The rendered conversation has {n_prompt} tokens; this server's KV-cache "
+                    f"budget holds at most {kv_tokens_per_choice} tokens for each of the "
+                    f"{chat.n} choices, which leaves no room for an answer.",
+                    "messages",
+                )
+            max_tokens = min(max_tokens, kv_tokens_per_choice - n_prompt)
     elif room is not None and max_tokens > room:
         raise invalid(
             f"This model's maximum context length is {context_length} tokens; you requested "
@@ -213,7 +235,9 @@ def _check_options(body: dict[str, Any]) -> None:
         if fmt["type"] in ("json_object", "json_schema"):
             raise unsupported("response_format", f"'response_format' of type '{fmt['type']}'")
         if fmt["type"] != "text":
-            raise invalid(f"Invalid 'response_format.type': {fmt['type']!r}.", "response_format")
+            raise invalid(
+                f"Invalid 'response_format.type': {quote_name(fmt['type'])!r}.", "response_format"
+            )
     modalities = body.get("modalities")
     if modalities is not None:
         if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
@@ -223,8 +247,8 @@ def _check_options(body: dict[str, Any]) -> None:
     if body.get("store") is not None and _boolean(body, "store"):
         raise unsupported("store", "Storing completions ('store': true)")
     tier = body.get("service_tier")
-    if tier is not None and tier not in ("auto", "default"):
-        raise unsupported("service_tier", f"'service_tier' {tier!r}")
+    if tier is not None and (not isinstance(tier, str) or tier not in ("auto", "default")):
+        raise unsupported("service_tier", f"'service_tier' {quote_name(tier)!r}")
     for name in ("user", "prompt_cache_key", "safety_identifier"):
         value = body.get(name)
         if value is not None:
@@ -247,13 +271,19 @@ def _max_tokens(body: dict[str, Any]) -> tuple[int | None, str]:
     return legacy, "max_tokens"
 
 
-def _messages(value: Any) -> tuple[dict[str, str], ...]:
+def _messages(value: Any, max_messages: int) -> tuple[dict[str, str], ...]:
     if value is None:
         raise invalid("'messages' is required.", "messages")
     if not isinstance(value, list):
         raise invalid("'messages' must be a list of message objects.", "messages")
     if not value:
         raise invalid("'messages' must not be empty.", "messages")
+    if len(value) > max_messages:  # before any is read or rendered
+        raise invalid(
+            f"'messages' holds {len(value)} messages; the limit is {max_messages} "
+            "(MAX_CHAT_MESSAGES).",
+            "messages",
+        )
     return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(value))
 
 
@@ -267,16 +297,15 @@ def _message(message: Any, where: str) -> dict[str, str]:
         raise unsupported(f"{where}.role", f"The '{role}' role")
     if role not in ROLES:
         raise invalid(
-            f"Invalid value for '{where}.role': {role!r}; expected one of 'system', 'developer', "
-            "'user', 'assistant'.",
+            f"Invalid value for '{where}.role': {quote_name(role)!r}; expected one of 'system', "
+            "'developer', 'user', 'assistant'.",
             f"{where}.role",
         )
     allowed = ASSISTANT_FIELDS if role == "assistant" else MESSAGE_FIELDS
     for key in message:
         if key not in allowed:
-            raise invalid(
-                f"Unrecognized request argument supplied: {where}.{key}", f"{where}.{key}"
-            )
+            at = f"{where}.{quote_name(key)}"
+            raise invalid(f"Unrecognized request argument supplied: {at}", at)
     for key in ("tool_calls", "function_call", "audio"):
         if message.get(key) is not None:
             raise unsupported(f"{where}.{key}")
@@ -300,15 +329,19 @@ def _content(content: Any, where: str) -> str:
         if not isinstance(part, dict):
             raise invalid(f"'{at}' must be an object.", at)
         kind = part.get("type")
+        if not isinstance(kind, str):  # a list or object is unhashable: no set lookup before this
+            raise invalid(f"'{at}.type' is required and must be a string.", f"{at}.type")
         if kind in UNSUPPORTED_PARTS:
             raise unsupported(f"{at}.type", f"Content part type '{kind}'")
         if kind != "text":
             raise invalid(
-                f"Invalid value for '{at}.type': {kind!r}; expected 'text'.", f"{at}.type"
+                f"Invalid value for '{at}.type': {quote_name(kind)!r}; expected 'text'.",
+                f"{at}.type",
             )
         for key in part:
             if key not in ("type", "text"):
-                raise invalid(f"Unrecognized request argument supplied: {at}.{key}", f"{at}.{key}")
+                bad = f"{at}.{quote_name(key)}"
+                raise invalid(f"Unrecognized request argument supplied: {bad}", bad)
         text = part.get("text")
         if not isinstance(text, str):
             raise invalid(f"'{at}.text' must be a string.", f"{at}.text")

@@ -12,6 +12,28 @@ from typing import Any
 # same text (json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)).
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
+MAX_NAME_CHARS = 256
+MAX_MESSAGE_CHARS = 4096
+MAX_PARAM_CHARS = 512
+
+
+def printable(text: str) -> str:
+    """Return ``text`` with each lone surrogate (which no UTF-8 answer can carry) as ``\\udXXX``."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def quote_name(name: Any) -> str:
+    """Return a client-sent name (an unknown key, a role) fit to quote in an error's message/param.
+
+    Lone surrogates are escaped and a name over :data:`MAX_NAME_CHARS` characters is cut there,
+    ending with an ellipsis, so an error never echoes a huge key back (twice).
+    """
+    return _shorten(printable(str(name)), MAX_NAME_CHARS)
+
 
 def json_bytes(obj: Any) -> bytes:
     """Encode ``obj`` as compact UTF-8 JSON, non-ASCII unescaped, no trailing newline.
@@ -48,6 +70,9 @@ class ApiError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        # Every error can be encoded and stays small whatever client text it quotes.
+        message = _shorten(printable(message), MAX_MESSAGE_CHARS)
+        param = None if param is None else _shorten(printable(param), MAX_PARAM_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message

@@ -18,7 +18,7 @@ from typing import Any
 from model.sampling import SamplingParams
 from model.tokenizer import ByteTokenizer, TextTokenizer
 from model.utf8 import Utf8Decoder
-from wsgi_app.errors import invalid
+from wsgi_app.errors import invalid, quote_name
 
 MAX_TOKENS_LIMIT = 4096
 MAX_MODEL_CHARS = 256
@@ -111,7 +111,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj: dict[str, Any] = {}
     for key, value in pairs:
         if key in obj:
-            raise ValueError(f"duplicate key {key!r}")
+            raise ValueError(f"duplicate key {quote_name(key)!r}")
         obj[key] = value
     return obj
 
@@ -126,7 +126,22 @@ def reject_unknown(body: dict[str, Any], known: frozenset[str]) -> None:
     """
     for name in body:
         if name not in known:
-            raise invalid(f"Unrecognized request argument supplied: {name}", name)
+            shown = quote_name(name)
+            raise invalid(f"Unrecognized request argument supplied: {shown}", shown)
+
+
+def loads_strict(text: str) -> Any:
+    """Parse ``text`` as strict JSON: no ``NaN``/``Infinity`` literals, no repeated key.
+
+    Raises:
+        ValueError: the text is not such JSON, or nests too deep (the message says why).
+
+    Source: RFC 8259 (JSON), which leaves duplicate names undefined; we refuse them rather than guess.
+    """
+    try:
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def decode_json_body(body: bytes) -> dict[str, Any]:
@@ -145,8 +160,8 @@ def decode_json_body(body: bytes) -> dict[str, Any]:
             f"Request body is not valid UTF-8: {exc.reason} at byte {exc.start}.", None
         ) from None
     try:
-        obj = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
-    except (ValueError, RecursionError) as exc:
+        obj = loads_strict(text)
+    except ValueError as exc:
         raise invalid(f"Request body is not valid JSON: {exc}.", None) from None
     if not isinstance(obj, dict):
         raise invalid("Request body must be a JSON object.", None)
@@ -274,7 +289,8 @@ def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
         canonical = key.isascii() and key.isdigit() and (key == "0" or not key.startswith("0"))
         if not canonical or len(key) > len(str(vocab_size)) or int(key) >= vocab_size:
             raise invalid(
-                f"'logit_bias' key {key!r} is not a token id in 0..{vocab_size - 1}.", "logit_bias"
+                f"'logit_bias' key {quote_name(key)!r} is not a token id in 0..{vocab_size - 1}.",
+                "logit_bias",
             )
         if not _is_number(weight) or not -100 <= weight <= 100:
             raise invalid(

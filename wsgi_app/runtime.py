@@ -7,16 +7,20 @@ by the app factory in the worker (after gevent's patching), never in the gunicor
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from flask import current_app
+from gevent.threadpool import ThreadPool
 
 from wsgi_app.admission import Admission
 from wsgi_app.request_telemetry import Observer
 from wsgi_app.settings import Settings
 
 EXTENSION = "greenserve"
+RENDER_THREADS = 2
+T = TypeVar("T")
 
 
 @dataclass
@@ -40,6 +44,8 @@ class Runtime:
         observer: the request observer (logs, metrics, history), or None.
         chat_template: the chat template (``model.chat_template.ChatTemplate``) chat requests are
             rendered with: ``CHAT_TEMPLATE``, else the model's, else the default.
+        render_pool: native threads that render chat templates and tokenize their prompts (see
+            :meth:`offload`), made on first use.
     """
 
     settings: Settings
@@ -55,6 +61,7 @@ class Runtime:
     rate_limit_storage_errors: int = 0
     observer: Observer | None = None
     chat_template: Any = None
+    render_pool: Any = field(default=None, repr=False)
 
     @property
     def parse_limits(self) -> dict[str, Any]:
@@ -66,6 +73,23 @@ class Runtime:
             "tokenizer": self.model.tokenizer,
             "context_length": self.model.context_length,
         }
+
+    def offload(self, func: Callable[..., T], args: Sequence[Any]) -> T:
+        """Run ``func(*args)`` on a native thread of :attr:`render_pool`; return its result.
+
+        The calling greenlet waits; the hub serves every other connection meanwhile, taking the GIL
+        at least every ``sys.getswitchinterval()`` (5 ms) from the thread. Chat template renders
+        (pure Python, up to ``MAX_RENDER_S``) and prompt tokenization (the ``tokenizers`` library
+        releases the GIL) run here, so a heavy conversation never freezes the worker.
+
+        Raises:
+            BaseException: whatever ``func`` raised.
+        """
+        if self.render_pool is None:
+            # Two threads: a second render need not queue behind a slow one, and the hub competes
+            # for the GIL with at most two others.
+            self.render_pool = ThreadPool(RENDER_THREADS)
+        return self.render_pool.apply(func, args)
 
     @property
     def ready(self) -> bool:

@@ -241,6 +241,8 @@ class Settings:
             or None.
         chat_max_tokens: the cap on a chat answer's default ``max_tokens`` (``CHAT_MAX_TOKENS``):
             without ``max_tokens`` an answer may use the rest of the context up to this, in tokens.
+        max_chat_messages: the most messages one chat request may hold (``MAX_CHAT_MESSAGES``);
+            checked before the template renders them (400 ``messages`` beyond).
         server_started_at: when the gunicorn master started, Unix seconds (``GREENSERVE_STARTED_AT``,
             set by gunicorn.conf.py), or None outside gunicorn.
     """
@@ -278,6 +280,7 @@ class Settings:
     pages: bool = True
     chat_template: str | None = None
     chat_max_tokens: int = 512
+    max_chat_messages: int = 1024
     server_started_at: float | None = None
 
     @classmethod
@@ -327,6 +330,7 @@ class Settings:
             pages=_int(env, "PAGES", int(d["pages"]), 0, 1) == 1,
             chat_template=_readable_file(env, "CHAT_TEMPLATE"),
             chat_max_tokens=_int(env, "CHAT_MAX_TOKENS", d["chat_max_tokens"], 1, 4096),
+            max_chat_messages=_int(env, "MAX_CHAT_MESSAGES", d["max_chat_messages"], 1, 1 << 20),
             server_started_at=(
                 _float(env, "GREENSERVE_STARTED_AT", 0.0, 0.0, 1e12)
                 if env.get("GREENSERVE_STARTED_AT")

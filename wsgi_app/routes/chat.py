@@ -15,7 +15,6 @@ Source: OpenAI API reference, "Chat Completions" (create); WHATWG HTML Living St
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from flask import Blueprint, Response, g, request
@@ -27,7 +26,7 @@ from wsgi_app.chat_protocol import KNOWN_FIELDS as CHAT_FIELDS
 from wsgi_app.chat_protocol import ChatRequest, parse_chat_request
 from wsgi_app.chat_wire import CHAT_COMPLETION
 from wsgi_app.errors import invalid
-from wsgi_app.protocol import CompletionRequest
+from wsgi_app.protocol import CompletionRequest, loads_strict
 from wsgi_app.record import RequestRecord
 from wsgi_app.routes.completions_get import check_event_source, event_stream, query_body
 from wsgi_app.runtime import Runtime, runtime
@@ -89,11 +88,11 @@ def stream_chat_completion() -> Response:
     if len(raw) > 1:
         raise invalid("Query parameter 'messages' is given more than once.", "messages")
     if raw:
-        try:
-            body["messages"] = json.loads(raw[0])
-        except ValueError:
+        try:  # the same strict reader as a POST body: no NaN, no repeated key
+            body["messages"] = loads_strict(raw[0])
+        except ValueError as exc:
             raise invalid(
-                "Query parameter 'messages' must be a JSON list of messages.", "messages"
+                f"Query parameter 'messages' must be a JSON list of messages: {exc}.", "messages"
             ) from None
     if body.pop("include_usage", False):
         body["stream_options"] = {"include_usage": True}
@@ -113,7 +112,10 @@ def _completion_request(
     """
     settings = rt.settings
     chat: ChatRequest = parse_chat_request(
-        body, vocab_size=rt.model.tokenizer.vocab_size, max_n=settings.max_n
+        body,
+        vocab_size=rt.model.tokenizer.vocab_size,
+        max_n=settings.max_n,
+        max_messages=settings.max_chat_messages,
     )
     if chat.user is not None:  # an end-user id is personal data: only its salted hash is logged
         record.user_hash = client_hash(settings.client_hash_salt, chat.user)
@@ -123,4 +125,6 @@ def _completion_request(
         rt.model,
         max_prompt_tokens=settings.max_prompt_tokens,
         chat_max_tokens=settings.chat_max_tokens,
+        offload=rt.offload,
+        kv_budget_bytes=settings.kv_cache_budget_mb << 20,
     )

@@ -31,7 +31,7 @@ from urllib.parse import unquote_to_bytes
 from flask import Blueprint, Response, g, request
 from werkzeug.datastructures import MultiDict
 
-from wsgi_app.errors import invalid
+from wsgi_app.errors import invalid, quote_name
 from wsgi_app.generation import admit, random_seed
 from wsgi_app.protocol import KNOWN_FIELDS, SEED_LIMIT, CompletionRequest, parse_completion_request
 from wsgi_app.record import RequestRecord
@@ -150,7 +150,8 @@ def query_body(
                 f"'{name}' cannot be sent on the EventSource stream; POST a JSON body to use it.",
                 name,
             )
-        raise invalid(f"Unrecognized request argument supplied: {name}", name)
+        shown = quote_name(name)
+        raise invalid(f"Unrecognized request argument supplied: {shown}", shown)
     body: dict[str, Any] = {"stream": True}
     for name in (*text, *numbers, *booleans):
         values = args.getlist(name)
