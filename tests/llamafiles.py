@@ -76,7 +76,7 @@ def shared_data_or_skip(folder: Path, names: tuple[str, ...]) -> Path:
         return folder
     reason = (
         f"shared data {folder} is absent (missing {', '.join(missing)}); "
-        "set GREENSERVE_SHARED_DATA to the folder holding it"
+        "GREENSERVE_SHARED_DATA names the folder holding stories260K/ and smollm2/"
     )
     if os.environ.get("CI"):
         pytest.fail(reason)
