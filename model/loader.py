@@ -125,11 +125,12 @@ def load_model(
         The loaded model.
 
     Raises:
-        ValueError: If ``config.json`` is missing or names no supported architecture, or the
-            directory is invalid for its architecture; the message names the file and field.
+        ValueError: If ``model_dir`` does not exist, ``config.json`` is missing or names no
+            supported architecture, or the directory is invalid for its architecture; the
+            message names the file and field.
     """
     directory = default_model_dir() if model_dir is None else Path(model_dir)
-    gguf_path = _gguf_path(directory)
+    gguf_path = gguf_file(directory)
     if gguf_path is not None:
         return _load_gguf(gguf_path, default_cache_dir() if cache_dir is None else Path(cache_dir))
     config_path = directory / CONFIG_NAME
@@ -223,12 +224,25 @@ def _token_text(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _gguf_path(path: Path) -> Path | None:
-    """Return the GGUF file ``path`` names: itself, or the one ``.gguf`` of a directory.
+def gguf_file(model_dir: str | os.PathLike) -> Path | None:
+    """Return the GGUF file ``model_dir`` names: itself, or the one ``.gguf`` of a directory.
+
+    Args:
+        model_dir: What ``MODEL_DIR`` names: a model directory or a ``.gguf`` file.
+
+    Returns:
+        The ``.gguf`` file, or None when ``model_dir`` is a model directory (``config.json``).
 
     Raises:
-        ValueError: If a directory without ``config.json`` holds several ``.gguf`` files.
+        ValueError: If ``model_dir`` does not exist (a dangling symlink says where it points), or
+            a directory without ``config.json`` holds several ``.gguf`` files.
     """
+    path = Path(model_dir)
+    if not path.exists():
+        if path.is_symlink():
+            target = os.readlink(path)
+            raise ValueError(f"{path}: does not exist (a symlink to {target}, which is missing)")
+        raise ValueError(f"{path}: does not exist")
     if path.suffix.lower() == GGUF_SUFFIX and not path.is_dir():
         return path
     if not path.is_dir() or (path / CONFIG_NAME).exists():

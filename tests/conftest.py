@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.gguffiles import gguf_cache_dir, smollm2, smollm2_gguf  # noqa: F401 (session fixtures)
+from tests.gguffiles import (  # noqa: F401 (session fixtures)
+    gguf_cache_dir,
+    smollm2,
+    smollm2_data,
+    smollm2_gguf,
+)
 from tests.installed import build_wheel
 from tests.modelfiles import write_succ_model
 from tests.server import GunicornServer

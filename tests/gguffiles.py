@@ -22,10 +22,16 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from model.loader import LoadedModel, load_model
-from tests.llamafiles import STORIES_DIR
+from tests.llamafiles import STORIES_DIR, shared_data_or_skip
 from tests.server import ROOT
 
+# llama.cpp's reference outputs for the SmolLM2 file (../shared/data/smollm2, see its SOURCE.txt).
 SMOLLM2_DATA = STORIES_DIR.parent / "smollm2"
+SMOLLM2_FILES = (
+    "llamacpp_golden.json",
+    "llamacpp_teacher_forced.json",
+    "llamacpp_logits_capital_of_france.npy",
+)
 # Tiny model: dim 256 so one k-quant super-block (256 values) is one row.
 TINY = {"dim": 256, "hidden_dim": 256, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1}
 
@@ -174,16 +180,30 @@ def smollm2(smollm2_gguf: Path, gguf_cache_dir: Path) -> LoadedModel:
     return load_model(smollm2_gguf, cache_dir=gguf_cache_dir)
 
 
+@pytest.fixture(scope="session")
+def smollm2_data() -> Path:
+    """The shared llama.cpp reference folder; skips (fails under CI) when it is absent.
+
+    Listed before ``smollm2`` in a test's arguments, it skips before the model is loaded.
+    """
+    return smollm2_data_or_skip()
+
+
+def smollm2_data_or_skip() -> Path:
+    """Return the shared ``smollm2`` folder, or skip the test (fail it under CI) when it is absent."""
+    return shared_data_or_skip(SMOLLM2_DATA, SMOLLM2_FILES)
+
+
 def golden() -> dict:
     """Return ``llamacpp_golden.json``: what llama.cpp produced for the SmolLM2 file."""
-    return json.loads((SMOLLM2_DATA / "llamacpp_golden.json").read_text())
+    return json.loads((smollm2_data_or_skip() / "llamacpp_golden.json").read_text())
 
 
 def teacher_forced() -> dict:
     """Return ``llamacpp_teacher_forced.json``: llama.cpp's per-position top ids and gaps."""
-    return json.loads((SMOLLM2_DATA / "llamacpp_teacher_forced.json").read_text())
+    return json.loads((smollm2_data_or_skip() / "llamacpp_teacher_forced.json").read_text())
 
 
 def golden_logits() -> np.ndarray:
     """Return llama.cpp's ``(49152,)`` float32 logits after "The capital of France is"."""
-    return np.load(SMOLLM2_DATA / "llamacpp_logits_capital_of_france.npy")
+    return np.load(smollm2_data_or_skip() / "llamacpp_logits_capital_of_france.npy")

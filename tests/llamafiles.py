@@ -65,16 +65,27 @@ def write_tiny_llama(directory: Path) -> Path:
     return directory
 
 
+def shared_data_or_skip(folder: Path, names: tuple[str, ...]) -> Path:
+    """Return ``folder`` when it holds every file in ``names``; else skip the test.
+
+    Under ``CI`` the test fails instead: CI lays ``shared/`` beside the clone, so a skip there
+    would hide a gap.
+    """
+    missing = [name for name in names if not (folder / name).is_file()]
+    if not missing:
+        return folder
+    reason = (
+        f"shared data {folder} is absent (missing {', '.join(missing)}); "
+        "GREENSERVE_SHARED_DATA names the folder holding stories260K/ and smollm2/"
+    )
+    if os.environ.get("CI"):
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
 def stories_or_skip() -> Path:
     """Return the shared stories260K folder, or skip the test when it is not there."""
-    missing = [name for name in STORIES_FILES if not (STORIES_DIR / name).is_file()]
-    if missing and os.environ.get(
-        "CI"
-    ):  # CI lays shared/ beside the clone: a skip would hide a gap
-        pytest.fail(f"shared data {STORIES_DIR} is absent (missing {', '.join(missing)})")
-    if missing:
-        pytest.skip(f"shared data {STORIES_DIR} is absent (missing {', '.join(missing)})")
-    return STORIES_DIR
+    return shared_data_or_skip(STORIES_DIR, STORIES_FILES)
 
 
 def convert_stories(out: Path) -> Path:

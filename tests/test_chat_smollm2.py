@@ -52,7 +52,7 @@ def template(smollm2) -> ChatTemplate:
     return serving_template(smollm2, Settings.from_env({}))
 
 
-def test_template_is_the_gguf_chatml_and_renders_llama_cpp_prompt(smollm2, template):
+def test_template_is_the_gguf_chatml_and_renders_llama_cpp_prompt(smollm2_data, smollm2, template):
     case = golden()["chat"][0]
     assert not template.is_default and template.stop == ()
     text, ids = template.render_and_encode(case["messages"], smollm2.tokenizer)
@@ -60,7 +60,7 @@ def test_template_is_the_gguf_chatml_and_renders_llama_cpp_prompt(smollm2, templ
     assert ids == case["prompt_ids"] and len(ids) == 37
 
 
-def test_answer_passes_teacher_forced_check(client, smollm2, template):
+def test_answer_passes_teacher_forced_check(smollm2_data, client, smollm2, template):
     case = golden()["chat"][0]
     (seq,) = [s for s in teacher_forced()["sequences"] if s["kind"] == "chat"]
     # The served prompt followed by llama.cpp's answer: our top-1 where llama.cpp is decided.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -14,7 +13,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from model.chat_sandbox import weight
 from model.chat_template import DEFAULT_STOP, ChatTemplate, TemplateError
 from model.tokenizer import ByteTokenizer, HFTokenizer, _byte_level_chars
-from tests.llamafiles import STORIES_DIR, write_tiny_tokenizer
+from tests.gguffiles import golden
+from tests.llamafiles import write_tiny_tokenizer
 
 # SmolLM2-135M-Instruct's tokenizer.chat_template, as its GGUF file carries it (Apache-2.0).
 CHATML = (
@@ -34,7 +34,6 @@ RAISES = (
     "{% for message in messages %}{% if message['role'] == 'system' %}"
     "{{ raise_exception('System role not supported') }}{% endif %}{{ message['content'] }}{% endfor %}"
 )
-GOLDEN = STORIES_DIR.parent / "smollm2" / "llamacpp_golden.json"
 USER = [{"role": "user", "content": "Hi"}]
 
 
@@ -53,9 +52,7 @@ def text_ids(text: str) -> list[int]:
 
 
 def test_chatml_renders_llama_cpp_prompt() -> None:
-    if not GOLDEN.is_file():
-        pytest.skip(f"{GOLDEN} is not there")
-    chat = json.loads(GOLDEN.read_text())["chat"][0]
+    chat = golden()["chat"][0]
     template = ChatTemplate.from_source(CHATML, "<|im_start|>", "<|im_end|>")
     assert template.render(chat["messages"]) == chat["formatted_prompt"]
     assert template.stop == ()

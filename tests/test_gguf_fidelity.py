@@ -25,7 +25,7 @@ def source(seq: dict) -> dict:
     return (g["completions"] if seq["kind"] == "completions" else g["chat"])[seq["index"]]
 
 
-def test_teacher_forced_top1_equals_llama_cpp_where_it_is_decided(smollm2):
+def test_teacher_forced_top1_equals_llama_cpp_where_it_is_decided(smollm2_data, smollm2):
     model = smollm2.model
     checked = 0
     for seq in teacher_forced()["sequences"]:
@@ -41,7 +41,7 @@ def test_teacher_forced_top1_equals_llama_cpp_where_it_is_decided(smollm2):
     assert checked == 185  # every decided position of the reference file
 
 
-def test_capital_of_france_logits_row(smollm2):
+def test_capital_of_france_logits_row(smollm2_data, smollm2):
     model = smollm2.model
     want = golden_logits()
     prompt = golden()["logits"]["prompt_ids"]
@@ -62,7 +62,7 @@ def test_capital_of_france_logits_row(smollm2):
     assert corr > 0.998 and max_abs < 1.0
 
 
-def test_free_running_greedy_equals_llama_cpp_up_to_its_first_near_tie(smollm2):
+def test_free_running_greedy_equals_llama_cpp_up_to_its_first_near_tie(smollm2_data, smollm2):
     model = smollm2.model
     for seq in teacher_forced()["sequences"]:
         case = source(seq)

@@ -38,7 +38,9 @@ def test_models_lists_the_file_stem(server, smollm2_gguf):
     assert headers["x-model-version"].startswith(sha[:16] + "+greenserve-")
 
 
-def test_greedy_completion_is_llama_cpps_text_up_to_its_first_near_tie(server, smollm2):
+def test_greedy_completion_is_llama_cpps_text_up_to_its_first_near_tie(
+    smollm2_data, server, smollm2
+):
     tok = smollm2.tokenizer
     seqs = {s["index"]: s for s in teacher_forced()["sequences"] if s["kind"] == "completions"}
     case = golden()["completions"][1]  # its first near-tie is at token 5

@@ -162,6 +162,18 @@ def test_config_json_problems(tiny_dir: Path) -> None:
         load_model(tiny_dir)
 
 
+def test_a_model_dir_that_does_not_exist_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "models" / "v2"
+    with pytest.raises(ValueError) as err:
+        load_model(missing)
+    assert str(err.value) == f"{missing}: does not exist"
+    link = tmp_path / "model"
+    link.symlink_to(missing)  # an upgrade's symlink pointing at a directory not yet in place
+    with pytest.raises(ValueError) as err:
+        load_model(link)
+    assert str(err.value) == f"{link}: does not exist (a symlink to {missing}, which is missing)"
+
+
 def test_missing_tensor_is_named(tiny_dir: Path) -> None:
     edit_tensors(tiny_dir, drop="model.layers.1.mlp.up_proj.weight")
     with pytest.raises(

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from model.loader import load_model
+from tests.gguffiles import write_tiny_gguf
 from tests.server import ROOT, GunicornServer, wait_until
 from wsgi_app.faults import Faults
 from wsgi_app.settings import ServerSettings, Settings, check_rate_limit_storage, usable_cpus
@@ -40,6 +41,11 @@ BAD = [
         "PROMETHEUS_MULTIPROC_DIR must be an existing writable directory, got '/nonexistent/metrics'",
     ),
     ({"PORT": "8123", "HEALTH_PORT": "8123"}, "PORT and HEALTH_PORT must differ, both are 8123"),
+    # the model, loaded once in the master before the workers start
+    (
+        {"MODEL_DIR": "/nonexistent/greenserve/model"},
+        "MODEL_DIR (/nonexistent/greenserve/model): /nonexistent/greenserve/model: does not exist",
+    ),
     # the app's settings, checked in the master before the workers start
     ({"RATE_LIMIT": "lots"}, "RATE_LIMIT must look like '600/minute', got 'lots'"),
     (
@@ -208,3 +214,26 @@ def test_each_worker_logs_what_it_serves_and_where(succ_dir, serve, workers, hea
     for line in lines:
         assert {k: line[k] for k in expected} == expected
     assert len({line["pid"] for line in lines}) == workers  # one line per worker
+
+
+def test_a_gguf_start_logs_one_loading_line_from_the_master(tmp_path, serve):
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    cache = tmp_path / "cache"
+    srv = serve(MODEL_DIR=str(gguf), GREENSERVE_CACHE_DIR=str(cache), workers=2)
+    assert srv.get("/v1/models")[0] == 200
+
+    def start_lines():
+        lines = [json.loads(line) for line in srv.log_text().splitlines() if "{" in line]
+        found = [line for line in lines if line["logger"] == "greenserve.start"]
+        return found if len(found) == 3 else None
+
+    loading, *serving = wait_until(start_lines, what="a loading line and 2 serving lines")
+    assert {k: loading[k] for k in ("level", "message", "model_file", "weights_cache_dir")} == {
+        "level": "INFO",
+        "message": f"loading {gguf}: hashing, float32 cache at {cache / 'gguf'}",
+        "model_file": str(gguf),
+        "weights_cache_dir": str(cache / "gguf"),
+    }
+    assert loading["pid"] == srv.proc.pid  # the master, before any worker is forked
+    assert [line["message"] for line in serving] == ["serving", "serving"]
+    assert len(list((cache / "gguf").glob("*.safetensors"))) == 1  # built once, by the master

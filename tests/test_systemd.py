@@ -91,6 +91,7 @@ def test_unit_has_the_operating_directives():
     # Where the service writes is where systemd lets it (StateDirectory, RuntimeDirectory).
     assert settings["STATS_DB"].startswith(f"/var/lib/{unit['StateDirectory']}/")
     assert settings["MODEL_DIR"].startswith(f"/var/lib/{unit['StateDirectory']}/")
+    assert settings["GREENSERVE_CACHE_DIR"].startswith(f"/var/lib/{unit['StateDirectory']}/")
     assert settings["GUNICORN_CONTROL_SOCKET"].startswith(f"/run/{unit['RuntimeDirectory']}/")
 
 
@@ -105,6 +106,7 @@ def test_exec_start_runs_as_the_unit_says(succ_dir, tmp_path):
         "PORT": str(free_port()),
         "HEALTH_PORT": str(free_port()),
         "MODEL_DIR": str(succ_dir),
+        "GREENSERVE_CACHE_DIR": str(tmp_path / "cache"),
         "STATS_DB": str(tmp_path / "stats.db"),
         "GUNICORN_CONTROL_SOCKET": str(tmp_path / "gunicorn.ctl"),
         "WEB_CONCURRENCY": "1",

@@ -18,7 +18,7 @@ CONFIG = "python:wsgi_app.gunicorn_config"
 
 # (flag, environment variable, help): the settings an operator most often sets per host.
 FLAGS = (
-    ("--model-dir", "MODEL_DIR", "model directory (unset: the embedded default model)"),
+    ("--model-dir", "MODEL_DIR", "model directory or .gguf file (unset: embedded default model)"),
     ("--host", "HOST", "address both ports bind to (default 0.0.0.0)"),
     ("--port", "PORT", "API port (default 8000)"),
     ("--health-port", "HEALTH_PORT", "health and metrics port (default 9464; 0 disables it)"),

@@ -111,7 +111,7 @@ def _check_config_or_exit():
     workers may run as another user (gunicorn's ``user``)."""
     import socket
 
-    from model.loader import load_model
+    from model.loader import gguf_file, load_model
     from wsgi_app.chat import check_chat_template
     from wsgi_app.settings import Settings, check_stats_db
 
@@ -127,6 +127,8 @@ def _check_config_or_exit():
             raise ValueError(f"HOST cannot be resolved: {_server.host!r} ({exc.strerror})") from exc
         check_stats_db(settings.stats_db)
         try:
+            if settings.model_dir is not None:
+                _log_gguf_loading(gguf_file(settings.model_dir))
             model = load_model(settings.model_dir)
         except ValueError as exc:
             where = settings.model_dir or "the embedded default model"
@@ -134,6 +136,24 @@ def _check_config_or_exit():
         check_chat_template(model, settings)  # CHAT_TEMPLATE rendered once on a sample
     except ValueError as exc:
         _cannot_start(exc)
+
+
+def _log_gguf_loading(path):
+    """Log one line before a GGUF loads in the master: hashing it and, on the first start only,
+    building its float32 weights cache take seconds (SmolLM2-135M: ~18 s on one core), and the
+    workers then map that cache file. Nothing is logged for a model directory (``path`` None)."""
+    if path is None:
+        return
+    import logging
+
+    from model.llama.gguf_cache import default_cache_dir
+
+    logging.getLogger("greenserve.start").info(
+        "loading %s: hashing, float32 cache at %s",
+        path,
+        default_cache_dir() / "gguf",
+        extra={"model_file": str(path), "weights_cache_dir": str(default_cache_dir() / "gguf")},
+    )
 
 
 def on_starting(server):
