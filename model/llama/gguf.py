@@ -4,6 +4,12 @@ The file is read with the ``gguf`` package (llama.cpp's own reader) and every te
 dequantized with ``gguf.quants.dequantize``. Everything is checked before any tensor is
 dequantized: the architecture, the hyper-parameters, and each tensor's presence, type and shape.
 A problem is a ``ValueError`` naming the file, the tensor (or metadata key) and what is wrong.
+Declared lengths are bounded before the reader acts on them (strings and arrays by the bytes left
+in the file and :data:`MAX_ARRAY_LEN`, dimensions by four, ``block_count`` by the blocks whose
+tensors are present, ``context_length`` by :data:`MAX_CONTEXT_LENGTH`), so a forged header is
+refused in milliseconds instead of exhausting memory. What stays unbounded: the reader keeps a
+few numpy views per array element (about 200 bytes each), so a legitimate 1,048,576-entry array
+costs ~200 MB and seconds while it is read.
 
 llama.cpp's converter stores the q/k projections with the rows of each head in the
 adjacent-pair RoPE order (as Meta's and llama2.c's checkpoints do); they are permuted back to
@@ -33,6 +39,14 @@ ARCHITECTURE = "llama"
 # llama.cpp's defaults for keys a llama GGUF may leave out (llama-hparams / llama-model.cpp).
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_RMS_EPS = 1e-5
+# Sanity bounds checked before anything is built from the metadata. The longest metadata array
+# of a real model is a tokenizer's (Llama 3: 280,147 merges); the reader builds Python objects
+# per element, so a longer array is refused before it is read. Contexts beyond 2^24 tokens
+# (16,777,216) exist in no llama GGUF and would overflow the KV budget arithmetic.
+MAX_ARRAY_LEN = 1 << 20
+MAX_CONTEXT_LENGTH = 1 << 24
+# ggml's GGML_MAX_DIMS: a tensor has at most four dimensions.
+MAX_TENSOR_DIMS = 4
 # GGUF tensor name -> Hugging Face name ("{i}" is the block index).
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -115,7 +129,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
         The checked model (tensors still memory-mapped and quantized).
 
     Raises:
-        ValueError: If the file cannot be read as GGUF or is truncated; the architecture is not
+        ValueError: If the file cannot be read as GGUF, is truncated or declares lengths beyond
+            the bounds above (or the reader runs out of memory); the architecture is not
             ``llama``; a hyper-parameter is missing or invalid; a tensor is missing, unexpected,
             of a type ``gguf.quants`` cannot dequantize, or of the wrong shape. The message
             names the file, the tensor or key, and the problem.
@@ -148,12 +163,71 @@ def open_reader(path: Path) -> GGUFReader:
         raise ValueError(f"{path}: not a readable GGUF file: {exc}") from exc
     except OSError as exc:
         raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except MemoryError:
+        raise ValueError(
+            f"{path}: not a readable GGUF file: its header needs more memory than this host has"
+        ) from None
     except Exception as exc:  # numpy/struct errors of a header cut short
         raise ValueError(f"{path}: not a readable GGUF file (truncated header?): {exc}") from exc
 
 
 class _CheckedReader(GGUFReader):
-    """A ``GGUFReader`` that names the first tensor whose data lies beyond the end of the file."""
+    """A ``GGUFReader`` that refuses, before reading them, declared lengths the file cannot hold.
+
+    The reader trusts every length it reads: a string or array length larger than the rest of
+    the file, an array of arrays, or a tensor with more than four dimensions sends it through
+    billions of iterations. Each is checked against the bytes left (an element takes at least
+    its encoded size) and :data:`MAX_ARRAY_LEN` first; it also names the first tensor whose data
+    lies beyond the end of the file.
+
+    Source: GGUF specification (``gguf_metadata_value_t``, ``gguf_tensor_info_t``); ggml
+    ``gguf.cpp`` refuses nested arrays the same way.
+    """
+
+    _key = ""  # the last string read: the key of the field being read, for messages
+
+    def _get_str(self, offset: int) -> tuple[np.ndarray, np.ndarray]:
+        length = self._get(offset, np.uint64)
+        if len(length) == 1 and int(length[0]) > len(self.data) - offset - 8:
+            raise ValueError(
+                f"{self.data.filename}: a string at byte {offset} declares {int(length[0])} "
+                "bytes, more than the rest of the file"
+            )
+        out = super()._get_str(offset)
+        self._key = bytes(out[1][:200]).decode("utf-8", "replace")
+        return out
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
+        if raw_type == GGUFValueType.ARRAY:
+            head = self.data[orig_offs : orig_offs + 12]
+            if len(head) == 12:
+                item = int(head[:4].view(np.uint32)[0])
+                count = int(head[4:].view(np.uint64)[0])
+                where = f"{self.data.filename}: metadata {self._key!r}"
+                if item == GGUFValueType.ARRAY:
+                    raise ValueError(f"{where} is an array of arrays, which is not supported")
+                least = 8 if item == GGUFValueType.STRING else _item_size(self, item)
+                if count > MAX_ARRAY_LEN:
+                    raise ValueError(
+                        f"{where} declares {count} elements, more than {MAX_ARRAY_LEN}"
+                    )
+                if count * least > len(self.data) - orig_offs - 12:
+                    raise ValueError(
+                        f"{where} declares {count} elements, more than the rest of the file holds"
+                    )
+        return super()._get_field_parts(orig_offs, raw_type)
+
+    def _get_tensor_info_field(self, orig_offs: int) -> gguf.ReaderField:
+        length = self._get(orig_offs, np.uint64)
+        if len(length) == 1 and int(length[0]) <= len(self.data) - orig_offs - 8:
+            n_dims = self._get(orig_offs + 8 + int(length[0]), np.uint32)
+            if len(n_dims) == 1 and int(n_dims[0]) > MAX_TENSOR_DIMS:
+                name = bytes(self.data[orig_offs + 8 : orig_offs + 8 + min(int(length[0]), 200)])
+                raise ValueError(
+                    f"{self.data.filename}: tensor {name.decode('utf-8', 'replace')!r} declares "
+                    f"{int(n_dims[0])} dimensions, more than {MAX_TENSOR_DIMS}"
+                )
+        return super()._get_tensor_info_field(orig_offs)
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         size = len(self.data)
@@ -172,6 +246,14 @@ class _CheckedReader(GGUFReader):
                     f"file has only {size} bytes (truncated file)"
                 )
         super()._build_tensors(start_offs, fields)
+
+
+def _item_size(reader: GGUFReader, item: int) -> int:
+    """Return the encoded size of a scalar GGUF type (1 for a type the reader will refuse)."""
+    try:
+        return np.dtype(reader.gguf_scalar_to_np[GGUFValueType(item)]).itemsize
+    except (AttributeError, KeyError, ValueError):
+        return 1
 
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -252,15 +334,29 @@ def llama_config(
     vocab_size = _positive(metadata, f"{a}.vocab_size", where, default_vocab)
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     eos = metadata.get("tokenizer.ggml.eos_token_id")
+    # Checked against the tensors before anything per block is built: a forged count would
+    # otherwise build billions of expected names before the first tensor is looked at.
+    n_layers = _positive(metadata, f"{a}.block_count", where)
+    present = 1 + max((_block_index(name) for name in tensors), default=-1)
+    if n_layers > present:
+        raise ValueError(
+            f"{where}: {a}.block_count={n_layers} but the file holds tensors of {present} blocks"
+        )
+    max_seq_len = _positive(metadata, f"{a}.context_length", where)
+    if max_seq_len > MAX_CONTEXT_LENGTH:
+        raise ValueError(
+            f"{where}: metadata {a}.context_length={max_seq_len} is more than "
+            f"{MAX_CONTEXT_LENGTH} tokens"
+        )
     return LlamaConfig(
         dim=dim,
         hidden_dim=_positive(metadata, f"{a}.feed_forward_length", where),
-        n_layers=_positive(metadata, f"{a}.block_count", where),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
         vocab_size=vocab_size,
-        max_seq_len=_positive(metadata, f"{a}.context_length", where),
+        max_seq_len=max_seq_len,
         norm_eps=_positive_float(metadata, f"{a}.attention.layer_norm_rms_epsilon", where),
         rope_theta=_positive_float(metadata, f"{a}.rope.freq_base", where, DEFAULT_ROPE_THETA),
         tie_embeddings="output.weight" not in tensors,
@@ -287,6 +383,14 @@ def _positive_float(
     if type(value) not in (int, float) or not np.isfinite(value) or value <= 0:
         raise ValueError(f"{where}: metadata {key} must be a positive number, got {value!r}")
     return float(value)
+
+
+def _block_index(gguf_name: str) -> int:
+    """Return N of a ``blk.N.*`` tensor name, else -1."""
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and len(parts[1]) < 10:
+        return int(parts[1])
+    return -1
 
 
 def hf_name(gguf_name: str) -> str | None:
