@@ -10,9 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.numpy
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType
 
+from model.files import file_sha256
+from model.llama.gguf_cache import FORMAT_VERSION, cache_path
 from model.loader import load_model
 from tests.gguffiles import TINY, tiny_vocab, write_tiny_gguf
 from tests.test_startup_config import failed_start
@@ -93,6 +96,35 @@ def many_merges(path: Path) -> Path:
     return write_tiny_gguf(path, tokenizer=tokenizer)
 
 
+def moved_offset(path: Path, name: str, offset_of: str | int) -> Path:
+    """Write the tiny GGUF, then point tensor ``name``'s data offset elsewhere (in place)."""
+    write_tiny_gguf(path)
+    reader = GGUFReader(path, "r+")
+    fields = {t.name: t.field for t in reader.tensors}
+    if isinstance(offset_of, str):
+        offset_of = int(fields[offset_of].parts[-1][0])
+    fields[name].parts[-1][0] = offset_of
+    reader.data.flush()
+    del reader
+    return path
+
+
+def overlapping(path: Path) -> Path:
+    return moved_offset(path, "blk.0.attn_q.weight", "token_embd.weight")
+
+
+def misaligned(path: Path) -> Path:
+    return moved_offset(path, "blk.0.attn_q.weight", 3)
+
+
+def nan_weights(path: Path) -> Path:
+    return write_tiny_gguf(path, {"blk.0.attn_q.weight": np.full((256, 256), np.nan, np.float32)})
+
+
+def inf_embedding(path: Path) -> Path:
+    return write_tiny_gguf(path, {"token_embd.weight": np.full((258, 256), np.inf, np.float32)})
+
+
 CASES = {
     "wrong shape": (
         wrong_shape,
@@ -125,6 +157,14 @@ CASES = {
     "huge context": (
         huge_context,
         "metadata llama.context_length=4294967295 is more than 16777216 tokens",
+    ),
+    "overlapping tensors": (
+        overlapping,
+        "tensor 'token_embd.weight': data at offset 0 overlaps tensor 'blk.0.attn_q.weight'",
+    ),
+    "misaligned tensor": (
+        misaligned,
+        "tensor 'blk.0.attn_q.weight': data offset 3 is not a multiple of the alignment 32",
     ),
     "too many merges": (
         many_merges,
@@ -181,3 +221,46 @@ def test_reader_running_out_of_memory_is_one_line(tmp_path, monkeypatch):
     assert str(err.value) == (
         f"{path}: not a readable GGUF file: its header needs more memory than this host has"
     )
+
+
+NON_FINITE = {
+    "nan": (nan_weights, "tensor 'blk.0.attn_q.weight' holds NaN or infinite values"),
+    "inf": (inf_embedding, "tensor 'token_embd.weight' holds NaN or infinite values"),
+}
+
+
+@pytest.mark.parametrize("case", NON_FINITE)
+def test_non_finite_weights_are_refused_at_load(tmp_path, case):
+    make, message = NON_FINITE[case]
+    path = make(tmp_path / "bad.gguf")
+    with pytest.raises(ValueError) as err:
+        load_model(path, cache_dir=tmp_path / "cache")
+    assert str(err.value) == f"{path}: {message}"
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == [
+        tmp_path / "cache" / "gguf" / f"{file_sha256(path)}.v{FORMAT_VERSION}.safetensors.lock"
+    ]  # nothing cached
+
+
+def test_a_cache_written_without_the_finite_check_is_rebuilt_and_refused(tmp_path):
+    path = nan_weights(tmp_path / "bad.gguf")
+    sha = file_sha256(path)
+    cached = cache_path(tmp_path / "cache", sha)
+    cached.parent.mkdir(parents=True)
+    raw = {"model.norm.weight": np.full(256, np.nan, np.float32)}
+    old_metadata = {
+        "format": "greenserve-gguf-cache",
+        "version": str(FORMAT_VERSION),
+        "gguf_sha256": sha,
+    }  # no "weights": "finite" verdict
+    safetensors.numpy.save_file(raw, str(cached), metadata=old_metadata)
+    with pytest.raises(ValueError, match="holds NaN or infinite values$"):
+        load_model(path, cache_dir=tmp_path / "cache")
+
+
+def test_server_on_nan_weights_exits_with_one_line(tmp_path):
+    path = nan_weights(tmp_path / "bad.gguf")
+    env = {"MODEL_DIR": str(path), "GREENSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    _, lines = failed_start(tmp_path, env)
+    assert lines == [
+        f"greenserve: cannot start: MODEL_DIR ({path}): {path}: " + NON_FINITE["nan"][1]
+    ]

@@ -92,7 +92,8 @@ class GGUFModel:
             Hugging Face name -> float32 array ``[out, in]`` (q/k rows in rotate-half order).
 
         Raises:
-            ValueError: If a tensor's data cannot be dequantized (names the file and tensor).
+            ValueError: If a tensor's data cannot be dequantized or holds a NaN or an infinity
+                (names the file and tensor).
         """
         c = self.config
         heads = {"q_proj": c.n_heads, "k_proj": c.n_kv_heads}
@@ -107,6 +108,10 @@ class GGUFModel:
                     f"{tensor.tensor_type.name}: {exc}"
                 ) from exc
             values = np.asarray(values, dtype=np.float32).reshape(shape)
+            if not np.isfinite(values).all():  # every answer would be NaN: refuse at load
+                raise ValueError(
+                    f"{self.path}: tensor {tensor.name!r} holds NaN or infinite values"
+                )
             kind = name.rsplit(".", 2)[-2]
             if kind in heads:
                 values = permute_rotary(values, heads[kind])
@@ -231,6 +236,7 @@ class _CheckedReader(GGUFReader):
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         size = len(self.data)
+        spans = []  # (start, end, name) of each tensor's data, relative to the data section
         for field in fields:
             try:
                 _, name, _, dims, raw_type, offset = field.parts
@@ -244,6 +250,19 @@ class _CheckedReader(GGUFReader):
                 raise ValueError(
                     f"{self.data.filename}: tensor {label!r}: data ends at byte {end} but the "
                     f"file has only {size} bytes (truncated file)"
+                )
+            if int(offset[0]) % self.alignment:
+                raise ValueError(
+                    f"{self.data.filename}: tensor {label!r}: data offset {int(offset[0])} is "
+                    f"not a multiple of the alignment {self.alignment}"
+                )
+            spans.append((int(offset[0]), end - start_offs, label))
+        spans.sort()
+        for (_, end, before), (start, _, label) in zip(spans, spans[1:], strict=False):
+            if start < end:  # would read another tensor's bytes as its own
+                raise ValueError(
+                    f"{self.data.filename}: tensor {label!r}: data at offset {start} overlaps "
+                    f"tensor {before!r} (ends at {end})"
                 )
         super()._build_tensors(start_offs, fields)
 

@@ -28,7 +28,9 @@ import safetensors.numpy
 from model.llama.weights import map_safetensors
 
 # Bump when the cached tensors change meaning (names, layout, permutation): old files are ignored.
-FORMAT_VERSION = 1
+# Version 2: ``build`` refuses NaN and infinite weights, so a file of this version holds only
+# finite ones; a version-1 file (written unchecked) is rebuilt, and checked, instead of mapped.
+FORMAT_VERSION = 2
 CACHE_DIR_ENV = "GREENSERVE_CACHE_DIR"
 APP_NAME = "greenserve"
 _SUBDIR = "gguf"
@@ -127,6 +129,7 @@ def _expected_metadata(sha256: str) -> dict[str, str]:
         "format": "greenserve-gguf-cache",
         "version": str(FORMAT_VERSION),
         "gguf_sha256": sha256,
+        "weights": "finite",
     }
 
 
