@@ -183,3 +183,28 @@ def test_cancelled_sequences_free_their_places_before_newcomers_join(stories):
             assert [t.token_id for t in second] == expected
     finally:
         engine.shutdown()
+
+
+def test_threaded_engine_calls_on_idle_once_when_the_last_sequence_leaves(stories):
+    from wsgi_app.engine_thread import ThreadedEngine
+
+    calls = []
+    engine = ThreadedEngine(
+        BatchScheduler(stories.model, eos(stories), max_batch=8),
+        tick_s=0.05,
+        idle_s=0.05,
+        on_idle=lambda: calls.append(1),
+    )
+    try:
+        gevent.sleep(0.3)
+        assert calls == []  # idle from the start: nothing to give back
+        jobs = [
+            gevent.spawn(lambda i=i: list(engine.stream(request(stories, i, max_tokens=5))))
+            for i in range(3)
+        ]
+        gevent.joinall(jobs, timeout=60, raise_error=True)
+        wait_until(lambda: calls, 5, "the engine to go idle", gevent.sleep)
+        gevent.sleep(0.3)
+        assert calls == [1]  # once per busy period, not once per idle wake-up
+    finally:
+        engine.shutdown()
