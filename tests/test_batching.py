@@ -208,3 +208,17 @@ def test_threaded_engine_calls_on_idle_once_when_the_last_sequence_leaves(storie
         assert calls == [1]  # once per busy period, not once per idle wake-up
     finally:
         engine.shutdown()
+
+
+def test_finished_and_cancelled_sequences_drop_their_kv_cache(stories):
+    """The serving layer keeps a stream's sequence after it ends: its KV arrays must not stay."""
+    s = BatchScheduler(stories.model, eos(stories), max_batch=4)
+    done = s.add(request(stories, 0, max_tokens=3), "done")
+    left = s.add(request(stories, 1, max_tokens=50), "left")
+    assert done.cache is not None and left.cache is not None
+    while not done.done:
+        s.step()
+    assert done.cache is None and left.cache is not None
+    left.cancelled = True
+    s.prune()
+    assert left.cache is None and s.idle
