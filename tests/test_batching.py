@@ -183,3 +183,42 @@ def test_cancelled_sequences_free_their_places_before_newcomers_join(stories):
             assert [t.token_id for t in second] == expected
     finally:
         engine.shutdown()
+
+
+def test_threaded_engine_calls_on_idle_once_when_the_last_sequence_leaves(stories):
+    from wsgi_app.engine_thread import ThreadedEngine
+
+    calls = []
+    engine = ThreadedEngine(
+        BatchScheduler(stories.model, eos(stories), max_batch=8),
+        tick_s=0.05,
+        idle_s=0.05,
+        on_idle=lambda: calls.append(1),
+    )
+    try:
+        gevent.sleep(0.3)
+        assert calls == []  # idle from the start: nothing to give back
+        jobs = [
+            gevent.spawn(lambda i=i: list(engine.stream(request(stories, i, max_tokens=5))))
+            for i in range(3)
+        ]
+        gevent.joinall(jobs, timeout=60, raise_error=True)
+        wait_until(lambda: calls, 5, "the engine to go idle", gevent.sleep)
+        gevent.sleep(0.3)
+        assert calls == [1]  # once per busy period, not once per idle wake-up
+    finally:
+        engine.shutdown()
+
+
+def test_finished_and_cancelled_sequences_drop_their_kv_cache(stories):
+    """The serving layer keeps a stream's sequence after it ends: its KV arrays must not stay."""
+    s = BatchScheduler(stories.model, eos(stories), max_batch=4)
+    done = s.add(request(stories, 0, max_tokens=3), "done")
+    left = s.add(request(stories, 1, max_tokens=50), "left")
+    assert done.cache is not None and left.cache is not None
+    while not done.done:
+        s.step()
+    assert done.cache is None and left.cache is not None
+    left.cancelled = True
+    s.prune()
+    assert left.cache is None and s.idle

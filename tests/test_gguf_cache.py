@@ -6,6 +6,8 @@ Source: POSIX ``rename(2)``; the XDG Base Directory Specification.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -16,6 +18,7 @@ import safetensors.numpy
 from model.llama.gguf_cache import FORMAT_VERSION, cache_path, default_cache_dir
 from model.loader import load_model
 from tests.gguffiles import write_tiny_gguf
+from tests.server import ROOT
 
 
 @pytest.fixture
@@ -101,3 +104,35 @@ def test_cache_dir_defaults(tmp_path):
     home = Path.home() / ".cache" / "greenserve"
     assert default_cache_dir({"XDG_CACHE_HOME": "relative"}) == home  # the spec ignores it
     assert default_cache_dir({}) == home
+
+
+CRASH_MID_WRITE = """
+import os, sys
+import safetensors.numpy
+from model.loader import load_model
+
+def dies(tensors, filename, metadata=None):
+    with open(os.path.join(os.path.dirname(filename), ".tmpAbC123"), "wb") as f:
+        f.write(b"half a file")  # where safetensors keeps its own temporary file
+    os._exit(3)  # killed mid-write: no finally runs
+
+safetensors.numpy.save_file = dies
+load_model(sys.argv[1], cache_dir=sys.argv[2])
+"""
+
+
+def test_a_build_killed_mid_write_leaves_garbage_the_next_build_removes(tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+    cache = tmp_path / "cache"
+    crashed = subprocess.run(
+        [sys.executable, "-c", CRASH_MID_WRITE, str(path), str(cache)], cwd=ROOT, timeout=60
+    )
+    assert crashed.returncode == 3
+    gguf_dir = cache / "gguf"
+    legacy = gguf_dir / ".x.v1.safetensors.k2j3.tmp"  # the older builder's temporary name
+    legacy.write_bytes(b"")
+    left = sorted(p.relative_to(gguf_dir).as_posix() for p in gguf_dir.rglob("*"))
+    assert len(left) == 4 and left[0].startswith(".build-") and left[1].endswith("/.tmpAbC123")
+    model = load_model(path, cache_dir=cache)
+    final = cache_path(cache, model.checksum)
+    assert sorted(gguf_dir.iterdir()) == [final, final.with_name(final.name + ".lock")]

@@ -10,10 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.numpy
 from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFValueType
 
+from model.files import file_sha256
+from model.llama.gguf_cache import FORMAT_VERSION, cache_path
 from model.loader import load_model
-from tests.gguffiles import TINY, write_tiny_gguf
+from tests.gguffiles import TINY, tiny_vocab, write_tiny_gguf
 from tests.test_startup_config import failed_start
 
 
@@ -46,6 +50,81 @@ def unknown_pre(path: Path) -> Path:
     return write_tiny_gguf(path, pre="klingon")
 
 
+def edited(path: Path, key: str, part: int, value: int) -> Path:
+    """Write the tiny GGUF, then overwrite one part of a metadata field in place (the reader's
+    writable map): ``part`` -1 is a scalar's value; 3 and 4 an array's element type and length."""
+    write_tiny_gguf(path)
+    reader = GGUFReader(path, "r+")
+    reader.fields[key].parts[part][0] = value
+    reader.data.flush()
+    del reader
+    return path
+
+
+def huge_block_count(path: Path) -> Path:
+    return edited(path, "llama.block_count", -1, 10**9)
+
+
+def nested_array(path: Path) -> Path:
+    return edited(path, "tokenizer.ggml.tokens", 3, int(GGUFValueType.ARRAY))
+
+
+def huge_array(path: Path) -> Path:
+    return edited(path, "tokenizer.ggml.tokens", 4, 10**9)
+
+
+def huge_context(path: Path) -> Path:
+    write_tiny_gguf(path)
+    reader = GGUFReader(path, "r+")
+    field = reader.fields["llama.context_length"]
+    field.parts[-1][0] = 2**32 - 1  # a u32 key: the largest value it can hold
+    reader.data.flush()
+    del reader
+    return path
+
+
+def many_merges(path: Path) -> Path:
+    tokens, types, _ = tiny_vocab()
+
+    def tokenizer(w):
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(["\u0120 t"] * (4 * len(tokens) + 1))
+
+    return write_tiny_gguf(path, tokenizer=tokenizer)
+
+
+def moved_offset(path: Path, name: str, offset_of: str | int) -> Path:
+    """Write the tiny GGUF, then point tensor ``name``'s data offset elsewhere (in place)."""
+    write_tiny_gguf(path)
+    reader = GGUFReader(path, "r+")
+    fields = {t.name: t.field for t in reader.tensors}
+    if isinstance(offset_of, str):
+        offset_of = int(fields[offset_of].parts[-1][0])
+    fields[name].parts[-1][0] = offset_of
+    reader.data.flush()
+    del reader
+    return path
+
+
+def overlapping(path: Path) -> Path:
+    return moved_offset(path, "blk.0.attn_q.weight", "token_embd.weight")
+
+
+def misaligned(path: Path) -> Path:
+    return moved_offset(path, "blk.0.attn_q.weight", 3)
+
+
+def nan_weights(path: Path) -> Path:
+    return write_tiny_gguf(path, {"blk.0.attn_q.weight": np.full((256, 256), np.nan, np.float32)})
+
+
+def inf_embedding(path: Path) -> Path:
+    return write_tiny_gguf(path, {"token_embd.weight": np.full((258, 256), np.inf, np.float32)})
+
+
 CASES = {
     "wrong shape": (
         wrong_shape,
@@ -63,6 +142,34 @@ CASES = {
     ),
     "missing tensor": (missing_tensor, "tensor 'blk.0.attn_v.weight' is missing"),
     "unknown pre-tokenizer": (unknown_pre, "tokenizer.ggml.pre 'klingon' is not supported"),
+    "huge block count": (
+        huge_block_count,
+        "llama.block_count=1000000000 but the file holds tensors of 1 blocks",
+    ),
+    "nested array": (
+        nested_array,
+        "metadata 'tokenizer.ggml.tokens' is an array of arrays, which is not supported",
+    ),
+    "huge array": (
+        huge_array,
+        "metadata 'tokenizer.ggml.tokens' declares 1000000000 elements, more than 1048576",
+    ),
+    "huge context": (
+        huge_context,
+        "metadata llama.context_length=4294967295 is more than 16777216 tokens",
+    ),
+    "overlapping tensors": (
+        overlapping,
+        "tensor 'token_embd.weight': data at offset 0 overlaps tensor 'blk.0.attn_q.weight'",
+    ),
+    "misaligned tensor": (
+        misaligned,
+        "tensor 'blk.0.attn_q.weight': data offset 3 is not a multiple of the alignment 32",
+    ),
+    "too many merges": (
+        many_merges,
+        "tokenizer.ggml.merges holds 1033 merges, more than 4 x 258 tokens",
+    ),
 }
 
 
@@ -100,3 +207,60 @@ def test_directory_with_two_gguf_files_is_refused(tmp_path):
     write_tiny_gguf(tmp_path / "b.gguf")
     with pytest.raises(ValueError, match=r"holds 2 \.gguf files \(a\.gguf, b\.gguf\); name one"):
         load_model(tmp_path, cache_dir=tmp_path / "cache")
+
+
+def test_reader_running_out_of_memory_is_one_line(tmp_path, monkeypatch):
+    path = write_tiny_gguf(tmp_path / "m.gguf")
+
+    def exhausted(self, offs, count):
+        raise MemoryError
+
+    monkeypatch.setattr(GGUFReader, "_build_fields", exhausted)
+    with pytest.raises(ValueError) as err:
+        load_model(path, cache_dir=tmp_path / "cache")
+    assert str(err.value) == (
+        f"{path}: not a readable GGUF file: its header needs more memory than this host has"
+    )
+
+
+NON_FINITE = {
+    "nan": (nan_weights, "tensor 'blk.0.attn_q.weight' holds NaN or infinite values"),
+    "inf": (inf_embedding, "tensor 'token_embd.weight' holds NaN or infinite values"),
+}
+
+
+@pytest.mark.parametrize("case", NON_FINITE)
+def test_non_finite_weights_are_refused_at_load(tmp_path, case):
+    make, message = NON_FINITE[case]
+    path = make(tmp_path / "bad.gguf")
+    with pytest.raises(ValueError) as err:
+        load_model(path, cache_dir=tmp_path / "cache")
+    assert str(err.value) == f"{path}: {message}"
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == [
+        tmp_path / "cache" / "gguf" / f"{file_sha256(path)}.v{FORMAT_VERSION}.safetensors.lock"
+    ]  # nothing cached
+
+
+def test_a_cache_written_without_the_finite_check_is_rebuilt_and_refused(tmp_path):
+    path = nan_weights(tmp_path / "bad.gguf")
+    sha = file_sha256(path)
+    cached = cache_path(tmp_path / "cache", sha)
+    cached.parent.mkdir(parents=True)
+    raw = {"model.norm.weight": np.full(256, np.nan, np.float32)}
+    old_metadata = {
+        "format": "greenserve-gguf-cache",
+        "version": str(FORMAT_VERSION),
+        "gguf_sha256": sha,
+    }  # no "weights": "finite" verdict
+    safetensors.numpy.save_file(raw, str(cached), metadata=old_metadata)
+    with pytest.raises(ValueError, match="holds NaN or infinite values$"):
+        load_model(path, cache_dir=tmp_path / "cache")
+
+
+def test_server_on_nan_weights_exits_with_one_line(tmp_path):
+    path = nan_weights(tmp_path / "bad.gguf")
+    env = {"MODEL_DIR": str(path), "GREENSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    _, lines = failed_start(tmp_path, env)
+    assert lines == [
+        f"greenserve: cannot start: MODEL_DIR ({path}): {path}: " + NON_FINITE["nan"][1]
+    ]

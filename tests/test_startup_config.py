@@ -125,6 +125,9 @@ def test_bad_setting_stops_the_start_with_one_line(tmp_path, env, message):
         ({"WEB_CONCURRENCY": "two"}, [], "WEB_CONCURRENCY must be an integer, got 'two'"),
         ({}, ["--workers", "-1"], "WEB_CONCURRENCY must be in 0..1024, got -1"),
         ({"PORT": "http"}, [], "PORT must be an integer, got 'http'"),
+        ({}, ["--workers", "abc"], "WEB_CONCURRENCY must be an integer, got 'abc'"),
+        ({}, ["--model-dir="], "--model-dir is empty (omit it for the default)"),
+        ({}, ["--workers", " "], "--workers is empty (omit it for the default)"),
     ],
 )
 def test_greenserve_command_refuses_a_bad_worker_count_with_one_line(tmp_path, env, args, message):
@@ -237,3 +240,17 @@ def test_a_gguf_start_logs_one_loading_line_from_the_master(tmp_path, serve):
     assert loading["pid"] == srv.proc.pid  # the master, before any worker is forked
     assert [line["message"] for line in serving] == ["serving", "serving"]
     assert len(list((cache / "gguf").glob("*.safetensors"))) == 1  # built once, by the master
+
+
+def test_greenserve_help_says_what_zero_workers_means():
+    done = subprocess.run(
+        [sys.executable, "-m", "wsgi_app.cli", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0
+    assert "worker processes, 0..1024 (0 or unset: one per usable CPU)" in " ".join(
+        done.stdout.split()
+    )

@@ -22,7 +22,11 @@ FLAGS = (
     ("--host", "HOST", "address both ports bind to (default 0.0.0.0)"),
     ("--port", "PORT", "API port (default 8000)"),
     ("--health-port", "HEALTH_PORT", "health and metrics port (default 9464; 0 disables it)"),
-    ("--workers", "WEB_CONCURRENCY", "worker processes (default: one per usable CPU)"),
+    (
+        "--workers",
+        "WEB_CONCURRENCY",
+        "worker processes, 0..1024 (0 or unset: one per usable CPU)",
+    ),
     ("--log-level", "LOG_LEVEL", "debug, info, warning or error (default info)"),
     ("--rate-limit", "RATE_LIMIT", "per-client limit such as 600/minute (default: none)"),
     (
@@ -67,7 +71,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Set the flags' environment variables and exec gunicorn; never returns.
 
     Raises:
-        SystemExit: ``--help``, or a flag argparse rejects (exit code 2).
+        SystemExit: ``--help``, or a flag argparse rejects (exit code 2); an empty flag value
+            (exit code 1, one line: an empty variable would mean "unset").
         OSError: gunicorn cannot be executed.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -78,6 +83,13 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     args = parser().parse_args(argv)
     for flag, env, _ in FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not value.strip():
+            # An empty variable means "unset" (an empty --model-dir= would serve the bigram).
+            print(
+                f"greenserve: cannot start: {flag} is empty (omit it for the default)",
+                file=sys.stderr,
+            )
+            sys.exit(1)
         if value is not None:
             os.environ[env] = value  # checked by the configuration, one line naming it if bad
     _check_server_settings()

@@ -29,6 +29,7 @@ from gevent.threadpool import ThreadPool
 
 from model.engine import GenerationRequest, Step
 from model.llama.scheduler import END, BatchScheduler, Sequence
+from wsgi_app.heap import HeapTrimmer
 
 log = logging.getLogger("greenserve.engine")
 
@@ -55,12 +56,21 @@ class ThreadedEngine:
         scheduler: the batch scheduler (owned by the engine thread from now on).
         tick_s: longest a stream waits for its next token before yielding a ``None`` tick, seconds.
         idle_s: how long the idle thread sleeps between looks at its inbox when nobody rings, seconds.
+        on_idle: called on the engine thread each time the last sequence leaves; by default it
+            returns the freed C heap to the system (rate-limited, see :mod:`wsgi_app.heap`), so
+            an idle worker does not keep a burst's memory.
     """
 
     def __init__(
-        self, scheduler: BatchScheduler, tick_s: float = 0.25, idle_s: float = 1.0
+        self,
+        scheduler: BatchScheduler,
+        tick_s: float = 0.25,
+        idle_s: float = 1.0,
+        on_idle: Callable[[], Any] | None = None,
     ) -> None:
         self._scheduler = scheduler
+        self._on_idle = HeapTrimmer() if on_idle is None else on_idle
+        self._pending_trim = False
         self.tick_s = tick_s
         self._idle_s = idle_s
         self._inbox: deque[tuple[GenerationRequest, _Stream]] = deque()
@@ -157,8 +167,11 @@ class ThreadedEngine:
                 except Exception as exc:  # noqa: BLE001 - reported to that stream
                     self._post(stream, exc)
             if scheduler.idle:
+                if self._pending_trim:  # the last sequence just left (False: retry when idle)
+                    self._pending_trim = self._on_idle() is False
                 self._doorbell.acquire(timeout=self._idle_s)
                 continue
+            self._pending_trim = True
             try:
                 touched = scheduler.step()
             except BaseException as exc:  # noqa: BLE001 - fail the live sequences, keep serving

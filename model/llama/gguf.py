@@ -4,6 +4,12 @@ The file is read with the ``gguf`` package (llama.cpp's own reader) and every te
 dequantized with ``gguf.quants.dequantize``. Everything is checked before any tensor is
 dequantized: the architecture, the hyper-parameters, and each tensor's presence, type and shape.
 A problem is a ``ValueError`` naming the file, the tensor (or metadata key) and what is wrong.
+Declared lengths are bounded before the reader acts on them (strings and arrays by the bytes left
+in the file and ``gguf_reader.MAX_ARRAY_LEN``, dimensions by four, ``block_count`` by the blocks whose
+tensors are present, ``context_length`` by :data:`MAX_CONTEXT_LENGTH`), so a forged header is
+refused in milliseconds instead of exhausting memory. What stays unbounded: the reader keeps a
+few numpy views per array element (about 200 bytes each), so a legitimate 1,048,576-entry array
+costs ~200 MB and seconds while it is read.
 
 llama.cpp's converter stores the q/k projections with the rows of each head in the
 adjacent-pair RoPE order (as Meta's and llama2.c's checkpoints do); they are permuted back to
@@ -22,9 +28,10 @@ from typing import Any
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType
 
 from model.llama.config import LlamaConfig
+from model.llama.gguf_reader import open_reader, read_metadata
 from model.llama.llama2c import permute_rotary
 from model.llama.model import tensor_shapes
 
@@ -33,6 +40,9 @@ ARCHITECTURE = "llama"
 # llama.cpp's defaults for keys a llama GGUF may leave out (llama-hparams / llama-model.cpp).
 DEFAULT_ROPE_THETA = 10000.0
 DEFAULT_RMS_EPS = 1e-5
+# Contexts beyond 2^24 tokens (16,777,216) exist in no llama GGUF and would overflow the KV budget
+# arithmetic.
+MAX_CONTEXT_LENGTH = 1 << 24
 # GGUF tensor name -> Hugging Face name ("{i}" is the block index).
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -78,7 +88,8 @@ class GGUFModel:
             Hugging Face name -> float32 array ``[out, in]`` (q/k rows in rotate-half order).
 
         Raises:
-            ValueError: If a tensor's data cannot be dequantized (names the file and tensor).
+            ValueError: If a tensor's data cannot be dequantized or holds a NaN or an infinity
+                (names the file and tensor).
         """
         c = self.config
         heads = {"q_proj": c.n_heads, "k_proj": c.n_kv_heads}
@@ -93,6 +104,10 @@ class GGUFModel:
                     f"{tensor.tensor_type.name}: {exc}"
                 ) from exc
             values = np.asarray(values, dtype=np.float32).reshape(shape)
+            if not np.isfinite(values).all():  # every answer would be NaN: refuse at load
+                raise ValueError(
+                    f"{self.path}: tensor {tensor.name!r} holds NaN or infinite values"
+                )
             kind = name.rsplit(".", 2)[-2]
             if kind in heads:
                 values = permute_rotary(values, heads[kind])
@@ -115,7 +130,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
         The checked model (tensors still memory-mapped and quantized).
 
     Raises:
-        ValueError: If the file cannot be read as GGUF or is truncated; the architecture is not
+        ValueError: If the file cannot be read as GGUF, is truncated or declares lengths beyond
+            the bounds above (or the reader runs out of memory); the architecture is not
             ``llama``; a hyper-parameter is missing or invalid; a tensor is missing, unexpected,
             of a type ``gguf.quants`` cannot dequantize, or of the wrong shape. The message
             names the file, the tensor or key, and the problem.
@@ -132,82 +148,6 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
     config = llama_config(metadata, by_name, str(path))
     tensors = _check_tensors(by_name, config, str(path))
     return GGUFModel(path, metadata, config, tensors, _quantization(metadata, tensors))
-
-
-def open_reader(path: Path) -> GGUFReader:
-    """Return a ``GGUFReader`` of ``path``; refuse truncated and malformed files.
-
-    Raises:
-        ValueError: Naming the file (and the tensor whose data runs past the end of the file).
-    """
-    try:
-        return _CheckedReader(path, "r")
-    except ValueError as exc:
-        if str(exc).startswith(str(path)):
-            raise
-        raise ValueError(f"{path}: not a readable GGUF file: {exc}") from exc
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    except Exception as exc:  # numpy/struct errors of a header cut short
-        raise ValueError(f"{path}: not a readable GGUF file (truncated header?): {exc}") from exc
-
-
-class _CheckedReader(GGUFReader):
-    """A ``GGUFReader`` that names the first tensor whose data lies beyond the end of the file."""
-
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
-        size = len(self.data)
-        for field in fields:
-            try:
-                _, name, _, dims, raw_type, offset = field.parts
-                qtype = GGMLQuantizationType(int(raw_type[0]))
-                block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
-                end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_bytes // block
-                label = bytes(name).decode("utf-8", "replace")
-            except Exception:  # let the reader itself report what it does not understand
-                break
-            if end > size:
-                raise ValueError(
-                    f"{self.data.filename}: tensor {label!r}: data ends at byte {end} but the "
-                    f"file has only {size} bytes (truncated file)"
-                )
-        super()._build_tensors(start_offs, fields)
-
-
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Return every metadata key of the reader with its decoded value.
-
-    Strings are decoded as UTF-8; arrays become lists. (``ReaderField.contents`` is newer than
-    the oldest supported ``gguf``, so the parts are decoded here the way the reader lays them out.)
-    """
-    out = {}
-    for key, field in reader.fields.items():
-        if not field.types or key.startswith("GGUF."):
-            continue
-        out[key] = _field_value(field)
-    return out
-
-
-def _field_value(field: gguf.ReaderField) -> Any:
-    """Decode one field: a scalar, a string, or an array of either."""
-    main = field.types[0]
-    if main == GGUFValueType.ARRAY:
-        sub = field.types[-1]
-        if sub == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
-        return [_scalar(field.parts[i][0], sub) for i in field.data]
-    if main == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
-    return _scalar(field.parts[field.data[0]][0], main)
-
-
-def _scalar(value: np.generic, vtype: GGUFValueType) -> Any:
-    """Return a numpy scalar as the Python bool, float or int its GGUF type means."""
-    if vtype == GGUFValueType.BOOL:
-        return bool(value)
-    if vtype in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
-        return float(value)
-    return int(value)
 
 
 def llama_config(
@@ -252,15 +192,29 @@ def llama_config(
     vocab_size = _positive(metadata, f"{a}.vocab_size", where, default_vocab)
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     eos = metadata.get("tokenizer.ggml.eos_token_id")
+    # Checked against the tensors before anything per block is built: a forged count would
+    # otherwise build billions of expected names before the first tensor is looked at.
+    n_layers = _positive(metadata, f"{a}.block_count", where)
+    present = 1 + max((_block_index(name) for name in tensors), default=-1)
+    if n_layers > present:
+        raise ValueError(
+            f"{where}: {a}.block_count={n_layers} but the file holds tensors of {present} blocks"
+        )
+    max_seq_len = _positive(metadata, f"{a}.context_length", where)
+    if max_seq_len > MAX_CONTEXT_LENGTH:
+        raise ValueError(
+            f"{where}: metadata {a}.context_length={max_seq_len} is more than "
+            f"{MAX_CONTEXT_LENGTH} tokens"
+        )
     return LlamaConfig(
         dim=dim,
         hidden_dim=_positive(metadata, f"{a}.feed_forward_length", where),
-        n_layers=_positive(metadata, f"{a}.block_count", where),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
         vocab_size=vocab_size,
-        max_seq_len=_positive(metadata, f"{a}.context_length", where),
+        max_seq_len=max_seq_len,
         norm_eps=_positive_float(metadata, f"{a}.attention.layer_norm_rms_epsilon", where),
         rope_theta=_positive_float(metadata, f"{a}.rope.freq_base", where, DEFAULT_ROPE_THETA),
         tie_embeddings="output.weight" not in tensors,
@@ -287,6 +241,14 @@ def _positive_float(
     if type(value) not in (int, float) or not np.isfinite(value) or value <= 0:
         raise ValueError(f"{where}: metadata {key} must be a positive number, got {value!r}")
     return float(value)
+
+
+def _block_index(gguf_name: str) -> int:
+    """Return N of a ``blk.N.*`` tensor name, else -1."""
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and len(parts[1]) < 10:
+        return int(parts[1])
+    return -1
 
 
 def hf_name(gguf_name: str) -> str | None:

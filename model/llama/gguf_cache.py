@@ -5,10 +5,10 @@ tensors are written once to ``<cache dir>/gguf/<sha256 of the GGUF>.v<FORMAT_VER
 and every worker maps that file read-only, so N workers share one copy in the page cache and a
 restart does not dequantize again.
 
-The file is written atomically: a temporary file in the same directory (a name that is never
+The file is written atomically: in a build directory of its own beside the final name (never
 loaded), flushed with ``fsync``, then renamed over the final name, then the directory is synced.
-A crash mid-write leaves at most a temporary file. Builders racing for the same file serialise
-on an advisory lock file; the loser finds the finished file and maps it.
+A crash mid-write leaves at most a build directory, which the next build removes. Builders racing
+for the same file serialise on an advisory lock file; the loser finds the finished file and maps it.
 
 Source: the safetensors format (huggingface/safetensors README); POSIX ``rename(2)`` atomicity;
 the XDG Base Directory Specification (``$XDG_CACHE_HOME``, default ``~/.cache``).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -28,10 +29,14 @@ import safetensors.numpy
 from model.llama.weights import map_safetensors
 
 # Bump when the cached tensors change meaning (names, layout, permutation): old files are ignored.
-FORMAT_VERSION = 1
+# Version 2: ``build`` refuses NaN and infinite weights, so a file of this version holds only
+# finite ones; a version-1 file (written unchecked) is rebuilt, and checked, instead of mapped.
+FORMAT_VERSION = 2
 CACHE_DIR_ENV = "GREENSERVE_CACHE_DIR"
 APP_NAME = "greenserve"
 _SUBDIR = "gguf"
+# Each build writes in a directory of this prefix; one left behind is a crashed build's.
+BUILD_PREFIX = ".build-"
 
 
 def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -90,6 +95,7 @@ def load_or_build(
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             tensors = _try_map(path, sha256)  # another process may have built it meanwhile
             if tensors is None:
+                _remove_stale_builds(path.parent)
                 _write_atomically(path, build(), sha256)
                 tensors = _try_map(path, sha256)
     except OSError as exc:
@@ -127,24 +133,37 @@ def _expected_metadata(sha256: str) -> dict[str, str]:
         "format": "greenserve-gguf-cache",
         "version": str(FORMAT_VERSION),
         "gguf_sha256": sha256,
+        "weights": "finite",
     }
 
 
 def _write_atomically(path: Path, tensors: dict[str, np.ndarray], sha256: str) -> None:
-    """Write the tensors to a temporary file beside ``path``, fsync it, then rename it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    """Write the tensors in a build directory beside ``path``, fsync, then rename into place.
+
+    safetensors writes through a temporary file of its own beside its target (``.tmpXXXXXX``),
+    so the target is in a directory only this build uses: whatever a crash leaves is in it,
+    and the next build (holding the lock, so no other builder is alive) removes it.
+    """
+    build_dir = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{BUILD_PREFIX}{path.name}."))
+    tmp = build_dir / path.name
     try:
-        safetensors.numpy.save_file(tensors, tmp, metadata=_expected_metadata(sha256))
+        safetensors.numpy.save_file(tensors, str(tmp), metadata=_expected_metadata(sha256))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # workers may run as another user than the builder
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    finally:
+        shutil.rmtree(build_dir, ignore_errors=True)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+def _remove_stale_builds(directory: Path) -> None:
+    """Remove the build directories of builders that died (call with the lock held)."""
+    for stale in directory.glob(f"{BUILD_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in directory.glob(".*.safetensors.*.tmp"):  # left by builds before build dirs
+        stale.unlink(missing_ok=True)

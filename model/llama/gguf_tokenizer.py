@@ -43,6 +43,9 @@ _QWEN2 = (
     r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
+# Most merges a vocabulary may list per token, checked before the tokenizer is built. A BPE
+# vocabulary has about one merge per token; Llama 3's has 2.2 (280,147 for 128,256 tokens).
+MERGES_PER_TOKEN = 4
 # tokenizer.ggml.pre -> (regexes applied in turn, ignore_merges, add_bos default).
 PRE_TOKENIZERS: dict[str, tuple[list[str], bool, bool]] = {
     "default": (_DEFAULT, False, False),
@@ -100,7 +103,7 @@ def tokenizer_from_gguf(metadata: dict[str, Any], vocab_size: int, where: str) -
     """Build the tokenizer of a GGUF's ``tokenizer.ggml.*`` metadata.
 
     Args:
-        metadata: The file's metadata (see :func:`model.llama.gguf.read_metadata`).
+        metadata: The file's metadata (see :func:`model.llama.gguf_reader.read_metadata`).
         vocab_size: The model's vocabulary size (ids the head produces).
         where: The file, for messages.
 
@@ -162,6 +165,11 @@ def _bpe(
     raw = metadata.get("tokenizer.ggml.merges")
     if not isinstance(raw, list) or not all(isinstance(m, str) for m in raw):
         raise ValueError(f"{where}: tokenizer.ggml.merges is missing or not a list of strings")
+    if len(raw) > MERGES_PER_TOKEN * len(tokens):
+        raise ValueError(
+            f"{where}: tokenizer.ggml.merges holds {len(raw)} merges, more than "
+            f"{MERGES_PER_TOKEN} x {len(tokens)} tokens"
+        )
     merges = []
     for rank, merge in enumerate(raw):
         cut = merge.find(" ", 1)  # llama.cpp splits at the first space after the first character

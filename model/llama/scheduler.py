@@ -162,6 +162,9 @@ class BatchScheduler:
 
     def prune(self) -> None:
         """Drop cancelled sequences now (before new ones are added: they free batch places)."""
+        for seq in self.live:
+            if seq.cancelled:
+                seq.cache = None  # the caller may keep the sequence; its KV arrays go now
         self.live = [s for s in self.live if not s.cancelled]
 
     @property
@@ -227,6 +230,7 @@ class BatchScheduler:
         if reason is not None or last:
             seq.done = True
             seq.steps.append(END)
+            seq.cache = None  # its KV arrays go now, even while the caller keeps the sequence
 
 
 def steps_of(seq: Sequence) -> list[Step]:
