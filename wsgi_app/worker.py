@@ -25,12 +25,17 @@ import fcntl
 import socket
 import struct
 import termios
+import time
 import weakref
 from typing import Any
 
 import gevent
 from gevent import socket as gsocket
 from gunicorn.workers import ggevent
+
+# How often a blocked write looks at the kernel's send queue for progress, seconds: a reader that
+# stops is cut at most this long after ``SEND_TIMEOUT_S``.
+PROGRESS_CHECK_S = 0.25
 
 
 class SendTimeout(TimeoutError):
@@ -74,24 +79,37 @@ class StreamSocket(gsocket.socket):
         if timeout is None:
             super().sendall(view, flags)
             return
+        # One bound, counted from the last progress seen: a wait is cut into slices, and each slice
+        # looks at the send queue. Restarting a whole timeout after a wait that saw progress (the
+        # queue shrank at its very start, say) would let a reader that stopped hold on for twice it.
+        check_s = min(PROGRESS_CHECK_S, timeout)
         self.blocked = True
         try:
+            queued = _queued_bytes(self)
+            progress_at = time.monotonic()
             while view:
-                queued = _queued_bytes(self)
+                left = progress_at + timeout - time.monotonic()
+                if left <= 0:
+                    self.stalled = True
+                    raise _timeout_exc(timeout)
                 try:
-                    gsocket.wait_write(self.fileno(), timeout, _timeout_exc(timeout))
+                    gsocket.wait_write(self.fileno(), min(check_s, left), _timeout_exc(timeout))
                 except SendTimeout:
                     # The kernel reports a socket writable only once a third of its (autotuned, up
                     # to megabytes) buffer is free: a slow reader can take bytes all along and
                     # still never get there within the timeout. Progress is what counts.
-                    if _queued_bytes(self) < queued:
-                        continue
-                    self.stalled = True
-                    raise
+                    now_queued = _queued_bytes(self)
+                    if 0 <= now_queued < queued:
+                        progress_at = time.monotonic()
+                    queued = now_queued
+                    continue
                 try:
                     view = view[self._sock.send(view, flags) :]
                 except BlockingIOError:  # woken, but another writer got there first
                     continue
+                # The kernel took bytes: the peer made room.
+                progress_at = time.monotonic()
+                queued = _queued_bytes(self)
         finally:
             self.blocked = False
 
