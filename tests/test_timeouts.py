@@ -10,10 +10,14 @@ Source: RFC 9112 §9.3 (persistent connections), §9.6 (tear-down); RFC 9110 §1
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 
+import pytest
+
 from tests.server import GunicornServer, wait_until
+from tests.sse import EventReader
 
 TOLERANCE_S = 1.0
 
@@ -53,3 +57,105 @@ def test_send_timeout_cuts_a_stopped_reader_one_timeout_after_its_last_read(serv
         wait_until(lambda: srv.in_flight("stall") is None, 15, "the stream to be cut")
         cut_after_s = time.monotonic() - last_read
     assert abs(cut_after_s - 3.0) <= TOLERANCE_S, cut_after_s
+
+
+@pytest.fixture(scope="module")
+def timed(succ_dir, tmp_path_factory):
+    """One worker, one slot, 50 tokens/s, and short, distinct timeouts."""
+    env = {
+        "MODEL_DIR": str(succ_dir),
+        "GREENSERVE_FAULTS": "slow_step_s=0.02",
+        "MAX_SLOTS": "1",
+        "HEADER_TIMEOUT_S": "2",
+        "KEEPALIVE_S": "3",
+        "HEARTBEAT_S": "2",
+        "REQUEST_TIMEOUT_S": "4",
+    }
+    with GunicornServer(tmp_path_factory.mktemp("timed"), env) as srv:
+        yield srv
+
+
+def until_closed(sock: socket.socket) -> bytes:
+    """Read until the server closes ``sock``; return what came."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_header_deadline_answers_408_when_the_head_is_late(timed):
+    with socket.create_connection(("127.0.0.1", timed.port), timeout=10) as sock:
+        started = time.monotonic()
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n")  # the blank line never comes
+        answer = until_closed(sock)
+        fired_s = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer[:80]
+    assert abs(fired_s - 2.0) <= TOLERANCE_S, fired_s
+
+
+def test_keepalive_closes_an_idle_connection(timed):
+    with socket.create_connection(("127.0.0.1", timed.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b'{"status":"ok"}'):
+            answer += sock.recv(65536)
+        answered = time.monotonic()
+        assert until_closed(sock) == b""
+        fired_s = time.monotonic() - answered
+    assert abs(fired_s - 3.0) <= TOLERANCE_S, fired_s
+
+
+def test_heartbeat_while_queued(timed):
+    body = {"model": "m", "prompt": "a", "max_tokens": 150, "stream": True}
+    holder = EventReader(timed.port, body)  # 3 s of tokens: holds the only slot
+    holder.open()
+    assert holder.next_frame() == b": ok\n"
+    queued = EventReader(timed.port, {**body, "max_tokens": 1})
+    queued.open()
+    assert queued.next_frame() == b": ok\n"
+    opened = time.monotonic()
+    assert queued.next_frame() == b": queued\n"
+    fired_s = time.monotonic() - opened
+    holder.close()
+    queued.close()
+    assert abs(fired_s - 2.0) <= TOLERANCE_S, fired_s
+
+
+def test_request_deadline_ends_a_stream_with_an_error_event(timed):
+    timed.wait_idle()
+    started = time.monotonic()
+    reader = EventReader(
+        timed.port, {"model": "m", "prompt": "a", "max_tokens": 1000, "stream": True}
+    )
+    reader.open()
+    frame = reader.next_frame()
+    while not frame.startswith(b'data: {"error"'):
+        frame = reader.next_frame()
+    fired_s = time.monotonic() - started
+    reader.close()
+    assert json.loads(frame[len(b"data: ") :])["error"]["code"] == "timeout"
+    assert abs(fired_s - 4.0) <= TOLERANCE_S, fired_s
+
+
+def test_graceful_timeout_ends_streams_then_the_server(serve, succ_dir):
+    srv = serve(
+        MODEL_DIR=str(succ_dir), GREENSERVE_FAULTS="slow_step_s=0.02", GRACEFUL_TIMEOUT_S="3"
+    )
+    reader = EventReader(
+        srv.port, {"model": "m", "prompt": "a", "max_tokens": 1000, "stream": True}
+    )
+    reader.open()
+    assert reader.next_frame() == b": ok\n"
+    srv.signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    frame = reader.next_frame()
+    while not frame.startswith(b'data: {"error"'):
+        frame = reader.next_frame()
+    ended_s = time.monotonic() - stopped
+    reader.close()
+    assert srv.wait(10) == 0
+    exited_s = time.monotonic() - stopped
+    assert json.loads(frame[len(b"data: ") :])["error"]["code"] == "unavailable"
+    # Streams end one second before the grace period does; the master is gone by its end.
+    assert abs(ended_s - 2.0) <= TOLERANCE_S, ended_s
+    assert abs(exited_s - 3.0) <= TOLERANCE_S, exited_s

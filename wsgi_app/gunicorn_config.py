@@ -185,7 +185,9 @@ def worker_exit(server, worker):
     app = getattr(worker, "wsgi", None)
     state = getattr(app, "extensions", {}).get("greenserve") if app is not None else None
     if state is not None:
-        state.exporter.shutdown(5.0)
+        # Within what is left of the grace period (wsgi_app.worker keeps some for this hook).
+        budget = getattr(worker, "exit_budget_s", lambda cap_s: cap_s)
+        state.exporter.shutdown(budget(5.0))
         if state.observer is not None:
             state.observer.close()
 
