@@ -151,6 +151,37 @@ def test_debug_endpoints_refuse_forwarded_requests(slow):
         assert json.loads(body)["error"]["type"] == "not_found_error"
 
 
+@pytest.mark.parametrize(
+    "host",
+    [
+        "evil.example",
+        "evil.example:80",
+        "127.0.0.1.evil.example",
+        "10.0.0.1",
+        "localhost.evil.example",
+    ],
+)
+def test_debug_endpoints_answer_only_a_loopback_host(slow, host):
+    # A page on another name that resolves to 127.0.0.1 (DNS rebinding) must not read them.
+    srv, _ = slow
+    for method, path in (("GET", "/debug/state"), ("POST", "/debug/drain")):
+        status, _, body = srv.request(method, path, headers={"Host": host})
+        assert status == 404, (host, path)
+        assert json.loads(body)["error"]["type"] == "not_found_error"
+    assert srv.get("/ready")[0] == 200
+
+
+@pytest.mark.parametrize(
+    "host", ["localhost", "LOCALHOST:{port}", "127.0.0.1:{port}", "[::1]:{port}"]
+)
+def test_debug_state_answers_a_loopback_host(slow, host):
+    srv, _ = slow
+    status, _, body = srv.request(
+        "GET", "/debug/state", headers={"Host": host.format(port=srv.port)}
+    )
+    assert status == 200 and "slots" in json.loads(body)
+
+
 @pytest.fixture
 def make_server(succ_dir, serve):
     """Return ``make(faults="", **env)``: a started succ-model server with ``GREENSERVE_FAULTS``."""
