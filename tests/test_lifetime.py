@@ -322,3 +322,33 @@ def test_sigterm_with_streams_in_flight(succ_dir, serve):
         assert srv.wait(30) == 0
         for i in range(20):
             collector.span_for(f"term-{i}", timeout_s=5)
+
+
+def test_drain_is_server_wide_survives_a_reload_and_is_undone(make_server):
+    srv = make_server(WEB_CONCURRENCY="2")
+    assert srv.post("/debug/drain", b"")[0] == 200
+
+    def every_worker(draining: bool, exclude: set[int] = frozenset()) -> set[int]:
+        """Poll /debug/state until two workers (none of ``exclude``) answered, each with
+        ``draining``; return their pids."""
+        seen: dict[int, bool] = {}
+
+        def both() -> bool:
+            s = srv.state()
+            if s["pid"] not in exclude:
+                seen[s["pid"]] = s["draining"]
+            return len(seen) >= 2
+
+        wait_until(both, 30, lambda: f"two workers; saw {seen}")
+        assert set(seen.values()) == {draining}, seen
+        return set(seen)
+
+    first = every_worker(True)
+    statuses = {srv.get("/ready", port=p)[0] for p in srv.ports for _ in range(10)}
+    assert statuses == {503}
+    srv.signal(signal.SIGHUP)  # new workers: still drained
+    every_worker(True, exclude=first)
+    status, _, body = srv.request("DELETE", "/debug/drain")
+    assert status == 200 and json.loads(body)["status"] == "ready"
+    every_worker(False)
+    assert {srv.get("/ready", port=p)[0] for p in srv.ports for _ in range(10)} == {200}

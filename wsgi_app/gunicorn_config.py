@@ -158,8 +158,13 @@ def on_starting(server):
 
     _check_config_or_exit()
 
-    for path in glob.glob(os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], "*.db")):
+    metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    for path in glob.glob(os.path.join(metrics_dir, "*.db")):
         os.remove(path)
+    # A new start is never drained (a SIGHUP reload does not come here, so a drain outlives it).
+    drained = os.path.join(metrics_dir, "greenserve-drained")
+    if os.path.exists(drained):
+        os.remove(drained)
     os.environ.setdefault("CLIENT_HASH_SALT", secrets.token_hex(16))
 
 

@@ -102,12 +102,17 @@ def debug_state() -> Response:
 
 @bp.post("/debug/drain")
 def debug_drain() -> Response:
-    """Turn ``/ready`` to 503 on the worker that answers, while it keeps serving (loopback only).
+    """Drain the whole server: ``/ready`` answers 503 from every worker while they keep serving, until
+    ``DELETE /debug/drain`` (loopback only). A SIGHUP reload keeps it; a new start clears it."""
+    require_loopback()
+    runtime().set_drained(True)
+    return json_response({"status": "draining", "pid": os.getpid()})
 
-    With several workers, repeat until every worker answered (``pid`` tells which one did), or send
-    the master SIGTERM to stop them all.
-    """
+
+@bp.delete("/debug/drain")
+def debug_undrain() -> Response:
+    """Undo ``POST /debug/drain``: ``/ready`` answers 200 again from every worker (loopback only)."""
     require_loopback()
     rt = runtime()
-    rt.draining = True
-    return json_response({"status": "draining", "pid": os.getpid()})
+    rt.set_drained(False)
+    return json_response({"status": "ready" if rt.ready else "not_ready", "pid": os.getpid()})
