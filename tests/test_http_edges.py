@@ -77,6 +77,13 @@ def test_head_over_max_header_bytes_is_431_in_the_error_envelope(edge_server):
     }
 
 
+def test_pipelined_requests_are_each_answered(edge_server):
+    get = b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+    answer = Answer(edge_server.port, get + get + get[:-2] + b"Connection: close\r\n\r\n")
+    assert answer.status == 200 and answer.closed
+    assert answer.body.count(b'{"status":"ok"}') == 3 and b" 500 " not in answer.body
+
+
 def test_head_under_max_header_bytes_is_served(edge_server):
     answer = Answer(edge_server.port, head_with(3) + b"Connection: close\r\n\r\n")  # ~24 KB
     assert (answer.status, answer.body) == (200, b'{"status":"ok"}')

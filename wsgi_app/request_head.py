@@ -120,6 +120,8 @@ class BoundedRequest(Request):
         limits = self.limits
         if stop and not buf and not unreader.buf.tell():  # waiting for a request to start
             self._await_first_byte(getattr(unreader, "sock", None))
+        if self._head_deadline is None:  # a pipelined request: its head is due from now
+            self._head_deadline = time.monotonic() + limits.header_timeout_s
         left = self._head_deadline - time.monotonic()
         timer = gevent.Timeout(max(left, 0.0))
         try:
