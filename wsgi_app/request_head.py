@@ -139,33 +139,34 @@ class BoundedRequest(Request):
                 raise LimitRequestHeaders(f"request head over {limits.max_header_bytes} bytes")
 
     def _await_first_byte(self, sock: Any) -> None:
-        """Wait for a request to start: up to ``KEEPALIVE_S`` on a kept-alive connection, up to the
-        head's deadline on a new one, and not at all once the worker is stopping.
+        """Wait for a request to start: up to ``KEEPALIVE_S`` on a kept-alive connection (not at all
+        once the worker is stopping), up to the head's deadline on a new one (a connection accepted
+        just before a stop still gets its answer: its client has sent, or is sending, a request).
 
         Raises:
-            StopIteration: no request came, or the worker is stopping.
+            StopIteration: no request came, or the kept-alive connection's worker is stopping.
         """
         limits = self.limits
-        if limits.stopping():
+        kept_alive = self._head_deadline is None
+        if kept_alive and limits.stopping():
             raise StopIteration()
-        if self._head_deadline is None:
+        if kept_alive:
             wait_s = limits.keepalive_s
         else:
             wait_s = self._head_deadline - time.monotonic()
+        idle = kept_alive and hasattr(sock, "idle")
         if sock is not None and hasattr(sock, "fileno"):
-            if hasattr(sock, "idle"):
+            if idle:
                 sock.idle = True  # a stopping worker shuts it down (wsgi_app.worker)
             try:
                 wait_read(sock.fileno(), max(wait_s, 0.0), _IDLE_OVER)
             except _IdleOver:
                 raise StopIteration() from None
             finally:
-                if hasattr(sock, "idle"):
+                if idle:
                     sock.idle = False
-        if limits.stopping():
+        if kept_alive and limits.stopping():
             raise StopIteration()
-        if self._head_deadline is None:
-            self._head_deadline = time.monotonic() + limits.header_timeout_s
 
     def set_body_reader(self) -> None:
         """Check ``Host`` (the head is parsed), then frame the body as gunicorn does, with the

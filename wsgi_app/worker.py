@@ -275,7 +275,8 @@ class GeventWorker(ggevent.GeventWorker):
             self.notify()
             self.stop_requested.wait(1.0)
         for server in servers:
-            server.close()  # stop accepting
+            # Stop accepting, but keep the listener open: a handler just spawned still asks it its name.
+            server.stop_accepting()
         end_by = (self.exit_by or time.monotonic()) - EXIT_RESERVE_S
         while any(server.pool.free_count() != server.pool.size for server in servers):
             if time.monotonic() >= end_by:
