@@ -13,12 +13,14 @@ from __future__ import annotations
 import collections
 import email.utils
 import json
+import logging
 import math
 import os
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import gevent
 import gevent.event
@@ -28,6 +30,7 @@ from telemetry.spans import Span
 __all__ = ["NullExporter", "SpanExporter", "encode_spans", "traces_url"]
 
 RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+log = logging.getLogger("greenserve.otlp")
 _RETRY_AFTER_STATUSES = frozenset({429, 503})
 
 
@@ -160,6 +163,9 @@ class SpanExporter:
     when retries ran out of ``max_elapsed_s``. ``on_result(kind, n)`` is called with kind
     ``"sent"``, ``"dropped"`` or ``"failed"``; its exceptions are swallowed.
 
+    Lost spans (dropped or failed) are logged once per outage, not per span: a warning when the
+    first is lost, and one line with the count when a batch is accepted again.
+
     Args:
         endpoint: full traces URL (see ``traces_url``).
         service_name: ``service.name`` resource attribute.
@@ -207,6 +213,11 @@ class SpanExporter:
         self.sent = 0
         self.dropped = 0
         self.failed = 0
+        self.lost_in_outage: int | None = None  # spans lost since the outage began; None: no outage
+        parts = urlsplit(endpoint)  # the log names the collector without any credentials
+        self._collector = (
+            f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}"
+        )
         self._requests = requests
         self._session = requests.Session()
         self._session.headers.update({"Content-Type": "application/json", **(headers or {})})
@@ -225,11 +236,36 @@ class SpanExporter:
         if n <= 0:
             return
         setattr(self, kind, getattr(self, kind) + n)
+        self._note_outage(kind, n)
         if self.on_result is not None:
             try:
                 self.on_result(kind, n)
             except Exception:  # a metrics hook must not break export
                 pass
+
+    def _note_outage(self, kind: str, n: int) -> None:
+        """Log the start of an outage (the first lost span) and its end (the next accepted batch)."""
+        try:
+            if kind == "sent":
+                if self.lost_in_outage is not None:
+                    log.info(
+                        "span export to %s recovered: %d spans lost during the outage",
+                        self._collector,
+                        self.lost_in_outage,
+                    )
+                    self.lost_in_outage = None
+            elif self.lost_in_outage is None:
+                self.lost_in_outage = n
+                log.warning(
+                    "span export to %s failing: spans are being %s (one line per outage; "
+                    "greenserve_exported_spans_total counts them)",
+                    self._collector,
+                    kind,
+                )
+            else:
+                self.lost_in_outage += n
+        except Exception:  # telemetry never raises
+            pass
 
     def start(self) -> None:
         """Spawn the worker greenlet if it is not running (and the exporter is not shut down)."""

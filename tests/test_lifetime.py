@@ -152,6 +152,37 @@ def test_debug_endpoints_refuse_forwarded_requests(slow):
         assert json.loads(body)["error"]["type"] == "not_found_error"
 
 
+@pytest.mark.parametrize(
+    "host",
+    [
+        "evil.example",
+        "evil.example:80",
+        "127.0.0.1.evil.example",
+        "10.0.0.1",
+        "localhost.evil.example",
+    ],
+)
+def test_debug_endpoints_answer_only_a_loopback_host(slow, host):
+    # A page on another name that resolves to 127.0.0.1 (DNS rebinding) must not read them.
+    srv, _ = slow
+    for method, path in (("GET", "/debug/state"), ("POST", "/debug/drain")):
+        status, _, body = srv.request(method, path, headers={"Host": host})
+        assert status == 404, (host, path)
+        assert json.loads(body)["error"]["type"] == "not_found_error"
+    assert srv.get("/ready")[0] == 200
+
+
+@pytest.mark.parametrize(
+    "host", ["localhost", "LOCALHOST:{port}", "127.0.0.1:{port}", "[::1]:{port}"]
+)
+def test_debug_state_answers_a_loopback_host(slow, host):
+    srv, _ = slow
+    status, _, body = srv.request(
+        "GET", "/debug/state", headers={"Host": host.format(port=srv.port)}
+    )
+    assert status == 200 and "slots" in json.loads(body)
+
+
 @pytest.fixture
 def make_server(succ_dir, serve):
     """Return ``make(faults="", **env)``: a started succ-model server with ``GREENSERVE_FAULTS``."""
@@ -303,3 +334,33 @@ def test_default_limits_follow_the_model(serve):
     assert s["queue"] == {"waiting": 0, "max": 1024}
     assert default_limits("llama", None, None) == (64, 256)
     assert default_limits("bigram", 3, 0) == (3, 0)  # MAX_SLOTS and MAX_QUEUE win when set
+
+
+def test_drain_is_server_wide_survives_a_reload_and_is_undone(make_server):
+    srv = make_server(WEB_CONCURRENCY="2")
+    assert srv.post("/debug/drain", b"")[0] == 200
+
+    def every_worker(draining: bool, exclude: set[int] = frozenset()) -> set[int]:
+        """Poll /debug/state until two workers (none of ``exclude``) answered, each with
+        ``draining``; return their pids."""
+        seen: dict[int, bool] = {}
+
+        def both() -> bool:
+            s = srv.state()
+            if s["pid"] not in exclude:
+                seen[s["pid"]] = s["draining"]
+            return len(seen) >= 2
+
+        wait_until(both, 30, lambda: f"two workers; saw {seen}")
+        assert set(seen.values()) == {draining}, seen
+        return set(seen)
+
+    first = every_worker(True)
+    statuses = {srv.get("/ready", port=p)[0] for p in srv.ports for _ in range(10)}
+    assert statuses == {503}
+    srv.signal(signal.SIGHUP)  # new workers: still drained
+    every_worker(True, exclude=first)
+    status, _, body = srv.request("DELETE", "/debug/drain")
+    assert status == 200 and json.loads(body)["status"] == "ready"
+    every_worker(False)
+    assert {srv.get("/ready", port=p)[0] for p in srv.ports for _ in range(10)} == {200}

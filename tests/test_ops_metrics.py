@@ -44,11 +44,17 @@ def test_workers_ready_and_storage_errors(succ_dir, serve):
         "greenserve_rate_limit_storage_errors_total",
     )
     assert errors == 1
-    # One worker drains: /metrics says so within a heartbeat, while both stay alive.
+    # The server drains (every worker): /metrics says so within a heartbeat, while both stay alive;
+    # undoing it counts both as ready again.
     status, _, body = srv.post("/debug/drain", {})
     assert status == 200
     wait_until(
-        lambda: value(scrape(srv, srv.health_port), "greenserve_workers_ready") == 1,
-        what="the drained worker to count as not ready",
+        lambda: value(scrape(srv, srv.health_port), "greenserve_workers_ready") == 0,
+        what="both drained workers to count as not ready",
     )
     assert value(scrape(srv, srv.health_port), "greenserve_workers") == 2
+    assert srv.request("DELETE", "/debug/drain")[0] == 200
+    wait_until(
+        lambda: value(scrape(srv, srv.health_port), "greenserve_workers_ready") == 2,
+        what="both workers to count as ready again",
+    )

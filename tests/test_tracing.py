@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.collector import FakeCollector
-from tests.server import GunicornServer
+from tests.server import GunicornServer, wait_until
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -115,3 +115,34 @@ def test_dead_or_slow_collector_does_not_delay_answers(succ_dir, serve, mode):
             assert status == 200 and json.loads(raw)["choices"][0]["text"] == "bcdefghi"
         # The exporter posts from its own greenlet: no answer waits for the 5 s collector.
         assert max(latencies) < 1.0, latencies
+
+
+def test_lost_spans_are_logged_once_per_outage(succ_dir, serve):
+    # Two outages (the collector refuses batches with a 400, which is not retried), each followed by
+    # an accepted batch: one warning as each begins, one line with its count as each ends.
+    with FakeCollector(statuses=[400, 400, 200, 400, 200]) as collector:
+        srv = serve(MODEL_DIR=str(succ_dir), OTEL_EXPORTER_OTLP_ENDPOINT=collector.url)
+        for wave in range(5):  # one batch per wave: the exporter posts every 0.5 s
+            for i in range(3):
+                srv.get("/v1/models", headers={"X-Request-Id": f"wave-{wave}-{i}"})
+            wait_until(lambda w=wave: len(collector.attempts()) > w, what=f"post {wave + 1}")
+        srv.stop()
+    lines = [json.loads(x) for x in srv.log_text().splitlines() if "span export to" in x]
+    where = collector.url.replace("http://", "")
+    posts = collector.attempts()
+    assert [a.status for a in posts[:5]] == [400, 400, 200, 400, 200]
+    first, second = len(posts[0].spans) + len(posts[1].spans), len(posts[3].spans)
+    assert [(x["level"], x["message"]) for x in lines] == [
+        (
+            "WARNING",
+            f"span export to http://{where} failing: spans are being failed (one line "
+            "per outage; greenserve_exported_spans_total counts them)",
+        ),
+        ("INFO", f"span export to http://{where} recovered: {first} spans lost during the outage"),
+        (
+            "WARNING",
+            f"span export to http://{where} failing: spans are being failed (one line "
+            "per outage; greenserve_exported_spans_total counts them)",
+        ),
+        ("INFO", f"span export to http://{where} recovered: {second} spans lost during the outage"),
+    ]

@@ -19,6 +19,7 @@ from typing import Any
 
 import gevent
 
+from wsgi_app.connection import close_after_response
 from wsgi_app.errors import ApiError
 
 READ_SIZE = 65_536  # bytes per read of the input stream
@@ -42,7 +43,8 @@ def read_body(environ: Mapping[str, Any], limit: int, timeout_s: float | None = 
     Raises:
         ApiError: 413 ``request_too_large`` when ``Content-Length`` or the bytes actually sent exceed
             ``limit`` (the rest of the body is not read); 408 ``request_timeout`` when the body has
-            not arrived within ``timeout_s``.
+            not arrived within ``timeout_s`` (answered ``Connection: close``, and the connection
+            closes).
         gunicorn.http.errors.ParseException: a malformed chunked body (answered 400 by ``errors.py``).
     """
     if timeout_s is None:
@@ -51,6 +53,8 @@ def read_body(environ: Mapping[str, Any], limit: int, timeout_s: float | None = 
         with gevent.Timeout(max(timeout_s, 0.001)):
             return _read(environ, limit)
     except gevent.Timeout:
+        # The rest of the body may still come: where the next request would start is unknown.
+        close_after_response(environ.get("gunicorn.socket"))
         raise ApiError(
             408, f"Request body not received within {timeout_s:.3g} s.", code="request_timeout"
         ) from None

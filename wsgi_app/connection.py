@@ -50,3 +50,14 @@ def peer_closed(sock: socket.socket | None) -> bool:
         return False
     except OSError:
         return True
+
+
+def close_after_response(sock: socket.socket | None) -> None:
+    """Answer the current request with ``Connection: close`` and close the connection after it
+    (where the request's end on the connection is unknown, e.g. a body that stopped arriving).
+
+    Args:
+        sock: the connection's socket (gunicorn's ``environ["gunicorn.socket"]``), or None.
+    """
+    if isinstance(sock, StreamSocket):
+        sock.close_after_response()

@@ -165,8 +165,13 @@ def on_starting(server):
 
     _check_config_or_exit()
 
-    for path in glob.glob(os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], "*.db")):
+    metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    for path in glob.glob(os.path.join(metrics_dir, "*.db")):
         os.remove(path)
+    # A new start is never drained (a SIGHUP reload does not come here, so a drain outlives it).
+    drained = os.path.join(metrics_dir, "greenserve-drained")
+    if os.path.exists(drained):
+        os.remove(drained)
     os.environ.setdefault("CLIENT_HASH_SALT", secrets.token_hex(16))
 
 
@@ -192,7 +197,9 @@ def worker_exit(server, worker):
     app = getattr(worker, "wsgi", None)
     state = getattr(app, "extensions", {}).get("greenserve") if app is not None else None
     if state is not None:
-        state.exporter.shutdown(5.0)
+        # Within what is left of the grace period (wsgi_app.worker keeps some for this hook).
+        budget = getattr(worker, "exit_budget_s", lambda cap_s: cap_s)
+        state.exporter.shutdown(budget(5.0))
         if state.observer is not None:
             state.observer.close()
 

@@ -6,6 +6,7 @@ by the app factory in the worker (after gevent's patching), never in the gunicor
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from wsgi_app.settings import Settings
 EXTENSION = "greenserve"
 RENDER_THREADS = 2
 T = TypeVar("T")
+DRAIN_FILE = "greenserve-drained"  # in PROMETHEUS_MULTIPROC_DIR: see Runtime.drain_path
 
 
 @dataclass
@@ -36,7 +38,8 @@ class Runtime:
         model_version: ``X-Model-Version`` value: checkpoint hash + code version.
         admission: the worker's slots and queue.
         started_at: Unix time the worker became ready, in seconds.
-        draining: ``POST /debug/drain`` or SIGTERM happened: ``/ready`` answers 503.
+        stopping: SIGTERM happened: ``/ready`` answers 503.
+        drained_here: the server was drained with no shared directory to say so (single process).
         engine_ok: False once the engine failed in a way that leaves it untrustworthy.
         stop_at: ``perf_counter`` time by which in-flight streams must end (set on SIGTERM), or None.
         rate_limit_storage_errors: times the rate-limit storage (Redis) could not be reached; the
@@ -55,7 +58,8 @@ class Runtime:
     model_version: str
     admission: Admission
     started_at: float = field(default_factory=time.time)
-    draining: bool = False
+    stopping: bool = False
+    drained_here: bool = False
     engine_ok: bool = True
     stop_at: float | None = None
     rate_limit_storage_errors: int = 0
@@ -92,6 +96,40 @@ class Runtime:
         return self.render_pool.apply(func, args)
 
     @property
+    def drain_path(self) -> str | None:
+        """The file whose presence drains the whole server: in the server's metrics directory, which
+        the master makes (or the operator gives) and every worker shares, and which outlives a
+        SIGHUP reload; None without one."""
+        directory = self.settings.prometheus_multiproc_dir
+        return os.path.join(directory, DRAIN_FILE) if directory else None
+
+    @property
+    def draining(self) -> bool:
+        """True while stopping or while the server is drained (``POST /debug/drain``)."""
+        if self.stopping or self.drained_here:
+            return True
+        path = self.drain_path
+        return path is not None and os.path.exists(path)
+
+    def set_drained(self, drained: bool) -> None:
+        """Drain the whole server (every worker's ``/ready`` answers 503), or undo it.
+
+        Raises:
+            OSError: the shared directory cannot be written.
+        """
+        path = self.drain_path
+        if path is None:
+            self.drained_here = drained
+        elif drained:
+            with open(path, "w") as f:
+                f.write(f"{os.getpid()}\n")
+        else:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+
+    @property
     def ready(self) -> bool:
         """True while the worker should get traffic: not draining, engine trusted."""
         return self.engine_ok and not self.draining
@@ -102,7 +140,7 @@ class Runtime:
         Streams still running one second before the grace period ends get a final error event and
         ``[DONE]`` (gunicorn kills the worker at the end of ``graceful_timeout``).
         """
-        self.draining = True
+        self.stopping = True
         self.stop_at = time.perf_counter() + max(0.0, grace_s - 1.0)
 
     def worker_state(self) -> dict[str, Any]:

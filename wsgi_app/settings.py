@@ -417,6 +417,9 @@ class ServerSettings:
         timeout_s: gunicorn's worker timeout (``GUNICORN_TIMEOUT_S``), in seconds.
         graceful_timeout_s: seconds in-flight streams get after SIGTERM.
         keepalive_s: seconds an idle keep-alive connection is held open.
+        header_timeout_s: seconds a request's head (request line and fields) may take to arrive
+            (408 beyond).
+        max_header_bytes: the largest request head, in bytes (431 beyond).
         log_level: logging level name, lower case (checked by ``telemetry.logs.logging_config``).
     """
 
@@ -428,6 +431,8 @@ class ServerSettings:
     timeout_s: int = 30
     graceful_timeout_s: int = 30
     keepalive_s: int = 5
+    header_timeout_s: float = 10.0
+    max_header_bytes: int = 32_768
     log_level: str = "info"
 
     @classmethod
@@ -451,6 +456,8 @@ class ServerSettings:
             timeout_s=_int(env, "GUNICORN_TIMEOUT_S", d["timeout_s"], 0, 86_400),
             graceful_timeout_s=_int(env, "GRACEFUL_TIMEOUT_S", d["graceful_timeout_s"], 0, 86_400),
             keepalive_s=_int(env, "KEEPALIVE_S", d["keepalive_s"], 0, 3_600),
+            header_timeout_s=_float(env, "HEADER_TIMEOUT_S", d["header_timeout_s"], 0.1, 3_600.0),
+            max_header_bytes=_int(env, "MAX_HEADER_BYTES", d["max_header_bytes"], 1024, 1 << 20),
             log_level=_str(env, "LOG_LEVEL", d["log_level"]).lower(),
         )
         if settings.port and settings.port == settings.health_port:

@@ -11,9 +11,13 @@ queue did not shrink: ``SIOCOUTQ``), not the whole write: a slow reader that kee
 cut, one that stops is cut after that long (:class:`SendTimeout`). The timeout is for writes only,
 so reading the next request on a keep-alive connection is not affected by it.
 
-On SIGTERM, writes still blocked on a reader that stopped are cut one second before
-``graceful_timeout`` ends, so their requests still get their log line and span before the arbiter kills
-the worker.
+Requests are parsed by ``wsgi_app.request_head`` (the head bounded in bytes and time, ``Host``
+required, idle keep-alive connections waited on only while the worker runs).
+
+On SIGTERM, as nginx does: idle keep-alive connections are closed at once, requests in flight are
+answered ``Connection: close``, writes still blocked on a reader that stopped are cut one second before
+``graceful_timeout`` ends, and whatever still runs is ended ``EXIT_RESERVE_S`` before it, so the exit
+hooks (spans, history, metrics) always run before the arbiter kills the worker.
 
 This module is imported by the arbiter (``worker_class`` in ``gunicorn.conf.py``): it imports gevent
 and gunicorn only, never Flask.
@@ -25,12 +29,33 @@ import fcntl
 import socket
 import struct
 import termios
+import time
 import weakref
+from functools import partial
 from typing import Any
 
 import gevent
 from gevent import socket as gsocket
+from gevent.event import Event
+from gevent.pool import Pool
+from gevent.server import StreamServer
+from gunicorn import util
+from gunicorn.sock import ssl_context
 from gunicorn.workers import ggevent
+
+from wsgi_app.request_head import HeadLimits, HeadTimeout, install
+from wsgi_app.settings import ServerSettings
+
+# How often a blocked write looks at the kernel's send queue for progress, seconds: a reader that
+# stops is cut at most this long after ``SEND_TIMEOUT_S``.
+PROGRESS_CHECK_S = 0.25
+# Seconds of the grace period kept for the exit hooks (flushing spans, history and metrics): whatever
+# still runs this long before ``graceful_timeout`` ends is ended.
+EXIT_RESERVE_S = 0.75
+# A refused request's connection reads and discards what the client still sends for this long
+# (seconds) and at most this much (bytes) before closing.
+LINGER_S = 1.0
+LINGER_MAX_BYTES = 1 << 20
 
 
 class SendTimeout(TimeoutError):
@@ -45,15 +70,25 @@ class StreamSocket(gsocket.socket):
             falls back to gevent's ``sendall`` and the socket's own timeout.
         stalled: True once a write was cut by ``send_timeout_s``.
         blocked: True while a write waits for the peer.
+        idle: True while the connection waits for a request to start.
+        request: the request being answered (gunicorn's ``Request``), or None.
     """
 
-    __slots__ = ("send_timeout_s", "stalled", "blocked")
+    __slots__ = ("send_timeout_s", "stalled", "blocked", "idle", "request")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.send_timeout_s: float | None = None
         self.stalled = False
         self.blocked = False
+        self.idle = False
+        self.request: Any = None
+
+    def close_after_response(self) -> None:
+        """Answer the current request with ``Connection: close`` and close the connection after it
+        (when its headers are still unsent; otherwise just close after it)."""
+        if self.request is not None:
+            self.request.force_close()
 
     def sendall(self, data: Any, flags: int = 0) -> None:
         """Send all of ``data`` (a bytes-like object), cooperatively when the kernel is full.
@@ -74,24 +109,37 @@ class StreamSocket(gsocket.socket):
         if timeout is None:
             super().sendall(view, flags)
             return
+        # One bound, counted from the last progress seen: a wait is cut into slices, and each slice
+        # looks at the send queue. Restarting a whole timeout after a wait that saw progress (the
+        # queue shrank at its very start, say) would let a reader that stopped hold on for twice it.
+        check_s = min(PROGRESS_CHECK_S, timeout)
         self.blocked = True
         try:
+            queued = _queued_bytes(self)
+            progress_at = time.monotonic()
             while view:
-                queued = _queued_bytes(self)
+                left = progress_at + timeout - time.monotonic()
+                if left <= 0:
+                    self.stalled = True
+                    raise _timeout_exc(timeout)
                 try:
-                    gsocket.wait_write(self.fileno(), timeout, _timeout_exc(timeout))
+                    gsocket.wait_write(self.fileno(), min(check_s, left), _timeout_exc(timeout))
                 except SendTimeout:
                     # The kernel reports a socket writable only once a third of its (autotuned, up
                     # to megabytes) buffer is free: a slow reader can take bytes all along and
                     # still never get there within the timeout. Progress is what counts.
-                    if _queued_bytes(self) < queued:
-                        continue
-                    self.stalled = True
-                    raise
+                    now_queued = _queued_bytes(self)
+                    if 0 <= now_queued < queued:
+                        progress_at = time.monotonic()
+                    queued = now_queued
+                    continue
                 try:
                     view = view[self._sock.send(view, flags) :]
                 except BlockingIOError:  # woken, but another writer got there first
                     continue
+                # The kernel took bytes: the peer made room.
+                progress_at = time.monotonic()
+                queued = _queued_bytes(self)
         finally:
             self.blocked = False
 
@@ -111,7 +159,8 @@ def _timeout_exc(timeout_s: float) -> SendTimeout:
 
 
 class GeventWorker(ggevent.GeventWorker):
-    """gunicorn's gevent worker whose plain TCP connections are :class:`StreamSocket`\\ s.
+    """gunicorn's gevent worker whose plain TCP connections are :class:`StreamSocket`\\ s, whose
+    requests are parsed by ``wsgi_app.request_head``, and which stops as the module docstring says.
 
     TLS connections (gunicorn's ``certfile``) and anything else keep gevent's own class.
     """
@@ -119,6 +168,28 @@ class GeventWorker(ggevent.GeventWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.connections: weakref.WeakSet[StreamSocket] = weakref.WeakSet()
+        self.stop_requested = Event()
+        self.exit_by: float | None = None  # monotonic time the exit hooks must be done by
+        self.header_timeout_s = ServerSettings.header_timeout_s
+
+    def init_process(self) -> None:
+        """Bound the request parser (``MAX_HEADER_BYTES``, ``HEADER_TIMEOUT_S``), then run."""
+        server = ServerSettings.from_env()
+        self.header_timeout_s = server.header_timeout_s
+        install(
+            HeadLimits(
+                server.max_header_bytes,
+                server.header_timeout_s,
+                self.cfg.keepalive,
+                stopping=lambda: not self.alive,
+            )
+        )
+        super().init_process()
+
+    def timeout_ctx(self) -> gevent.Timeout:
+        """Bound the wait for the next request as a whole; its parts (the idle wait, the head) have
+        their own, shorter bounds in ``wsgi_app.request_head``."""
+        return gevent.Timeout(self.cfg.keepalive + self.header_timeout_s, False)
 
     def handle(self, listener: Any, client: Any, addr: Any) -> None:
         """Serve one connection (gunicorn's ``handle``) over a :class:`StreamSocket`."""
@@ -130,21 +201,114 @@ class GeventWorker(ggevent.GeventWorker):
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> None:
         """Serve one request; a reader cut by the send timeout closes the connection quietly (the
         app logs the request), where gunicorn would log a socket-error traceback."""
+        if isinstance(sock, StreamSocket):
+            sock.request = req
         try:
             super().handle_request(listener_name, req, sock, addr)
         except SendTimeout as exc:
             raise StopIteration(str(exc)) from None  # gunicorn's "close this connection"
+        finally:
+            if isinstance(sock, StreamSocket):
+                sock.request = None
+
+    def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
+        """Answer a late request head 408, the rest as gunicorn does; then close the connection
+        lingering (so the client reads the answer rather than a reset)."""
+        if isinstance(exc, HeadTimeout):
+            self.log.debug("Request head timed out from %s: %s", addr, exc)
+            try:
+                util.write_error(client, 408, "Request Timeout", str(exc))
+            except OSError:
+                pass
+        else:
+            super().handle_error(req, client, addr, exc)
+        _linger(client)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        """Stop as gunicorn does, and cut writes still blocked one second before the grace ends."""
+        """Stop: close idle connections now, answer in-flight requests ``Connection: close``, cut
+        blocked writes one second before the grace ends and the rest ``EXIT_RESERVE_S`` before."""
         super().handle_exit(sig, frame)
-        gevent.spawn_later(max(0.0, self.cfg.graceful_timeout - 1.0), self.cut_blocked_writes)
+        grace = float(self.cfg.graceful_timeout)
+        if self.exit_by is None:
+            self.exit_by = time.monotonic() + grace
+        self.stop_requested.set()
+        gevent.spawn(self.close_idle_connections)
+        gevent.spawn_later(max(0.0, grace - 1.0), self.cut_blocked_writes)
+
+    def close_idle_connections(self) -> None:
+        """Shut down connections waiting for a request; mark the others to close after theirs."""
+        for conn in list(self.connections):
+            if conn.idle:
+                _shutdown(conn)
+            else:
+                conn.close_after_response()
 
     def cut_blocked_writes(self) -> None:
         """Shut down every connection whose write waits for a reader (it fails with EPIPE at once)."""
         for conn in list(self.connections):
             if conn.blocked:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:  # closed meanwhile
-                    pass
+                _shutdown(conn)
+
+    def exit_budget_s(self, cap_s: float) -> float:
+        """Seconds an exit hook may still take: at most ``cap_s``, less when the arbiter's kill is
+        near (a little is kept for the process to exit)."""
+        if self.exit_by is None:
+            return cap_s
+        return max(0.0, min(cap_s, self.exit_by - time.monotonic() - 0.1))
+
+    def run(self) -> None:
+        """Serve until SIGTERM, then wait for the open connections until ``EXIT_RESERVE_S`` before
+        the grace ends, and end those left (gunicorn's loop, checking every 50 ms, not every second,
+        and never past the point where the exit hooks would be killed)."""
+        ssl_args = {"ssl_context": ssl_context(self.cfg)} if self.cfg.is_ssl else {}
+        servers = []
+        for s in self.sockets:
+            s.setblocking(1)
+            server = StreamServer(
+                s, handle=partial(self.handle, s), spawn=Pool(self.worker_connections), **ssl_args
+            )
+            if self.cfg.workers > 1:
+                server.max_accept = 1
+            server.start()
+            servers.append(server)
+        while self.alive:
+            self.notify()
+            self.stop_requested.wait(1.0)
+        for server in servers:
+            # Stop accepting, but keep the listener open: a handler just spawned still asks it its name.
+            server.stop_accepting()
+        end_by = (self.exit_by or time.monotonic()) - EXIT_RESERVE_S
+        while any(server.pool.free_count() != server.pool.size for server in servers):
+            if time.monotonic() >= end_by:
+                self.log.warning("Worker graceful timeout (pid:%s)", self.pid)
+                for server in servers:
+                    server.pool.kill(block=True, timeout=0.2)
+                break
+            self.notify()
+            gevent.sleep(0.05)
+
+
+def _shutdown(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed meanwhile
+        pass
+
+
+def _linger(conn: socket.socket) -> None:
+    """Half-close ``conn`` and discard what the client still sends, for up to ``LINGER_S``: closing
+    with unread bytes would reset the connection and could destroy the answer just written.
+
+    Source: RFC 9112 §9.6 (tear-down); nginx's ``lingering_close``.
+    """
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        with gevent.Timeout(LINGER_S, False):
+            discarded = 0
+            while discarded < LINGER_MAX_BYTES:
+                data = conn.recv(65_536)
+                if not data:
+                    break
+                discarded += len(data)
+    except OSError:
+        pass

@@ -41,8 +41,32 @@ def ready() -> Response:
     return json_response({"status": "not_ready", "reason": reason}, 503)
 
 
+def loopback_host(host: str) -> bool:
+    """True when ``host`` (a ``Host`` value) is ``localhost`` or a loopback IP literal, with or
+    without a port: a page on another name (DNS rebinding) never gets the debug views.
+
+    Source: RFC 9110 §7.2 (Host); RFC 3986 §3.2.2 (IP-literal in brackets).
+    """
+    name = host.strip().lower()
+    if name.startswith("["):  # [::1] or [::1]:8000
+        name, sep, port = name[1:].partition("]")
+        if not sep or (port and not (port[0] == ":" and port[1:].isdigit())):
+            return False
+    else:
+        name, _, port = name.partition(":")
+        if port and not port.isdigit():
+            return False
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 def require_loopback() -> None:
-    """Allow only a direct loopback peer: never a request that came through a proxy or from a page.
+    """Allow only a direct loopback peer that names a loopback host: never a request that came
+    through a proxy, from a page, or for another host name (DNS rebinding).
 
     Raises:
         ApiError: 404 for anyone else (the route does not exist for them).
@@ -55,7 +79,7 @@ def require_loopback() -> None:
     # A browser sends Origin with every cross-site POST: a page open on the host must not be able to
     # drain the server (the operator's curl sends no Origin).
     from_page = "Origin" in request.headers
-    if not direct or forwarded or from_page:
+    if not direct or forwarded or from_page or not loopback_host(request.host):
         raise ApiError(404, "Not found: no such route.", type="not_found_error")
 
 
@@ -78,12 +102,17 @@ def debug_state() -> Response:
 
 @bp.post("/debug/drain")
 def debug_drain() -> Response:
-    """Turn ``/ready`` to 503 on the worker that answers, while it keeps serving (loopback only).
+    """Drain the whole server: ``/ready`` answers 503 from every worker while they keep serving, until
+    ``DELETE /debug/drain`` (loopback only). A SIGHUP reload keeps it; a new start clears it."""
+    require_loopback()
+    runtime().set_drained(True)
+    return json_response({"status": "draining", "pid": os.getpid()})
 
-    With several workers, repeat until every worker answered (``pid`` tells which one did), or send
-    the master SIGTERM to stop them all.
-    """
+
+@bp.delete("/debug/drain")
+def debug_undrain() -> Response:
+    """Undo ``POST /debug/drain``: ``/ready`` answers 200 again from every worker (loopback only)."""
     require_loopback()
     rt = runtime()
-    rt.draining = True
-    return json_response({"status": "draining", "pid": os.getpid()})
+    rt.set_drained(False)
+    return json_response({"status": "ready" if rt.ready else "not_ready", "pid": os.getpid()})

@@ -1,0 +1,51 @@
+"""SIGTERM with idle keep-alive connections: closed at once (as nginx does), in-flight requests answered
+``Connection: close``, and the worker's exit hooks always run within the grace period.
+
+Source: RFC 9112 §9.6 (tear-down); gunicorn's ``graceful_timeout`` and ``worker_exit`` hook.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import time
+
+from tests.collector import FakeCollector
+
+
+def test_sigterm_closes_idle_keepalive_connections_and_flushes(serve, succ_dir):
+    with FakeCollector() as collector:
+        srv = serve(
+            MODEL_DIR=str(succ_dir),
+            GREENSERVE_FAULTS="slow_step_s=0.02",
+            KEEPALIVE_S="30",
+            GRACEFUL_TIMEOUT_S="3",
+            OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+        )
+        idle = []
+        for i in range(5):  # each answers one request, then idles on keep-alive
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+            conn.request("GET", "/v1/models", headers={"X-Request-Id": f"idle-{i}"})
+            resp = conn.getresponse()
+            resp.read()
+            assert resp.getheader("Connection") == "keep-alive"
+            idle.append(conn)
+        busy = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+        body = {"model": "m", "prompt": "a", "max_tokens": 40, "temperature": 0}  # ~0.8 s
+        busy.request("POST", "/v1/completions", json.dumps(body), {"X-Request-Id": "in-flight"})
+        time.sleep(0.2)  # the request is being generated (the client's pause is what is tested)
+        srv.signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        resp = busy.getresponse()
+        assert resp.status == 200 and resp.getheader("Connection") == "close"
+        assert json.loads(resp.read())["usage"]["completion_tokens"] == 40
+        for conn in idle:  # closed by the server: the socket reads EOF at once
+            assert conn.sock.recv(1) == b""
+        assert srv.wait(10) == 0
+        exit_s = time.monotonic() - stopped
+        log = srv.log_text()
+        assert "Worker exiting" in log and "graceful timeout" not in log, srv.log_tail()
+        assert exit_s < 3.0, exit_s  # not the whole grace period, let alone a SIGKILL
+        for rid in ["in-flight"] + [f"idle-{i}" for i in range(5)]:
+            collector.span_for(rid, timeout_s=1)
