@@ -63,8 +63,9 @@ MAX_TOKENS = 128
 PROMPT = "Once upon a time"
 # /healthz on each of greenserve's two ports this often, seconds: ~40 light requests a second.
 PROBE_EVERY_S = 0.05
-# Warm-up cap, seconds: at most this long before a window opens.
-MAX_WARMUP_S = 30.0
+# Caps, seconds, on the warm-up before a window and the drain after it (see ``series``).
+MAX_WARMUP_S = 120.0
+MAX_DRAIN_S = 600.0
 
 
 def eog_ids(model: Path) -> list[int]:
@@ -125,9 +126,11 @@ def series(
     """Run one server through ``streams`` concurrencies (greenserve probed on both ports).
 
     Each run's warm-up and drain follow the previous run's tokens/s (the first run's follow one
-    plain answer): a closed loop of long answers needs about one answer's latency
-    (``streams × 128 / tokens/s``) to leave lockstep, and as long again for the answers started in
-    the window to finish, or their TTFT would go unmeasured (llama.cpp serves one at a time).
+    plain answer): an answer takes about ``streams × 128 / tokens/s``; the window opens only after
+    that long, once the first answers have ended and their successors started spread out (the
+    first streams start over half of it), else no request would start inside the window and TTFT
+    would go unmeasured; and the drain waits about as long again for the answers started in the
+    window to finish (llama.cpp serves one at a time, so a request waits for all the others).
     """
     first = answer(srv.port, plain_body)
     rate = MAX_TOKENS / first["seconds"]
@@ -143,7 +146,7 @@ def series(
             window_s,
             probe_every_s=probe,
             extra_events=extra_events,
-            drain_s=1.5 * latency_s + 10.0,
+            drain_s=min(1.5 * latency_s + 10.0, MAX_DRAIN_S),
             warmup_s=min(max(latency_s, 1.0), MAX_WARMUP_S),
         )
         run = run_load(spec)
