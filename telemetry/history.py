@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from telemetry.quantiles import bucket_index, cumulate, histogram_quantile
-from telemetry.recorder import COLUMNS, LATENCY_BUCKETS, Batch
+from telemetry.recorder import COLUMNS, SKETCHED, Batch
+from telemetry.sketch import quantiles
 
 __all__ = ["KEEP_MINUTES", "WEEK_S", "HistoryStore"]
 
@@ -36,9 +36,9 @@ CREATE TABLE IF NOT EXISTS minutes (
     minute INTEGER PRIMARY KEY,
     {", ".join(f"{c} {'REAL' if c.endswith('_s') else 'INTEGER'} NOT NULL DEFAULT 0" for c in COLUMNS)}
 );
-CREATE TABLE IF NOT EXISTS buckets (
-    minute INTEGER NOT NULL, metric TEXT NOT NULL, le REAL NOT NULL, n INTEGER NOT NULL,
-    PRIMARY KEY (minute, metric, le)
+CREATE TABLE IF NOT EXISTS sketch_bins (
+    minute INTEGER NOT NULL, metric TEXT NOT NULL, key INTEGER NOT NULL, n INTEGER NOT NULL,
+    PRIMARY KEY (minute, metric, key)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS workers (
     pid INTEGER PRIMARY KEY, master_pid INTEGER NOT NULL, started_at REAL NOT NULL,
@@ -49,9 +49,10 @@ _UPSERT_MINUTE = (
     f"INSERT INTO minutes (minute, {', '.join(COLUMNS)}) VALUES (?{', ?' * len(COLUMNS)}) "
     f"ON CONFLICT(minute) DO UPDATE SET {', '.join(f'{c} = {c} + excluded.{c}' for c in COLUMNS)}"
 )
-_UPSERT_BUCKET = (
-    "INSERT INTO buckets (minute, metric, le, n) VALUES (?, ?, ?, ?) "
-    "ON CONFLICT(minute, metric, le) DO UPDATE SET n = n + excluded.n"
+# DDSketch bins (telemetry.sketch) add up: a sum of counts per bin merges workers and minutes.
+_UPSERT_BIN = (
+    "INSERT INTO sketch_bins (minute, metric, key, n) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT(minute, metric, key) DO UPDATE SET n = n + excluded.n"
 )
 _UPSERT_WORKER = (
     "INSERT INTO workers (pid, master_pid, started_at, updated_at, state) VALUES (?, ?, ?, ?, ?) "
@@ -114,7 +115,7 @@ class HistoryStore:
                 _UPSERT_MINUTE,
                 [(m, *(row[c] for c in COLUMNS)) for m, row in sorted(batch.rows.items())],
             )
-            conn.executemany(_UPSERT_BUCKET, [(*k, n) for k, n in sorted(batch.buckets.items())])
+            conn.executemany(_UPSERT_BIN, [(*k, n) for k, n in sorted(batch.bins.items())])
             if worker is not None:
                 conn.execute(
                     _UPSERT_WORKER,
@@ -137,7 +138,7 @@ class HistoryStore:
         oldest = int(now // 60) - KEEP_MINUTES
         with self._connect() as conn:
             conn.execute("DELETE FROM minutes WHERE minute < ?", (oldest,))
-            conn.execute("DELETE FROM buckets WHERE minute < ?", (oldest,))
+            conn.execute("DELETE FROM sketch_bins WHERE minute < ?", (oldest,))
 
     def _sums(self, conn: sqlite3.Connection, first: int, last: int) -> dict[str, float]:
         row = conn.execute(
@@ -152,7 +153,7 @@ class HistoryStore:
 
         Each entry: ``t`` (Unix seconds at the minute's start), the counts of ``COLUMNS`` except the
         sums, ``ttft_mean_s``, ``ttft_p50_s``, ``ttft_p95_s``, ``e2e_mean_s``, ``e2e_p95_s`` (None when
-        the minute has no such observation; quantiles interpolated in ``LATENCY_BUCKETS``).
+        the minute has no such observation; quantiles from the minute's sketch, within 1 %).
         """
         last = int(now // 60)
         first = last - minutes + 1
@@ -164,26 +165,44 @@ class HistoryStore:
                     (first, last),
                 )
             }
-            counts: dict[tuple[int, str], list[int]] = {}
-            for minute, metric, le, n in conn.execute(
-                "SELECT minute, metric, le, n FROM buckets WHERE minute BETWEEN ? AND ?",
+            bins: dict[tuple[int, str], list[tuple[int, int]]] = {}
+            for minute, metric, key, n in conn.execute(
+                "SELECT minute, metric, key, n FROM sketch_bins WHERE minute BETWEEN ? AND ? "
+                "AND metric IN ('ttft', 'e2e')",
                 (first, last),
             ):
-                per = counts.setdefault((minute, metric), [0] * (len(LATENCY_BUCKETS) + 1))
-                per[bucket_index(LATENCY_BUCKETS, le)] += n
+                bins.setdefault((minute, metric), []).append((key, n))
         out = []
         for minute in range(first, last + 1):
             row = rows.get(minute, dict.fromkeys(COLUMNS, 0))
             entry: dict[str, Any] = {"t": minute * 60}
             entry.update({c: int(row[c]) for c in COLUMNS if not c.endswith("_s")})
-            for metric, quantiles in (("ttft", (0.5, 0.95)), ("e2e", (0.95,))):
+            for metric, qs in (("ttft", (0.5, 0.95)), ("e2e", (0.95,))):
                 n = row[f"{metric}_count"]
                 entry[f"{metric}_mean_s"] = row[f"{metric}_sum_s"] / n if n else None
-                per = counts.get((minute, metric))
-                for q in quantiles:
-                    cum = cumulate(LATENCY_BUCKETS, per) if per else []
-                    entry[f"{metric}_p{round(q * 100)}_s"] = histogram_quantile(q, cum)
+                values = quantiles(bins.get((minute, metric), ()), qs)
+                for q, value in zip(qs, values, strict=True):
+                    entry[f"{metric}_p{round(q * 100)}_s"] = value
             out.append(entry)
+        return out
+
+    def latency(self, since: float, now: float) -> dict[str, dict[str, float | None]]:
+        """Return p50, p90 and p99 (seconds) of each sketched latency (``ttft``, ``e2e``,
+        ``queue_wait``, ``itl``) over the minutes from ``since`` to ``now`` (Unix seconds), merged
+        over every worker: within 1 % of the observed order statistics (``telemetry.sketch``)."""
+        with self._connect() as conn:
+            rows = conn.execute(
+                "SELECT metric, key, SUM(n) FROM sketch_bins WHERE minute BETWEEN ? AND ? "
+                "GROUP BY metric, key",
+                (int(since // 60), int(now // 60)),
+            ).fetchall()
+        bins: dict[str, list[tuple[int, int]]] = {m: [] for m in SKETCHED}
+        for metric, key, n in rows:
+            bins.setdefault(metric, []).append((key, n))
+        out = {}
+        for metric in SKETCHED:
+            p50, p90, p99 = quantiles(bins[metric], (0.5, 0.9, 0.99))
+            out[metric] = {"p50": p50, "p90": p90, "p99": p99}
         return out
 
     def budget(self, now: float, target: float, window_s: int = WEEK_S) -> dict[str, Any]:

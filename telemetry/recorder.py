@@ -7,12 +7,12 @@ injectable ``clock`` (Unix seconds), so tests can step through minutes and days.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from telemetry.quantiles import LATENCY_BUCKETS, bucket_index
+from telemetry.sketch import bin_key
 
-__all__ = ["COLUMNS", "LATENCY_BUCKETS", "Batch", "HistoryRecorder"]
+__all__ = ["COLUMNS", "SKETCHED", "Batch", "HistoryRecorder"]
 
 # The per-minute sums, one ``minutes`` column each (``_s`` columns are seconds, the rest counts).
 COLUMNS = (
@@ -29,12 +29,17 @@ COLUMNS = (
 )
 
 
+# The latencies kept as DDSketch bins per minute (``telemetry.sketch``), for their quantiles.
+SKETCHED = ("ttft", "e2e", "queue_wait", "itl")
+
+
 @dataclass
 class Batch:
-    """Per-minute sums not yet written: ``rows[minute][column]`` and ``buckets[(minute, metric, le)]``."""
+    """Per-minute sums not yet written: ``rows[minute][column]`` and the sketch bin counts
+    ``bins[(minute, metric, key)]`` (``metric`` one of :data:`SKETCHED`)."""
 
     rows: dict[int, dict[str, float]] = field(default_factory=dict)
-    buckets: dict[tuple[int, str, float], int] = field(default_factory=dict)
+    bins: dict[tuple[int, str, int], int] = field(default_factory=dict)
 
     def merge(self, other: Batch) -> None:
         """Add ``other``'s sums to this batch."""
@@ -42,8 +47,8 @@ class Batch:
             mine = self.rows.setdefault(minute, dict.fromkeys(COLUMNS, 0))
             for c, v in row.items():
                 mine[c] += v
-        for key, n in other.buckets.items():
-            self.buckets[key] = self.buckets.get(key, 0) + n
+        for key, n in other.bins.items():
+            self.bins[key] = self.bins.get(key, 0) + n
 
 
 class HistoryRecorder:
@@ -67,6 +72,8 @@ class HistoryRecorder:
         e2e_s: float | None,
         prompt_tokens: int,
         completion_tokens: int,
+        queue_wait_s: float | None = None,
+        itl_bins: Mapping[int, int] | None = None,
     ) -> None:
         """Count one finished request in the current minute.
 
@@ -75,6 +82,8 @@ class HistoryRecorder:
             ttft_s: seconds to the first token, or None.
             e2e_s: seconds from arrival to the end, or None when it was never admitted.
             prompt_tokens, completion_tokens: usage counts.
+            queue_wait_s: seconds from arrival to a slot (or to giving up), or None.
+            itl_bins: the request's inter-token gaps as sketch bins (``telemetry.sketch.bin_counts``).
         """
         minute = int(self.clock() // 60)
         row = self._batch.rows.get(minute)
@@ -87,15 +96,18 @@ class HistoryRecorder:
         row["bad"] += failed or slow
         row["prompt_tokens"] += prompt_tokens
         row["completion_tokens"] += completion_tokens
-        for metric, value in (("ttft", ttft_s), ("e2e", e2e_s)):
+        bins = self._batch.bins
+        for metric, value in (("ttft", ttft_s), ("e2e", e2e_s), ("queue_wait", queue_wait_s)):
             if value is None:
                 continue
-            row[f"{metric}_count"] += 1
-            row[f"{metric}_sum_s"] += value
-            i = bucket_index(LATENCY_BUCKETS, value)
-            le = LATENCY_BUCKETS[i] if i < len(LATENCY_BUCKETS) else float("inf")
-            key = (minute, metric, le)
-            self._batch.buckets[key] = self._batch.buckets.get(key, 0) + 1
+            if metric != "queue_wait":
+                row[f"{metric}_count"] += 1
+                row[f"{metric}_sum_s"] += value
+            key = (minute, metric, bin_key(value))
+            bins[key] = bins.get(key, 0) + 1
+        for b, n in (itl_bins or {}).items():
+            key = (minute, "itl", b)
+            bins[key] = bins.get(key, 0) + n
 
     def drain(self) -> Batch:
         """Return everything counted since the last drain and start afresh."""

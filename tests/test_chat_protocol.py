@@ -105,6 +105,11 @@ def test_every_accepted_field() -> None:
     assert (req.stream, req.include_usage, req.ignore_eos, req.user) == (True, True, True, "u1")
 
 
+def test_seed_minus_one_is_no_seed() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": -1}
+    assert parse_chat_request(body, vocab_size=256).seed is None
+
+
 def test_logprobs_without_top_logprobs_is_zero_alternatives() -> None:
     assert parse(body(logprobs=True)).logprobs == 0
     assert parse(body(logprobs=False)).logprobs is None
@@ -289,7 +294,11 @@ def test_logprobs_without_top_logprobs_is_zero_alternatives() -> None:
         ({"top_p": "1"}, "top_p", "'top_p' must be a number, got str."),
         ({"n": 9}, "n", "'n' must be in 1..8, got 9."),
         ({"stop": [1]}, "stop", "'stop' must be a string or a list of strings."),
-        ({"seed": -2}, "seed", "'seed' must be in 0..18446744073709551615, got -2."),
+        (
+            {"seed": -2},
+            "seed",
+            "'seed' must be in 0..18446744073709551615, or -1 for a random seed, got -2.",
+        ),
         (
             {"presence_penalty": 2.5},
             "presence_penalty",

@@ -143,7 +143,6 @@ def test_null_means_absent(succ_server):
             "max_tokens": None,
             "seed": None,
             "stream": None,
-            "unknown_field": [1, 2],
         }
     )
     assert json.loads(body)["choices"][0]["text"] == "bcdefghijklmnopq"

@@ -46,6 +46,40 @@ def test_worked_example_frames(succ_server):
     assert {c["id"] for c in chunks} == {chunks[0]["id"]}
 
 
+def test_seed_minus_one_picks_a_seed_that_ids_report(succ_server):
+    _, _, body = succ_server.get(url({**GREEDY, "seed": -1}), headers=SSE)
+    ids = [f["id"] for f in frames(body) if "id" in f]
+    seed = ids[0].split("-")[0]
+    assert ids == [f"{seed}-0", f"{seed}-1", f"{seed}-2", f"{seed}-done"]
+    assert 0 <= int(seed) < 2**64
+    # A reconnect sends the same URL (seed=-1) and the last id: it resumes that seed's stream.
+    _, _, body = succ_server.get(
+        url({**GREEDY, "seed": -1}), headers={**SSE, "Last-Event-ID": f"{seed}-1"}
+    )
+    assert [f["id"] for f in frames(body) if "id" in f] == [f"{seed}-2", f"{seed}-done"]
+
+
+def completion_ids(body: bytes) -> set[str]:
+    return {
+        json.loads(f["data"])["id"] for f in frames(body) if f.get("data", "[DONE]") != "[DONE]"
+    }
+
+
+def test_resumed_stream_carries_the_completion_id_of_the_stream_it_continues(succ_server):
+    _, _, fresh = succ_server.get(url(GREEDY), headers=SSE)
+    first = frames(fresh)[1]["id"]  # <seed>-0: the server picked the seed
+    seed = first.split("-")[0]
+    (cid,) = completion_ids(fresh)
+    assert cid.startswith("cmpl-") and len(cid) == 29
+    _, _, resumed = succ_server.get(url(GREEDY), headers={**SSE, "Last-Event-ID": first})
+    assert texts(frames(resumed)) == ["c", "d"]
+    assert completion_ids(resumed) == {cid}
+    # The id names this stream: another seed or another request is another completion.
+    _, _, other_seed = succ_server.get(url({**GREEDY, "seed": int(seed) ^ 1}), headers=SSE)
+    _, _, other_prompt = succ_server.get(url({**GREEDY, "prompt": "b"}), headers=SSE)
+    assert len(completion_ids(other_seed) | completion_ids(other_prompt) | {cid}) == 3
+
+
 def test_get_stream_equals_post_stream(default_server):
     params = {"model": "m", "prompt": "ROMEO:", "max_tokens": 40, "seed": 11, "temperature": 0.9}
     _, _, got = default_server.get(url(params), headers=SSE)
@@ -123,7 +157,7 @@ BAD_QUERIES = [
     ({"top_k": "0x10"}, "top_k", None),
     ({"max_tokens": "2.0"}, "max_tokens", "'max_tokens' must be an integer, got float."),
     ({"max_tokens": "1" + "0" * 5000}, "max_tokens", None),
-    ({"seed": "-1"}, "seed", None),
+    ({"seed": "-2"}, "seed", None),
     ({"seed": str(2**64)}, "seed", None),
     ({"temperature": "3"}, "temperature", None),
     ({"echo": "yes"}, "echo", "Query parameter 'echo' must be true or false, got 'yes'."),
@@ -242,7 +276,7 @@ def test_query_body_converts_by_field_type():
     args = MultiDict(
         [("model", "m"), ("prompt", "1"), ("max_tokens", "7"), ("temperature", "0.5")]
         + [("top_p", "1e-1"), ("echo", "false"), ("stop", "x"), ("stop", "y"), ("n", "")]
-        + [("stream", "false"), ("api_key", "k"), ("unknown", "1")]
+        + [("api_key", "k")]
     )
     assert query_body(args) == {
         "stream": True,
@@ -254,6 +288,28 @@ def test_query_body_converts_by_field_type():
         "echo": False,
         "stop": ["x", "y"],
     }
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("max_token", "Unrecognized request argument supplied: max_token"),
+        ("_", "Unrecognized request argument supplied: _"),
+        (
+            "logit_bias",
+            "'logit_bias' cannot be sent on the EventSource stream; POST a JSON body to use it.",
+        ),
+        (
+            "stream",
+            "'stream' cannot be sent on the EventSource stream; POST a JSON body to use it.",
+        ),
+    ],
+)
+def test_unknown_or_post_only_query_parameter_is_400_naming_it(succ_server, name, message):
+    status, _, body = succ_server.get(url({**GREEDY, name: "8"}), headers=SSE)
+    assert status == 400
+    err = json.loads(body)["error"]
+    assert (err["message"], err["param"], err["type"]) == (message, name, "invalid_request_error")
 
 
 def test_parse_last_event_id():

@@ -23,6 +23,7 @@ def watched(succ_dir, tmp_path_factory):
             **HUB_MONITOR_ENV,
             "REQUEST_TIMEOUT_S": "2",
             "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
+            "MAX_LOGPROB_ENTRIES": str(8 * 32768 * 6),  # the huge echo answer below
         }
         with GunicornServer(tmp_path_factory.mktemp("watched"), env) as srv:
             yield srv, collector
@@ -32,11 +33,12 @@ def watched(succ_dir, tmp_path_factory):
 def test_huge_echo_logprobs_answer_never_blocks_the_hub(watched):
     srv, _ = watched
     prompt = "ab" * 16384  # 32768 tokens, the MAX_PROMPT_TOKENS default
-    status, _, raw = srv.complete(
+    status, headers, raw = srv.complete(
         {"model": "m", "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 5, "n": 8},
         timeout_s=120,
     )
     assert status == 200
+    assert int(headers["content-length"]) == len(raw)  # exact, though written in slices
     doc = json.loads(raw)
     first = doc["choices"][0]["logprobs"]
     assert len(first["tokens"]) == 32768 and first["tokens"][:3] == ["a", "b", "a"]

@@ -132,6 +132,30 @@ def test_echo(succ_server):
     assert [c["choices"][0]["text"] for c in chunks] == ["a", "b", "c"]
 
 
+@pytest.mark.parametrize(
+    ("prompt", "forced", "text"),
+    [
+        ([240, 159, 152], 128, "\U0001f600"),  # 😀 split 3 + 1 between prompt and completion
+        ([240, 159], 152, "\ufffd"),  # F0 9F 98 then nothing: the end of a short answer
+        ([0xC3], 0xA9, "\u00e9"),  # é split 1 + 1
+        ([97, 0xE2, 0x82], 0xAC, "a\u20ac"),  # € after ASCII
+    ],
+)
+def test_echo_and_completion_are_one_utf8_stream(default_server, prompt, forced, text):
+    """A character split between the echoed prompt and the completion is that character, once."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": 1, "echo": True}
+    body["logit_bias"] = {str(forced): 100}
+    assert plain(default_server, body)["choices"][0]["text"] == text
+    chunks = streamed(default_server, body)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+    lp = plain(default_server, {**body, "logprobs": 0})["choices"][0]
+    assert lp["text"] == text
+    assert lp["logprobs"]["text_offset"][-1] <= len(text)
+    # Nothing generated: the prompt's unfinished character stays one U+FFFD.
+    echo_only = plain(default_server, {**body, "max_tokens": 0})["choices"][0]["text"]
+    assert echo_only == bytes(prompt).decode("utf-8", "replace")
+
+
 # -- logprobs -------------------------------------------------------------------------------------
 
 # Each succ row: one logit 2.0, 255 logits 0.0.

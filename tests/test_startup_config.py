@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import pytest
 from model.loader import load_model
 from tests.server import ROOT, GunicornServer, wait_until
 from wsgi_app.faults import Faults
-from wsgi_app.settings import ServerSettings, Settings, check_rate_limit_storage
+from wsgi_app.settings import ServerSettings, Settings, check_rate_limit_storage, usable_cpus
 
 RL = {"RATE_LIMIT": "5/minute"}
 BAD = [
@@ -110,6 +111,37 @@ def failed_start(tmp_path: Path, env: dict[str, str]) -> tuple[str, list[str]]:
 def test_bad_setting_stops_the_start_with_one_line(tmp_path, env, message):
     _, plain = failed_start(tmp_path, env)
     assert plain == [f"greenserve: cannot start: {message}"]
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "message"),
+    [
+        ({"WEB_CONCURRENCY": "two"}, [], "WEB_CONCURRENCY must be an integer, got 'two'"),
+        ({}, ["--workers", "-1"], "WEB_CONCURRENCY must be in 0..1024, got -1"),
+        ({"PORT": "http"}, [], "PORT must be an integer, got 'http'"),
+    ],
+)
+def test_greenserve_command_refuses_a_bad_worker_count_with_one_line(tmp_path, env, args, message):
+    """gunicorn parses WEB_CONCURRENCY with int() as it is imported (a traceback for "two"): the
+    ``greenserve`` command checks gunicorn's settings before starting it."""
+    srv = GunicornServer(tmp_path, env)
+    done = subprocess.run(
+        [sys.executable, "-m", "wsgi_app.cli", *args],
+        cwd=tmp_path,
+        env={**srv.env, "WEB_CONCURRENCY": env.get("WEB_CONCURRENCY", "1")},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == f"greenserve: cannot start: {message}\n"
+
+
+def test_web_concurrency_zero_starts_one_worker_per_usable_cpu(succ_dir, serve):
+    srv = serve(workers=0, MODEL_DIR=str(succ_dir))
+    assert len(srv.wait_workers(usable_cpus())) == usable_cpus()
+    assert srv.log_text().count("Booting worker with pid") == usable_cpus()
 
 
 def test_stats_db_that_is_a_directory_stops_the_start(tmp_path):

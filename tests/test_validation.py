@@ -17,7 +17,11 @@ BAD_BODIES = [
     ({**OK, "prompt": 12}, "prompt"),
     ({**OK, "prompt": [1, 256]}, "prompt"),
     ({**OK, "prompt": [-1]}, "prompt"),
-    ({**OK, "prompt": ["a", "b"]}, "prompt"),
+    ({**OK, "prompt": ["a", [98]]}, "prompt"),
+    ({**OK, "prompt": ["a", ""]}, "prompt"),
+    ({**OK, "prompt": [[]]}, "prompt"),
+    ({**OK, "prompt": ["a"] * 9}, "prompt"),
+    ({**OK, "prompt": ["a", "b", "c"], "n": 3}, "n"),
     ({**OK, "prompt": []}, "prompt"),
     ({**OK, "max_tokens": 0}, "max_tokens"),
     ({**OK, "max_tokens": 4097}, "max_tokens"),
@@ -28,7 +32,7 @@ BAD_BODIES = [
     ({**OK, "temperature": 2.01}, "temperature"),
     ({**OK, "temperature": "hot"}, "temperature"),
     ({**OK, "temperature": False}, "temperature"),
-    ({**OK, "seed": -1}, "seed"),
+    ({**OK, "seed": -2}, "seed"),
     ({**OK, "seed": 2**64}, "seed"),
     ({**OK, "seed": 1.5}, "seed"),
     ({**OK, "seed": True}, "seed"),
@@ -72,10 +76,52 @@ def test_malformed_body_is_400_with_null_param(succ_server, raw):
     assert err["type"] == "invalid_request_error" and err["param"] is None
 
 
+@pytest.mark.parametrize("name", ["max_token", "temprature", "repetition_penalty", "messages"])
+def test_unknown_field_is_400_naming_it(succ_server, name):
+    """OpenAI's answer to a typo: a 400 naming the field, not a completion that ignored it."""
+    status, _, raw = succ_server.complete({**OK, name: 8})
+    assert status == 400
+    assert json.loads(raw)["error"] == {
+        "message": f"Unrecognized request argument supplied: {name}",
+        "type": "invalid_request_error",
+        "param": name,
+        "code": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("suffix", "!", "'suffix' is not supported by this server."),
+        ("best_of", 2, "'best_of' is not supported by this server."),
+    ],
+)
+def test_documented_but_unimplemented_fields_keep_their_own_400(succ_server, field, value, message):
+    status, _, raw = succ_server.complete({**OK, field: value})
+    assert status == 400
+    assert (json.loads(raw)["error"]["message"], json.loads(raw)["error"]["param"]) == (
+        message,
+        field,
+    )
+    assert succ_server.complete({**OK, "best_of": 1, "suffix": None})[0] == 200
+
+
 def test_seed_bounds_are_inclusive(succ_server):
     for seed in (0, 2**64 - 1):
         status, _, _ = succ_server.complete({**OK, "seed": seed, "temperature": 1})
         assert status == 200
+
+
+def test_seed_minus_one_means_a_random_seed(default_server):
+    """llama.cpp's and vLLM's "random seed": two requests with -1 get different seeds (a 64-token
+    text at temperature 1 from the bigram repeats with negligible probability)."""
+    body = {"model": "m", "prompt": "ROMEO:", "max_tokens": 64, "temperature": 1, "seed": -1}
+    answers = []
+    for _ in range(2):
+        status, _, raw = default_server.complete(body)
+        assert status == 200, raw
+        answers.append(json.loads(raw)["choices"][0]["text"])
+    assert answers[0] != answers[1]
 
 
 def test_max_tokens_4096_is_accepted(succ_server):

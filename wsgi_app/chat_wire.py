@@ -169,7 +169,9 @@ class ChatChunkEncoder(ChunkEncoder):
         ]
         self._sent = [0] * n  # logprobs entries already streamed, per choice
 
-    def first_chunks(self, choices: Sequence[Choice], echo_text: str | None) -> Iterator[bytes]:
+    def first_chunks(
+        self, choices: Sequence[Choice], echo_texts: Sequence[str] | None
+    ) -> Iterator[bytes]:
         """Yield each choice's first chunk: ``delta: {"role": "assistant", "content": ""}``."""
         for c in choices:
             yield self.framing.frame(self._role[c.index])

@@ -21,6 +21,24 @@ from wsgi_app.errors import json_bytes
 BYTE_TOKENIZER = ByteTokenizer()
 
 
+def token_start(released: str, data: bytes) -> int:
+    """Return where a token's own text starts in the text its bytes released.
+
+    A token fed while the decoder held earlier bytes may release their U+FFFD (the token showed them
+    invalid) before its own text: ``"\ufffd\x1c"`` for ``\x1c`` after ``\xf1``. Its own text starts
+    after that; a token that completed the held bytes into a character starts with that character (0).
+
+    Args:
+        released: the text the decoder returned for the token's bytes.
+        data: the token's bytes.
+    """
+    try:
+        own = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return 0
+    return len(released) - len(own) if own and released.endswith(own) else 0
+
+
 class Logprobs:
     """The legacy ``logprobs`` object of one choice: ``tokens``, ``token_logprobs``, ``top_logprobs``,
     ``text_offset`` (character offsets into the choice's text)."""
@@ -88,6 +106,8 @@ class Choice:
         echo_text: the prompt text when ``echo`` is set, else "".
         logprobs: a :class:`Logprobs` to fill, or None.
         token_bytes: the bytes each token id adds to the text (the tokenizer's ``token_bytes``).
+        pending: with ``echo``, the echoed prompt's unfinished UTF-8 tail: prompt and completion are
+            one byte stream, so the first tokens may finish that character.
     """
 
     __slots__ = (
@@ -114,12 +134,14 @@ class Choice:
         echo_text: str,
         logprobs: Logprobs | None,
         token_bytes: list[bytes] = BYTE_TOKENIZER.token_bytes,
+        pending: bytes = b"",
     ) -> None:
         self.index = index
         self._token_bytes = token_bytes
         self._stream = stream
         self.max_tokens = max_tokens
         self._decoder = Utf8Decoder()
+        self._decoder.feed(pending)  # a proper prefix of a character: releases no text
         self._matcher = StopMatcher(stop)
         self._stops = bool(stop)  # without stop strings the matcher releases text unchanged
         self.parts: list[str] = [echo_text] if echo_text else []
@@ -144,13 +166,18 @@ class Choice:
             return None
         self.tokens += 1
         ended = step.finish_reason
-        text = "" if ended == "stop" else self._decoder.feed(self._token_bytes[step.token_id])
+        held = self.logprobs is not None and self._decoder.pending
+        data = self._token_bytes[step.token_id]
+        text = "" if ended == "stop" else self._decoder.feed(data)
         last = ended is not None or self.tokens >= self.max_tokens
-        if last:
-            text += self._decoder.finish()
         if self.logprobs is not None:  # the character count is only for ``text_offset``
-            self.logprobs.add(step, self._chars)
+            start = token_start(text, data) if held and text else 0
+            self.logprobs.add(step, self._chars + start)
             self._chars += len(text)
+        if last:
+            tail = self._decoder.finish()
+            text += tail
+            self._chars += len(tail)
         if self._stops:
             out, stopped = self._matcher.push(text)
         else:

@@ -80,8 +80,27 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             os.environ[env] = value  # checked by the configuration, one line naming it if bad
+    _check_server_settings()
     command = gunicorn_argv(extra)
     os.execvp(command[0], command)
+
+
+def _check_server_settings() -> None:
+    """Exit with one line naming a bad gunicorn setting, before gunicorn is started.
+
+    gunicorn itself parses ``WEB_CONCURRENCY`` with ``int()`` when it is imported, before any
+    configuration file is read: a value such as ``two`` would otherwise end in its traceback.
+
+    Raises:
+        SystemExit: code 1 after printing ``greenserve: cannot start: …`` to stderr.
+    """
+    from wsgi_app.settings import ServerSettings
+
+    try:
+        ServerSettings.from_env()
+    except ValueError as exc:
+        print(f"greenserve: cannot start: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

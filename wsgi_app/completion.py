@@ -18,10 +18,14 @@ from typing import Protocol
 from model.engine import GenerationRequest, Step
 from model.tokenizer import TextTokenizer
 from model.utf8 import Utf8Decoder
-from wsgi_app.choice import BYTE_TOKENIZER, Choice, Logprobs
-from wsgi_app.protocol import CompletionRequest
+from wsgi_app.choice import BYTE_TOKENIZER, Choice, Logprobs, token_start
+from wsgi_app.protocol import CompletionRequest, Prompt
 from wsgi_app.sse import PING, PLAIN, Framing
 from wsgi_app.wire_format import TEXT_COMPLETION, ChunkEncoder, WireFormat
+
+# How far ahead of its expected place a prompt token's text is looked for, in characters, where the
+# tokenizer changed the prompt's text (so the search stays linear in the prompt).
+_RESYNC_CHARS = 16
 
 
 class Engine(Protocol):
@@ -96,26 +100,41 @@ class Completion:
         self.framing = framing
         self.seed = seed
         self.choices: list[Choice] = []
-        echo_text = req.prompt_text if req.echo else ""
-        for i in range(req.n):
-            logprobs = None if req.logprobs is None else wire.new_logprobs(tokenizer)
-            gen = GenerationRequest(
-                prompt_ids=req.prompt_ids,
-                max_tokens=req.max_tokens,
-                params=req.sampling,
-                seed=seed,
-                seq=54 + i,
-                logprobs=req.logprobs,
-                ignore_eos=req.ignore_eos,
-            )
-            stream = engine.stream(gen)
-            self.choices.append(
-                Choice(
-                    i, stream, req.max_tokens, req.stop, echo_text, logprobs, tokenizer.token_bytes
+        self.echo_texts: list[str] = []  # per prompt: the text its choices' echo chunk carries
+        n = req.n
+        for prompt in req.prompts():
+            echo_text, pending = _echo(prompt, req) if req.echo else ("", b"")
+            self.echo_texts.append(echo_text)
+            for i in range(n):  # choice i of prompt p is index p*n + i, seeded as choice i
+                logprobs = None if req.logprobs is None else wire.new_logprobs(tokenizer)
+                gen = GenerationRequest(
+                    prompt_ids=prompt.ids,
+                    max_tokens=req.max_tokens,
+                    params=req.sampling,
+                    seed=seed,
+                    seq=54 + i,
+                    logprobs=req.logprobs,
+                    ignore_eos=req.ignore_eos,
                 )
-            )
+                choice = Choice(
+                    len(self.choices),
+                    engine.stream(gen),
+                    req.max_tokens,
+                    req.stop,
+                    echo_text,
+                    logprobs,
+                    tokenizer.token_bytes,
+                    pending,
+                )
+                self.choices.append(choice)
         self.encoder: ChunkEncoder = wire.encoder(
-            completion_id, created, req.model, req.n, req.include_usage, framing, fingerprint
+            completion_id,
+            created,
+            req.model,
+            len(self.choices),
+            req.include_usage,
+            framing,
+            fingerprint,
         )
 
     # -- accounting ---------------------------------------------------------------------------
@@ -126,8 +145,8 @@ class Completion:
         return sum(c.tokens for c in self.choices)
 
     def usage(self) -> dict[str, int]:
-        """Return the ``usage`` object: prompt counted once, completions summed over choices."""
-        prompt = len(self.req.prompt_ids)
+        """Return the ``usage`` object: each prompt counted once, completions summed over choices."""
+        prompt = self.req.prompt_tokens
         completion = self.completion_tokens
         return {
             "prompt_tokens": prompt,
@@ -152,16 +171,17 @@ class Completion:
         if self._echo_scored:
             return
         self._echo_scored = True
-        req, pause = self.req, self.pacer.pause
-        scored = self._engine.score(req.prompt_ids, req.logprobs, pause)
-        prompt = Logprobs(self._tokenizer.token_str)
-        offsets = _offsets(req.prompt_ids, self._tokenizer.token_bytes, pause)
-        for i, (offset, step) in enumerate(zip(offsets, scored, strict=True)):
-            prompt.add(step, offset)
-            if i % 1024 == 1023:
-                pause()
-        for choice in self.choices:
-            choice.logprobs.extend(prompt)  # C-level list copies: n choices cost one scoring
+        req, pause, n = self.req, self.pacer.pause, self.req.n
+        for p, prompt in enumerate(req.prompts()):
+            scored = self._engine.score(prompt.ids, req.logprobs, pause)
+            entries = Logprobs(self._tokenizer.token_str)
+            offsets = _offsets(prompt, self._tokenizer.token_bytes, pause)
+            for i, (offset, step) in enumerate(zip(offsets, scored, strict=True)):
+                entries.add(step, offset)
+                if i % 1024 == 1023:
+                    pause()
+            for choice in self.choices[p * n : (p + 1) * n]:
+                choice.logprobs.extend(entries)  # C-level list copies: n choices cost one scoring
 
     def _tick(self) -> Iterator[bytes]:
         """Handle an engine tick: enforce deadlines, and stream a ``: ping`` at most every
@@ -190,8 +210,9 @@ class Completion:
         self._score_echo()
         chunk, pace = self.encoder.chunk, self.pacer
         if events:
-            echo_text = self.req.prompt_text if self.req.echo else None
-            for event in self.encoder.first_chunks(self.choices, echo_text):
+            n = self.req.n
+            echo = [self.echo_texts[c.index // n] for c in self.choices] if self.req.echo else None
+            for event in self.encoder.first_chunks(self.choices, echo):
                 if event:
                     yield event
         live = [c for c in self.choices if c.finish_reason is None]
@@ -224,15 +245,58 @@ class Completion:
         return self.encoder.answer(self.choices, self.usage(), self.pacer.pause)
 
 
-def _offsets(
-    prompt_ids: tuple[int, ...], token_bytes: list[bytes], pause: Callable[[], None]
-) -> list[int]:
-    """Character offset at which each prompt token's text starts (for echoed logprobs)."""
+def _echo(prompt: Prompt, req: CompletionRequest) -> tuple[str, bytes]:
+    """Return the text an echoing choice starts with, and the bytes its decoder starts with.
+
+    Prompt and completion are one byte stream: a token-id prompt ending inside a character (its
+    ``tail``) is echoed without that character's U+FFFD, and the tail goes to the choice's decoder,
+    which the first generated bytes may complete. With nothing to generate, the U+FFFD stays.
+    """
+    if prompt.tail and req.max_tokens > 0:
+        return prompt.text[:-1], prompt.tail  # text ends with the tail's one U+FFFD
+    return prompt.text, b""
+
+
+def _offsets(prompt: Prompt, token_bytes: list[bytes], pause: Callable[[], None]) -> list[int]:
+    """Return the character offset in the echoed prompt at which each prompt token's text starts.
+
+    The echoed text is the string the client sent, which is not always the tokens' own text: a
+    SentencePiece tokenizer prepends a space (its dummy prefix, " Once" for "Once"). Offsets count the
+    tokens' text and are shifted back by what the tokenizer added in front (never below 0), so that the
+    echoed text at ``text_offset[i]`` starts with token ``i``'s text wherever that text is there. A
+    tokenizer that changed the text elsewhere (a normalizer) gets each token placed at its text found
+    just ahead, when found; offsets never decrease.
+
+    Args:
+        prompt: the prompt (its ids and the text echoed).
+        token_bytes: the bytes of each token id.
+        pause: called between slices of a long prompt.
+    """
     decoder = Utf8Decoder()
-    offsets, chars = [], 0
-    for i, token_id in enumerate(prompt_ids):
-        offsets.append(chars)
-        chars += len(decoder.feed(token_bytes[token_id]))
+    pieces, starts = [], []
+    for i, token_id in enumerate(prompt.ids):
+        held, data = decoder.pending, token_bytes[token_id]
+        piece = decoder.feed(data)
+        pieces.append(piece)
+        starts.append(token_start(piece, data) if held and piece else 0)
         if i % 8192 == 8191:
             pause()
+    joined, text = "".join(pieces), prompt.text
+    offsets, chars = [], 0
+    if text.startswith(joined) or joined.endswith(text):
+        shift = max(0, len(joined) - len(text))  # the characters added in front of the text
+        for piece, start in zip(pieces, starts, strict=True):
+            offsets.append(max(0, chars + start - shift))
+            chars += len(piece)
+        return offsets
+    for piece in pieces:  # the tokens' text differs from the prompt's inside: resynchronise
+        if not piece or text.startswith(piece, chars):
+            offsets.append(chars)
+            chars += len(piece)
+            continue
+        core = piece.strip()
+        found = text.find(core, chars, chars + len(piece) + _RESYNC_CHARS) if core else -1
+        offsets.append(chars if found < 0 else found)
+        if found >= 0:
+            chars = found + len(core)
     return offsets

@@ -53,6 +53,7 @@ def admit(
     sock: socket.socket | None,
     framing: Framing = PLAIN,
     wire: WireFormat = TEXT_COMPLETION,
+    completion_id: str | None = None,
 ) -> tuple[Completion, Ticket, Pacer]:
     """Take a place in the worker's slots or queue for ``req`` and set up its generation.
 
@@ -67,13 +68,14 @@ def admit(
         sock: the client's connection (tuned for streaming), or None.
         framing: the SSE framing of a streamed answer.
         wire: the wire format of the answer (``TEXT_COMPLETION``, the chat completion's).
+        completion_id: the answer's id; None for a fresh random one.
 
     Raises:
         ApiError: 400 when the request's KV cache could never fit the budget, 429 ``server_busy`` when
             slots and queue are full, 503 when the worker is stopping.
     """
     settings = rt.settings
-    record.prompt_tokens = len(req.prompt_ids)
+    record.prompt_tokens = req.prompt_tokens
     record.model = req.model
     if settings.log_prompts:
         record.prompt = req.prompt_text
@@ -93,7 +95,7 @@ def admit(
             rt.engine,
             req,
             seed,
-            wire.new_id(),
+            completion_id or wire.new_id(),
             int(time.time()),
             pacer,
             framing,

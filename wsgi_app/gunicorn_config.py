@@ -10,12 +10,13 @@ factory (no ``preload_app``), so each worker owns its model and its span exporte
 import os
 import sys
 import tempfile
+import time
 from typing import NoReturn
 
 from gunicorn.glogging import Logger
 
 from telemetry.logs import logging_config
-from wsgi_app.settings import ServerSettings
+from wsgi_app.settings import ServerSettings, usable_cpus
 
 _made_metrics_dir = None  # the metrics dir this process made, removed if the start fails
 
@@ -39,6 +40,10 @@ try:
 except ValueError as exc:
     _cannot_start(exc)
 
+# When this server started (Unix seconds), for /stats' "since start" percentiles: set once per master
+# and kept across reloads and upgrades (SIGHUP, SIGUSR2), as the metrics dir below is.
+os.environ.setdefault("GREENSERVE_STARTED_AT", repr(time.time()))
+
 # numpy reads this at import; one BLAS thread per worker, the workers are the parallelism.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -51,28 +56,10 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["GREENSERVE_OWN_METRICS_DIR"] = _made_metrics_dir
 
 
-def _usable_cpus() -> int:
-    """CPUs this container may really use: the cgroup CPU quota first, then the affinity mask."""
-    try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]  # cgroup v2
-        if quota != "max":
-            return max(1, -(-int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    try:
-        quota = int(open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read())  # cgroup v1
-        period = int(open("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read())
-        if quota > 0 and period > 0:
-            return max(1, -(-quota // period))
-    except (OSError, ValueError):
-        pass
-    return len(os.sched_getaffinity(0)) or 1
-
-
 # The API port (HOST, PORT), then the health port for probes and scrapes (HEALTH_PORT; 0 disables it).
 bind = _server.bind
-# Worker processes (WEB_CONCURRENCY); default: the usable CPUs.
-workers = _server.workers or _usable_cpus()
+# Worker processes (WEB_CONCURRENCY); 0 or unset: one per usable CPU.
+workers = _server.workers or usable_cpus()
 # Every connection is a greenlet: gunicorn's gevent worker with a cheaper sendall (wsgi_app.worker).
 worker_class = "wsgi_app.worker.GeventWorker"
 # Simultaneous connections per worker (WORKER_CONNECTIONS), streams and idle keep-alives alike.

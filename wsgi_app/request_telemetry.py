@@ -25,6 +25,7 @@ from telemetry.flusher import Flusher
 from telemetry.history import HistoryStore
 from telemetry.metrics import ITL_BUCKETS, Metrics
 from telemetry.recorder import HistoryRecorder
+from telemetry.sketch import bin_counts
 from wsgi_app.record import RequestRecord
 from wsgi_app.settings import Settings
 
@@ -58,6 +59,7 @@ class Gaps:
         counts: gaps per bucket of ``telemetry.metrics.ITL_BUCKETS`` (+Inf last).
         sum_s: the sum of the gaps, seconds.
         top: the longest gaps as ``(token index, seconds)``, longest first (the gap ends at that token).
+        bins: the gaps as DDSketch bins ``{bin: count}`` (``telemetry.sketch``).
     """
 
     p50_s: float
@@ -65,6 +67,7 @@ class Gaps:
     counts: list[int]
     sum_s: float
     top: list[tuple[int, float]]
+    bins: dict[int, int]
 
 
 def _percentile(ordered: np.ndarray, q: float) -> float:
@@ -104,6 +107,7 @@ def summarize(token_times: Any) -> Gaps | None:
         counts=[int(c) for c in counts],
         sum_s=float(gaps.sum()),
         top=[(i + 1, round(float(gaps[i]), 6)) for i in top],
+        bins=bin_counts(gaps),
     )
 
 
@@ -256,6 +260,8 @@ class Observer:
             e2e_s=elapsed_s if admitted else None,
             prompt_tokens=prompt_tokens,
             completion_tokens=record.completion_tokens,
+            queue_wait_s=record.queue_wait_s,
+            itl_bins=None if gaps is None else gaps.bins,
         )
 
     def set_load(self, running: int, queued: int) -> None:

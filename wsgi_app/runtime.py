@@ -62,6 +62,7 @@ class Runtime:
         return {
             "max_prompt_tokens": self.settings.max_prompt_tokens,
             "max_n": self.settings.max_n,
+            "max_logprob_entries": self.settings.max_logprob_entries,
             "tokenizer": self.model.tokenizer,
             "context_length": self.model.context_length,
         }

@@ -209,6 +209,8 @@ class Settings:
         max_body_bytes: largest request body accepted, in bytes (413 beyond).
         max_prompt_tokens: largest prompt, in tokens (bytes for the bigram).
         max_n: largest ``n`` (choices per request).
+        max_logprob_entries: a request's budget of ``logprobs`` entries: choices × (``max_tokens`` +
+            echoed prompt tokens) × (``logprobs`` + 1), checked before admission (400 beyond).
         request_timeout_s: per-request deadline, in seconds.
         heartbeat_s: SSE ``: ping`` interval while nothing else is written, in seconds.
         send_timeout_s: how long a blocked write may wait on a stalled reader, in seconds.
@@ -237,6 +239,8 @@ class Settings:
             or None.
         chat_max_tokens: the cap on a chat answer's default ``max_tokens`` (``CHAT_MAX_TOKENS``):
             without ``max_tokens`` an answer may use the rest of the context up to this, in tokens.
+        server_started_at: when the gunicorn master started, Unix seconds (``GREENSERVE_STARTED_AT``,
+            set by gunicorn.conf.py), or None outside gunicorn.
     """
 
     model_dir: str | None = None
@@ -247,6 +251,7 @@ class Settings:
     max_body_bytes: int = 1_048_576
     max_prompt_tokens: int = 32_768
     max_n: int = 8
+    max_logprob_entries: int = 262_144
     request_timeout_s: float = 60.0
     heartbeat_s: float = 15.0
     send_timeout_s: float = 30.0
@@ -271,6 +276,7 @@ class Settings:
     pages: bool = True
     chat_template: str | None = None
     chat_max_tokens: int = 512
+    server_started_at: float | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -291,6 +297,9 @@ class Settings:
             max_body_bytes=_int(env, "MAX_BODY_BYTES", d["max_body_bytes"], 1024, 1 << 30),
             max_prompt_tokens=_int(env, "MAX_PROMPT_TOKENS", d["max_prompt_tokens"], 1, 1 << 24),
             max_n=_int(env, "MAX_N", d["max_n"], 1, 128),
+            max_logprob_entries=_int(
+                env, "MAX_LOGPROB_ENTRIES", d["max_logprob_entries"], 1, 1 << 30
+            ),
             request_timeout_s=_float(
                 env, "REQUEST_TIMEOUT_S", d["request_timeout_s"], 0.001, 86_400.0
             ),
@@ -316,6 +325,11 @@ class Settings:
             pages=_int(env, "PAGES", int(d["pages"]), 0, 1) == 1,
             chat_template=_readable_file(env, "CHAT_TEMPLATE"),
             chat_max_tokens=_int(env, "CHAT_MAX_TOKENS", d["chat_max_tokens"], 1, 4096),
+            server_started_at=(
+                _float(env, "GREENSERVE_STARTED_AT", 0.0, 0.0, 1e12)
+                if env.get("GREENSERVE_STARTED_AT")
+                else None
+            ),
         )
 
     def chat_template_source(self) -> str | None:
@@ -363,6 +377,25 @@ def _host(env: Mapping[str, str], default: str) -> str:
         if len(host) > 253 or not _HOST_NAME.fullmatch(host):
             raise ValueError(f"HOST must be an IP address or a host name, got {host!r}") from None
     return host
+
+
+def usable_cpus() -> int:
+    """Return the CPUs this container may really use: the cgroup CPU quota first, then the affinity
+    mask (``WEB_CONCURRENCY`` 0 or unset starts one worker per CPU)."""
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]  # cgroup v2
+        if quota != "max":
+            return max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read())  # cgroup v1
+        period = int(open("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read())
+        if quota > 0 and period > 0:
+            return max(1, -(-quota // period))
+    except (OSError, ValueError):
+        pass
+    return len(os.sched_getaffinity(0)) or 1
 
 
 @dataclass(frozen=True)

@@ -144,12 +144,14 @@ class ChunkEncoder:
         )
         self._end = (b"}]" + usage_tail + closing, fmt.text_end + b',"logprobs":')
 
-    def first_chunks(self, choices: Sequence[Choice], echo_text: str | None) -> Iterator[bytes]:
+    def first_chunks(
+        self, choices: Sequence[Choice], echo_texts: Sequence[str] | None
+    ) -> Iterator[bytes]:
         """Yield the events that come before any token: with ``echo``, each choice's prompt chunk
-        (with all its prompt ``logprobs`` entries)."""
-        if echo_text is not None:
-            for c in choices:
-                yield self.chunk(c, echo_text, 0)
+        (``echo_texts[i]`` for ``choices[i]``, with all its prompt ``logprobs`` entries)."""
+        if echo_texts is not None:
+            for c, text in zip(choices, echo_texts, strict=True):
+                yield self.chunk(c, text, 0)
 
     def chunk(self, choice: Choice, text: str, lp_start: int = -1) -> bytes:
         """Return the streamed event of ``choice`` releasing ``text`` (b"" when the framing drops it).

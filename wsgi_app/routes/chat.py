@@ -23,6 +23,7 @@ from flask import Blueprint, Response, g, request
 from telemetry.logs import client_hash
 from wsgi_app.answer import answer, json_body
 from wsgi_app.chat import chat_completion_request
+from wsgi_app.chat_protocol import KNOWN_FIELDS as CHAT_FIELDS
 from wsgi_app.chat_protocol import ChatRequest, parse_chat_request
 from wsgi_app.chat_wire import CHAT_COMPLETION
 from wsgi_app.errors import invalid
@@ -76,7 +77,14 @@ def stream_chat_completion() -> Response:
     """
     rt = runtime()
     check_event_source(PATH)
-    body = query_body(request.args, GET_TEXT, GET_NUMBERS, GET_BOOLEANS)
+    body = query_body(
+        request.args,
+        GET_TEXT,
+        GET_NUMBERS,
+        GET_BOOLEANS,
+        extra=("messages",),
+        post_fields=CHAT_FIELDS,
+    )
     raw = request.args.getlist("messages")
     if len(raw) > 1:
         raise invalid("Query parameter 'messages' is given more than once.", "messages")
@@ -90,7 +98,8 @@ def stream_chat_completion() -> Response:
     if body.pop("include_usage", False):
         body["stream_options"] = {"include_usage": True}
     record: RequestRecord = g.record
-    return event_stream(rt, _completion_request(rt, record, body), record, CHAT_COMPLETION)
+    req = _completion_request(rt, record, body)
+    return event_stream(rt, req, record, body, CHAT_COMPLETION)
 
 
 def _completion_request(

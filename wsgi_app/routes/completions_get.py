@@ -6,12 +6,14 @@ body (``protocol.parse_completion_request``). The answer is always a stream, fra
 :class:`~wsgi_app.sse.EventIds`: ``retry:``, ``id: <seed>-<index>`` on every data event, ``[DONE]`` with
 ``id: <seed>-done``. A reconnect sends ``Last-Event-ID``: the same seed regenerates the same stream, which
 resumes after that event, or the request gets a ``204`` (which stops the browser) when it names ``done``.
+The completion ``id`` is a hash of the seed and the request, so a resumed stream carries the same one.
 
 Query values: numbers as in JSON (``0.5``, ``1e-3``; not ``nan``, ``inf`` or ``0x1``), booleans as
 ``true``/``false``, ``stop`` repeatable (up to 4); an empty value for a number or boolean means "absent";
 every other parameter may appear once; names and values must be UTF-8 once percent-decoded (as a POST
-body must be). Unknown parameters are ignored; ``api_key`` is for the API-key
-check and is never logged (logs and spans carry the path, not the query).
+body must be). An unknown parameter is a 400 naming it, as an unknown body field is; the body fields a
+query cannot carry (``logit_bias``, ``stream_options``...) are a 400 saying to POST them. ``api_key`` is
+for the API-key check and is never logged (logs and spans carry the path, not the query).
 
 A GET without ``Accept: text/event-stream`` is a 400: JSON answers come from ``POST``.
 
@@ -20,6 +22,7 @@ Source: WHATWG HTML Living Standard, §9.2 "Server-sent events"; docs/ARCHITECTU
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any
@@ -30,7 +33,7 @@ from werkzeug.datastructures import MultiDict
 
 from wsgi_app.errors import invalid
 from wsgi_app.generation import admit, random_seed
-from wsgi_app.protocol import SEED_LIMIT, CompletionRequest, parse_completion_request
+from wsgi_app.protocol import KNOWN_FIELDS, SEED_LIMIT, CompletionRequest, parse_completion_request
 from wsgi_app.record import RequestRecord
 from wsgi_app.runtime import Runtime, runtime
 from wsgi_app.sse import EventIds
@@ -55,6 +58,7 @@ NUMBER_PARAMS = (
 )
 BOOLEAN_PARAMS = ("echo", "ignore_eos")
 LIST_PARAMS = ("stop",)
+AUTH_PARAMS = ("api_key",)  # read by wsgi_app.auth, not a request field
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _EVENT_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,10}|done)")
 
@@ -116,19 +120,37 @@ def query_body(
     numbers: tuple[str, ...] = NUMBER_PARAMS,
     booleans: tuple[str, ...] = BOOLEAN_PARAMS,
     lists: tuple[str, ...] = LIST_PARAMS,
+    *,
+    extra: tuple[str, ...] = (),
+    post_fields: frozenset[str] = KNOWN_FIELDS,
 ) -> dict[str, Any]:
     """Convert a query string into the JSON body it stands for (``stream`` always true).
 
     Args:
         args: the parsed query string.
         text, numbers, booleans, lists: the parameters of each kind (the completion's by default).
+        extra: further parameters the caller reads itself (the chat's ``messages``).
+        post_fields: the endpoint's body fields, for the 400 that tells to POST those the query
+            cannot carry.
 
     Returns:
         A dict for :func:`~wsgi_app.protocol.parse_completion_request`.
 
     Raises:
-        ApiError: 400 naming the parameter that repeats or does not convert to its field's type.
+        ApiError: 400 naming the parameter that is unknown, that only a POST body can carry, that
+            repeats, or that does not convert to its field's type.
     """
+    for name in args:
+        if name in text or name in numbers or name in booleans or name in lists:
+            continue
+        if name in extra or name in AUTH_PARAMS:
+            continue
+        if name in post_fields:
+            raise invalid(
+                f"'{name}' cannot be sent on the EventSource stream; POST a JSON body to use it.",
+                name,
+            )
+        raise invalid(f"Unrecognized request argument supplied: {name}", name)
     body: dict[str, Any] = {"stream": True}
     for name in (*text, *numbers, *booleans):
         values = args.getlist(name)
@@ -173,6 +195,21 @@ def parse_last_event_id(value: str | None) -> tuple[int, int | None] | None:
     return int(match.group(1)), None if index == "done" else int(index)
 
 
+def stream_id(seed: int, body: dict[str, Any], prefix: str = "cmpl-") -> str:
+    """Return the completion id of the stream of ``body`` with ``seed``: ``prefix`` and 24 hex digits
+    of a hash of both.
+
+    A reconnect knows exactly these two (the same URL, the seed in ``Last-Event-ID``), so the events of
+    a resumed stream carry the id of the stream they continue.
+
+    Args:
+        seed: the effective seed, 0..2**64-1.
+        body: the request as :func:`query_body` made it (``api_key`` is not in it).
+    """
+    key = json.dumps([seed, body], sort_keys=True, ensure_ascii=False).encode()
+    return prefix + hashlib.blake2b(key, digest_size=12).hexdigest()
+
+
 def no_content() -> Response:
     """Return an empty ``204`` (without the default ``Content-Type`` of a body it does not have)."""
     response = Response(status=204)
@@ -196,8 +233,9 @@ def stream_completion() -> Response:
     """
     rt = runtime()
     check_event_source("/v1/completions")
-    req = parse_completion_request(query_body(request.args), **rt.parse_limits)
-    return event_stream(rt, req, g.record)
+    body = query_body(request.args)
+    req = parse_completion_request(body, **rt.parse_limits)
+    return event_stream(rt, req, g.record, body)
 
 
 def check_event_source(path: str) -> None:
@@ -217,9 +255,16 @@ def check_event_source(path: str) -> None:
 
 
 def event_stream(
-    rt: Runtime, req: CompletionRequest, record: RequestRecord, wire: WireFormat = TEXT_COMPLETION
+    rt: Runtime,
+    req: CompletionRequest,
+    record: RequestRecord,
+    body: dict[str, Any],
+    wire: WireFormat = TEXT_COMPLETION,
 ) -> Response:
     """Stream ``req`` to an ``EventSource`` in ``wire``'s format, resuming after ``Last-Event-ID``.
+
+    ``body`` is the request as the query string gave it: with the seed it names the completion id,
+    so a resumed stream continues the same completion (:func:`stream_id`).
 
     Raises:
         ApiError: 400 for a malformed ``Last-Event-ID`` or one whose seed contradicts ``seed``;
@@ -238,6 +283,8 @@ def event_stream(
         return Response(content_type="text/event-stream", headers=STREAM_HEADERS)
     framing = EventIds(seed, RETRY_MS, resume_after=-1 if last is None else last[1])
     sock = request.environ.get("gunicorn.socket")
-    completion, ticket, pacer = admit(rt, req, record, seed, sock, framing, wire)
-    body = StreamBody(rt, completion, ticket, pacer, record)
-    return EventStreamResponse(body)
+    completion_id = stream_id(seed, body, wire.id_prefix)
+    completion, ticket, pacer = admit(
+        rt, req, record, seed, sock, framing, wire, completion_id=completion_id
+    )
+    return EventStreamResponse(StreamBody(rt, completion, ticket, pacer, record))

@@ -52,8 +52,10 @@ def stats() -> Response:
     """Totals since the server started, rates over the last minute, latency percentiles, load and the
     state of every live worker.
 
-    ``totals`` and ``latency`` come from the Prometheus metrics (percentiles interpolated in the
-    histogram buckets, seconds); ``rates`` (per second) and ``workers`` from the history store, which
+    ``totals`` and the latencies' ``count`` and ``mean`` come from the Prometheus metrics; their
+    ``p50``, ``p90``, ``p99`` (seconds) from the observations' DDSketch bins in the history store,
+    merged over the workers and the minutes since the server started (within 1 %,
+    ``telemetry.sketch``); ``rates`` (per second) and ``workers`` from the history store too, which
     every worker updates each ``STATS_FLUSH_S`` seconds (this worker's own data is flushed first).
     """
     rt = runtime()
@@ -63,6 +65,10 @@ def stats() -> Response:
     summary = run_in_thread(_summary, rt)
     max_age_s = max(5.0, 5 * rt.settings.stats_flush_s)
     workers = run_in_thread(obs.store.workers, os.getppid(), now, max_age_s)
+    since = rt.settings.server_started_at or rt.started_at
+    latency = summary["latency"]
+    for metric, values in run_in_thread(obs.store.latency, since, now).items():
+        latency[metric].update(values)
     return json_response(
         {
             "now": now,
@@ -75,7 +81,7 @@ def stats() -> Response:
                 "generation_tokens": summary["generation_tokens"],
             },
             "rates": run_in_thread(obs.store.rates, now),
-            "latency": summary["latency"],
+            "latency": latency,
             "load": {"running": summary["running"], "queued": summary["queued"]},
             "spans": summary["spans"],
             "workers": workers,
