@@ -16,15 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench import procstat, servers
-from bench.loadgen import LoadSpec, run_load
+from bench import servers, serving
+from bench.loadgen import run_load
 from model.llama.convert import convert_llama2c
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,90 +43,6 @@ def _body(max_tokens: int) -> bytes:
     ).encode()
 
 
-def _spec(srv: servers.Server, conc: int, window_s: float, probe: bool = False) -> LoadSpec:
-    return LoadSpec(
-        port=srv.port,
-        body=_body(MAX_TOKENS),
-        stream=True,
-        expect_tokens=MAX_TOKENS,
-        concurrency=conc,
-        warmup_s=1.0,
-        ramp_s=0.5,
-        duration_s=window_s,
-        drain_s=10.0,
-        probe_ports=(srv.port, srv.health_port) if probe else (),
-        server_pids=srv.serving_pids(),
-        server_cores=servers.cores()[0],
-    )
-
-
-def _pss_kb(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) of ``pid`` in KiB from /proc/PID/smaps_rollup."""
-    values = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
-        key, value = line.split(":", 1)
-        values[key] = int(value.split()[0])
-    return values["Rss"], values["Pss"]
-
-
-def _two_workers(model_dir: Path, logdir: Path) -> dict[str, Any]:
-    port, health = servers.free_port(), servers.free_port()
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "MODEL_DIR": str(model_dir),
-        "WEB_CONCURRENCY": "2",
-        "HOST": "127.0.0.1",
-        "PORT": str(port),
-        "HEALTH_PORT": str(health),
-        "STATS_DB": str(logdir / "stats2.db"),
-    }
-    log = open(logdir / "two-workers.log", "wb")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "-c",
-            str(ROOT / "gunicorn.conf.py"),
-            "--no-control-socket",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        workers: list[int] = []
-        while time.monotonic() < deadline and len(workers) < 2:
-            time.sleep(0.5)
-            workers = [p for p in procstat.tree(proc.pid) if p != proc.pid]
-        time.sleep(3)  # both loaded their model
-        # One request per worker touches the weights in both.
-        run_load(
-            LoadSpec(
-                port=port,
-                body=_body(16),
-                stream=True,
-                expect_tokens=16,
-                concurrency=4,
-                warmup_s=0.2,
-                duration_s=1.0,
-                drain_s=5.0,
-                spin=False,
-            )
-        )
-        per = {str(p): dict(zip(("rss_kib", "pss_kib"), _pss_kb(p), strict=True)) for p in workers}
-        weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) // 1024
-        return {"workers": per, "weights_kib": weights}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print and write the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -142,23 +56,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     src = Path(args.data) / "stories260K"
     work = Path(tempfile.mkdtemp(prefix="greenserve-llama-bench-"))
     model_dir = convert_llama2c(src / "stories260K.bin", src / "tok512.bin", work / "stories260K")
-    srv = servers.start(
-        "greenserve", work, {"MODEL_DIR": str(model_dir), "STATS_DB": str(work / "stats.db")}
-    )
+    env = {"MODEL_DIR": str(model_dir), "STATS_DB": str(work / "stats.db")}
+    srv = servers.start("greenserve", work, env)
+    body = _body(MAX_TOKENS)
     runs = []
     try:
         for conc in (1, 8, 32):
-            runs.append(run_load(_spec(srv, conc, args.window)))
+            runs.append(run_load(serving.stream_spec(srv, body, MAX_TOKENS, conc, args.window)))
             srv.wait_idle()
-        healthz = run_load(_spec(srv, 8, args.window, probe=True))
+        spec = serving.stream_spec(srv, body, MAX_TOKENS, 8, args.window, probe_every_s=0.02)
+        healthz = run_load(spec)
     finally:
         srv.stop()
+    weights_kib = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) // 1024
+    two_env = {**env, "STATS_DB": str(work / "stats2.db")}
     result = {
         "model": "stories260K",
         "max_tokens": MAX_TOKENS,
         "runs": runs,
         "healthz_8": healthz,
-        "two_workers": _two_workers(model_dir, work),
+        "two_workers": serving.two_workers(work / "two", two_env, _body(16), 16, weights_kib),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -171,30 +88,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _markdown(result: dict[str, Any]) -> str:
-    base = result["runs"][0]["tokens_per_s"]
-    lines = [
-        "| streams | tok/s | × 1 stream | TTFT p50 / p99 ms | ITL p50 / p99 ms | errors |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
-    for run in result["runs"]:
-        t, i = run["ttft_ms"], run["itl_ms"]
-        lines.append(
-            f"| {run['concurrency']} | {run['tokens_per_s']:.0f} | {run['tokens_per_s'] / base:.2f}× "
-            f"| {t['p50']} / {t['p99']} | {i['p50']} / {i['p99']} | {sum(run['errors'].values())} |"
-        )
-    probes = result["healthz_8"].get("healthz_ms", {})
-    p99 = ", ".join(
-        f"port {port}: p50 {v['p50']} / p99 {v['p99']} ms" for port, v in probes.items()
-    )
+    lines = serving.runs_table(result["runs"])
     lines.append("")
-    lines.append(f"- `/healthz` while 8 streams generate: {p99}.")
-    workers = result["two_workers"]["workers"]
-    rss = ", ".join(
-        f"RSS {w['rss_kib'] // 1024} MiB / PSS {w['pss_kib'] // 1024} MiB" for w in workers.values()
-    )
     lines.append(
-        f"- 2 workers (weights file {result['two_workers']['weights_kib']} KiB, "
-        f"memory-mapped): {rss}."
+        f"- `/healthz` while 8 streams generate: {serving.healthz_text(result['healthz_8'])}."
+    )
+    two = result["two_workers"]
+    lines.append(
+        f"- 2 workers (weights file {two['weights_kib']} KiB, memory-mapped): "
+        f"{serving.workers_text(two)}."
     )
     return "\n".join(lines) + "\n"
 

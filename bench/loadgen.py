@@ -41,6 +41,9 @@ class LoadSpec:
         body: the JSON request body.
         stream: whether the body asks for a stream.
         expect_tokens: tokens every answer must carry (``max_tokens``).
+        extra_events: ``data: {`` events a stream carries besides one per token (llama.cpp's server
+            ends with an empty-text chunk holding ``finish_reason``: 1); tokens/s counts events and
+            scales them by ``expect_tokens / (expect_tokens + extra_events)``.
         concurrency: requests in flight.
         warmup_s: seconds of load before the measurement window opens.
         duration_s: length of the measurement window, seconds.
@@ -58,6 +61,7 @@ class LoadSpec:
     stream: bool
     expect_tokens: int
     concurrency: int
+    extra_events: int = 0
     warmup_s: float = 1.0
     duration_s: float = 5.0
     drain_s: float = 5.0
@@ -229,7 +233,7 @@ def run_load(spec: LoadSpec) -> dict[str, Any]:
         t_begin + spec.warmup_s,
         t_begin + spec.warmup_s + spec.duration_s,
         spec.stream,
-        spec.expect_tokens,
+        spec.expect_tokens + spec.extra_events,
     )
     hard_end = w.end + spec.drain_s
     live: dict[int, Conn] = {}  # fileno -> conn

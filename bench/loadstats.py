@@ -70,6 +70,9 @@ def report(spec: LoadSpec, res: Results, snap: dict[str, float], dropped: int) -
         raise RuntimeError("the measurement window never closed")
     qs = (0.5, 0.9, 0.99)
     client_cpu = snap["end_cpu"] - snap["cpu"]
+    tokens = res.tokens_in_window
+    if spec.stream and spec.extra_events:
+        tokens *= spec.expect_tokens / (spec.expect_tokens + spec.extra_events)
     server_cpu = snap["end_server"] - snap["server"]
     out: dict[str, Any] = {
         "concurrency": spec.concurrency,
@@ -80,7 +83,7 @@ def report(spec: LoadSpec, res: Results, snap: dict[str, float], dropped: int) -
         "completed_in_window": res.completed_in_window,
         "errors": dict(sorted(res.errors.items())),
         "dropped_at_end": dropped,
-        "tokens_per_s": round(res.tokens_in_window / window, 1),
+        "tokens_per_s": round(tokens / window, 1),
         "requests_per_s": round(res.completed_in_window / window, 2),
         "ttft_ms": procstat.ms(res.ttft, qs),
         # Time to the response's status line and headers (a stream's opening comment comes with them).
@@ -94,9 +97,7 @@ def report(spec: LoadSpec, res: Results, snap: dict[str, float], dropped: int) -
         "server_cpu_util": round(server_cpu / window, 3),
         # Tokens per CPU-second the server used: its efficiency, much less disturbed than tokens/s
         # when something else shares the server's core.
-        "tokens_per_server_cpu_s": round(res.tokens_in_window / server_cpu, 1)
-        if server_cpu
-        else None,
+        "tokens_per_server_cpu_s": round(tokens / server_cpu, 1) if server_cpu else None,
         # Busy time of the server's core(s) that the server itself did not use: other processes,
         # interrupts. Near 0 in a clean run.
         "server_core_other_util": round((snap["end_core"] - snap["core"] - server_cpu) / window, 3),

@@ -62,6 +62,23 @@ def rss_bytes(pids: Iterable[int]) -> int:
     return total
 
 
+def rss_pss_kib(pid: int) -> tuple[int, int]:
+    """Return ``pid``'s resident and proportional set sizes in KiB (/proc/pid/smaps_rollup).
+
+    PSS charges each shared page to its N mappers as 1/N of a page, so two workers mapping the same
+    weight file show a PSS about half the file below their RSS.
+
+    Raises:
+        OSError: the process is gone.
+    """
+    values = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f.read().splitlines()[1:]:
+            key, value = line.split(":", 1)
+            values[key] = int(value.split()[0])
+    return values["Rss"], values["Pss"]
+
+
 def threads(pids: Iterable[int]) -> int:
     """Return the number of threads of ``pids``."""
     n = 0

@@ -1,9 +1,10 @@
 """Start the servers under test on loopback ports, pinned to their own core, and stop them.
 
 ``greenserve`` is ``gunicorn -c gunicorn.conf.py`` with one gevent worker; the references are
-``bench/ref_pywsgi.py`` and ``bench/ref_fastapi.py`` under uvicorn. Every server gets the open-file
-limit raised to the hard limit (the benchmark's settings only), its stderr in a log file, and is
-ready once ``GET /healthz`` answers 200.
+``bench/ref_pywsgi.py`` and ``bench/ref_fastapi.py`` under uvicorn; for a GGUF model, llama.cpp's
+OpenAI server (:func:`start_llamacpp`). Every server gets the open-file limit raised to the hard
+limit (the benchmark's settings only), its stderr in a log file, and is ready once ``GET /healthz``
+(llama.cpp's server has none: ``GET /v1/models``) answers 200.
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ from wsgi_app.pacer import HUB_MAX_WAIT_S, HUB_ROUND_S, HUB_SLICE_S
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ("greenserve", "pywsgi", "fastapi")
+# llama-cpp-python's server (`pip install 'llama-cpp-python[server]'`): one thread for prompt and
+# decode alike, and a running stream is never cut short by the next request (its default
+# `--interrupt_requests True` ends it after about one token as soon as another request waits).
+LLAMACPP_FLAGS = (
+    "--n_threads", "1", "--n_threads_batch", "1", "--n_ctx", "2048",
+    "--interrupt_requests", "False", "--verbose", "False",
+)  # fmt: skip
 
 
 def free_port() -> int:
@@ -57,7 +65,7 @@ class Server:
     """A running server under test.
 
     Attributes:
-        name: ``greenserve``, ``pywsgi`` or ``fastapi``.
+        name: ``greenserve``, ``pywsgi``, ``fastapi`` or ``llamacpp``.
         port: the API port.
         health_port: greenserve's health port, else None.
         proc: the launched process (gunicorn's master for greenserve).
@@ -103,13 +111,14 @@ class Server:
                 return
 
 
-def start(name: str, logdir: Path, env: dict[str, str] | None = None) -> Server:
+def start(name: str, logdir: Path, env: dict[str, str] | None = None, workers: int = 1) -> Server:
     """Start server ``name`` pinned to the server core; return once ``/healthz`` answers.
 
     Args:
         name: one of :data:`NAMES`.
         logdir: where its log file goes.
         env: extra environment (greenserve settings such as ``MAX_SLOTS``).
+        workers: greenserve's gunicorn workers (``WEB_CONCURRENCY``); the others have one.
 
     Raises:
         RuntimeError: the server exited or did not become ready within 30 s (with its log tail).
@@ -118,7 +127,7 @@ def start(name: str, logdir: Path, env: dict[str, str] | None = None) -> Server:
     health_port = free_port() if name == "greenserve" else None
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1", **(env or {})}
     if name == "greenserve":
-        full_env.update(WEB_CONCURRENCY="1", HOST="127.0.0.1", PORT=str(port))
+        full_env.update(WEB_CONCURRENCY=str(workers), HOST="127.0.0.1", PORT=str(port))
         full_env["HEALTH_PORT"] = str(health_port)
         argv = [sys.executable, "-m", "gunicorn", "-c", str(ROOT / "gunicorn.conf.py")]
         argv.append("--no-control-socket")
@@ -133,6 +142,43 @@ def start(name: str, logdir: Path, env: dict[str, str] | None = None) -> Server:
         argv += ["--backlog", "2048"]
     else:
         raise ValueError(f"unknown server {name!r}; choose from {NAMES}")
+    return _launch(name, argv, full_env, port, health_port, logdir, env or {})
+
+
+def start_llamacpp(python: str, model: Path, alias: str, logdir: Path) -> Server:
+    """Start llama.cpp's OpenAI server on ``model``, one thread, pinned to the server core.
+
+    Args:
+        python: the interpreter of the virtualenv holding ``llama-cpp-python[server]``.
+        model: the GGUF file.
+        alias: the model name it answers to (greenserve's name for the same file).
+        logdir: where its log file goes.
+
+    Returns:
+        The server, once ``GET /v1/models`` answers.
+
+    Raises:
+        RuntimeError: the server exited or did not become ready within 30 s (with its log tail).
+    """
+    port = free_port()
+    argv = [python, "-m", "llama_cpp.server", "--model", str(model), "--model_alias", alias]
+    argv += ["--host", "127.0.0.1", "--port", str(port), *LLAMACPP_FLAGS]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    return _launch("llamacpp", argv, env, port, None, logdir, {}, ready_path="/v1/models")
+
+
+def _launch(
+    name: str,
+    argv: list[str],
+    full_env: dict[str, str],
+    port: int,
+    health_port: int | None,
+    logdir: Path,
+    env: dict[str, str],
+    ready_path: str = "/healthz",
+) -> Server:
+    """Run ``argv`` pinned to the server core; return once ``ready_path`` (and ``/healthz`` on
+    ``health_port``) answer 200."""
     server_cores, _ = cores()
     argv = ["taskset", "-c", ",".join(map(str, server_cores)), *argv]
     logdir.mkdir(parents=True, exist_ok=True)
@@ -148,12 +194,12 @@ def start(name: str, logdir: Path, env: dict[str, str] | None = None) -> Server:
             start_new_session=True,
             preexec_fn=_raise_nofile,
         )
-    server = Server(name, port, health_port, proc, log_path, env or {})
+    server = Server(name, port, health_port, proc, log_path, env)
     deadline = time.monotonic() + 30
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode}:\n{_tail(log_path)}")
-        if _healthy(port) and (health_port is None or _healthy(health_port)):
+        if _healthy(port, ready_path) and (health_port is None or _healthy(health_port)):
             return server
         if time.monotonic() > deadline:
             server.stop()
@@ -161,10 +207,10 @@ def start(name: str, logdir: Path, env: dict[str, str] | None = None) -> Server:
         time.sleep(0.1)
 
 
-def _healthy(port: int) -> bool:
+def _healthy(port: int, path: str = "/healthz") -> bool:
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        conn.request("GET", "/healthz")
+        conn.request("GET", path)
         ok = conn.getresponse().status == 200
         conn.close()
         return ok
