@@ -18,8 +18,9 @@ from wsgi_app.error_handlers import error_response
 from wsgi_app.errors import ApiError
 from wsgi_app.generation import admit, engine_error, random_seed
 from wsgi_app.pacer import ClientGone
-from wsgi_app.protocol import CompletionRequest, decode_json_body
+from wsgi_app.protocol import CompletionRequest
 from wsgi_app.record import RequestRecord
+from wsgi_app.request_fields import decode_json_body
 from wsgi_app.runtime import Runtime
 from wsgi_app.streaming import EventStreamResponse, StreamBody, settle, wait_for_slot
 from wsgi_app.wire_format import TEXT_COMPLETION, WireFormat

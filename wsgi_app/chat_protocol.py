@@ -17,9 +17,8 @@ from typing import Any
 
 from model.sampling import SamplingParams
 from wsgi_app.errors import ApiError, invalid, quote_name
-from wsgi_app.protocol import (
-    MAX_TOKENS_LIMIT,
-    CompletionRequest,
+from wsgi_app.protocol import MAX_TOKENS_LIMIT, CompletionRequest
+from wsgi_app.request_fields import (
     _boolean,
     _check_unicode,
     _integer,
@@ -108,7 +107,7 @@ def parse_chat_request(
     """Validate a decoded ``/v1/chat/completions`` body into a :class:`ChatRequest`.
 
     Args:
-        body: the decoded JSON object (``wsgi_app.protocol.decode_json_body``).
+        body: the decoded JSON object (``wsgi_app.request_fields.decode_json_body``).
         vocab_size: the model's vocabulary (bounds ``top_k`` and ``logit_bias`` keys).
         max_n: largest accepted ``n`` (``MAX_N``).
         max_messages: the most messages accepted (``MAX_CHAT_MESSAGES``), checked before any is read.

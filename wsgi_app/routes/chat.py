@@ -26,8 +26,9 @@ from wsgi_app.chat_protocol import KNOWN_FIELDS as CHAT_FIELDS
 from wsgi_app.chat_protocol import ChatRequest, parse_chat_request
 from wsgi_app.chat_wire import CHAT_COMPLETION
 from wsgi_app.errors import invalid
-from wsgi_app.protocol import CompletionRequest, loads_strict
+from wsgi_app.protocol import CompletionRequest
 from wsgi_app.record import RequestRecord
+from wsgi_app.request_fields import loads_strict
 from wsgi_app.routes.completions_get import check_event_source, event_stream, query_body
 from wsgi_app.runtime import Runtime, runtime
 

@@ -33,8 +33,9 @@ from werkzeug.datastructures import MultiDict
 
 from wsgi_app.errors import invalid, quote_name
 from wsgi_app.generation import admit, random_seed
-from wsgi_app.protocol import KNOWN_FIELDS, SEED_LIMIT, CompletionRequest, parse_completion_request
+from wsgi_app.protocol import KNOWN_FIELDS, CompletionRequest, parse_completion_request
 from wsgi_app.record import RequestRecord
+from wsgi_app.request_fields import SEED_LIMIT
 from wsgi_app.runtime import Runtime, runtime
 from wsgi_app.sse import EventIds
 from wsgi_app.streaming import STREAM_HEADERS, EventStreamResponse, StreamBody
