@@ -113,7 +113,8 @@ def _check_config_or_exit():
 
     from model.loader import gguf_file, load_model
     from wsgi_app.chat import check_chat_template
-    from wsgi_app.settings import Settings, check_stats_db
+    from wsgi_app.setting_checks import check_stats_db
+    from wsgi_app.settings import Settings
 
     try:
         settings = Settings.from_env()  # also RATE_LIMIT, its storage and the OTLP endpoint

@@ -32,7 +32,7 @@ from wsgi_app.client_identity import client_identity
 from wsgi_app.error_handlers import error_response
 from wsgi_app.errors import ApiError
 from wsgi_app.runtime import Runtime
-from wsgi_app.settings import parse_rate_limit  # there so the master checks it without Flask
+from wsgi_app.setting_checks import parse_rate_limit  # there so the master checks it without Flask
 
 log = logging.getLogger("greenserve.ratelimit")
 
