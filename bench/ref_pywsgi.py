@@ -5,7 +5,7 @@ frames of the same shape and size as greenserve's (one ``data:`` event per token
 ``"finish_reason":"length"``, then ``[DONE]``), pre-formatted once per request. Like greenserve it
 gives the hub a turn once a stream has run for its slice (``REF_HUB_SLICE_S``, shrunk to
 ``REF_HUB_ROUND_S`` divided by the running streams) with greenserve's own ``wsgi_app.hubturn.HubTurn``
-(``REF_HUB_MAX_WAIT_S``, ``REF_HUB_POLL_S``; the benchmark passes greenserve's values), so the
+(``REF_HUB_POLL_S``; the benchmark passes greenserve's values), so the
 comparison is the same scheduling with no model, no Flask and no gunicorn. ``GET /healthz`` answers
 ``{"status":"ok"}``.
 
@@ -26,7 +26,6 @@ from wsgi_app.hubturn import POLL_S, HubTurn
 
 HUB_SLICE_S = float(os.environ.get("REF_HUB_SLICE_S", "0.0005"))
 HUB_ROUND_S = float(os.environ.get("REF_HUB_ROUND_S", "0.02"))
-HUB_MAX_WAIT_S = float(os.environ.get("REF_HUB_MAX_WAIT_S", "0.05"))
 HUB_POLL_S = float(os.environ.get("REF_HUB_POLL_S", str(POLL_S)))
 _running = [0]  # streams in progress (greenserve reads its busy slots)
 _ID = b'{"id":"cmpl-000000000000000000000000","object":"text_completion","created":1700000000,'
@@ -50,7 +49,7 @@ def _stream(model: str, max_tokens: int):
         yield b": ok\n\n"
         since = time.perf_counter()
         slice_s = min(HUB_SLICE_S, HUB_ROUND_S / _running[0])
-        turn = HubTurn(HUB_MAX_WAIT_S, HUB_POLL_S)
+        turn = HubTurn(HUB_POLL_S)
         for _ in range(max_tokens - 1):
             yield running
             if time.perf_counter() - since >= slice_s:

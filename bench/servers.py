@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench import procstat
 from wsgi_app.hubturn import POLL_S
-from wsgi_app.pacer import HUB_MAX_WAIT_S, HUB_ROUND_S, HUB_SLICE_S
+from wsgi_app.pacer import HUB_ROUND_S, HUB_SLICE_S
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ("greenserve", "pywsgi", "fastapi")
@@ -134,7 +134,7 @@ def start(name: str, logdir: Path, env: dict[str, str] | None = None, workers: i
     elif name == "pywsgi":
         # The same scheduling as greenserve's Pacer, so the ceiling differs only by the work done.
         full_env.update(REF_HUB_SLICE_S=str(HUB_SLICE_S), REF_HUB_ROUND_S=str(HUB_ROUND_S))
-        full_env.update(REF_HUB_MAX_WAIT_S=str(HUB_MAX_WAIT_S), REF_HUB_POLL_S=str(POLL_S))
+        full_env.update(REF_HUB_POLL_S=str(POLL_S))
         argv = [sys.executable, "-m", "bench.ref_pywsgi", str(port)]
     elif name == "fastapi":
         argv = [sys.executable, "-m", "uvicorn", "bench.ref_fastapi:app", "--host", "127.0.0.1"]

@@ -1,24 +1,25 @@
-"""Give the gevent hub a turn from a generating greenlet: pending I/O first, but never starve.
+"""Give the gevent hub a turn from a generating greenlet: pending I/O first, and no starvation.
 
 ``gevent.sleep(0)`` queues the greenlet behind every other runnable greenlet, so a new connection (a
-``/healthz`` probe, the next request's first token) waits for a full round of all running streams, and
-the hub polls for I/O only every few milliseconds. ``gevent.idle()`` instead resumes the greenlet when
-the loop has nothing else pending, so I/O and new requests go first; but libev runs every pending idle
-watcher in one go, so the hub still polls for I/O only once per round of all the streams (20 ms at
-128 streams, more with a thousand), and while new work keeps arriving (a closed loop of short
-requests) an idle watcher can wait for seconds.
+``/healthz`` probe, the next request's first token) waits for a full round of all running streams.
+``gevent.idle()`` instead resumes the greenlet when the loop has nothing else pending; but libev runs
+every pending idle watcher in one go (the hub then polls for I/O once per round of all the streams), and
+an idle watcher never runs while every loop iteration has some event pending: under a closed loop of
+short requests the streams starved, then a catch-up timer ran a whole round at once, and new
+connections waited 50-100 ms (measured with ``bench.run``).
 
-:class:`HubTurn` puts the greenlet in one FIFO queue per hub, which a single idle watcher serves a few
-at a time: when the hub is idle it resumes waiting streams, in order, for at most ``poll_s`` (each
-runs its slice and queues again), then lets the loop poll for I/O before the next ones. So a new
-connection or a probe waits at most about ``poll_s`` for the hub, however many streams run, while the
-streams still share the core round-robin. No stream waits much longer than ``max_wait_s``: once the
-oldest has waited that long (the hub was too busy to go idle often enough), a timer resumes every
-waiting stream.
+:class:`HubTurn` puts the greenlet in one FIFO queue per hub, served by a *check* watcher, which libev
+runs once in every loop iteration right after the I/O poll and its callbacks, whether or not events
+were pending: each iteration resumes waiting streams, in order (each runs its slice and queues again),
+for ``poll_s`` or for as long as the rest of that iteration took, whichever is longer (up to
+``MAX_SHARE_S``), then the loop polls again. An active no-op idle watcher keeps that poll from blocking
+while streams wait. So a new connection or a probe waits about ``poll_s`` per step of its own work
+(accept, read, write), however many streams run; and under a flood of other work the streams still
+get half of the core, never starved.
 
-Source: libev documentation, "ev_idle" (invoked when no other events of the same or higher priority
-are pending) and "ev_timer"; gevent's ``gevent.idle``, ``Hub.wait`` and
-``Waiter`` (switched from the hub).
+Source: libev documentation, "ev_check" (invoked after the loop has gathered new events, every
+iteration) and "ev_idle" (while active, the loop polls without blocking); gevent's ``loop.check``,
+``loop.idle`` and ``Waiter`` (switched from the hub).
 """
 
 from __future__ import annotations
@@ -30,95 +31,84 @@ from typing import Any
 
 from gevent.hub import Waiter, get_hub
 
-# The longest the hub resumes waiting streams before it polls for I/O again, seconds: what a new
-# connection or a /healthz probe waits for at most (plus its own work), however many streams run.
-POLL_S = 0.002
+# The longest the hub resumes waiting streams before it polls for I/O again, seconds: what each step of
+# a new connection or a /healthz probe waits for at most (plus its own work), however many streams run.
+POLL_S = 0.001
+# The most the streams are given in one pass when the rest of an iteration took long, seconds.
+MAX_SHARE_S = 0.01
+
+
+def _nothing() -> None:
+    """The idle watcher's callback: its being active is what matters (a non-blocking poll)."""
 
 
 class _Turns:
     """The greenlets of one hub waiting for a turn, resumed in FIFO order, ``poll_s`` at a time."""
 
-    def __init__(self, hub: Any, max_wait_s: float, poll_s: float) -> None:
-        self.hub = hub
-        self.max_wait_s = max_wait_s
+    def __init__(self, hub: Any, poll_s: float) -> None:
         self.poll_s = poll_s
-        self.waiting: deque[tuple[Waiter, float]] = deque()  # (waiter, perf_counter when queued)
+        self.waiting: deque[Waiter] = deque()
+        self.hub = hub
+        self.check = hub.loop.check()
         self.idle = hub.loop.idle()
-        self.timer: Any = None
+        self.last_end = 0.0  # perf_counter when the last pass ended
 
     def wait(self) -> None:
         """Queue the current greenlet; return when the hub resumes it."""
-        entry = (Waiter(self.hub), time.perf_counter())
-        self.waiting.append(entry)
-        if not self.idle.active:  # the first to wait arms the watchers
-            self.idle.start(self._on_idle)
-            self._arm(self.max_wait_s)
+        waiter = Waiter(self.hub)
+        self.waiting.append(waiter)
+        if not self.check.active:  # the first to wait starts the watchers
+            self.check.start(self._resume)
+            self.idle.start(_nothing)
+            self.last_end = time.perf_counter()
         try:
-            entry[0].get()
+            waiter.get()
         except BaseException:  # killed or timed out while waiting: leave the queue
             try:
-                self.waiting.remove(entry)
+                self.waiting.remove(waiter)
             except ValueError:
                 pass
             if not self.waiting:
                 self._stop()
             raise
 
-    def _arm(self, after_s: float) -> None:
-        """(Re)start the timer to fire in ``after_s`` seconds."""
-        if self.timer is not None:
-            self.timer.stop()
-        self.timer = self.hub.loop.timer(max(after_s, 0.0))
-        self.timer.start(self._on_timer)
-
-    def _on_idle(self) -> None:
-        self._resume(time.perf_counter() + self.poll_s)
-
-    def _on_timer(self) -> None:
-        # The oldest has waited max_wait_s (the hub never went idle meanwhile): a full round.
-        self._resume(None)
-
-    def _resume(self, until: float | None) -> None:
-        """Resume waiting greenlets (in the hub) until ``until`` (``perf_counter``) or, with None,
-        every one that waits now; then time the next forced round by the oldest still waiting."""
+    def _resume(self) -> None:
+        """Resume waiting greenlets (in the hub) for their share of the iteration (see the module
+        docstring); stop the watchers when none is left waiting."""
         waiting = self.waiting
-        n = len(waiting) if until is None else -1
-        while waiting and n != 0:
-            n -= 1
-            waiting.popleft()[0].switch(None)  # returns when that greenlet gives the hub back
-            if until is not None and time.perf_counter() >= until:
+        now = time.perf_counter()
+        until = now + min(max(self.poll_s, now - self.last_end), MAX_SHARE_S)
+        # Only those waiting now: a greenlet that queues again during this pass waits for the next.
+        for _ in range(len(waiting)):
+            waiting.popleft().switch(None)  # returns when that greenlet gives the hub back
+            if not waiting or time.perf_counter() >= until:
                 break
-        if waiting:
-            self._arm(waiting[0][1] + self.max_wait_s - time.perf_counter())
-        else:
+        self.last_end = time.perf_counter()
+        if not waiting:
             self._stop()
 
     def _stop(self) -> None:
+        self.check.stop()
         self.idle.stop()
-        if self.timer is not None:
-            self.timer.stop()
 
 
-_TURNS: weakref.WeakKeyDictionary[Any, dict[tuple[float, float], _Turns]] = (
-    weakref.WeakKeyDictionary()
-)
+_TURNS: weakref.WeakKeyDictionary[Any, dict[float, _Turns]] = weakref.WeakKeyDictionary()
 
 
 class HubTurn:
-    """Yield the current greenlet until the hub has served pending I/O, or at most ``max_wait_s``.
+    """Yield the current greenlet until the hub has polled for I/O and served what was pending.
 
-    Turns of all the greenlets of a hub that use the same ``max_wait_s`` and ``poll_s`` are served
-    from one FIFO queue (see the module docstring).
+    Turns of all the greenlets of a hub that use the same ``poll_s`` are served from one FIFO queue
+    (see the module docstring): a turn comes back after one round of the other waiting greenlets, and
+    the hub polls for I/O at least every ``poll_s`` meanwhile.
 
     Args:
-        max_wait_s: the longest a turn may wait while other work keeps the hub busy, seconds.
         poll_s: the longest the hub resumes waiting greenlets before it polls for I/O, seconds.
     """
 
-    __slots__ = ("max_wait_s", "poll_s", "_turns")
+    __slots__ = ("poll_s", "_turns")
 
-    def __init__(self, max_wait_s: float, poll_s: float = POLL_S) -> None:
-        self.max_wait_s = max_wait_s
+    def __init__(self, poll_s: float = POLL_S) -> None:
         self.poll_s = poll_s
         self._turns: _Turns | None = None
 
@@ -128,9 +118,8 @@ class HubTurn:
         if turns is None:
             hub = get_hub()
             per_hub = _TURNS.setdefault(hub, {})
-            key = (self.max_wait_s, self.poll_s)
-            turns = per_hub.get(key)
+            turns = per_hub.get(self.poll_s)
             if turns is None:
-                turns = per_hub[key] = _Turns(hub, self.max_wait_s, self.poll_s)
+                turns = per_hub[self.poll_s] = _Turns(hub, self.poll_s)
             self._turns = turns
         turns.wait()

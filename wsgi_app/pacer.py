@@ -27,15 +27,13 @@ if typing.TYPE_CHECKING:
 # The bigram engine runs inline in the request's greenlet: give the hub a turn at least this often, so
 # one fast stream never holds the other connections (and /healthz) for more than about a millisecond.
 HUB_SLICE_S = 0.0005
-# Streams yield with a HubTurn (wsgi_app/hubturn.py), which queues them in order and resumes them when
-# the hub has nothing else pending, a few milliseconds' worth at a time (hubturn.POLL_S): new
-# connections, /healthz probes and other I/O go first and wait at most that long, however many streams
-# run. So that a round of all the streams (each one's inter-token gap) stays near HUB_ROUND_S, the
-# slice shrinks to HUB_ROUND_S divided by the busy slots (down to one token). While new work keeps the
-# hub busy, a turn still comes after HUB_MAX_WAIT_S. Chosen with bench/ (README, Performance): at 128
-# streams a 20 ms round gives ~12 % more tokens/s than 10 ms for a TTFT p99 of ~26 ms instead of ~15.
+# Streams yield with a HubTurn (wsgi_app/hubturn.py), which queues them in order and resumes them
+# between the hub's I/O polls, a millisecond's worth at a time (hubturn.POLL_S): new connections,
+# /healthz probes and other I/O wait at most about that long per step, however many streams run. So
+# that a round of all the streams (each one's inter-token gap) stays near HUB_ROUND_S, the slice shrinks
+# to HUB_ROUND_S divided by the busy slots (down to one token). Chosen with bench/ (README,
+# Performance): at 128 streams a 20 ms round gives ~12 % more tokens/s than 10 ms.
 HUB_ROUND_S = 0.02
-HUB_MAX_WAIT_S = 0.05
 PEER_CHECK_S = (
     0.1  # how often a generating non-streamed request looks for a vanished client, seconds
 )
@@ -88,7 +86,7 @@ class Pacer:
         self.deadline = deadline
         self._since = time.perf_counter()
         self._slice = hub_slice(rt.admission.busy)
-        self._turn = HubTurn(HUB_MAX_WAIT_S)
+        self._turn = HubTurn()
         # A non-streamed answer writes nothing until its end: its view sets ``peer`` so that a client
         # that left is noticed (every PEER_CHECK_S) rather than generated for in vain.
         self.peer: socket.socket | None = None
