@@ -145,3 +145,63 @@ def test_impossible_chunk_size_is_400_at_once(edge_server):
     assert answer.error()["message"] == (
         "Malformed request body: Invalid chunk size: 'chunk size over 2**63-1 bytes'."
     )
+
+
+STREAM_BODY = json.dumps(
+    {"model": "succ", "prompt": "a", "max_tokens": 3, "temperature": 0, "stream": True}
+).encode()
+
+
+def stream_request(version: bytes) -> bytes:
+    return (
+        b"POST /v1/completions " + version + b"\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(STREAM_BODY)).encode() + b"\r\n\r\n" + STREAM_BODY
+    )
+
+
+def read_chunked(sock: socket.socket, buf: bytes) -> tuple[list[bytes], bytes]:
+    """Read one chunked body from ``buf`` + ``sock``; return its chunks and what follows it."""
+    chunks = []
+    while True:
+        while b"\r\n" not in buf:
+            buf += sock.recv(65536)
+        size_line, _, buf = buf.partition(b"\r\n")
+        assert size_line == size_line.upper() and size_line.strip() == size_line  # as gunicorn
+        size = int(size_line, 16)
+        while len(buf) < size + 2:
+            buf += sock.recv(65536)
+        assert buf[size : size + 2] == b"\r\n"
+        if size == 0:
+            return chunks, buf[2:]
+        chunks.append(buf[:size])
+        buf = buf[size + 2 :]
+
+
+def test_a_stream_is_one_chunk_per_event_and_the_connection_is_kept(edge_server):
+    # After the first event the stream writes its chunks itself: the framing must be gunicorn's.
+    with socket.create_connection(("127.0.0.1", edge_server.port), timeout=10) as sock:
+        rest = b""
+        for _ in range(2):  # the second request proves the body ended exactly where it should
+            sock.sendall(stream_request(b"HTTP/1.1"))
+            while b"\r\n\r\n" not in rest:
+                rest += sock.recv(65536)
+            head, _, rest = rest.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 ")
+            assert b"Transfer-Encoding: chunked" in head
+            chunks, rest = read_chunked(sock, rest)
+            assert chunks[0] == b": ok\n\n"
+            assert chunks[-1] == b"data: [DONE]\n\n"
+            texts = [json.loads(c[len(b"data: ") :])["choices"][0]["text"] for c in chunks[1:-1]]
+            assert texts == ["b", "c", "d"]
+            assert all(c.startswith(b"data: {") and c.endswith(b"}\n\n") for c in chunks[1:-1])
+        assert rest == b""
+
+
+def test_an_http10_stream_is_not_chunked_and_ends_with_the_connection(edge_server):
+    answer = Answer(edge_server.port, stream_request(b"HTTP/1.0"))
+    assert answer.status == 200 and answer.closed
+    assert "transfer-encoding" not in answer.headers
+    events = answer.body.split(b"\n\n")
+    assert events[0] == b": ok" and events[-2:] == [b"data: [DONE]", b""]
+    texts = [json.loads(e[len(b"data: ") :])["choices"][0]["text"] for e in events[1:-2]]
+    assert texts == ["b", "c", "d"]

@@ -72,9 +72,11 @@ class StreamSocket(gsocket.socket):
         blocked: True while a write waits for the peer.
         idle: True while the connection waits for a request to start.
         request: the request being answered (gunicorn's ``Request``), or None.
+        http: True when the connection speaks HTTP/1.x (gunicorn's ``protocol`` is ``http``, not
+            ``uwsgi``), so gunicorn frames a body of unknown length as chunks on HTTP/1.1.
     """
 
-    __slots__ = ("send_timeout_s", "stalled", "blocked", "idle", "request")
+    __slots__ = ("send_timeout_s", "stalled", "blocked", "idle", "request", "http")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -83,6 +85,7 @@ class StreamSocket(gsocket.socket):
         self.blocked = False
         self.idle = False
         self.request: Any = None
+        self.http = True
 
     def close_after_response(self) -> None:
         """Answer the current request with ``Connection: close`` and close the connection after it
@@ -195,6 +198,7 @@ class GeventWorker(ggevent.GeventWorker):
         """Serve one connection (gunicorn's ``handle``) over a :class:`StreamSocket`."""
         if type(client) is gsocket.socket:
             client = StreamSocket(client.family, client.type, client.proto, fileno=client.detach())
+            client.http = getattr(self.cfg, "protocol", "http") == "http"
             self.connections.add(client)
         super().handle(listener, client, addr)
 
