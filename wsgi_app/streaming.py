@@ -38,12 +38,23 @@ def queue_heartbeats(ticket: Ticket, pacer: Pacer, heartbeat_s: float) -> Iterat
     """Wait for ``ticket``'s slot in heartbeat-long slices, yielding after each slice without one
     (the caller writes a heartbeat or looks for a client that left).
 
+    A wait ends early at the deadline or the worker's stop time, or when the stop wakes the queue
+    (``Admission.wake_queued``); the clock decides what follows, so a wake a moment before the stop
+    time waits out that moment rather than sending a heartbeat.
+
     Raises:
         ApiError: 504 past the deadline, 503 when the worker is stopping.
     """
-    while not ticket.wait(min(heartbeat_s, pacer.time_left_s(time.perf_counter()))):
-        pacer.check(time.perf_counter())
-        yield
+    beat_at = time.perf_counter() + heartbeat_s
+    while True:
+        now = time.perf_counter()
+        if ticket.wait(min(beat_at - now, pacer.time_left_s(now))):
+            return
+        now = time.perf_counter()
+        pacer.check(now)
+        if now >= beat_at:
+            beat_at = now + heartbeat_s
+            yield
 
 
 def wait_for_slot(
