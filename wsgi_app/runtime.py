@@ -144,9 +144,13 @@ class Runtime:
         and the worker cuts and ends what is left before that: ``wsgi_app.worker``). Queued
         requests are woken then, not at their next heartbeat.
 
+        A second SIGTERM changes nothing: the worker's own deadlines count from the first.
+
         Args:
             grace_s: gunicorn's ``graceful_timeout``, seconds from now.
         """
+        if self.stop_at is not None:
+            return
         self.stopping = True
         stop_in_s = max(0.0, grace_s - END_STREAMS_S)
         self.stop_at = time.perf_counter() + stop_in_s
