@@ -72,8 +72,10 @@ class Metrics:
     """The worker's metric objects (names as exposed).
 
     Attributes:
-        requests: ``greenserve_requests_total{endpoint,status,finish_reason}``, generation requests
-            answered (``endpoint``: ``/v1/completions`` or ``/v1/chat/completions``).
+        requests: ``greenserve_requests_total{endpoint,status,finish_reason,end_reason}``,
+            generation requests answered (``endpoint``: ``/v1/completions`` or
+            ``/v1/chat/completions``; ``end_reason``: why generation ended, ``none`` when it never
+            started).
         prompt_tokens: ``greenserve_prompt_tokens_total``, prompt tokens of requests that got a slot.
         generation_tokens: ``greenserve_generation_tokens_total``, tokens generated.
         ttft: ``greenserve_time_to_first_token_seconds``, arrival to first generated token.
@@ -118,8 +120,9 @@ class Metrics:
         m = cls(
             requests=Counter(
                 "greenserve_requests",
-                "Generation requests answered, by endpoint, HTTP status and finish reason.",
-                ["endpoint", "status", "finish_reason"],
+                "Generation requests answered, by endpoint, HTTP status, finish reason and why "
+                "generation ended.",
+                ["endpoint", "status", "finish_reason", "end_reason"],
                 registry=r,
             ),
             prompt_tokens=Counter(
@@ -200,6 +203,7 @@ class Metrics:
         *,
         status: int,
         finish_reason: str,
+        end_reason: str,
         endpoint: str = "/v1/completions",
         prompt_tokens: int,
         completion_tokens: int,
@@ -215,6 +219,9 @@ class Metrics:
             endpoint: the route answered (``/v1/completions``, ``/v1/chat/completions``).
             status: the HTTP status sent.
             finish_reason: the request's finish reason label (``length``, ``stop``, ``error``, …).
+            end_reason: why generation ended (``finished``, ``stop``, ``client_left``,
+                ``send_timeout``, ``deadline``, ``shutdown``, ``engine_error``), ``none`` when it
+                never started.
             prompt_tokens: prompt tokens counted (0 when the request never got a slot).
             completion_tokens: tokens generated over all choices.
             ttft_s: seconds to the first token, or None when no token was generated.
@@ -224,7 +231,10 @@ class Metrics:
             itl_sum_s: the sum of those gaps, seconds.
         """
         self.requests.labels(
-            endpoint=endpoint, status=str(status), finish_reason=finish_reason
+            endpoint=endpoint,
+            status=str(status),
+            finish_reason=finish_reason,
+            end_reason=end_reason,
         ).inc()
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)

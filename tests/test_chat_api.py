@@ -378,7 +378,8 @@ def test_metrics_count_chat_under_its_endpoint(succ_server):
     chat_ok = [
         s.value
         for s in requests.samples
-        if s.labels == {"endpoint": PATH, "status": "200", "finish_reason": "length"}
+        if s.labels
+        == {"endpoint": PATH, "status": "200", "finish_reason": "length", "end_reason": "finished"}
     ]
     assert chat_ok and chat_ok[0] >= 1
     stats = json.loads(succ_server.get("/stats")[2])

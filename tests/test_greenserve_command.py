@@ -60,7 +60,8 @@ def test_installed_command_serves_the_default_model(server):
     status, _, body = server.get("/metrics", port=server.health_port)
     assert (
         status == 200
-        and b'greenserve_requests_total{endpoint="/v1/completions",finish_reason="length",status="200"} 1.0'
+        and b'greenserve_requests_total{end_reason="finished",endpoint="/v1/completions",'
+        b'finish_reason="length",status="200"} 1.0'
         in body
     )
 

@@ -45,6 +45,7 @@ REQUEST_FIELDS: dict[str, tuple[type, ...]] = {
     "itl_p50_s": (float, type(None)),
     "itl_p95_s": (float, type(None)),
     "finish_reason": (str,),
+    "end_reason": (str, type(None)),
     "queue_wait_s": (float, type(None)),
     "error": (str, type(None)),
 }

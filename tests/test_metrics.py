@@ -92,6 +92,7 @@ def test_metrics_are_per_registry_and_summarize_exactly():
     m.observe_request(
         status=200,
         finish_reason="length",
+        end_reason="finished",
         prompt_tokens=3,
         completion_tokens=5,
         ttft_s=0.004,
@@ -103,6 +104,7 @@ def test_metrics_are_per_registry_and_summarize_exactly():
     m.observe_request(
         status=500,
         finish_reason="error",
+        end_reason="engine_error",
         prompt_tokens=2,
         completion_tokens=1,
         ttft_s=0.004,
@@ -112,6 +114,7 @@ def test_metrics_are_per_registry_and_summarize_exactly():
     m.observe_request(
         status=400,
         finish_reason="none",
+        end_reason="none",
         prompt_tokens=0,
         completion_tokens=0,
         ttft_s=None,
@@ -196,6 +199,7 @@ def test_forty_requests_over_two_workers_count_exactly(two_workers):
                 endpoint="/v1/completions",
                 status="200",
                 finish_reason="length",
+                end_reason="finished",
             )
             == 40
         )

@@ -57,10 +57,10 @@ def test_count_all_equals_one_observe_request_each():
     rng = random.Random(3)
     batch = [_stamps(rng, n) for n in (5, 1, 9)]
     obs = [
-        Observation("/v1/completions", 200, "length", 3, 5, 0.004, 0.02, 0.0),
-        Observation("/v1/completions", 500, "error", 2, 1, 0.3, 2.5, 0.5),
-        Observation("/v1/chat/completions", 200, "length", 1, 9, 0.0007, 0.01, 0.000001),
-        Observation("/v1/completions", 400, "none", 0, 0, None, None, None),
+        Observation("/v1/completions", 200, "length", "finished", 3, 5, 0.004, 0.02, 0.0),
+        Observation("/v1/completions", 500, "error", "engine_error", 2, 1, 0.3, 2.5, 0.5),
+        Observation("/v1/chat/completions", 200, "length", "finished", 1, 9, 0.0007, 0.01, 1e-6),
+        Observation("/v1/completions", 400, "none", "none", 0, 0, None, None, None),
     ]
     stamps = [*batch, array("d")]
     one, many = CollectorRegistry(), CollectorRegistry()
@@ -79,7 +79,12 @@ def test_count_all_equals_one_observe_request_each():
         assert b[key] == pytest.approx(value, rel=1e-12), key
     done = (
         "greenserve_requests_total",
-        (("endpoint", "/v1/completions"), ("finish_reason", "length"), ("status", "200")),
+        (
+            ("end_reason", "finished"),
+            ("endpoint", "/v1/completions"),
+            ("finish_reason", "length"),
+            ("status", "200"),
+        ),
     )
     assert b[done] == 1
 

@@ -13,6 +13,7 @@ import json
 import signal
 import socket
 import time
+from types import SimpleNamespace
 
 import gevent
 import pytest
@@ -83,7 +84,21 @@ def test_send_timeout_cuts_a_reader_that_stops(pair):
     with pytest.raises(SendTimeout, match="the client read nothing for 0.3 s"):
         sender.sendall(PAYLOAD)
     assert sender.stalled is True and sender.blocked is False
+    assert sender.end_reason == "send_timeout"
     assert len(reader.get(timeout=5)) == 100_000
+
+
+def test_a_write_the_worker_cuts_is_marked_shutdown_not_send_timeout(pair):
+    sender, _ = pair
+    sender.send_timeout_s = 0.3  # would fire too, had the worker not cut the write first
+    writer = gevent.spawn(sender.sendall, PAYLOAD)  # nobody reads: the write blocks
+    while not sender.blocked:
+        gevent.sleep(0.01)
+    GeventWorker.cut_blocked_writes(SimpleNamespace(connections=[sender]))
+    with pytest.raises(OSError) as raised:
+        writer.get(timeout=5)
+    assert not isinstance(raised.value, SendTimeout)
+    assert (sender.end_reason, sender.stalled, sender.blocked) == ("shutdown", False, False)
 
 
 def test_send_timeout_spares_a_slow_reader_that_keeps_reading(pair):

@@ -82,7 +82,12 @@ class Ticket:
         """Block this greenlet until the slot is granted or ``timeout_s`` passes; True when granted."""
         if self.state == RUNNING:
             return True
-        return self._granted.wait(max(0.0, timeout_s)) and self.state == RUNNING
+        woken = self._granted.wait(max(0.0, timeout_s))
+        if self.state == RUNNING:
+            return True
+        if woken:  # woken by Admission.wake_queued, not granted: the next wait waits again
+            self._granted.clear()
+        return False
 
     def release(self) -> None:
         """Give the slot (or the queue place) back; idempotent."""
@@ -192,6 +197,13 @@ class Admission:
         if self.on_change is not None:
             self.on_change(self.busy, len(self._waiters))
         return ticket
+
+    def wake_queued(self) -> None:
+        """End every queued request's current wait early, without a slot, so that its caller looks
+        at the clock now (the worker's stop time has come: it answers 503 rather than waiting out a
+        heartbeat)."""
+        for ticket in self._waiters:
+            ticket._granted.set()
 
     def _release(self, ticket: Ticket) -> None:
         if ticket.state == RELEASED:

@@ -19,7 +19,7 @@ from wsgi_app.errors import ApiError
 from wsgi_app.generation import admit, engine_error, random_seed
 from wsgi_app.pacer import ClientGone
 from wsgi_app.protocol import CompletionRequest
-from wsgi_app.record import RequestRecord
+from wsgi_app.record import CLIENT_LEFT, ENGINE_ERROR, RequestRecord
 from wsgi_app.request_fields import decode_json_body
 from wsgi_app.runtime import Runtime
 from wsgi_app.streaming import EventStreamResponse, StreamBody, settle, wait_for_slot
@@ -52,7 +52,7 @@ def answer(
     sock = request.environ.get("gunicorn.socket")
     completion, ticket, pacer = admit(rt, req, record, seed, sock, wire=wire)
     if req.stream:
-        return EventStreamResponse(StreamBody(rt, completion, ticket, pacer, record))
+        return EventStreamResponse(StreamBody(rt, completion, ticket, pacer, record, sock))
     try:
         if not wait_for_slot(ticket, pacer, rt.settings.heartbeat_s, sock):
             return _gone(record, "client disconnected while queued")
@@ -61,8 +61,9 @@ def answer(
     except ClientGone:
         return _gone(record, "client disconnected while generating")
     except ApiError:
-        raise
+        raise  # the pacer's deadline or shutdown, named by it
     except Exception as exc:
+        record.end(ENGINE_ERROR)
         err = engine_error(rt, exc)
         if err.status == 500:
             log.exception("completion %s failed", record.request_id)
@@ -74,5 +75,6 @@ def answer(
 
 def _gone(record: RequestRecord, why: str) -> Response:
     """Answer a request whose client left: nobody reads it, the 499 is for the log and the span."""
+    record.end(CLIENT_LEFT)
     record.error = why
     return error_response(ApiError(499, "Client closed the connection.", code="client_closed"))

@@ -124,6 +124,8 @@ def finish(
         attrs["gen_ai.response.finish_reasons"] = ",".join(
             r or "none" for r in record.finish_reasons
         )
+    if record.end_reason is not None:
+        attrs["greenserve.end_reason"] = record.end_reason
     failed = record.status >= 500 or record.error is not None
     span.end(STATUS_ERROR if failed else STATUS_UNSET, record.error or "")
     elapsed = time.perf_counter() - record.started

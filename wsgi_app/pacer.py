@@ -17,7 +17,7 @@ import gevent
 from wsgi_app.connection import peer_closed
 from wsgi_app.errors import timeout_error, unavailable
 from wsgi_app.hubturn import HubTurn
-from wsgi_app.record import RequestRecord
+from wsgi_app.record import DEADLINE, SHUTDOWN, RequestRecord
 
 if typing.TYPE_CHECKING:
     import socket
@@ -133,12 +133,20 @@ class Pacer:
                 raise ClientGone()
 
     def check(self, now: float) -> None:
-        """Raise if the request's deadline or the worker's stop time has passed at ``now``."""
+        """Raise if the request's deadline or the worker's stop time has passed at ``now``, and
+        record that as the request's ``end_reason`` (``deadline``, ``shutdown``)."""
         if now >= self.deadline:
+            self._record.end(DEADLINE)
             raise timeout_error(self._rt.settings.request_timeout_s)
         stop_at = self._rt.stop_at
         if stop_at is not None and now >= stop_at:
+            self._record.end(SHUTDOWN)
             raise unavailable("Server is shutting down; generation was ended early.")
+
+    def time_left_s(self, now: float) -> float:
+        """Seconds from ``now`` until :meth:`check` raises (the deadline or the worker's stop time)."""
+        stop_at = self._rt.stop_at
+        return (self.deadline if stop_at is None else min(self.deadline, stop_at)) - now
 
 
 class DebugPacer(Pacer):

@@ -14,6 +14,16 @@ from dataclasses import dataclass, field
 
 from telemetry.spans import Span
 
+# Why a generation ended (``RequestRecord.end_reason``; docs/ARCHITECTURE.md §9). The client's doing:
+# CLIENT_LEFT (it closed the connection), SEND_TIMEOUT (it stopped reading for ``SEND_TIMEOUT_S``).
+# The server's: DEADLINE (``REQUEST_TIMEOUT_S``), SHUTDOWN (the worker stopping), ENGINE_ERROR (any
+# other failure). A normal end: FINISHED (every choice ran to ``max_tokens``), STOP (at least one
+# choice ended at a stop string or the end-of-generation token).
+FINISHED, STOP = "finished", "stop"
+CLIENT_LEFT, SEND_TIMEOUT = "client_left", "send_timeout"
+DEADLINE, SHUTDOWN, ENGINE_ERROR = "deadline", "shutdown", "engine_error"
+END_REASONS = (FINISHED, STOP, CLIENT_LEFT, SEND_TIMEOUT, DEADLINE, SHUTDOWN, ENGINE_ERROR)
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -38,6 +48,8 @@ class RequestRecord:
         token_times: ``perf_counter`` of every generated token (all choices), ``array('d')``, seconds.
         queue_wait_s: seconds from admission to a slot (or to leaving the queue), None if never queued.
         slot_at: ``perf_counter`` when the slot was granted, or None.
+        end_reason: why generation ended, one of :data:`END_REASONS`, set once by :meth:`end`; None
+            for a request that never generated (refused, invalid, not a generation route).
     """
 
     request_id: str
@@ -61,3 +73,19 @@ class RequestRecord:
     token_times: array = field(default_factory=lambda: array("d"))
     queue_wait_s: float | None = None
     slot_at: float | None = None
+    end_reason: str | None = None
+
+    def end(self, reason: str) -> bool:
+        """Record why generation ended, unless a reason is recorded already (the first one to know
+        wins: a deadline that raised is not then overwritten by the close that follows it).
+
+        Args:
+            reason: one of :data:`END_REASONS`.
+
+        Returns:
+            True when ``reason`` was recorded.
+        """
+        if self.end_reason is not None:
+            return False
+        self.end_reason = reason
+        return True

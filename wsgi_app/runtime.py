@@ -12,12 +12,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import gevent
 from flask import current_app
 from gevent.threadpool import ThreadPool
 
 from wsgi_app.admission import Admission
 from wsgi_app.request_telemetry import Observer
 from wsgi_app.settings import Settings
+from wsgi_app.worker import END_STREAMS_S
 
 EXTENSION = "greenserve"
 RENDER_THREADS = 2
@@ -137,11 +139,22 @@ class Runtime:
     def begin_shutdown(self, grace_s: float) -> None:
         """Start a graceful stop: readiness turns false and in-flight streams end by ``grace_s``.
 
-        Streams still running one second before the grace period ends get a final error event and
-        ``[DONE]`` (gunicorn kills the worker at the end of ``graceful_timeout``).
+        Streams still running or queued ``END_STREAMS_S`` before the grace period ends get a final
+        error event and ``[DONE]`` (gunicorn kills the worker at the end of ``graceful_timeout``,
+        and the worker cuts and ends what is left before that: ``wsgi_app.worker``). Queued
+        requests are woken then, not at their next heartbeat.
+
+        A second SIGTERM changes nothing: the worker's own deadlines count from the first.
+
+        Args:
+            grace_s: gunicorn's ``graceful_timeout``, seconds from now.
         """
+        if self.stop_at is not None:
+            return
         self.stopping = True
-        self.stop_at = time.perf_counter() + max(0.0, grace_s - 1.0)
+        stop_in_s = max(0.0, grace_s - END_STREAMS_S)
+        self.stop_at = time.perf_counter() + stop_in_s
+        gevent.spawn_later(stop_in_s, self.admission.wake_queued)
 
     def worker_state(self) -> dict[str, Any]:
         """Return this worker's state for ``/stats`` (written with every history heartbeat)."""

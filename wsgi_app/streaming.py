@@ -2,7 +2,10 @@
 
 Stream lifetime: the response body owns the generation. Its ``close()`` (called by gunicorn after the
 last byte, after a failed write, or on a stalled reader's send timeout) closes the token streams and
-releases the slot, whether or not the body was ever iterated. Nothing else frees a slot.
+releases the slot, whether or not the body was ever iterated. Nothing else frees a slot. It also
+names why generation ended (``RequestRecord.end_reason``) when nothing before it did: the
+connection's mark (``wsgi_app.worker.StreamSocket.end_reason``: the send timeout, the worker
+stopping), else the client left.
 
 Source: WHATWG HTML Living Standard, §9.2 "Server-sent events".
 """
@@ -23,7 +26,7 @@ from wsgi_app.connection import peer_closed
 from wsgi_app.errors import ApiError, error_body
 from wsgi_app.generation import engine_error
 from wsgi_app.pacer import Pacer
-from wsgi_app.record import RequestRecord
+from wsgi_app.record import CLIENT_LEFT, ENGINE_ERROR, FINISHED, STOP, RequestRecord
 from wsgi_app.runtime import Runtime
 from wsgi_app.worker import StreamSocket
 
@@ -36,12 +39,23 @@ def queue_heartbeats(ticket: Ticket, pacer: Pacer, heartbeat_s: float) -> Iterat
     """Wait for ``ticket``'s slot in heartbeat-long slices, yielding after each slice without one
     (the caller writes a heartbeat or looks for a client that left).
 
+    A wait ends early at the deadline or the worker's stop time, or when the stop wakes the queue
+    (``Admission.wake_queued``); the clock decides what follows, so a wake a moment before the stop
+    time waits out that moment rather than sending a heartbeat.
+
     Raises:
         ApiError: 504 past the deadline, 503 when the worker is stopping.
     """
-    while not ticket.wait(min(heartbeat_s, pacer.deadline - time.perf_counter())):
-        pacer.check(time.perf_counter())
-        yield
+    beat_at = time.perf_counter() + heartbeat_s
+    while True:
+        now = time.perf_counter()
+        if ticket.wait(min(beat_at - now, pacer.time_left_s(now))):
+            return
+        now = time.perf_counter()
+        pacer.check(now)
+        if now >= beat_at:
+            beat_at = now + heartbeat_s
+            yield
 
 
 def wait_for_slot(
@@ -66,6 +80,15 @@ class StreamBody:
     failure after the first byte cannot change the status: it becomes an error event before ``[DONE]``.
     The completion's framing decides the opening bytes and the event ids (``retry:`` and ``id:`` on the
     ``EventSource`` stream).
+
+    Args:
+        rt: the worker's runtime.
+        completion: the generation.
+        ticket: its place in the slots or the queue (released by :func:`settle`).
+        pacer: its pacer.
+        record: the request's record.
+        sock: the client's connection (``environ["gunicorn.socket"]``), or None: ``close()`` reads
+            its ``end_reason`` mark.
     """
 
     def __init__(
@@ -75,12 +98,14 @@ class StreamBody:
         ticket: Ticket,
         pacer: Pacer,
         record: RequestRecord,
+        sock: socket.socket | None = None,
     ) -> None:
         self._rt = rt
         self._completion = completion
         self._ticket = ticket
         self._pacer = pacer
         self._record = record
+        self._sock = sock
         self._events = self._generate()
 
     def __iter__(self) -> Iterator[bytes]:
@@ -102,6 +127,7 @@ class StreamBody:
                 yield self._completion.usage_chunk()
         except Exception as exc:  # noqa: BLE001 - every failure must end the stream cleanly
             failure = engine_error(self._rt, exc)
+            self._record.end(ENGINE_ERROR)  # unless the pacer named it (deadline, shutdown)
             if failure.status >= 500 and failure.code not in ("timeout", "unavailable"):
                 log.exception("stream %s failed", self._record.request_id)
             self._record.error = failure.message
@@ -112,11 +138,18 @@ class StreamBody:
         yield self._completion.framing.done()
 
     def close(self) -> None:
-        """Stop generation, release the slot, record the counts; idempotent."""
+        """Stop generation, release the slot, record the counts and why generation ended;
+        idempotent.
+
+        A generation that ended on its own or by an error already named its end; one ended here was
+        cut from outside: by the send timeout or the worker stopping (the connection's mark), else by
+        the client leaving.
+        """
         try:
             self._events.close()  # a suspended stream: its ``finally`` runs now, not at GC
         finally:
             settle(self._completion, self._ticket, self._record)
+            self._record.end(getattr(self._sock, "end_reason", None) or CLIENT_LEFT)
 
 
 class _Events:
@@ -191,13 +224,16 @@ class EventStreamResponse(Response):
 
 def settle(completion: Completion, ticket: Ticket, record: RequestRecord) -> None:
     """End a generation: close its token streams, release its slot, and write its counts, finish
-    reasons, queue wait (and, with ``LOG_PROMPTS=1``, texts) on the record. Called at least once per
-    admitted request, from the body's ``close()`` or the non-streamed route; a second call is
-    harmless."""
+    reasons, queue wait (and, with ``LOG_PROMPTS=1``, texts) on the record, and its ``end_reason``
+    when every choice ended on its own (``stop`` if one stopped, else ``finished``). Called at least
+    once per admitted request, from the body's ``close()`` or the non-streamed route; a second call
+    is harmless."""
     completion.close()
     ticket.release()
     record.completion_tokens = completion.completion_tokens
-    record.finish_reasons = completion.finish_reasons()
+    reasons = record.finish_reasons = completion.finish_reasons()
+    if reasons and None not in reasons:
+        record.end(STOP if "stop" in reasons else FINISHED)
     if record.queue_wait_s is None:  # the first settle fixes the wait (a second one may follow)
         record.slot_at = ticket.started
         record.queue_wait_s = (ticket.started or time.perf_counter()) - ticket.arrived

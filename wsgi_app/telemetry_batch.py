@@ -101,6 +101,7 @@ class Observation(NamedTuple):
     endpoint: str
     status: int
     finish_reason: str
+    end_reason: str
     prompt_tokens: int
     completion_tokens: int
     ttft_s: float | None
@@ -128,9 +129,11 @@ def count_all(metrics: Metrics, batch: Sequence[Observation], gaps: BatchGaps) -
         batch: the completion requests finished since the last batch.
         gaps: the inter-token gaps of exactly those requests (:func:`reduce_gaps`).
     """
-    by_label = Counter((o.endpoint, str(o.status), o.finish_reason) for o in batch)
-    for (endpoint, status, reason), n in by_label.items():
-        metrics.requests.labels(endpoint=endpoint, status=status, finish_reason=reason).inc(n)
+    by_label = Counter((o.endpoint, str(o.status), o.finish_reason, o.end_reason) for o in batch)
+    for (endpoint, status, reason, end), n in by_label.items():
+        metrics.requests.labels(
+            endpoint=endpoint, status=status, finish_reason=reason, end_reason=end
+        ).inc(n)
     prompt = sum(o.prompt_tokens for o in batch)
     if prompt:
         metrics.prompt_tokens.inc(prompt)

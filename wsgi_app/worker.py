@@ -15,9 +15,12 @@ Requests are parsed by ``wsgi_app.request_head`` (the head bounded in bytes and 
 required, idle keep-alive connections waited on only while the worker runs).
 
 On SIGTERM, as nginx does: idle keep-alive connections are closed at once, requests in flight are
-answered ``Connection: close``, writes still blocked on a reader that stopped are cut one second before
-``graceful_timeout`` ends, and whatever still runs is ended ``EXIT_RESERVE_S`` before it, so the exit
-hooks (spans, history, metrics) always run before the arbiter kills the worker.
+answered ``Connection: close``; ``END_STREAMS_S`` before ``graceful_timeout`` ends the app ends its
+streams with a final error event (``Runtime.begin_shutdown``), writes still blocked on a reader that
+stopped are cut ``CUT_WRITES_S`` before it, and whatever still runs is ended ``EXIT_RESERVE_S`` before
+it, so the exit hooks (spans, history, metrics) always run before the arbiter kills the worker. A
+connection the worker cuts or ends is marked ``end_reason = "shutdown"`` first, one the send timeout
+cuts ``"send_timeout"``, so that the request's log line says who ended it.
 
 This module is imported by the arbiter (``worker_class`` in ``gunicorn.conf.py``): it imports gevent
 and gunicorn only, never Flask.
@@ -43,14 +46,21 @@ from gunicorn import util
 from gunicorn.sock import ssl_context
 from gunicorn.workers import ggevent
 
+from wsgi_app.record import SEND_TIMEOUT, SHUTDOWN
 from wsgi_app.request_head import HeadLimits, HeadTimeout, install
 from wsgi_app.settings import ServerSettings
 
 # How often a blocked write looks at the kernel's send queue for progress, seconds: a reader that
 # stops is cut at most this long after ``SEND_TIMEOUT_S``.
 PROGRESS_CHECK_S = 0.25
-# Seconds of the grace period kept for the exit hooks (flushing spans, history and metrics): whatever
-# still runs this long before ``graceful_timeout`` ends is ended.
+# The end of a graceful stop, in seconds before ``graceful_timeout`` ends, in order. Streams are told
+# to end (their pacer raises 503 ``unavailable``: a final error event, ``[DONE]``) first, early enough
+# that a stream waiting on an engine tick (0.25 s) or in the queue gets there before the cut and the
+# kill; writes still blocked on a reader that stopped are then shut down (no event can reach it);
+# last, whatever still runs is ended, keeping EXIT_RESERVE_S for the exit hooks (flushing spans,
+# history and metrics).
+END_STREAMS_S = 1.5
+CUT_WRITES_S = 1.0
 EXIT_RESERVE_S = 0.75
 # A refused request's connection reads and discards what the client still sends for this long
 # (seconds) and at most this much (bytes) before closing.
@@ -69,6 +79,8 @@ class StreamSocket(gsocket.socket):
         send_timeout_s: the longest a write may wait for the peer to take more bytes, seconds; None
             falls back to gevent's ``sendall`` and the socket's own timeout.
         stalled: True once a write was cut by ``send_timeout_s``.
+        end_reason: who ended the connection's request, when the server did: ``"send_timeout"``
+            (its reader stopped), ``"shutdown"`` (the worker stopping cut or ended it), else None.
         blocked: True while a write waits for the peer.
         idle: True while the connection waits for a request to start.
         request: the request being answered (gunicorn's ``Request``), or None.
@@ -76,12 +88,13 @@ class StreamSocket(gsocket.socket):
             ``uwsgi``), so gunicorn frames a body of unknown length as chunks on HTTP/1.1.
     """
 
-    __slots__ = ("send_timeout_s", "stalled", "blocked", "idle", "request", "http")
+    __slots__ = ("send_timeout_s", "stalled", "end_reason", "blocked", "idle", "request", "http")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.send_timeout_s: float | None = None
         self.stalled = False
+        self.end_reason: str | None = None
         self.blocked = False
         self.idle = False
         self.request: Any = None
@@ -124,6 +137,8 @@ class StreamSocket(gsocket.socket):
                 left = progress_at + timeout - time.monotonic()
                 if left <= 0:
                     self.stalled = True
+                    if self.end_reason is None:  # not if the worker cut it first
+                        self.end_reason = SEND_TIMEOUT
                     raise _timeout_exc(timeout)
                 try:
                     gsocket.wait_write(self.fileno(), min(check_s, left), _timeout_exc(timeout))
@@ -247,14 +262,14 @@ class GeventWorker(ggevent.GeventWorker):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         """Stop: close idle connections now, answer in-flight requests ``Connection: close``, cut
-        blocked writes one second before the grace ends and the rest ``EXIT_RESERVE_S`` before."""
+        blocked writes ``CUT_WRITES_S`` before the grace ends and the rest ``EXIT_RESERVE_S`` before."""
         super().handle_exit(sig, frame)
         grace = float(self.cfg.graceful_timeout)
         if self.exit_by is None:
             self.exit_by = time.monotonic() + grace
         self.stop_requested.set()
         gevent.spawn(self.close_idle_connections)
-        gevent.spawn_later(max(0.0, grace - 1.0), self.cut_blocked_writes)
+        gevent.spawn_later(max(0.0, grace - CUT_WRITES_S), self.cut_blocked_writes)
 
     def close_idle_connections(self) -> None:
         """Shut down connections waiting for a request; mark the others to close after theirs."""
@@ -265,10 +280,20 @@ class GeventWorker(ggevent.GeventWorker):
                 conn.close_after_response()
 
     def cut_blocked_writes(self) -> None:
-        """Shut down every connection whose write waits for a reader (it fails with EPIPE at once)."""
+        """Shut down every connection whose write waits for a reader (it fails with EPIPE at once),
+        marked ``end_reason = "shutdown"`` first (the cut is the worker's doing, whatever the reader
+        did before)."""
         for conn in list(self.connections):
             if conn.blocked:
+                conn.end_reason = SHUTDOWN
                 _shutdown(conn)
+
+    def mark_in_flight(self) -> None:
+        """Mark every connection answering a request ``end_reason = "shutdown"`` (unless marked
+        already), before the worker ends what still runs."""
+        for conn in list(self.connections):
+            if not conn.idle and conn.end_reason is None:
+                conn.end_reason = SHUTDOWN
 
     def exit_budget_s(self, cap_s: float) -> float:
         """Seconds an exit hook may still take: at most ``cap_s``, less when the arbiter's kill is
@@ -302,6 +327,7 @@ class GeventWorker(ggevent.GeventWorker):
         while any(server.pool.free_count() != server.pool.size for server in servers):
             if time.monotonic() >= end_by:
                 self.log.warning("Worker graceful timeout (pid:%s)", self.pid)
+                self.mark_in_flight()
                 for server in servers:
                     server.pool.kill(block=True, timeout=0.2)
                 break

@@ -289,4 +289,4 @@ def event_stream(
     completion, ticket, pacer = admit(
         rt, req, record, seed, sock, framing, wire, completion_id=completion_id
     )
-    return EventStreamResponse(StreamBody(rt, completion, ticket, pacer, record))
+    return EventStreamResponse(StreamBody(rt, completion, ticket, pacer, record, sock))

@@ -1,0 +1,344 @@
+"""Why a generation ended: every way is named in the request's log line (``end_reason``), in the
+``end_reason`` label of ``greenserve_requests_total`` and in the span (``greenserve.end_reason``), and a
+stream the server ends while its socket can still take bytes ends with an error event and ``[DONE]``.
+
+Each test drives a real gunicorn; the shutdown tests stop the worker alone (SIGTERM), so that the
+master's next worker serves ``/metrics`` with the stopped worker's counts.
+
+Source: docs/ARCHITECTURE.md §9 (admission and stream lifetime); OpenAI API reference, "Error codes".
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+import signal
+import socket
+import time
+
+import gevent
+import pytest
+
+from tests.collector import FakeCollector
+from tests.server import GunicornServer, wait_until
+from tests.sse import EventReader, sse_events
+from tests.test_logs import request_line
+from tests.test_metrics import scrape
+from tests.test_timeouts import blocked_on_its_reader, raw_request
+from wsgi_app.admission import Admission
+
+# Final events, byte for byte: the OpenAI error envelope, then [DONE].
+DONE = b"data: [DONE]\n\n"
+DEADLINE_END = (
+    b'data: {"error":{"message":"Request timed out after 2 s.","type":"server_error",'
+    b'"param":null,"code":"timeout"}}\n\n' + DONE
+)
+ENGINE_ERROR_END = (
+    b'data: {"error":{"message":"Generation failed: EngineFailure.","type":"server_error",'
+    b'"param":null,"code":"engine_error"}}\n\n' + DONE
+)
+SHUTDOWN_END = (
+    b'data: {"error":{"message":"Server is shutting down; generation was ended early.",'
+    b'"type":"server_error","param":null,"code":"unavailable"}}\n\n' + DONE
+)
+# A stream of 8 choices of 4096 tokens: ~5 MB of events, more than the socket buffers hold.
+FLOOD = {"model": "m", "prompt": "a", "max_tokens": 4096, "n": 8, "stream": True}
+
+
+def counted(srv: GunicornServer, **labels: str) -> float:
+    """``greenserve_requests_total`` summed over the series that carry ``labels``."""
+    samples = scrape(srv, srv.health_port).get("greenserve_requests", {})
+    return sum(
+        value
+        for (name, series), value in samples.items()
+        if name == "greenserve_requests_total" and labels.items() <= dict(series).items()
+    )
+
+
+def wait_counted(srv: GunicornServer, n: float, **labels: str) -> None:
+    """Wait until ``greenserve_requests_total`` of ``labels`` is ``n`` (requests are counted on the
+    event loop's next turn after their close)."""
+    seen: list[float] = []
+    wait_until(
+        lambda: seen.append(counted(srv, **labels)) or seen[-1] == n,
+        10,
+        lambda: f"{n} requests with {labels}; counted {seen[-1:]}",
+    )
+
+
+def end_attr(collector: FakeCollector, request_id: str) -> dict:
+    """The ``greenserve.end_reason`` attribute of request ``request_id``'s span."""
+    return collector.span_for(request_id)["attrs"].get("greenserve.end_reason")
+
+
+def line_of(srv: GunicornServer, request_id: str) -> tuple:
+    """The request line's ``(status, finish_reason, end_reason, error)``."""
+    line = request_line(srv, request_id)
+    return line["status"], line["finish_reason"], line["end_reason"], line["error"]
+
+
+def stop_worker(srv: GunicornServer) -> int:
+    """SIGTERM the worker (not the master); return its pid. The master starts another."""
+    pid = srv.state()["pid"]
+    os.kill(pid, signal.SIGTERM)
+    return pid
+
+
+def next_worker(srv: GunicornServer, old_pid: int) -> None:
+    """Wait until a worker other than ``old_pid`` answers (the stopped one has exited)."""
+    wait_until(lambda: srv.state()["pid"] != old_pid, 30, "the next worker")
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Read ``sock`` until the server closes it."""
+    data = b""
+    while chunk := sock.recv(1 << 20):
+        data += chunk
+    return data
+
+
+# -- one server for the ends of a single request ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ends(succ_dir, tmp_path_factory):
+    """50 tokens/s, a 2 s deadline, and an engine failure at every choice's 30th token."""
+    with FakeCollector() as collector:
+        env = {
+            "MODEL_DIR": str(succ_dir),
+            "GREENSERVE_FAULTS": "slow_step_s=0.02,fail_at=30",
+            "REQUEST_TIMEOUT_S": "2",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
+        }
+        with GunicornServer(tmp_path_factory.mktemp("ends"), env) as srv:
+            yield srv, collector
+
+
+def test_finished(ends):
+    srv, collector = ends
+    labels = {"status": "200", "finish_reason": "length", "end_reason": "finished"}
+    before = counted(srv, **labels)
+    body = {"model": "m", "prompt": "a", "max_tokens": 3, "n": 2, "stream": True}
+    status, _, raw = srv.complete(body, headers={"X-Request-Id": "end-finished"})
+    assert status == 200 and sse_events(raw)[-1] == b"[DONE]"
+    assert line_of(srv, "end-finished") == (200, "length", "finished", None)
+    wait_counted(srv, before + 1, **labels)
+    assert end_attr(collector, "end-finished") == {"stringValue": "finished"}
+
+
+def test_stop(ends):
+    srv, collector = ends
+    labels = {"status": "200", "finish_reason": "stop", "end_reason": "stop"}
+    before = counted(srv, **labels)
+    # "a" generates "bcd…": the stop string "c" ends the choice after "b".
+    body = {"model": "m", "prompt": "a", "max_tokens": 5, "stop": ["c"], "temperature": 0}
+    status, _, raw = srv.complete(body, headers={"X-Request-Id": "end-stop"})
+    assert status == 200 and json.loads(raw)["choices"][0]["text"] == "b"
+    assert line_of(srv, "end-stop") == (200, "stop", "stop", None)
+    wait_counted(srv, before + 1, **labels)
+    assert end_attr(collector, "end-stop") == {"stringValue": "stop"}
+
+
+def test_client_left(ends):
+    srv, collector = ends
+    streamed = {"status": "200", "finish_reason": "abort", "end_reason": "client_left"}
+    json_ = {"status": "499", "finish_reason": "abort", "end_reason": "client_left"}
+    before = counted(srv, **streamed), counted(srv, **json_)
+    # A stream whose client leaves after five tokens.
+    reader = EventReader(
+        srv.port,
+        {"model": "m", "prompt": "a", "max_tokens": 1000, "stream": True},
+        headers={"X-Request-Id": "end-left-stream"},
+    )
+    reader.open()
+    for _ in range(6):
+        reader.next_frame()
+    reader.close()
+    # A non-streamed answer whose client leaves while it is generated: a 499 for the log.
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+        body = {"model": "m", "prompt": "a", "max_tokens": 1000}
+        sock.sendall(raw_request(body, "end-left-json"))
+        wait_until(lambda: (r := srv.in_flight("end-left-json")) and r["tokens"] > 0)
+    assert line_of(srv, "end-left-stream") == (200, "abort", "client_left", None)
+    assert line_of(srv, "end-left-json") == (
+        499,
+        "abort",
+        "client_left",
+        "client disconnected while generating",
+    )
+    wait_counted(srv, before[0] + 1, **streamed)
+    wait_counted(srv, before[1] + 1, **json_)
+    assert end_attr(collector, "end-left-stream") == {"stringValue": "client_left"}
+    assert end_attr(collector, "end-left-json") == {"stringValue": "client_left"}
+
+
+def test_deadline(ends):
+    srv, collector = ends
+    labels = {"status": "200", "finish_reason": "error", "end_reason": "deadline"}
+    before = counted(srv, **labels)
+    # Four choices share the 50 tokens/s: none reaches the failure at token 30 within the 2 s.
+    body = {"model": "m", "prompt": "a", "max_tokens": 1000, "n": 4, "stream": True}
+    status, _, raw = srv.complete(body, headers={"X-Request-Id": "end-deadline"})
+    assert status == 200 and raw.endswith(DEADLINE_END), raw[-300:]
+    assert sse_events(raw[: -len(DEADLINE_END)])[-1].startswith(b'{"id":"cmpl-')
+    assert line_of(srv, "end-deadline") == (
+        200,
+        "error",
+        "deadline",
+        "Request timed out after 2 s.",
+    )
+    wait_counted(srv, before + 1, **labels)
+    assert end_attr(collector, "end-deadline") == {"stringValue": "deadline"}
+
+
+def test_engine_error(ends):
+    srv, collector = ends
+    streamed = {"status": "200", "finish_reason": "error", "end_reason": "engine_error"}
+    json_ = {"status": "500", "finish_reason": "error", "end_reason": "engine_error"}
+    before = counted(srv, **streamed), counted(srv, **json_)
+    body = {"model": "m", "prompt": "a", "max_tokens": 100, "temperature": 0}
+    status, _, raw = srv.complete({**body, "stream": True}, headers={"X-Request-Id": "end-fail"})
+    assert status == 200 and raw.endswith(ENGINE_ERROR_END), raw[-300:]
+    texts = [json.loads(p)["choices"][0]["text"] for p in sse_events(raw)[:-2]]
+    assert "".join(texts) == bytes(range(98, 98 + 29)).decode()  # 29 tokens, then the failure
+    status, _, raw = srv.complete(body, headers={"X-Request-Id": "end-fail-json"})
+    assert status == 500 and json.loads(raw)["error"]["code"] == "engine_error"
+    message = "Generation failed: EngineFailure."
+    assert line_of(srv, "end-fail") == (200, "error", "engine_error", message)
+    assert line_of(srv, "end-fail-json") == (500, "error", "engine_error", message)
+    wait_counted(srv, before[0] + 1, **streamed)
+    wait_counted(srv, before[1] + 1, **json_)
+    assert end_attr(collector, "end-fail") == {"stringValue": "engine_error"}
+    assert end_attr(collector, "end-fail-json") == {"stringValue": "engine_error"}
+
+
+def test_nothing_generated_has_no_end_reason(ends):
+    srv, collector = ends
+    labels = {"status": "400", "finish_reason": "none", "end_reason": "none"}
+    before = counted(srv, **labels)
+    status, _, _ = srv.complete({"model": "m", "prompt": ""}, headers={"X-Request-Id": "end-none"})
+    assert status == 400
+    assert line_of(srv, "end-none") == (400, "none", None, None)
+    wait_counted(srv, before + 1, **labels)
+    assert "greenserve.end_reason" not in collector.span_for("end-none")["attrs"]
+
+
+# -- the client stops reading -------------------------------------------------------------------
+
+
+def test_send_timeout(succ_dir, serve):
+    with FakeCollector() as collector:
+        srv = serve(
+            MODEL_DIR=str(succ_dir), SEND_TIMEOUT_S="0.5", OTEL_EXPORTER_OTLP_ENDPOINT=collector.url
+        )
+        reader = EventReader(srv.port, FLOOD, {"X-Request-Id": "end-stalled"}, rcvbuf=4096)
+        # Never read: the writes block and the send timeout cuts the stream.
+        assert line_of(srv, "end-stalled") == (200, "abort", "send_timeout", None)
+        reader.close()
+        wait_counted(srv, 1, status="200", finish_reason="abort", end_reason="send_timeout")
+        assert end_attr(collector, "end-stalled") == {"stringValue": "send_timeout"}
+
+
+# -- the worker stops ---------------------------------------------------------------------------
+
+
+def test_shutdown_ends_running_and_queued_streams_with_a_final_event(succ_dir, serve):
+    with FakeCollector() as collector:
+        srv = serve(
+            MODEL_DIR=str(succ_dir),
+            GREENSERVE_FAULTS="slow_step_s=0.02",
+            GRACEFUL_TIMEOUT_S="2",  # streams are told to end 0.5 s after SIGTERM
+            MAX_SLOTS="1",
+            HEARTBEAT_S="30",  # the queued stream is woken by the stop, not by a heartbeat
+            OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+        )
+        body = {"model": "m", "prompt": "a", "max_tokens": 1000, "stream": True}
+        running = EventReader(srv.port, body, {"X-Request-Id": "end-stop-running"})
+        running.open()
+        assert running.next_frame() == b": ok\n"
+        queued = EventReader(srv.port, body, {"X-Request-Id": "end-stop-queued"})
+        queued.open()
+        assert queued.next_frame() == b": ok\n"
+        wait_until(lambda: srv.state()["queue"]["waiting"] == 1, what="the second stream queued")
+        pid = stop_worker(srv)
+        started = time.monotonic()
+        rest = running.resp.read()
+        assert rest.endswith(SHUTDOWN_END), rest[-300:]
+        assert sse_events(rest[: -len(SHUTDOWN_END)])[-1].startswith(b'{"id":"cmpl-')
+        assert queued.resp.read() == SHUTDOWN_END  # nothing but the final event after ": ok"
+        assert time.monotonic() - started < 1.5  # at the stop time, not at a heartbeat
+        running.close(), queued.close()
+        next_worker(srv, pid)
+        message = "Server is shutting down; generation was ended early."
+        for rid in ("end-stop-running", "end-stop-queued"):
+            assert line_of(srv, rid) == (200, "error", "shutdown", message)
+            assert end_attr(collector, rid) == {"stringValue": "shutdown"}
+        wait_counted(srv, 2, status="200", finish_reason="error", end_reason="shutdown")
+
+
+def test_shutdown_cuts_a_blocked_write_without_an_event(succ_dir, serve):
+    with FakeCollector() as collector:
+        srv = serve(
+            MODEL_DIR=str(succ_dir),
+            GRACEFUL_TIMEOUT_S="2",  # blocked writes are cut 1 s after SIGTERM
+            SEND_TIMEOUT_S="60",
+            OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+        )
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.settimeout(10)
+            sock.connect(("127.0.0.1", srv.port))
+            sock.sendall(raw_request(FLOOD, "end-stop-cut"))
+            wait_until(lambda: blocked_on_its_reader(srv, "end-stop-cut"), what="a blocked write")
+            pid = stop_worker(srv)
+            # Still not reading: the write is cut 1 s later (the request's line is then written).
+            assert line_of(srv, "end-stop-cut") == (200, "abort", "shutdown", None)
+            received = read_all(sock)  # what the buffers held, then the end: no error event
+        assert received.startswith(b"HTTP/1.1 200 OK\r\n") and b'{"error"' not in received
+        next_worker(srv, pid)
+        assert end_attr(collector, "end-stop-cut") == {"stringValue": "shutdown"}
+        wait_counted(srv, 1, status="200", finish_reason="abort", end_reason="shutdown")
+
+
+def test_shutdown_ends_a_stream_that_never_reached_its_pacer(succ_dir, serve):
+    with FakeCollector() as collector:
+        srv = serve(
+            MODEL_DIR=str(succ_dir),
+            GREENSERVE_FAULTS="slow_step_s=5",  # the first token takes 5 s: no pacer call before
+            GRACEFUL_TIMEOUT_S="2",  # what still runs is ended 1.25 s after SIGTERM
+            OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+        )
+        body = {"model": "m", "prompt": "a", "max_tokens": 10, "stream": True}
+        reader = EventReader(srv.port, body, {"X-Request-Id": "end-stop-killed"})
+        reader.open()
+        assert reader.next_frame() == b": ok\n"
+        wait_until(lambda: srv.state()["slots"]["busy"] == 1, what="the stream's slot")
+        pid = stop_worker(srv)
+        with pytest.raises((http.client.IncompleteRead, ConnectionError)):  # no final chunk
+            reader.resp.read()
+        reader.close()
+        next_worker(srv, pid)
+        assert line_of(srv, "end-stop-killed") == (200, "abort", "shutdown", None)
+        assert end_attr(collector, "end-stop-killed") == {"stringValue": "shutdown"}
+        wait_counted(srv, 1, status="200", finish_reason="abort", end_reason="shutdown")
+        assert "Worker graceful timeout" in srv.log_text()
+
+
+# -- a queued wait woken by the stop ------------------------------------------------------------
+
+
+def test_wake_queued_ends_a_queued_wait_without_a_slot():
+    admission = Admission(max_slots=1, max_queue=1)
+    holder = admission.admit("holder", math.inf)
+    queued = admission.admit("queued", math.inf)
+    gevent.spawn_later(0.05, admission.wake_queued)
+    started = time.perf_counter()
+    assert queued.wait(5.0) is False and time.perf_counter() - started < 1.0
+    started = time.perf_counter()
+    assert queued.wait(0.1) is False and time.perf_counter() - started >= 0.1  # woken once only
+    holder.release()
+    assert queued.wait(0.0) is True
+    queued.release()
+    assert (admission.busy, admission.queued) == (0, 0)
