@@ -19,6 +19,7 @@ Source: OpenAI API reference, "Completions" (legacy) ``logprobs`` and "Chat Comp
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,10 +28,12 @@ import pytest
 from model.engine import Step
 from model.loader import LoadedModel, load_model
 from tests.llamafiles import write_tiny_llama
+from tests.sse import frames
 from wsgi_app.chat import chat_completion_request
 from wsgi_app.chat_protocol import parse_chat_request
 from wsgi_app.chat_wire import CHAT_COMPLETION
 from wsgi_app.completion import Completion
+from wsgi_app.errors import json_bytes
 from wsgi_app.pacer import Unpaced
 from wsgi_app.protocol import parse_completion_request
 from wsgi_app.wire_format import TEXT_COMPLETION
@@ -278,3 +281,85 @@ def test_bytes_are_those_of_the_list_of_dicts_implementation(models, name):
     model, endpoint, body = CASES[name]
     out, _, _ = run_case(models[model], endpoint, body)
     assert (hashlib.sha256(out).hexdigest(), len(out)) == GOLDEN[name]
+
+
+# -- the straightforward reference, from the engine's own Steps ---------------------------------
+
+
+def legacy_reference(steps: list[Step], token_str) -> dict[str, list]:
+    """``tokens``, ``token_logprobs``, ``top_logprobs`` of ``steps`` in the legacy shape."""
+    return {
+        "tokens": [token_str(s.token_id) for s in steps],
+        "token_logprobs": [s.logprob for s in steps],
+        "top_logprobs": [
+            None if s.top_logprobs is None else {token_str(t): lp for t, lp in s.top_logprobs}
+            for s in steps
+        ],
+    }
+
+
+def chat_reference(steps: list[Step], tokenizer) -> list[dict]:
+    """The chat ``content`` entries of ``steps`` (the end-of-turn token has none)."""
+
+    def token(token_id: int) -> tuple[str, list[int]]:
+        text = tokenizer.token_str(token_id)
+        raw = tokenizer.token_bytes[token_id]
+        return text, list(raw) if raw else list(text.encode())
+
+    out = []
+    for s in steps:
+        if s.finish_reason == "stop":
+            continue
+        alternatives = []
+        for t, lp in s.top_logprobs or ():
+            alt, alt_raw = token(t)
+            alternatives.append({"token": alt, "logprob": lp, "bytes": alt_raw})
+        text, raw = token(s.token_id)
+        out.append(
+            {"token": text, "logprob": s.logprob, "bytes": raw, "top_logprobs": alternatives}
+        )
+    return out
+
+
+def answer_logprobs(out: bytes, stream: bool, choices: int) -> list[Any]:
+    """Return each choice's ``logprobs`` object (a stream's chunks' objects merged, in order)."""
+    if not stream:
+        doc = json.loads(out)
+        assert json_bytes(doc) == out  # the bytes are the compact JSON of what they hold
+        return [c["logprobs"] for c in doc["choices"]]
+    merged: list[Any] = [None] * choices
+    for frame in frames(out):
+        if frame["data"] == "[DONE]":
+            continue
+        doc = json.loads(frame["data"])
+        assert json_bytes(doc).decode() == frame["data"]
+        for c in doc["choices"]:
+            lp = c["logprobs"]
+            if lp is None:
+                continue
+            if merged[c["index"]] is None:
+                merged[c["index"]] = {
+                    k: list(v) if isinstance(v, list) else v for k, v in lp.items()
+                }
+            else:
+                for k, v in lp.items():
+                    if isinstance(v, list):
+                        merged[c["index"]][k] += v
+    return merged
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_logprobs_object_is_the_reference_built_from_the_steps(models, name):
+    model_name, endpoint, body = CASES[name]
+    model = models[model_name]
+    out, completion, engine = run_case(model, endpoint, body)
+    got = answer_logprobs(out, completion.req.stream, len(completion.choices))
+    n = completion.req.n
+    for index, (lp, steps) in enumerate(zip(got, engine.streams, strict=True)):
+        if endpoint == "chat":
+            assert lp == {"content": chat_reference(steps, model.tokenizer), "refusal": None}
+            continue
+        prompt = engine.scores[index // n] if completion.req.echo else []
+        expected = legacy_reference(prompt + steps, model.tokenizer.token_str)
+        assert {k: lp[k] for k in expected} == expected
+        assert len(lp["text_offset"]) == len(expected["tokens"])

@@ -107,16 +107,19 @@ class AfterAnswers:
 
     def request_done(self) -> None:
         """A generation request's answer is written: trim ``delay_s`` from now, if idle then."""
-        if self._timer is None:
-            if self._loop is None:
-                import gevent  # only in a worker: the app factory may run without a hub
+        if self._loop is None:
+            import gevent  # only in a worker: the app factory may run without a hub
 
-                self._loop = gevent.get_hub().loop
-            # ref=False: a pending trim never keeps a stopping worker's loop alive.
-            self._timer = self._loop.timer(self.delay_s, 0.0, ref=False)
-        self._timer.stop()
-        self._timer.start(self._fire, update=True)
+            self._loop = gevent.get_hub().loop
+        self._start()
+
+    def _start(self) -> None:
+        if self._timer is not None:
+            self._timer.close()  # a stopped libev timer restarted keeps its first deadline
+        # ref=False: a pending trim never keeps a stopping worker's loop alive.
+        self._timer = self._loop.timer(self.delay_s, 0.0, ref=False)
+        self._timer.start(self._fire)
 
     def _fire(self) -> None:
         if self._idle() and self._trimmer() is False:  # trimmed too recently: retry later
-            self._timer.start(self._fire, update=True)
+            self._start()
