@@ -100,6 +100,10 @@ class TokenEntries:
         )
         self.nones.extend(other.nones)
 
+    def release(self) -> None:
+        """Drop every entry (their buffers go back at once): for an answer that has been encoded."""
+        TokenEntries.__init__(self)
+
     def logprob_values(self, start: int, stop: int) -> list[float | None]:
         """Return the logprobs of entries ``start:stop`` (None where the Step had none)."""
         values = self.logprobs[start:stop].tolist()
@@ -187,6 +191,11 @@ class Logprobs(TokenEntries):
         is where its text starts in the choice's text, in characters."""
         self.append(step)
         self.text_offset.append(offset)
+
+    def release(self) -> None:
+        """Drop every entry and offset: for an answer that has been encoded."""
+        super().release()
+        self.text_offset = array("q")
 
     def extend(self, other: Logprobs) -> None:  # type: ignore[override]
         """Append ``other``'s entries."""

@@ -196,6 +196,8 @@ class ChunkEncoder:
         answer up to ``JOIN_LIMIT_BYTES``, else its parts, which the server writes one by one (joining
         a huge answer, echo + logprobs of a long prompt, would hold the hub for tens of milliseconds).
 
+        Each choice's ``logprobs`` entries are released once encoded (the answer is made once).
+
         Args:
             choices: the finished choices.
             usage: the ``usage`` object.
@@ -213,6 +215,7 @@ class ChunkEncoder:
                 parts.append(b"null")
             else:  # its parts, unjoined: a big answer is written in slices
                 parts += c.logprobs.encode(pause)
+                c.logprobs.release()  # encoded: its entries need not wait for the others'
             parts += (b',"finish_reason":', json_bytes(c.finish_reason), b"},")
         parts[-1] = b"}"  # no comma after the last choice
         parts += (b'],"usage":', json_bytes(usage), b"}")
