@@ -15,11 +15,12 @@ after the last answer, with ``smaps_rollup``'s anonymous memory. The requests ar
 
 ``--inprocess`` instead runs the same burst in this process through ``Completion`` (16 completions
 advanced round-robin, as the worker's greenlets interleave them, then encoded) and reports where the
-memory goes: ``tracemalloc``'s top lines at the peak, ``sys.getallocatedblocks()`` and pymalloc's
-arenas (``sys._debugmallocstats()``) at the peak and after the answers are dropped.
+memory goes: ``sys.getallocatedblocks()`` and pymalloc's arenas (``sys._debugmallocstats()``, 1 MiB
+each) before, once generated, once encoded and after the answers are dropped; with ``--trace``,
+``tracemalloc``'s top lines once generated.
 
-Run: ``python -m bench.memory [--out bench/results/<stamp>-memory.json]`` (about a minute), and
-``python -m bench.memory --inprocess``.
+Run: ``python -m bench.memory [--out bench/results/<stamp>-memory.json]`` (4-6 minutes), and
+``python -m bench.memory --inprocess [--trace --parallel 4]``.
 """
 
 from __future__ import annotations
@@ -231,20 +232,23 @@ def run_inprocess(parallel: int, trace: bool) -> dict[str, Any]:
         loops = [c.chunks(events=False) for c in completions]
         while loops:  # round-robin, as the worker's greenlets interleave
             loops = [loop for loop in loops if next(loop, StopIteration) is not StopIteration]
+        generated: dict[str, Any] = {}
+        if trace:  # where the generated answers' memory is, before they are encoded
+            snap = tracemalloc.take_snapshot()
+            tracemalloc.stop()  # (pymalloc's statistics are not printed under tracemalloc)
+            generated["top"] = [str(s) for s in snap.statistics("lineno")[:8]]
+            del snap
+        generated.update(blocks=sys.getallocatedblocks(), arenas=pymalloc_arenas())
         answers = [c.encoder.answer(c.choices, c.usage(), lambda: None) for c in completions]
-        peak = {
+        answered = {
             "blocks": sys.getallocatedblocks(),
             "arenas": pymalloc_arenas(),
             "s": round(time.perf_counter() - t0, 2),
             "answer_bytes": sum(map(len, answers[0])),
         }
-        if trace:
-            snap = tracemalloc.take_snapshot()
-            tracemalloc.stop()
-            peak["top"] = [str(s) for s in snap.statistics("lineno")[:8]]
         del completions, loops, answers
         after = {"blocks": sys.getallocatedblocks(), "arenas": pymalloc_arenas()}
-        out[name] = {"base": base, "peak": peak, "after": after}
+        out[name] = {"base": base, "generated": generated, "answered": answered, "after": after}
         print(name, json.dumps(out[name], indent=1), file=sys.stderr)
     return out
 
