@@ -116,6 +116,9 @@ class AfterAnswers:
     def _start(self) -> None:
         if self._timer is not None:
             self._timer.close()  # a stopped libev timer restarted keeps its first deadline
+        # The loop's clock is the time of its last iteration: a greenlet that ran long since (a big
+        # answer's encoding) would make the timer due at once.
+        self._loop.update_now()
         # ref=False: a pending trim never keeps a stopping worker's loop alive.
         self._timer = self._loop.timer(self.delay_s, 0.0, ref=False)
         self._timer.start(self._fire)
