@@ -1,4 +1,5 @@
-"""The C heap's freed pages go back to the system when the engine goes idle (glibc malloc_trim).
+"""The C heap's freed pages go back to the system when the engine goes idle and after the worker's
+answers are written (glibc malloc_trim).
 
 Source: glibc ``malloc_trim(3)``.
 """
@@ -6,12 +7,14 @@ Source: glibc ``malloc_trim(3)``.
 from __future__ import annotations
 
 import threading
+import time
 
+import gevent
 import numpy as np
 import pytest
 
 from wsgi_app import heap
-from wsgi_app.heap import HeapTrimmer, trim_heap
+from wsgi_app.heap import AfterAnswers, HeapTrimmer, trim_heap
 
 
 def anonymous_mib() -> int:
@@ -50,3 +53,48 @@ def test_trimmer_runs_at_most_once_per_interval():
         results.append(trimmer())
     assert results == [True, False, False, True, False, True]
     assert trims == [0.0, 1.0, 2.5] and trimmer.count == 3
+
+
+class FakeTrimmer:
+    """Records trims; refuses (returns False, as a rate-limited HeapTrimmer does) ``refuse`` times."""
+
+    def __init__(self, refuse: int = 0) -> None:
+        self.calls: list[float] = []
+        self.refuse = refuse
+
+    def __call__(self) -> bool:
+        self.calls.append(time.perf_counter())
+        if self.refuse:
+            self.refuse -= 1
+            return False
+        return True
+
+
+def test_after_answers_trims_once_the_quiet_delay_after_the_last_answer():
+    trimmer = FakeTrimmer()
+    after = AfterAnswers(lambda: True, delay_s=0.5, trimmer=trimmer)
+    gevent.sleep(0.05)
+    time.sleep(0.6)  # the hub's loop has not run meanwhile: its clock is 0.6 s old
+    after.request_done()
+    gevent.sleep(0.2)
+    restarted = time.perf_counter()
+    after.request_done()  # restarts the delay
+    gevent.sleep(0.2)
+    assert trimmer.calls == []  # 0.4 s after the first answer, 0.2 s after the last
+    gevent.sleep(0.6)
+    assert len(trimmer.calls) == 1 and trimmer.calls[0] - restarted >= 0.5
+
+
+def test_after_answers_waits_for_idle_and_retries_a_refused_trim():
+    busy = [True]
+    trimmer = FakeTrimmer(refuse=1)
+    after = AfterAnswers(lambda: not busy[0], delay_s=0.05, trimmer=trimmer)
+    after.request_done()
+    gevent.sleep(0.15)
+    assert trimmer.calls == []  # still generating: nothing, until the next answer is done
+    busy[0] = False
+    after.request_done()
+    gevent.sleep(0.2)
+    assert len(trimmer.calls) == 2  # refused once (too soon), then trimmed a delay later
+    gevent.sleep(0.15)
+    assert len(trimmer.calls) == 2

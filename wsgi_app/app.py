@@ -21,6 +21,7 @@ from wsgi_app.admission import Admission, default_limits
 from wsgi_app.chat import serving_template
 from wsgi_app.error_handlers import register_error_handlers
 from wsgi_app.faults import Faults, FaultyEngine
+from wsgi_app.heap import AfterAnswers
 from wsgi_app.request_telemetry import build_observer
 from wsgi_app.routes import (
     chat,
@@ -111,6 +112,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
         chat_template=chat_template,
     )
     rt = app.extensions[EXTENSION]
+    rt.after_answers = AfterAnswers(lambda: not rt.admission.tickets)
 
     def heartbeat_state() -> dict:
         state = rt.worker_state()

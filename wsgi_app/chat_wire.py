@@ -15,61 +15,15 @@ chunk object, and their ``logprobs`` (``content[]`` of ``token``, ``logprob``, `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from model.engine import Step
 from model.tokenizer import TextTokenizer
 from wsgi_app.choice import Choice
 from wsgi_app.errors import json_bytes
+from wsgi_app.logprobs import ChatLogprobs
 from wsgi_app.sse import PLAIN, Framing
 from wsgi_app.wire_format import ChunkEncoder, WireFormat, _text_json
-
-
-class ChatLogprobs:
-    """The chat ``logprobs`` object of one choice: ``{"content": [entry, ...], "refusal": null}``.
-
-    An entry is ``{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}``;
-    ``bytes`` are the UTF-8 bytes the token adds to the text (a control token's: its name's).
-
-    Args:
-        tokenizer: the model's tokenizer (``token_str`` and ``token_bytes``).
-    """
-
-    __slots__ = ("content", "_token_str", "_token_bytes")
-
-    def __init__(self, tokenizer: TextTokenizer) -> None:
-        self.content: list[dict[str, Any]] = []
-        self._token_str = tokenizer.token_str
-        self._token_bytes = tokenizer.token_bytes
-
-    def _token(self, token_id: int) -> tuple[str, list[int]]:
-        text = self._token_str(token_id)
-        raw = self._token_bytes[token_id]
-        return text, list(raw) if raw else list(text.encode())
-
-    def add(self, step: Step, offset: int) -> None:
-        """Append one token's entry; the end-of-turn token (``finish_reason == "stop"``, no text) is
-        not part of the answer and gets none. ``offset`` is unused (the legacy ``text_offset``)."""
-        if step.finish_reason == "stop":
-            return
-        token, raw = self._token(step.token_id)
-        top = []
-        for token_id, logprob in step.top_logprobs or ():
-            alt, alt_raw = self._token(token_id)
-            top.append({"token": alt, "logprob": logprob, "bytes": alt_raw})
-        self.content.append(
-            {"token": token, "logprob": step.logprob, "bytes": raw, "top_logprobs": top}
-        )
-
-    def encode(self, pause: Callable[[], None], slice_len: int = 1024) -> bytes:
-        """Return the object's JSON, ``slice_len`` entries at a time with ``pause()`` in between."""
-        slices = []
-        for start in range(0, len(self.content), slice_len):
-            slices.append(json_bytes(self.content[start : start + slice_len])[1:-1])
-            pause()
-        return b'{"content":[' + b",".join(slices) + b'],"refusal":null}'
 
 
 @dataclass(frozen=True)
@@ -93,7 +47,7 @@ class ChatWireFormat(WireFormat):
 
     def new_logprobs(self, tokenizer: TextTokenizer) -> ChatLogprobs:
         """Return an empty :class:`ChatLogprobs`."""
-        return ChatLogprobs(tokenizer)
+        return ChatLogprobs(tokenizer.token_str, tokenizer.token_bytes)
 
 
 CHAT_COMPLETION = ChatWireFormat(
@@ -182,16 +136,16 @@ class ChatChunkEncoder(ChunkEncoder):
         (or when the framing drops them). ``lp_start`` is unused: new entries are tracked here."""
         i = choice.index
         frame = self.framing.frame
-        entries = None
+        sent = count = 0
         if choice.logprobs is not None:
-            content = choice.logprobs.content
-            entries = content[self._sent[i] :]
-            self._sent[i] = len(content)
+            sent, count = self._sent[i], len(choice.logprobs)
+            self._sent[i] = count
         out = b""
-        if text or entries:
+        if text or count > sent:
             logprobs = b"null"
-            if entries:
-                logprobs = b'{"content":' + json_bytes(entries) + b',"refusal":null}'
+            if count > sent:
+                content = choice.logprobs.content_json(sent)
+                logprobs = b'{"content":' + content + b',"refusal":null}'
             mid, end = self._content_end
             out = frame(b"".join((self._content[i], _text_json(text), mid, logprobs, end)))
         reason = choice.finish_reason

@@ -1,22 +1,21 @@
 """One choice of a completion: its token stream, text, stop strings and logprobs.
 
 Each :class:`Choice` owns its engine token stream, its incremental UTF-8 decoder and its stop matcher;
-:class:`Logprobs` is the legacy ``logprobs`` object it fills. How they go on the wire is
-``wsgi_app.wire_format``'s business.
+:class:`~wsgi_app.logprobs.Logprobs` (or its chat twin) is the ``logprobs`` object it fills. How
+they go on the wire is ``wsgi_app.wire_format``'s business.
 
 Source: OpenAI API reference, "Completions" (legacy) objects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 from model.engine import Step
 from model.stop import StopMatcher
 from model.tokenizer import ByteTokenizer
 from model.utf8 import Utf8Decoder
-from wsgi_app.errors import json_bytes
+from wsgi_app.logprobs import ChatLogprobs, Logprobs
 
 BYTE_TOKENIZER = ByteTokenizer()
 
@@ -39,61 +38,6 @@ def token_start(released: str, data: bytes) -> int:
     return len(released) - len(own) if own and released.endswith(own) else 0
 
 
-class Logprobs:
-    """The legacy ``logprobs`` object of one choice: ``tokens``, ``token_logprobs``, ``top_logprobs``,
-    ``text_offset`` (character offsets into the choice's text)."""
-
-    __slots__ = ("tokens", "token_logprobs", "top_logprobs", "text_offset", "_token_str")
-
-    def __init__(self, token_str: Callable[[int], str] = BYTE_TOKENIZER.token_str) -> None:
-        self._token_str = (
-            token_str  # how a token shows: its text, or ``bytes:\\xNN`` for partial UTF-8
-        )
-        self.tokens: list[str] = []
-        self.token_logprobs: list[float | None] = []
-        self.top_logprobs: list[dict[str, float] | None] = []
-        self.text_offset: list[int] = []
-
-    def add(self, step: Step, offset: int) -> None:
-        """Append one token's entry; ``step`` carries the logprobs the engine computed."""
-        token_text = self._token_str
-        self.tokens.append(token_text(step.token_id))
-        self.token_logprobs.append(step.logprob)
-        top = step.top_logprobs
-        self.top_logprobs.append(None if top is None else {token_text(t): lp for t, lp in top})
-        self.text_offset.append(offset)
-
-    def extend(self, other: Logprobs) -> None:
-        """Append ``other``'s entries (shared, read-only ``top_logprobs`` dicts)."""
-        self.tokens.extend(other.tokens)
-        self.token_logprobs.extend(other.token_logprobs)
-        self.top_logprobs.extend(other.top_logprobs)
-        self.text_offset.extend(other.text_offset)
-
-    def encode(self, pause: Callable[[], None], slice_len: int = 1024) -> bytes:
-        """Return ``json_bytes(self.as_dict())``, encoded a slice of entries at a time with ``pause()``
-        between slices, so that a huge answer (echo + logprobs of a long prompt) never holds the hub
-        for long."""
-        parts = []
-        for key in self.__slots__[:4]:
-            values = getattr(self, key)
-            slices = []
-            for start in range(0, len(values), slice_len):
-                slices.append(json_bytes(values[start : start + slice_len])[1:-1])
-                pause()
-            parts.append(b'"%s":[%s]' % (key.encode(), b",".join(slices)))
-        return b"{" + b",".join(parts) + b"}"
-
-    def as_dict(self, start: int = 0) -> dict[str, Any]:
-        """Return the entries from index ``start`` on, in the wire shape."""
-        return {
-            "tokens": self.tokens[start:],
-            "token_logprobs": self.token_logprobs[start:],
-            "top_logprobs": self.top_logprobs[start:],
-            "text_offset": self.text_offset[start:],
-        }
-
-
 class Choice:
     """One choice of a completion: advances its token stream one token at a time.
 
@@ -104,7 +48,7 @@ class Choice:
         max_tokens: tokens to generate.
         stop: stop strings (never returned in the text).
         echo_text: the prompt text when ``echo`` is set, else "".
-        logprobs: a :class:`Logprobs` to fill, or None.
+        logprobs: a :class:`~wsgi_app.logprobs.Logprobs` or ``ChatLogprobs`` to fill, or None.
         token_bytes: the bytes each token id adds to the text (the tokenizer's ``token_bytes``).
         pending: with ``echo``, the echoed prompt's unfinished UTF-8 tail: prompt and completion are
             one byte stream, so the first tokens may finish that character.
@@ -132,7 +76,7 @@ class Choice:
         max_tokens: int,
         stop: tuple[str, ...],
         echo_text: str,
-        logprobs: Logprobs | None,
+        logprobs: Logprobs | ChatLogprobs | None,
         token_bytes: list[bytes] = BYTE_TOKENIZER.token_bytes,
         pending: bytes = b"",
     ) -> None:

@@ -18,7 +18,8 @@ from typing import Protocol
 from model.engine import GenerationRequest, Step
 from model.tokenizer import TextTokenizer
 from model.utf8 import Utf8Decoder
-from wsgi_app.choice import BYTE_TOKENIZER, Choice, Logprobs, token_start
+from wsgi_app.choice import BYTE_TOKENIZER, Choice, token_start
+from wsgi_app.logprobs import Logprobs
 from wsgi_app.protocol import CompletionRequest, Prompt
 from wsgi_app.sse import PING, PLAIN, Framing
 from wsgi_app.wire_format import TEXT_COMPLETION, ChunkEncoder, WireFormat
@@ -181,7 +182,7 @@ class Completion:
                 if i % 1024 == 1023:
                     pause()
             for choice in self.choices[p * n : (p + 1) * n]:
-                choice.logprobs.extend(entries)  # C-level list copies: n choices cost one scoring
+                choice.logprobs.extend(entries)  # array copies: n choices cost one scoring
 
     def _tick(self) -> Iterator[bytes]:
         """Handle an engine tick: enforce deadlines, and stream a ``: ping`` at most every

@@ -5,6 +5,10 @@ freed pages of the engine thread's malloc arena for later: an idle worker that s
 kept ~300 MB more anonymous memory than before them. ``malloc_trim(0)`` returns the free pages at
 the top of every arena and the free whole pages inside them (``MADV_DONTNEED``).
 
+Two moments trim: the engine thread going idle (:class:`HeapTrimmer` as ``ThreadedEngine``'s
+``on_idle``), and the worker's generations being over (:class:`AfterAnswers`): a big answer's bytes
+are freed only once written, after the engine went idle, and the bigram has no engine thread.
+
 Source: glibc manual, "Memory Allocation Tunables" and ``malloc_trim(3)``.
 """
 
@@ -14,6 +18,7 @@ import ctypes
 import ctypes.util
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 def _load_trim() -> Callable[[int], int] | None:
@@ -70,3 +75,54 @@ class HeapTrimmer:
         self.count += 1
         self._trim()
         return True
+
+
+class AfterAnswers:
+    """Trim the heap once a worker's generation requests are over.
+
+    Every finished generation request (re)starts one timer on the gevent hub; when it fires,
+    ``delay_s`` after the last one, with no generation running or queued, the heap is trimmed
+    (through a :class:`HeapTrimmer`; a trim refused for being too soon is retried a delay later).
+    Waiting until the request's greenlet is done lets its answer's bytes be freed first.
+
+    Args:
+        idle: True when the worker has no generation running or queued.
+        delay_s: quiet time after the last finished request before trimming, seconds.
+        trimmer: the rate-limited trim (:class:`HeapTrimmer`).
+        loop: the gevent loop whose timer is used; the current hub's, made on first use.
+    """
+
+    def __init__(
+        self,
+        idle: Callable[[], bool],
+        delay_s: float = 0.25,
+        trimmer: Callable[[], bool] | None = None,
+        loop: Any = None,
+    ) -> None:
+        self._idle = idle
+        self.delay_s = delay_s
+        self._trimmer = HeapTrimmer() if trimmer is None else trimmer
+        self._loop = loop
+        self._timer: Any = None
+
+    def request_done(self) -> None:
+        """A generation request's answer is written: trim ``delay_s`` from now, if idle then."""
+        if self._loop is None:
+            import gevent  # only in a worker: the app factory may run without a hub
+
+            self._loop = gevent.get_hub().loop
+        self._start()
+
+    def _start(self) -> None:
+        if self._timer is not None:
+            self._timer.close()  # a stopped libev timer restarted keeps its first deadline
+        # The loop's clock is the time of its last iteration: a greenlet that ran long since (a big
+        # answer's encoding) would make the timer due at once.
+        self._loop.update_now()
+        # ref=False: a pending trim never keeps a stopping worker's loop alive.
+        self._timer = self._loop.timer(self.delay_s, 0.0, ref=False)
+        self._timer.start(self._fire)
+
+    def _fire(self) -> None:
+        if self._idle() and self._trimmer() is False:  # trimmed too recently: retry later
+            self._start()

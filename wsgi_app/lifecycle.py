@@ -79,9 +79,15 @@ def _headers(response: Response) -> Response:
     response.headers["X-Request-Id"] = record.request_id
     record.status = response.status_code
     # Close callbacks run after the request context is gone: pass the exporter explicitly.
-    exporter, observer = rt.exporter, rt.observer
+    exporter, observer, after_answers = rt.exporter, rt.observer, rt.after_answers
     sock = request.environ.get("gunicorn.socket")
-    response.call_on_close(lambda: finish(record, exporter, observer, sock))
+
+    def closed() -> None:
+        finish(record, exporter, observer, sock)
+        if after_answers is not None and record.prompt_tokens:  # a generation request
+            after_answers.request_done()
+
+    response.call_on_close(closed)
     return response
 
 

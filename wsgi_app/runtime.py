@@ -51,6 +51,8 @@ class Runtime:
             rendered with: ``CHAT_TEMPLATE``, else the model's, else the default.
         render_pool: native threads that render chat templates and tokenize their prompts (see
             :meth:`offload`), made on first use.
+        after_answers: told when a generation request's answer is written, to give the freed heap
+            back once the worker is idle (``wsgi_app.heap.AfterAnswers``), or None.
     """
 
     settings: Settings
@@ -68,6 +70,7 @@ class Runtime:
     observer: Observer | None = None
     chat_template: Any = None
     render_pool: Any = field(default=None, repr=False)
+    after_answers: Any = field(default=None, repr=False)
 
     @property
     def parse_limits(self) -> dict[str, Any]:

@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from model.tokenizer import TextTokenizer
-from wsgi_app.choice import Choice, Logprobs
+from wsgi_app.choice import Choice
 from wsgi_app.errors import json_bytes
+from wsgi_app.logprobs import Logprobs
 from wsgi_app.sse import PLAIN, Framing
 
 # A non-streamed answer up to this size is written in one piece (joining 1 MiB takes ~0.1 ms).
@@ -195,6 +196,8 @@ class ChunkEncoder:
         answer up to ``JOIN_LIMIT_BYTES``, else its parts, which the server writes one by one (joining
         a huge answer, echo + logprobs of a long prompt, would hold the hub for tens of milliseconds).
 
+        Each choice's ``logprobs`` entries are released once encoded (the answer is made once).
+
         Args:
             choices: the finished choices.
             usage: the ``usage`` object.
@@ -203,16 +206,17 @@ class ChunkEncoder:
         fmt = self.fmt
         parts = [self._answer_head, b',"choices":[']
         for c in choices:
-            logprobs = b"null" if c.logprobs is None else c.logprobs.encode(pause)
             parts += (
                 b'{"index":%d,' % c.index + fmt.answer_text,
                 json_bytes("".join(c.parts)),
                 fmt.text_end + b',"logprobs":',
-                logprobs,
-                b',"finish_reason":',
-                json_bytes(c.finish_reason),
-                b"},",
             )
+            if c.logprobs is None:
+                parts.append(b"null")
+            else:  # its parts, unjoined: a big answer is written in slices
+                parts += c.logprobs.encode(pause)
+                c.logprobs.release()  # encoded: its entries need not wait for the others'
+            parts += (b',"finish_reason":', json_bytes(c.finish_reason), b"},")
         parts[-1] = b"}"  # no comma after the last choice
         parts += (b'],"usage":', json_bytes(usage), b"}")
         # One write for a usual answer (a dozen small writes cost ~0.1 ms of system calls).
