@@ -56,3 +56,44 @@ def test_the_budget_is_inclusive_and_counts_every_prompt(succ_dir, serve, echo):
         limit=120,
     )
     assert srv.complete({**body, "max_tokens": 64, "logprobs": None})[0] == 200
+
+
+CHAT_MESSAGE = (
+    "This request could return {entries} logprobs entries (choices × '{param}' × ('top_logprobs' "
+    "+ 1) = {tokens} × {k}); the limit is MAX_LOGPROB_ENTRIES ({limit}). Reduce 'top_logprobs', "
+    "'{param}' or 'n'."
+)
+
+
+@pytest.mark.parametrize("param", ["max_tokens", "max_completion_tokens"])
+def test_chat_answers_have_the_same_budget(succ_dir, serve, param):
+    srv = serve(MODEL_DIR=str(succ_dir), MAX_LOGPROB_ENTRIES="120")
+    # n 2 × max_tokens 20 × (top_logprobs 2 + 1) = 120: inclusive
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "n": 2}
+    body |= {"logprobs": True, "top_logprobs": 2, param: 20}
+    status, _, raw = srv.post("/v1/chat/completions", body)
+    assert status == 200, raw
+    assert [len(c["logprobs"]["content"]) for c in json.loads(raw)["choices"]] == [20, 20]
+    status, _, raw = srv.post("/v1/chat/completions", {**body, param: 21})
+    assert status == 400
+    assert json.loads(raw)["error"] == {
+        "message": CHAT_MESSAGE.format(entries=126, param=param, tokens=42, k=3, limit=120),
+        "type": "invalid_request_error",
+        "param": "top_logprobs",
+        "code": None,
+    }
+    assert srv.state()["requests"] == []
+
+
+def test_a_chat_answer_without_max_tokens_is_capped_to_the_budget(succ_dir, serve):
+    srv = serve(MODEL_DIR=str(succ_dir), MAX_LOGPROB_ENTRIES="120")
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "n": 2}
+    body |= {"logprobs": True, "top_logprobs": 2, "ignore_eos": True}
+    status, _, raw = srv.post("/v1/chat/completions", body)
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert answer["usage"]["completion_tokens"] == 2 * 20  # 120 // (2 × 3) tokens each
+    assert {c["finish_reason"] for c in answer["choices"]} == {"length"}
+    body |= {"n": 1, "top_logprobs": 20}
+    status, _, raw = srv.post("/v1/chat/completions", {**body, "n": 8})  # 8 × 21 > 120
+    assert status == 400 and json.loads(raw)["error"]["param"] == "top_logprobs"

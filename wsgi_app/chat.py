@@ -95,6 +95,7 @@ def chat_completion_request(
     chat_max_tokens: int,
     offload: Callable[[Callable[..., Any], Sequence[Any]], Any] = _inline,
     kv_budget_bytes: int | None = None,
+    max_logprob_entries: int | None = None,
 ) -> CompletionRequest:
     """Render ``chat``'s conversation and return the generation request it stands for.
 
@@ -109,12 +110,15 @@ def chat_completion_request(
             serving meanwhile); inline by default.
         kv_budget_bytes: the worker's KV-cache budget (``KV_CACHE_BUDGET_MB``), bytes, or None:
             without ``max_tokens``, the default answer is capped so the request fits it.
+        max_logprob_entries: the request's budget of ``logprobs`` entries
+            (``MAX_LOGPROB_ENTRIES``), or None (see ``chat_protocol.completion_request``).
 
     Raises:
         ApiError: 400 ``messages`` when the contents are longer than any acceptable prompt
             (:func:`content_char_limit`), the template fails (its message) or the rendered prompt
             is over ``max_prompt_tokens`` or fills the context; 400 naming ``max_tokens`` or
-            ``max_completion_tokens`` when the answer would not fit.
+            ``max_completion_tokens`` when the answer would not fit; 400 ``top_logprobs`` over
+            ``max_logprob_entries``.
     """
     limit = content_char_limit(model.tokenizer, max_prompt_tokens)
     chars = sum(len(m["content"].strip()) for m in chat.messages)
@@ -147,4 +151,5 @@ def chat_completion_request(
         kv_tokens_per_choice=(
             kv_budget_bytes // (chat.n * per_token) if kv_budget_bytes and per_token else None
         ),
+        max_logprob_entries=max_logprob_entries,
     )

@@ -157,6 +157,7 @@ def completion_request(
     default_max_tokens: int,
     template_stop: tuple[str, ...] = (),
     kv_tokens_per_choice: int | None = None,
+    max_logprob_entries: int | None = None,
 ) -> CompletionRequest:
     """Return the generation request for ``chat`` once its template has rendered the prompt.
 
@@ -172,11 +173,15 @@ def completion_request(
             within the worker's KV-cache budget (``KV_CACHE_BUDGET_MB``), or None for no budget:
             the default ``max_tokens`` is capped by it too. An explicit ``max_tokens`` is not (the
             admission refuses it, naming ``max_tokens``, when it cannot fit).
+        max_logprob_entries: the request's budget of ``logprobs`` entries (``MAX_LOGPROB_ENTRIES``):
+            choices × ``max_tokens`` × (``top_logprobs`` + 1), or None for no budget. A default
+            ``max_tokens`` is capped by it; an explicit one over it is refused.
 
     Raises:
         ApiError: 400 ``messages`` when the rendered prompt is empty, fills the context, or (without
             ``max_tokens``) leaves no room in the KV budget; 400 naming the client's
-            ``max_tokens``/``max_completion_tokens`` when prompt + it exceed the context.
+            ``max_tokens``/``max_completion_tokens`` when prompt + it exceed the context; 400
+            ``top_logprobs`` when the answer's logprobs could exceed ``max_logprob_entries``.
     """
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
@@ -207,6 +212,8 @@ def completion_request(
             f"the answer). Reduce the messages or '{chat.max_tokens_param}'.",
             chat.max_tokens_param,
         )
+    if chat.logprobs is not None and max_logprob_entries is not None:
+        max_tokens = _logprob_budget(chat, max_tokens, max_logprob_entries)
     return CompletionRequest(
         model=chat.model,
         prompt_ids=tuple(prompt_ids),
@@ -221,6 +228,31 @@ def completion_request(
         include_usage=chat.include_usage,
         ignore_eos=chat.ignore_eos,
     )
+
+
+def _logprob_budget(chat: ChatRequest, max_tokens: int, budget: int) -> int:
+    """Return ``max_tokens`` within the request's ``logprobs`` budget: a default one is capped to
+    it, an explicit one over it is refused (every token of every choice holds ``top_logprobs`` + 1
+    entries until the answer is written; the completions endpoint's budget, without an echo).
+
+    Raises:
+        ApiError: 400 ``top_logprobs`` when even one token per choice, or the client's
+            ``max_tokens``, is over ``budget``.
+    """
+    per_token = chat.n * (chat.logprobs + 1)
+    most = budget // per_token
+    if chat.max_tokens is None and most >= 1:
+        return min(max_tokens, most)
+    if max_tokens > most:
+        param = chat.max_tokens_param if chat.max_tokens is not None else "max_tokens"
+        raise invalid(
+            f"This request could return {chat.n * max_tokens * (chat.logprobs + 1)} logprobs "
+            f"entries (choices × '{param}' × ('top_logprobs' + 1) = {chat.n * max_tokens} × "
+            f"{chat.logprobs + 1}); the limit is MAX_LOGPROB_ENTRIES ({budget}). Reduce "
+            f"'top_logprobs', '{param}' or 'n'.",
+            "top_logprobs",
+        )
+    return max_tokens
 
 
 def _check_options(body: dict[str, Any]) -> None:

@@ -128,4 +128,5 @@ def _completion_request(
         chat_max_tokens=settings.chat_max_tokens,
         offload=rt.offload,
         kv_budget_bytes=settings.kv_cache_budget_mb << 20,
+        max_logprob_entries=settings.max_logprob_entries,
     )
