@@ -189,7 +189,18 @@ def test_forty_requests_over_two_workers_count_exactly(two_workers):
         return usage
 
     results = concurrently(one, 40)
+
+    def all_observed(port: int) -> bool:
+        m = scrape(srv, port)
+        return (
+            sum(m["greenserve_requests"].values()) == 40
+            and value(m, "greenserve_requests_running") == 0
+        )
+
     for port in (srv.port, srv.health_port):  # both ports answer with the sum of both workers
+        # A worker observes a request a loop turn after its last byte, off the request's path: a
+        # scrape may come first.
+        wait_until(lambda p=port: all_observed(p), 5, "all 40 requests observed")
         m = scrape(srv, port)
         assert (
             value(
