@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import signal
+import socket
 import time
 
 from tests.collector import FakeCollector
@@ -49,3 +50,24 @@ def test_sigterm_closes_idle_keepalive_connections_and_flushes(serve, succ_dir):
         assert exit_s < 3.0, exit_s  # not the whole grace period, let alone a SIGKILL
         for rid in ["in-flight"] + [f"idle-{i}" for i in range(5)]:
             collector.span_for(rid, timeout_s=1)
+
+
+def test_sigterm_closes_connections_that_sent_nothing_and_ends_a_stalled_head_quietly(
+    serve, succ_dir
+):
+    srv = serve(MODEL_DIR=str(succ_dir), GRACEFUL_TIMEOUT_S="3", HEADER_TIMEOUT_S="10")
+    silent = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(3)]
+    partial = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+    time.sleep(0.3)  # the worker has accepted them and waits for their requests
+    srv.signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    for sock in silent:  # shut down at once, as an idle keep-alive connection: EOF, no answer
+        assert sock.recv(1) == b""
+        assert time.monotonic() - stopped < 1.0
+    # The stalled head is ended at the end of the grace period: closed, without a 500.
+    assert partial.recv(65536) == b""
+    assert srv.wait(10) == 0
+    log = srv.log_text()
+    assert "Worker exiting" in log
+    assert "Internal Server Error" not in log and "GreenletExit" not in log, srv.log_tail()

@@ -47,6 +47,9 @@ class _IdleOver(Exception):
 
 
 _IDLE_OVER = _IdleOver()
+# Once the worker is stopping, a new connection that has sent nothing yet gets this long for its
+# first byte, seconds (a client that connected just before the stop is sending already).
+STOPPING_FIRST_BYTE_S = 1.0
 MAX_CHUNK_SIZE = 2**63 - 1  # bytes: larger sizes overflow every other implementation's integer
 # A Host value: reg-name, IPv4 or IP-literal, then an optional port (RFC 3986 §3.2.2, §3.2.3).
 _HOST_VALUE = re.compile(r"(?:\[[0-9A-Fa-f:.vV\-]+\]|[A-Za-z0-9\-._~%!$&'()*+,;=]*)(?::[0-9]*)?")
@@ -140,8 +143,11 @@ class BoundedRequest(Request):
 
     def _await_first_byte(self, sock: Any) -> None:
         """Wait for a request to start: up to ``KEEPALIVE_S`` on a kept-alive connection (not at all
-        once the worker is stopping), up to the head's deadline on a new one (a connection accepted
+        once the worker is stopping), up to the head's deadline on a new one, and at most
+        ``STOPPING_FIRST_BYTE_S`` on a new one once the worker is stopping (a connection accepted
         just before a stop still gets its answer: its client has sent, or is sending, a request).
+        Meanwhile the connection is marked idle: a worker that starts stopping shuts it down
+        unless bytes are waiting on it (``wsgi_app.worker``).
 
         Raises:
             StopIteration: no request came, or the kept-alive connection's worker is stopping.
@@ -154,7 +160,9 @@ class BoundedRequest(Request):
             wait_s = limits.keepalive_s
         else:
             wait_s = self._head_deadline - time.monotonic()
-        idle = kept_alive and hasattr(sock, "idle")
+            if limits.stopping():
+                wait_s = min(wait_s, STOPPING_FIRST_BYTE_S)
+        idle = hasattr(sock, "idle")
         if sock is not None and hasattr(sock, "fileno"):
             if idle:
                 sock.idle = True  # a stopping worker shuts it down (wsgi_app.worker)

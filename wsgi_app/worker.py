@@ -38,6 +38,7 @@ from functools import partial
 from typing import Any
 
 import gevent
+from gevent import GreenletExit
 from gevent import socket as gsocket
 from gevent.event import Event
 from gevent.pool import Pool
@@ -256,6 +257,11 @@ class GeventWorker(ggevent.GeventWorker):
                 util.write_error(client, 408, "Request Timeout", str(exc))
             except OSError:
                 pass
+        elif isinstance(exc, GreenletExit):
+            # Ended at the end of the grace period (``run``), not a server fault: no 500, no
+            # traceback; a request that got this far had its 503 or error event already.
+            self.log.debug("Connection from %s ended by the worker's stop", addr)
+            return  # closed by gunicorn at once: no lingering past the kill
         else:
             super().handle_error(req, client, addr, exc)
         _linger(client)
@@ -272,9 +278,10 @@ class GeventWorker(ggevent.GeventWorker):
         gevent.spawn_later(max(0.0, grace - CUT_WRITES_S), self.cut_blocked_writes)
 
     def close_idle_connections(self) -> None:
-        """Shut down connections waiting for a request; mark the others to close after theirs."""
+        """Shut down connections waiting for a request (new or kept alive) on which no byte waits;
+        mark the others to close after their request."""
         for conn in list(self.connections):
-            if conn.idle:
+            if conn.idle and not _bytes_waiting(conn):
                 _shutdown(conn)
             else:
                 conn.close_after_response()
@@ -333,6 +340,14 @@ class GeventWorker(ggevent.GeventWorker):
                 break
             self.notify()
             gevent.sleep(0.05)
+
+
+def _bytes_waiting(conn: socket.socket) -> bool:
+    """True when the peer has sent bytes not yet read (a request on its way): a non-blocking peek."""
+    try:
+        return bool(conn._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # nothing to read (BlockingIOError), or the connection failed
+        return False
 
 
 def _shutdown(conn: socket.socket) -> None:
