@@ -15,7 +15,7 @@ chunk object, and their ``logprobs`` (``content[]`` of ``token``, ``logprob``, `
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from model.tokenizer import TextTokenizer
@@ -124,16 +124,26 @@ class ChatChunkEncoder(ChunkEncoder):
         self._sent = [0] * n  # logprobs entries already streamed, per choice
 
     def first_chunks(
-        self, choices: Sequence[Choice], echo_texts: Sequence[str] | None
+        self,
+        choices: Sequence[Choice],
+        echo_texts: Sequence[str] | None,
+        pause: Callable[[], None] | None = None,
     ) -> Iterator[bytes]:
         """Yield each choice's first chunk: ``delta: {"role": "assistant", "content": ""}``."""
         for c in choices:
             yield self.framing.frame(self._role[c.index])
 
-    def chunk(self, choice: Choice, text: str, lp_start: int = -1) -> bytes:
+    def chunk(
+        self,
+        choice: Choice,
+        text: str,
+        lp_start: int = -1,
+        pause: Callable[[], None] | None = None,
+    ) -> bytes:
         """Return the events of one token of ``choice``: a content chunk when it releases text or
         carries a ``logprobs`` entry, then the finish chunk when the choice has ended; b"" for none
-        (or when the framing drops them). ``lp_start`` is unused: new entries are tracked here."""
+        (or when the framing drops them). ``lp_start`` and ``pause`` are unused: new entries are
+        tracked here, one token's at a time."""
         i = choice.index
         frame = self.framing.frame
         sent = count = 0

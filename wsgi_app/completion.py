@@ -213,7 +213,7 @@ class Completion:
         if events:
             n = self.req.n
             echo = [self.echo_texts[c.index // n] for c in self.choices] if self.req.echo else None
-            for event in self.encoder.first_chunks(self.choices, echo):
+            for event in self.encoder.first_chunks(self.choices, echo, self.pacer.pause):
                 if event:
                     yield event
         live = [c for c in self.choices if c.finish_reason is None]

@@ -146,15 +146,25 @@ class ChunkEncoder:
         self._end = (b"}]" + usage_tail + closing, fmt.text_end + b',"logprobs":')
 
     def first_chunks(
-        self, choices: Sequence[Choice], echo_texts: Sequence[str] | None
+        self,
+        choices: Sequence[Choice],
+        echo_texts: Sequence[str] | None,
+        pause: Callable[[], None] | None = None,
     ) -> Iterator[bytes]:
         """Yield the events that come before any token: with ``echo``, each choice's prompt chunk
-        (``echo_texts[i]`` for ``choices[i]``, with all its prompt ``logprobs`` entries)."""
+        (``echo_texts[i]`` for ``choices[i]``, with all its prompt ``logprobs`` entries, encoded a
+        slice at a time with ``pause()`` between slices: a long prompt's entries take a while)."""
         if echo_texts is not None:
             for c, text in zip(choices, echo_texts, strict=True):
-                yield self.chunk(c, text, 0)
+                yield self.chunk(c, text, 0, pause)
 
-    def chunk(self, choice: Choice, text: str, lp_start: int = -1) -> bytes:
+    def chunk(
+        self,
+        choice: Choice,
+        text: str,
+        lp_start: int = -1,
+        pause: Callable[[], None] | None = None,
+    ) -> bytes:
         """Return the streamed event of ``choice`` releasing ``text`` (b"" when the framing drops it).
 
         Args:
@@ -162,13 +172,17 @@ class ChunkEncoder:
             text: the text released (may be "").
             lp_start: the first ``logprobs`` entry the chunk carries: -1 for the last token's alone,
                 0 for all (the echoed prompt's chunk).
+            pause: with ``lp_start`` 0, called between slices of the entries' encoding.
         """
         if choice.finish_reason is None and choice.logprobs is None:
             event = b"".join((self._mids[choice.index], _text_json(text), self._tail))
         else:
             logprobs = b"null"
             if choice.logprobs is not None:
-                logprobs = json_bytes(choice.logprobs.as_dict(lp_start))
+                if pause is not None and lp_start == 0:
+                    logprobs = b"".join(choice.logprobs.encode(pause))
+                else:
+                    logprobs = json_bytes(choice.logprobs.as_dict(lp_start))
             reason = choice.finish_reason
             finish = b"null" if reason is None else b'"' + reason.encode() + b'"'
             closing, logprobs_key = self._end
