@@ -1,8 +1,9 @@
-"""A sequence's decode logits are the same bits in any batch, on the shapes where BLAS switches kernels.
+"""A sequence's logits are the same bits in any batch, on the shapes where BLAS switches kernels.
 
 numpy's OpenBLAS runs a one-row product as GEMV, small products (``out * rows <= 1200``) with a
 small-matrix kernel and the rest as GEMM, each rounding differently; the batch sizes below cross
-every one of those lines for both stories260K's and SmolLM2-135M's matrices.
+every one of those lines for both stories260K's and SmolLM2-135M's matrices, and a row is checked
+at several places in its batch.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ import numpy as np
 import pytest
 
 from model.llama.config import LlamaConfig
-from model.llama.matmul import GEMM_MIN_ROWS, decode_matmul_t, rows_matmul_t
+from model.llama.matmul import GEMV_MAX_ROWS, gemm_min_rows, matmul_t, rows_matmul_t
 from model.llama.model import Llama, tensor_shapes
 
 # (out, in) of every product: SmolLM2-135M (q/o, k/v, gate/up, down, head), then stories260K.
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 SHAPES += [(64, 64), (32, 64), (172, 64), (64, 172), (512, 64)]
-BATCHES = (1, 2, 3, 6, 7, 18, 19, 33, 40)
+BATCHES = (1, 2, 3, 6, 7, 13, 14, 18, 19, 32, 33, 40, 64)
 
 
 def random_llama(n_layers: int, seed: int = 0) -> Llama:
@@ -50,20 +51,29 @@ def test_rows_of_a_product_are_the_bits_of_the_row_alone(shape):
     rng = np.random.default_rng(sum(shape))
     w = rng.standard_normal(shape, dtype=np.float32)
     x = rng.standard_normal((max(BATCHES), shape[1]), dtype=np.float32)
-    alone = np.concatenate([rows_matmul_t(x[i : i + 1], w) for i in range(len(x))])
+    alone = np.concatenate([matmul_t(x[i : i + 1], w) for i in range(len(x))])
     np.testing.assert_allclose(alone, x @ w.T, rtol=0, atol=2e-4 * np.sqrt(shape[1]))
     for n in BATCHES:
-        for start in (0, len(x) - n):  # a row at different places in the batch
-            got = decode_matmul_t(x[start : start + n], w, batch_invariant=True)
+        for start in (0, (len(x) - n) // 2, len(x) - n):  # a row at different places
+            got = matmul_t(x[start : start + n], w, batch_invariant=True)
+            assert got.flags.c_contiguous and got.shape == (n, shape[0])
             assert np.array_equal(got, alone[start : start + n]), (n, start)
 
 
-def test_without_invariance_large_batches_use_one_gemm():
+@pytest.mark.parametrize("shape", SHAPES[:5], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_without_invariance_few_rows_run_gemv_rows_and_many_one_gemm(shape):
     rng = np.random.default_rng(7)
-    w = rng.standard_normal((576, 576), dtype=np.float32)
-    x = rng.standard_normal((GEMM_MIN_ROWS, 576), dtype=np.float32)
-    assert np.array_equal(decode_matmul_t(x, w, batch_invariant=False), x @ w.T)
-    assert np.array_equal(decode_matmul_t(x[:2], w, batch_invariant=False), rows_matmul_t(x[:2], w))
+    w = rng.standard_normal(shape, dtype=np.float32)
+    x = rng.standard_normal((GEMV_MAX_ROWS, shape[1]), dtype=np.float32)
+    few = x[: GEMV_MAX_ROWS - 1]
+    assert np.array_equal(matmul_t(few, w, batch_invariant=False), rows_matmul_t(few, w))
+    assert np.array_equal(matmul_t(x, w, batch_invariant=False), matmul_t(x, w))
+    # GEMV rows and GEMM rows round differently: hence the invariant mode pads instead.
+    assert not np.array_equal(rows_matmul_t(x[:1], w), matmul_t(x[:1], w))
+
+
+def test_gemm_min_rows_leaves_the_small_matrix_kernel():
+    assert [gemm_min_rows(out) for out in (49152, 1536, 576, 192, 64, 9)] == [2, 2, 3, 7, 19, 134]
 
 
 @pytest.fixture(scope="module")

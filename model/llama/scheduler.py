@@ -7,16 +7,16 @@ cache size and its finish reason. The sequential :class:`model.llama.engine.Llam
 scheduler with one sequence.
 
 Pure and single-threaded: the serving layer calls :meth:`BatchScheduler.step` in a loop on its own
-native thread. Each step first prefills the next chunk of the oldest sequences still reading their
-prompts, up to ``prefill_budget`` tokens in one pass over the weights (so a burst of prompts costs one
-pass, not one each, a long prompt never holds up the others for long, and a cancelled one stops within a
-chunk), then one batched decode for every sequence that is generating. A prompt's chunk boundaries are
-fixed (``prefill_chunk``), so its results never depend on what shares the pass. A sequence joins at
-the next step and leaves as soon as it finishes or is cancelled.
+native thread. Each step is one pass over the weights (``Llama.forward``): one token for every
+sequence that is generating, plus the next chunk of the oldest sequences still reading their prompts, up
+to ``prefill_budget`` prompt tokens (so a burst of prompts costs no pass of its own, a long prompt never
+holds up the others for long, and a cancelled one stops within a chunk). A prompt's chunk boundaries are
+fixed (``prefill_chunk``). A sequence joins at the next step and leaves as soon as it finishes or is
+cancelled.
 
-A sequence's tokens never depend on its batch: its prefill is its own, ``Llama.decode`` gives each row
-the same bits whatever the other rows are (unless ``batch_invariant`` is turned off to let large batches
-run one GEMM per product), and each sequence samples with its own PCG32.
+A sequence's tokens never depend on its batch: ``Llama.forward`` gives each row the same bits whatever
+the other rows are (unless ``batch_invariant`` is turned off, which lets steps of few rows run one GEMV
+per row), and each sequence samples with its own PCG32.
 
 Source: docs/ARCHITECTURE.md §5; Yu et al., "Orca" (OSDI 2022) for iteration-level scheduling.
 """
@@ -182,23 +182,36 @@ class BatchScheduler:
             Exception: whatever the model raises; the caller fails the sequences still live.
         """
         self.prune()
-        touched: list[Sequence] = []
         decoding = [s for s in self.live if s.prefilled == len(s.req.prompt_ids)]
-        prefilling = [s for s in self.live if s.prefilled < len(s.req.prompt_ids)]
-        if prefilling:
-            self._prefill(prefilling, touched)
-        if decoding:
-            logits = self.model.decode(
-                [s.last_token for s in decoding], [s.cache for s in decoding], self.batch_invariant
-            )
-            for seq, row in zip(decoding, logits, strict=True):
+        chosen, spans = self._prefill_spans(
+            [s for s in self.live if s.prefilled < len(s.req.prompt_ids)]
+        )
+        if not decoding and not chosen:
+            return []
+        chunks = spans + [[s.last_token] for s in decoding]
+        logits = self.model.forward(
+            chunks, [s.cache for s in chosen + decoding], self.batch_invariant
+        )
+        touched: list[Sequence] = []
+        for seq, span, row in zip(chosen, spans, logits, strict=False):
+            seq.prefilled += len(span)
+            if seq.prefilled == len(seq.req.prompt_ids):
                 self._emit(seq, row)
                 touched.append(seq)
+        for seq, row in zip(decoding, logits[len(chosen) :], strict=True):
+            self._emit(seq, row)
+            touched.append(seq)
         self.live = [s for s in self.live if not s.done]
         return touched
 
-    def _prefill(self, prefilling: list[Sequence], touched: list[Sequence]) -> None:
-        chosen, spans, tokens = [], [], 0
+    def _prefill_spans(
+        self, prefilling: list[Sequence]
+    ) -> tuple[list[Sequence], list[abc.Sequence[int]]]:
+        """Return the sequences whose next prompt chunk joins this step, and those chunks: the
+        oldest first, within ``prefill_budget`` tokens (at least one chunk)."""
+        chosen: list[Sequence] = []
+        spans: list[abc.Sequence[int]] = []
+        tokens = 0
         for seq in prefilling:  # oldest first: the order they joined
             end = min(len(seq.req.prompt_ids), seq.prefilled + self.prefill_chunk)
             if chosen and tokens + end - seq.prefilled > self.prefill_budget:
@@ -206,12 +219,7 @@ class BatchScheduler:
             chosen.append(seq)
             spans.append(seq.req.prompt_ids[seq.prefilled : end])
             tokens += end - seq.prefilled
-        logits = self.model.prefill_batch(spans, [s.cache for s in chosen])
-        for seq, span, row in zip(chosen, spans, logits, strict=True):
-            seq.prefilled += len(span)
-            if seq.prefilled == len(seq.req.prompt_ids):
-                self._emit(seq, row)
-                touched.append(seq)
+        return chosen, spans
 
     def _emit(self, seq: Sequence, logits: np.ndarray) -> None:
         req = seq.req
