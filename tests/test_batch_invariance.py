@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from model.llama.config import LlamaConfig
+from model.llama.kv_cache import KVPool
 from model.llama.matmul import GEMV_MAX_ROWS, gemm_min_rows, matmul_t, rows_matmul_t
 from model.llama.model import Llama, tensor_shapes
 
@@ -125,3 +126,50 @@ def test_smollm2_shaped_prefill_beside_other_chunks_is_bit_identical(smollm2_sha
     for b, cache in enumerate(fresh):
         model.prefill(chunks[b], cache)
         assert np.array_equal(model.prefill(more[b], cache), cont[b])
+
+
+def test_smollm2_shaped_decode_in_a_kv_pool_is_bit_identical_beside_any_lanes(smollm2_shaped):
+    model = smollm2_shaped
+    c = model.config
+    pool = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, c.max_seq_len)
+    n = 33
+    # Prompts of 1..129 tokens: a step's longest sequence spans one to three attention blocks.
+    prompts = [[(5 + 211 * b + 13 * t) % 49152 for t in range(1 + 4 * b)] for b in range(n)]
+    caches = [pool.take(len(p) + 1) for p in prompts]
+    assert len({id(cache.slab_k) for cache in caches}) == 1  # all lanes of one slab
+    last = [int(np.argmax(model.prefill(p, c))) for p, c in zip(prompts, caches, strict=True)]
+    snapshot = [(c.k.copy(), c.v.copy(), c.length) for c in caches]
+
+    def restore() -> None:
+        for c, (k, v, length) in zip(caches, snapshot, strict=True):
+            c.k[:], c.v[:], c.length = k, v, length
+
+    alone = [model.decode([last[b]], [caches[b]])[0] for b in range(n)]
+    restore()
+    every_third = list(range(0, n, 3))  # the lanes between decode nothing: computed, dropped
+    for picks in (list(range(n)), list(range(n))[::-1], every_third, [32, 0], list(range(5, 12))):
+        got = model.decode([last[i] for i in picks], [caches[i] for i in picks])
+        for row, i in enumerate(picks):
+            assert np.array_equal(got[row], alone[i]), (picks, i)
+        restore()
+    own = model.new_cache(len(prompts[7]) + 1)  # the same sequence in a cache of its own
+    model.prefill(prompts[7], own)
+    assert np.array_equal(model.decode([last[7]], [own])[0], alone[7])
+
+
+def test_smollm2_shaped_decode_beside_a_prompt_chunk_is_bit_identical(smollm2_shaped):
+    model = smollm2_shaped
+    c = model.config
+    pool = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, c.max_seq_len)
+    prompts = [[3, 77, 1000], [9] * 20, [42]]
+    caches = [pool.take(40) for _ in prompts]
+    last = [int(np.argmax(model.prefill(p, c))) for p, c in zip(prompts, caches, strict=True)]
+    snapshot = [(c.k.copy(), c.v.copy(), c.length) for c in caches]
+    alone = model.decode(last, caches)
+    for cache, (k, v, length) in zip(caches, snapshot, strict=True):
+        cache.k[:], cache.v[:], cache.length = k, v, length
+    chunk = [(11 + 29 * t) % 49152 for t in range(12)]
+    chunk_alone = model.prefill(chunk, pool.take(40))
+    mixed = model.forward([chunk] + [[t] for t in last], [pool.take(40)] + caches)
+    assert np.array_equal(mixed[0], chunk_alone)
+    assert np.array_equal(mixed[1:], alone)

@@ -20,10 +20,11 @@ from typing import Self
 import numpy as np
 
 from model.files import CONFIG_NAME, read_json_object
+from model.llama.attend import StepAttention
 from model.llama.config import LlamaConfig
 from model.llama.kv_cache import KVCache
 from model.llama.matmul import matmul_t
-from model.llama.ops import apply_rope, attention, decode_attention, rmsnorm, silu
+from model.llama.ops import apply_rope, rmsnorm, silu
 from model.llama.weights import load_weights
 
 # Buffers some checkpoints carry that the forward pass recomputes instead.
@@ -274,7 +275,8 @@ class Llama:
         chunk of their prompt. Chunk ``b`` takes positions ``caches[b].length ..``. The
         projections, the MLP and the head run once for all the rows
         (:func:`model.llama.matmul.matmul_t`: one GEMM streams each weight matrix from memory
-        once per step); attention runs per sequence over its own cache. With
+        once per step); a prompt chunk attends over its own cache, and the one-token chunks
+        attend together, per slab of caches (:mod:`model.llama.attend`). With
         ``batch_invariant`` (the default) a sequence's results are the same bits whatever it
         shares the pass with; without it, steps of fewer than
         :data:`~model.llama.matmul.GEMV_MAX_ROWS` rows run one GEMV per row instead (faster,
@@ -317,20 +319,10 @@ class Llama:
         x = self.tok_embeddings[np.concatenate(ids)]  # (T, dim)
         positions = [s + np.arange(n) for s, n in zip(starts, sizes, strict=True)]
         cos, sin = self._rope(np.concatenate(positions))
+        attend = StepAttention(caches, sizes, ends)
         for layer_index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin, batch_invariant)
-            att = np.empty((x.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
-            for b, cache in enumerate(caches):
-                r1, start, n = ends[b], starts[b], sizes[b]
-                r0, end = r1 - n, start + n
-                cache.k[layer_index, start:end] = k[r0:r1]
-                cache.v[layer_index, start:end] = v[r0:r1]
-                kc, vc = cache.k[layer_index, :end], cache.v[layer_index, :end]
-                if n == 1:
-                    att[r0] = decode_attention(q[r0], kc, vc)
-                else:
-                    att[r0:r1] = attention(q[r0:r1], kc, vc, start)
-            x = self._block_tail(layer, x, att, batch_invariant)
+            x = self._block_tail(layer, x, attend(layer_index, q, k, v), batch_invariant)
         for n, cache in zip(sizes, caches, strict=True):
             cache.length += n
         return x, ends
@@ -394,7 +386,8 @@ class Llama:
     def _check_cache(self, cache: KVCache, n_new: int) -> None:
         """Refuse a cache of another model's shape or without room for ``n_new`` tokens."""
         c = self.config
-        if cache.k.shape[0] != c.n_layers or cache.k.shape[2:] != (c.n_kv_heads, c.head_dim):
+        shape = cache.k.shape  # (n_layers, n_kv_heads, rows, head_dim)
+        if shape[:2] != (c.n_layers, c.n_kv_heads) or shape[3] != c.head_dim:
             raise ValueError(f"KV cache of shape {cache.k.shape} does not fit this model")
         if cache.length + n_new > cache.capacity:
             raise ValueError(

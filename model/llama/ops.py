@@ -63,8 +63,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
 
     Args:
         q: ``(T, n_heads, head_dim)`` float32 queries (after RoPE).
-        k: ``(S, n_kv_heads, head_dim)`` float32 keys, ``S = start + T``.
-        v: ``(S, n_kv_heads, head_dim)`` float32 values.
+        k: ``(n_kv_heads, S, head_dim)`` float32 keys, ``S = start + T``.
+        v: ``(n_kv_heads, S, head_dim)`` float32 values.
         start: Position of the first query.
 
     Returns:
@@ -73,11 +73,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     Source: Vaswani et al. 2017 (scaled dot-product attention); Ainslie et al. 2023 (GQA).
     """
     n_q, n_heads, head_dim = q.shape
-    n_kv = k.shape[1]
+    n_kv = k.shape[0]
     group = n_heads // n_kv
     scale = 1.0 / math.sqrt(head_dim)
-    kt = k.transpose(1, 2, 0)  # (S, Hkv, hd) -> (Hkv, hd, S)
-    vt = v.transpose(1, 0, 2)  # (S, Hkv, hd) -> (Hkv, S, hd)
+    kt = k.transpose(0, 2, 1)  # (Hkv, S, hd) -> (Hkv, hd, S)
     out = np.empty((n_q, n_heads * head_dim), dtype=np.float32)
     for b0 in range(0, n_q, ATTN_BLOCK):
         qb = q[b0 : b0 + ATTN_BLOCK]
@@ -92,31 +91,59 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
-        ob = scores @ vt[:, :seen]  # (Hkv, group*t, hd)
+        ob = scores @ v[:, :seen]  # (Hkv, group*t, hd)
         # (Hkv, group*t, hd) -> (Hkv, group, t, hd) -> (t, Hkv, group, hd) -> (t, H*hd)
         out[b0 : b0 + t] = ob.reshape(n_kv, group, t, head_dim).transpose(2, 0, 1, 3).reshape(t, -1)
     return out
 
 
-def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Attention of one new query over all of its sequence's keys (the decode case of
-    :func:`attention`, without the causal mask or the block loop).
+def decode_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: np.ndarray, block: int
+) -> np.ndarray:
+    """Attention of one new query per sequence over that sequence's keys, for many sequences at once.
+
+    The keys are read in blocks of ``block`` positions, padded to the longest sequence; every block
+    is one fixed-shape product per sequence and head, positions past a sequence's length are masked,
+    and the blocks' sums are added in block order, so the trailing blocks a shorter sequence gets
+    from its neighbours add exact zeros: a sequence's result is the same bits whatever else is
+    attended with it, and wherever it sits.
 
     Args:
-        q: ``(n_heads, head_dim)`` float32 query (after RoPE) of the newest position.
-        k: ``(S, n_kv_heads, head_dim)`` float32 keys up to and including that position.
-        v: ``(S, n_kv_heads, head_dim)`` float32 values.
+        q: ``(n, n_heads, head_dim)`` float32 queries (after RoPE) of each sequence's newest position.
+        k: ``(n, n_kv_heads, rows, head_dim)`` float32 keys (``rows`` a multiple of ``block``, at
+            least the longest length rounded up to it); positions at or past a sequence's length
+            must hold finite values.
+        v: ``(n, n_kv_heads, rows, head_dim)`` float32 values, likewise.
+        lengths: ``(n,)`` int: positions each sequence sees (its newest included), at least 1.
+        block: Positions per block.
 
     Returns:
-        ``(n_heads * head_dim,)`` float32, heads concatenated in order.
+        ``(n, n_heads * head_dim)`` float32, heads concatenated in order.
+
+    Source: Dao et al. 2023, "Flash-Decoding" (attention over the keys in blocks, merged after).
     """
-    n_heads, head_dim = q.shape
+    n, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
-    qg = q.reshape(n_kv, n_heads // n_kv, head_dim)  # (H, hd) -> (Hkv, group, hd)
-    scores = qg @ k.transpose(1, 2, 0)  # (S, Hkv, hd) -> (Hkv, hd, S); scores (Hkv, group, S)
-    scores *= 1.0 / math.sqrt(head_dim)
-    scores -= scores.max(axis=-1, keepdims=True)
+    group = n_heads // n_kv
+    n_blocks = -(-int(lengths.max()) // block)
+    rows = n_blocks * block
+    # (n, Hkv, rows, hd) -> (n, Hkv, blocks, block, hd): views
+    kb = k[:, :, :rows].reshape(n, n_kv, n_blocks, block, head_dim)
+    vb = v[:, :, :rows].reshape(n, n_kv, n_blocks, block, head_dim)
+    # (n, H, hd) -> (n, Hkv, 1, group, hd), broadcast over the blocks
+    qg = (q * np.float32(1.0 / math.sqrt(head_dim))).reshape(n, n_kv, 1, group, head_dim)
+    scores = np.matmul(qg, kb.swapaxes(-1, -2))  # (n, Hkv, blocks, group, block)
+    unseen = np.arange(rows)[None, :] >= lengths[:, None]  # (n, rows)
+    np.copyto(scores, -np.inf, where=unseen.reshape(n, 1, n_blocks, 1, block))
+    top = scores.max(axis=4).max(axis=2)  # (n, Hkv, group)
+    scores -= top[:, :, None, :, None]
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    out = scores @ v.transpose(1, 0, 2)  # (S, Hkv, hd) -> (Hkv, S, hd); out (Hkv, group, hd)
-    return out.reshape(-1)  # (Hkv, group, hd) -> (H*hd,)
+    sums = scores.sum(axis=4)  # (n, Hkv, blocks, group)
+    parts = np.matmul(scores, vb)  # (n, Hkv, blocks, group, hd)
+    out = parts[:, :, 0].copy()  # (n, Hkv, group, hd)
+    total = sums[:, :, 0].copy()  # (n, Hkv, group)
+    for b in range(1, n_blocks):  # in block order, one add at a time: the same sums in any batch
+        out += parts[:, :, b]
+        total += sums[:, :, b]
+    out /= total[..., None]
+    return out.reshape(n, n_heads * head_dim)  # (n, Hkv, group, hd) -> (n, H*hd)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from model.engine import GenerationRequest, Step, check_prompt, check_request, make_step
-from model.llama.kv_cache import KVCache
+from model.llama.kv_cache import KVCache, KVPool
 from model.llama.model import Llama
 from model.pcg32 import PCG32
 from model.sampling import sample
@@ -95,6 +95,8 @@ class BatchScheduler:
         self.batch_invariant = batch_invariant
         self.prefill_budget = prefill_budget
         self.live: list[Sequence] = []
+        c = model.config
+        self.pool = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, c.max_seq_len)
 
     @property
     def context_length(self) -> int:
@@ -154,7 +156,7 @@ class BatchScheduler:
             seq.steps.append(END)
         else:
             # The last generated token is never fed back, so the cache needs one slot less.
-            seq.cache = self.model.new_cache(len(req.prompt_ids) + n_tokens - 1)
+            seq.cache = self.pool.take(len(req.prompt_ids) + n_tokens - 1)
             if req.params.has_penalties:
                 seq.counts = np.zeros(self.model.vocab_size, np.int64)
             self.live.append(seq)
@@ -164,8 +166,15 @@ class BatchScheduler:
         """Drop cancelled sequences now (before new ones are added: they free batch places)."""
         for seq in self.live:
             if seq.cancelled:
-                seq.cache = None  # the caller may keep the sequence; its KV arrays go now
+                self._drop_cache(seq)  # the caller may keep the sequence; its KV pages go now
         self.live = [s for s in self.live if not s.cancelled]
+
+    def abort(self) -> list[Sequence]:
+        """Drop every live sequence (after a failed step) and return them."""
+        dropped, self.live = self.live, []
+        for seq in dropped:
+            self._drop_cache(seq)
+        return dropped
 
     @property
     def idle(self) -> bool:
@@ -238,7 +247,12 @@ class BatchScheduler:
         if reason is not None or last:
             seq.done = True
             seq.steps.append(END)
-            seq.cache = None  # its KV arrays go now, even while the caller keeps the sequence
+            self._drop_cache(seq)  # its KV pages go now, even while the caller keeps the sequence
+
+    def _drop_cache(self, seq: Sequence) -> None:
+        if seq.cache is not None:
+            self.pool.release(seq.cache)
+            seq.cache = None
 
 
 def steps_of(seq: Sequence) -> list[Step]:
