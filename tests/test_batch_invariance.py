@@ -13,13 +13,14 @@ import pytest
 
 from model.llama.config import LlamaConfig
 from model.llama.kv_cache import KVPool
-from model.llama.matmul import GEMV_MAX_ROWS, gemm_min_rows, matmul_t, rows_matmul_t
+from model.llama.matmul import GEMV_MAX_ROWS, matmul_t, out_tile, rows_matmul_t
 from model.llama.model import Llama, tensor_shapes
 
 # (out, in) of every product: SmolLM2-135M (q/o, k/v, gate/up, down, head), then stories260K.
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 SHAPES += [(64, 64), (32, 64), (172, 64), (64, 172), (512, 64)]
-BATCHES = (1, 2, 3, 6, 7, 13, 14, 18, 19, 32, 33, 40, 64)
+SHAPES += [(145, 64), (9, 64)]  # a one-row remainder joins the last tile; fewer rows than a tile
+BATCHES = (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 18, 19, 32, 33, 40, 64)
 
 
 def random_llama(n_layers: int, seed: int = 0) -> Llama:
@@ -62,19 +63,20 @@ def test_rows_of_a_product_are_the_bits_of_the_row_alone(shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES[:5], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_without_invariance_few_rows_run_gemv_rows_and_many_one_gemm(shape):
+def test_without_invariance_one_or_two_rows_run_gemv_rows(shape):
     rng = np.random.default_rng(7)
     w = rng.standard_normal(shape, dtype=np.float32)
     x = rng.standard_normal((GEMV_MAX_ROWS, shape[1]), dtype=np.float32)
     few = x[: GEMV_MAX_ROWS - 1]
     assert np.array_equal(matmul_t(few, w, batch_invariant=False), rows_matmul_t(few, w))
     assert np.array_equal(matmul_t(x, w, batch_invariant=False), matmul_t(x, w))
-    # GEMV rows and GEMM rows round differently: hence the invariant mode pads instead.
+    # GEMV rows and the tiles round differently: hence the invariant mode never runs a GEMV.
     assert not np.array_equal(rows_matmul_t(x[:1], w), matmul_t(x[:1], w))
 
 
-def test_gemm_min_rows_leaves_the_small_matrix_kernel():
-    assert [gemm_min_rows(out) for out in (49152, 1536, 576, 192, 64, 9)] == [2, 2, 3, 7, 19, 134]
+def test_weight_tiles_stay_within_the_small_matrix_kernel():
+    # in = 576 or 64: 1200 outputs / 8 rows, less one; in = 1536: 1e6 / (8 * 1536), less one
+    assert [out_tile(width) for width in (64, 172, 576, 1536, 8192)] == [144, 144, 144, 80, 14]
 
 
 @pytest.fixture(scope="module")

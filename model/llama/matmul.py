@@ -1,30 +1,33 @@
-"""The forward pass's matrix products ``x @ w.T``, with rows that can be made independent of the batch.
+"""The forward pass's matrix products ``x @ w.T``, in tiles that make every row independent of the batch.
 
 BLAS picks its kernel from the matrix sizes, and the kernels round differently: numpy's OpenBLAS
 runs a one-row product as a GEMV, a small product as a "small matrix" kernel (on SkylakeX, in the
-orientation used here, ``out * rows <= 1200`` and ``out * rows * in <= 1e6``) and anything larger as
-a blocked GEMM. So a sequence's logits computed in a batch of 3 need not be the bits computed
-alone. Within the GEMM path, though, a row's result does not depend on the other rows (each output
-element is one multiply-add chain over ``in``, split at the same places whatever the rows), so
-padding a product to the fewest rows that take the GEMM path (:func:`gemm_min_rows`) gives every
-row the same bits in any batch. Measured on SmolLM2-135M's matrices (30 layers and the head, one
-core; bench/results):
+orientation used here, ``out * rows <= 1200`` and ``out * rows * in <= 1e6``) and anything larger as a
+blocked GEMM. So a sequence's logits computed in a batch of 3 need not be the bits computed alone.
 
-- One product for all the rows costs least from about 14 rows on: OpenBLAS packs the weight matrix
-  once per call and streams it from memory once for all the rows. ``w @ x.T`` (the weight as
-  BLAS's left operand, ``x`` passed transposed) runs ~1.5x faster than ``x @ w.T`` at 32 rows.
-- Below that, one GEMV per row (:func:`rows_matmul_t`) is cheaper: no packing, and the weights are
-  walked in ``CHUNK_BYTES`` chunks that stay in L2 while every row reads them. A padded GEMM for
-  one row costs ~1.8x a GEMV (the packing pass over the weights), so batch invariance costs that much
-  for a lone sequence, and nothing from ~14 sequences on.
+:func:`tiled_matmul_t` never lets BLAS choose: it runs every product as small-matrix products of a
+fixed shape, ``OUT_TILE(in)`` weight rows by ``ROW_TILE`` (or, for the last rows, half as many) rows
+of ``x``, padded to a multiple of ``ROW_PAD``. An output element's bits then depend only on its
+weight tile, which is fixed per matrix, never on how many rows share the product or where its row
+sits (tests/test_batch_invariance.py checks this on every shape of the models used here). It is also
+the fastest way measured on SmolLM2-135M's matrices (30 layers and the 49,152-row head, one core of
+this machine; bench/results): the small-matrix kernel reads the weights where they lie, while a GEMM
+first packs each weight matrix into a buffer, an extra pass over 540 MB of weights per step.
 
-:func:`matmul_t` is what the forward pass calls: batch-invariant means one padded GEMM always;
-otherwise GEMV rows below ``GEMV_MAX_ROWS`` and one GEMM from there (fastest, but a sequence's last
-bits then depend on how many others share the step).
+============  ======  ======  ======  ======  ======  ======
+rows              1       4       8      32      64     256
+============  ======  ======  ======  ======  ======  ======
+tiles (ms)       50      50      61     132     225     831
+GEMM (ms)        86      88      95     157     267     934
+GEMV rows        45      64      87      --      --      --
+============  ======  ======  ======  ======  ======  ======
 
-Source: OpenBLAS 0.3.x ``interface/gemm.c`` (GEMV forwarding, small-matrix dispatch),
-``kernel/x86_64/sgemm_small_kernel_permit_skylakex.c`` (the size rule above) and
-``driver/level3/level3.c`` (the blocking over ``in``, which depends on ``in`` only).
+Without batch invariance (``BATCH_INVARIANT=0``) products of fewer than ``GEMV_MAX_ROWS`` rows
+run one GEMV per row (:func:`rows_matmul_t`), ~10 % faster for a lone sequence, but not the same
+bits as its rows in a larger step.
+
+Source: OpenBLAS 0.3.x ``interface/gemm.c`` (GEMV forwarding, small-matrix dispatch) and
+``kernel/x86_64/sgemm_small_kernel_permit_skylakex.c`` (the size rule above).
 """
 
 from __future__ import annotations
@@ -32,7 +35,21 @@ from __future__ import annotations
 import numpy as np
 
 CHUNK_BYTES = 256 * 1024  # weight bytes per GEMV chunk: fits a 1-2 MiB L2 with room to spare
-GEMV_MAX_ROWS = 14  # without batch invariance, rows below which per-row GEMV beats one GEMM
+GEMV_MAX_ROWS = 3  # without batch invariance, rows below which per-row GEMV beats the tiles
+ROW_TILE = 8  # rows of x per small product (4 for the last ones: the same bits)
+ROW_PAD = 4  # x is padded to a multiple of this many rows (2 or 3 rows take other kernels)
+SMALL_MAX_OUTPUTS = 1200  # the small-matrix kernel's limit on out_tile * rows
+SMALL_MAX_MACS = 1_000_000  # and on out_tile * rows * in
+
+
+def out_tile(width: int) -> int:
+    """Return the weight rows per small product for a matrix of ``width`` columns (``in``).
+
+    At most ``SMALL_MAX_OUTPUTS / ROW_TILE`` less one (a one-row remainder joins the last tile),
+    within ``SMALL_MAX_MACS``, and a multiple of 16 (whole SIMD registers) from 16 on.
+    """
+    tile = min(SMALL_MAX_OUTPUTS // ROW_TILE, SMALL_MAX_MACS // (ROW_TILE * width)) - 1
+    return tile // 16 * 16 if tile >= 16 else tile
 
 
 def rows_matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -55,16 +72,8 @@ def rows_matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
-def gemm_min_rows(out: int) -> int:
-    """Return the fewest rows of ``x`` for which ``w @ x.T`` (``w`` of ``out`` rows) runs as GEMM.
-
-    One row is a GEMV; OpenBLAS's SkylakeX small-matrix kernel takes ``out * rows <= 1200``.
-    """
-    return max(2, 1200 // out + 1)
-
-
-def gemm_matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Return ``x @ w.T`` as one GEMM whose rows are the bits they have in any other GEMM.
+def tiled_matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Return ``x @ w.T`` as fixed-shape small products, each row the bits it has in any batch.
 
     Args:
         x: ``(n, in)`` float32.
@@ -73,14 +82,41 @@ def gemm_matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     Returns:
         ``(n, out)`` float32, C-contiguous.
     """
-    n = x.shape[0]
-    rows = gemm_min_rows(w.shape[0])
-    if n < rows:
-        padded = np.zeros((rows, x.shape[1]), dtype=np.float32)
+    n, width = x.shape
+    rows = -(-n // ROW_PAD) * ROW_PAD
+    if rows != n:
+        padded = np.zeros((rows, width), dtype=np.float32)
         padded[:n] = x
         x = padded
-    # (out, in) @ (in, rows) -> (out, rows); its first n columns, transposed -> (n, out)
-    return np.ascontiguousarray((w @ x.T)[:, :n].T)
+    tile = out_tile(width)
+    if tile < 2:  # no small product fits a row this wide: one GEMM (rows independent too)
+        return np.ascontiguousarray((w @ x.T).T[:n])
+    n_tiles, rest = divmod(w.shape[0], tile)
+    if rest == 1 and n_tiles:  # never a one-row weight tile (a GEMV)
+        n_tiles, rest = n_tiles - 1, rest + tile
+    split = n_tiles * tile
+    full = rows // ROW_TILE * ROW_TILE  # rows in whole ROW_TILE tiles; the rest is ROW_PAD rows
+    out = np.empty((rows, w.shape[0]), dtype=np.float32)
+    # (full, in) -> (full/8, 8, in) -> (full/8, in, 8): each item is one tile of x, transposed
+    xt = x[:full].reshape(full // ROW_TILE, ROW_TILE, width).transpose(0, 2, 1)
+    tail = x[full:].T  # (in, rows - full)
+    if n_tiles:
+        wt = w[:split].reshape(n_tiles, 1, tile, width)  # (tiles, 1, tile, in): a view
+        if full:
+            part = np.matmul(wt, xt[None])  # (tiles, full/8, tile, 8)
+            # (tiles, full/8, tile, 8) -> (full/8, 8, tiles, tile) -> (full, split)
+            out[:full, :split] = part.transpose(1, 3, 0, 2).reshape(full, split)
+        if rows > full:
+            part = np.matmul(wt[:, 0], tail)  # (tiles, tile, rows - full)
+            out[full:, :split] = part.transpose(2, 0, 1).reshape(rows - full, split)
+    if rest:
+        wr = w[split:]  # (rest, in)
+        if full:
+            # (rest, in) @ (full/8, in, 8) -> (full/8, rest, 8) -> (full/8, 8, rest) -> (full, rest)
+            out[:full, split:] = np.matmul(wr, xt).transpose(0, 2, 1).reshape(full, rest)
+        if rows > full:
+            out[full:, split:] = (wr @ tail).T
+    return out[:n] if rows != n else out
 
 
 def matmul_t(x: np.ndarray, w: np.ndarray, batch_invariant: bool = True) -> np.ndarray:
@@ -89,7 +125,7 @@ def matmul_t(x: np.ndarray, w: np.ndarray, batch_invariant: bool = True) -> np.n
     Args:
         x: ``(n, in)`` float32, C-contiguous; one row per token.
         w: ``(out, in)`` float32, C-contiguous.
-        batch_invariant: Give every row the bits it has alone, whatever ``n`` (one padded GEMM);
+        batch_invariant: Give every row the bits it has alone, whatever ``n`` (the tiles);
             False runs GEMV rows below ``GEMV_MAX_ROWS`` (see the module docstring).
 
     Returns:
@@ -97,4 +133,4 @@ def matmul_t(x: np.ndarray, w: np.ndarray, batch_invariant: bool = True) -> np.n
     """
     if not batch_invariant and x.shape[0] < GEMV_MAX_ROWS:
         return rows_matmul_t(x, w)
-    return gemm_matmul_t(x, w)
+    return tiled_matmul_t(x, w)
