@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from model.llama.kv_cache import KV_BLOCK, KVCache, KVPool
-from model.llama.ops import attention, decode_attention
+from model.llama.ops import attention, attention_chunk, decode_attention
 
 
 def rss_kib() -> int:
@@ -74,23 +74,28 @@ def random_heads(rng, n, rows, n_heads=9, n_kv=3, head_dim=64):
 def test_decode_attention_is_the_last_row_of_causal_attention():
     rng = np.random.default_rng(3)
     q, k, v = random_heads(rng, 1, 3 * KV_BLOCK)
-    for length in (1, 63, 64, 65, 150):
+    for length in (1, 63, 64, 65, 150, 191):
         got = decode_attention(q, k, v, np.array([length]), KV_BLOCK)[0]
         want = attention(q, k[0, :, :length], v[0, :, :length], length - 1)[0]
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
-def test_decode_attention_of_a_sequence_is_the_same_bits_beside_any_others():
+@pytest.mark.parametrize(
+    "heads", [(9, 3, 64), (8, 4, 8), (4, 2, 16), (32, 8, 128)], ids=lambda h: "x".join(map(str, h))
+)
+def test_decode_attention_of_a_sequence_is_the_same_bits_beside_any_others(heads):
+    n_heads, n_kv, head_dim = heads
     rng = np.random.default_rng(4)
-    n, rows = 33, 4 * KV_BLOCK
-    q, k, v = random_heads(rng, n, rows)
+    chunk = attention_chunk(n_heads // n_kv, head_dim, KV_BLOCK)
+    n, rows = 33, 2 * chunk + KV_BLOCK  # up to three chunks of positions
+    q, k, v = random_heads(rng, n, rows, n_heads, n_kv, head_dim)
     lengths = rng.integers(1, rows + 1, n)
-    lengths[:4] = (1, KV_BLOCK, KV_BLOCK + 1, rows)
+    lengths[:6] = (1, KV_BLOCK, KV_BLOCK + 1, chunk, chunk + 1, rows)
     alone = np.stack(
         [decode_attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], lengths[i : i + 1], KV_BLOCK)[0]
          for i in range(n)]
     )  # fmt: skip
-    for lo, hi in ((0, n), (0, 3), (2, 9), (5, 33), (31, 33)):
+    for lo, hi in ((0, n), (0, 3), (2, 9), (5, 33), (31, 33), (6, 33)):
         got = decode_attention(q[lo:hi], k[lo:hi], v[lo:hi], lengths[lo:hi], KV_BLOCK)
         assert np.array_equal(got, alone[lo:hi]), (lo, hi)
     # Stale keys and values past a sequence's length change nothing (finite ones).
@@ -102,5 +107,6 @@ def test_decode_attention_of_a_sequence_is_the_same_bits_beside_any_others():
     # A sanity check of the values: uniform queries average the visible values.
     zeros = np.zeros_like(q[:1])
     mean = decode_attention(zeros, k[:1], v[:1], np.array([5]), KV_BLOCK)[0]
-    want = np.repeat(v[0, :, :5].mean(axis=1), 3, axis=0).reshape(-1)  # 3 query heads per kv head
+    group = n_heads // n_kv
+    want = np.repeat(v[0, :, :5].mean(axis=1), group, axis=0).reshape(-1)
     np.testing.assert_allclose(mean, want, rtol=0, atol=1e-5 * math.sqrt(5))

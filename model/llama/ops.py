@@ -97,53 +97,67 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     return out
 
 
+def attention_chunk(group: int, head_dim: int, block: int) -> int:
+    """Return the positions one decode product covers: whole blocks within OpenBLAS's small-matrix
+    kernel (``group * positions <= 1200`` and ``group * positions * head_dim <= 1e6``), at least one.
+
+    Within that kernel a query's score against a key is the same bits however many keys the
+    product covers, and a product over values is the same bits with zero weights appended.
+    """
+    return block * max(1, min(1200 // group, 1_000_000 // (group * head_dim)) // block)
+
+
 def decode_attention(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: np.ndarray, block: int
 ) -> np.ndarray:
     """Attention of one new query per sequence over that sequence's keys, for many sequences at once.
 
-    The keys are read in blocks of ``block`` positions, padded to the longest sequence; every block
-    is one fixed-shape product per sequence and head, positions past a sequence's length are masked,
-    and the blocks' sums are added in block order, so the trailing blocks a shorter sequence gets
-    from its neighbours add exact zeros: a sequence's result is the same bits whatever else is
-    attended with it, and wherever it sits.
+    Every sequence attends over the same number of positions, the longest length rounded up to whole
+    ``block``s, with the positions past its own length masked. So that a sequence's result is the
+    same bits whatever else is attended with it (and however far it is padded): its scores and its
+    weighted values are small-matrix products of at most :func:`attention_chunk` positions (their
+    bits depend neither on the positions covered nor on zero weights appended), the sum of its
+    weights is added ``block`` by ``block`` in order, and chunks are added in order.
 
     Args:
         q: ``(n, n_heads, head_dim)`` float32 queries (after RoPE) of each sequence's newest position.
-        k: ``(n, n_kv_heads, rows, head_dim)`` float32 keys (``rows`` a multiple of ``block``, at
-            least the longest length rounded up to it); positions at or past a sequence's length
-            must hold finite values.
+        k: ``(n, n_kv_heads, rows, head_dim)`` float32 keys (``rows`` at least the longest length
+            rounded up to ``block``); positions at or past a sequence's length must be finite.
         v: ``(n, n_kv_heads, rows, head_dim)`` float32 values, likewise.
         lengths: ``(n,)`` int: positions each sequence sees (its newest included), at least 1.
-        block: Positions per block.
+        block: Positions per block (the padding unit).
 
     Returns:
         ``(n, n_heads * head_dim)`` float32, heads concatenated in order.
 
-    Source: Dao et al. 2023, "Flash-Decoding" (attention over the keys in blocks, merged after).
+    Source: Vaswani et al. 2017 (scaled dot-product attention); Ainslie et al. 2023 (GQA).
     """
     n, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv
     n_blocks = -(-int(lengths.max()) // block)
     rows = n_blocks * block
-    # (n, Hkv, rows, hd) -> (n, Hkv, blocks, block, hd): views
-    kb = k[:, :, :rows].reshape(n, n_kv, n_blocks, block, head_dim)
-    vb = v[:, :, :rows].reshape(n, n_kv, n_blocks, block, head_dim)
-    # (n, H, hd) -> (n, Hkv, 1, group, hd), broadcast over the blocks
-    qg = (q * np.float32(1.0 / math.sqrt(head_dim))).reshape(n, n_kv, 1, group, head_dim)
-    scores = np.matmul(qg, kb.swapaxes(-1, -2))  # (n, Hkv, blocks, group, block)
+    chunk = attention_chunk(group, head_dim, block)
+    k, v = k[:, :, :rows], v[:, :, :rows]  # (n, Hkv, rows, hd) views
+    # (n, H, hd) -> (n, Hkv, group, hd)
+    qg = (q * np.float32(1.0 / math.sqrt(head_dim))).reshape(n, n_kv, group, head_dim)
+    if rows <= chunk:
+        scores = np.matmul(qg, k.swapaxes(-1, -2))  # (n, Hkv, group, rows)
+    else:
+        scores = np.empty((n, n_kv, group, rows), dtype=np.float32)
+        for c0 in range(0, rows, chunk):
+            keys = k[:, :, c0 : c0 + chunk].swapaxes(-1, -2)  # (n, Hkv, hd, chunk)
+            np.matmul(qg, keys, out=scores[..., c0 : c0 + chunk])
     unseen = np.arange(rows)[None, :] >= lengths[:, None]  # (n, rows)
-    np.copyto(scores, -np.inf, where=unseen.reshape(n, 1, n_blocks, 1, block))
-    top = scores.max(axis=4).max(axis=2)  # (n, Hkv, group)
-    scores -= top[:, :, None, :, None]
+    np.copyto(scores, -np.inf, where=unseen[:, None, None, :])
+    scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    sums = scores.sum(axis=4)  # (n, Hkv, blocks, group)
-    parts = np.matmul(scores, vb)  # (n, Hkv, blocks, group, hd)
-    out = parts[:, :, 0].copy()  # (n, Hkv, group, hd)
-    total = sums[:, :, 0].copy()  # (n, Hkv, group)
-    for b in range(1, n_blocks):  # in block order, one add at a time: the same sums in any batch
-        out += parts[:, :, b]
-        total += sums[:, :, b]
+    # (n, Hkv, group, rows) -> (n, Hkv, group, blocks, block) -> sums per block, added in order
+    sums = scores.reshape(n, n_kv, group, n_blocks, block).sum(axis=-1)
+    total = sums[..., 0] if n_blocks == 1 else np.cumsum(sums, axis=-1)[..., -1]
+    first = min(chunk, rows)
+    out = np.matmul(scores[..., :first], v[:, :, :first])  # (n, Hkv, group, hd)
+    for c0 in range(chunk, rows, chunk):
+        out += np.matmul(scores[..., c0 : c0 + chunk], v[:, :, c0 : c0 + chunk])
     out /= total[..., None]
     return out.reshape(n, n_heads * head_dim)  # (n, Hkv, group, hd) -> (n, H*hd)
