@@ -353,13 +353,13 @@ class Llama:
     def _block_tail(
         self, layer: LayerWeights, x: np.ndarray, att: np.ndarray, batch_invariant: bool
     ) -> np.ndarray:
-        """Add the attention output and the SwiGLU MLP to the residual ``x`` ``(n, dim)``."""
-        x = x + matmul_t(att, layer.wo, batch_invariant)
+        """Add the attention output and the SwiGLU MLP to the residual ``x`` ``(n, dim)`` (in place)."""
+        x += matmul_t(att, layer.wo, batch_invariant)
         xb = rmsnorm(x, layer.rms_ffn, self.config.norm_eps)
-        gate = silu(matmul_t(xb, layer.w1, batch_invariant)) * matmul_t(
-            xb, layer.w3, batch_invariant
-        )
-        return x + matmul_t(gate, layer.w2, batch_invariant)
+        gate = silu(matmul_t(xb, layer.w1, batch_invariant))
+        gate *= matmul_t(xb, layer.w3, batch_invariant)
+        x += matmul_t(gate, layer.w2, batch_invariant)
+        return x
 
     def _head(self, x: np.ndarray, batch_invariant: bool = True) -> np.ndarray:
         """Return ``(n, vocab_size)`` float32 logits of hidden states ``(n, dim)``."""
