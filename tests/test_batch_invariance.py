@@ -1,8 +1,9 @@
-"""A sequence's decode logits are the same bits in any batch, on the shapes where BLAS switches kernels.
+"""A sequence's logits are the same bits in any batch, on the shapes where BLAS switches kernels.
 
 numpy's OpenBLAS runs a one-row product as GEMV, small products (``out * rows <= 1200``) with a
 small-matrix kernel and the rest as GEMM, each rounding differently; the batch sizes below cross
-every one of those lines for both stories260K's and SmolLM2-135M's matrices.
+every one of those lines for both stories260K's and SmolLM2-135M's matrices, and a row is checked
+at several places in its batch.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ import numpy as np
 import pytest
 
 from model.llama.config import LlamaConfig
-from model.llama.matmul import GEMM_MIN_ROWS, decode_matmul_t, rows_matmul_t
+from model.llama.kv_cache import KVPool
+from model.llama.matmul import GEMV_MAX_ROWS, matmul_t, out_tile, rows_matmul_t
 from model.llama.model import Llama, tensor_shapes
 
 # (out, in) of every product: SmolLM2-135M (q/o, k/v, gate/up, down, head), then stories260K.
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 SHAPES += [(64, 64), (32, 64), (172, 64), (64, 172), (512, 64)]
-BATCHES = (1, 2, 3, 6, 7, 18, 19, 33, 40)
+SHAPES += [(145, 64), (9, 64)]  # a one-row remainder joins the last tile; fewer rows than a tile
+BATCHES = (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 18, 19, 32, 33, 40, 64)
 
 
 def random_llama(n_layers: int, seed: int = 0) -> Llama:
@@ -50,20 +53,30 @@ def test_rows_of_a_product_are_the_bits_of_the_row_alone(shape):
     rng = np.random.default_rng(sum(shape))
     w = rng.standard_normal(shape, dtype=np.float32)
     x = rng.standard_normal((max(BATCHES), shape[1]), dtype=np.float32)
-    alone = np.concatenate([rows_matmul_t(x[i : i + 1], w) for i in range(len(x))])
+    alone = np.concatenate([matmul_t(x[i : i + 1], w) for i in range(len(x))])
     np.testing.assert_allclose(alone, x @ w.T, rtol=0, atol=2e-4 * np.sqrt(shape[1]))
     for n in BATCHES:
-        for start in (0, len(x) - n):  # a row at different places in the batch
-            got = decode_matmul_t(x[start : start + n], w, batch_invariant=True)
+        for start in (0, (len(x) - n) // 2, len(x) - n):  # a row at different places
+            got = matmul_t(x[start : start + n], w, batch_invariant=True)
+            assert got.flags.c_contiguous and got.shape == (n, shape[0])
             assert np.array_equal(got, alone[start : start + n]), (n, start)
 
 
-def test_without_invariance_large_batches_use_one_gemm():
+@pytest.mark.parametrize("shape", SHAPES[:5], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_without_invariance_one_or_two_rows_run_gemv_rows(shape):
     rng = np.random.default_rng(7)
-    w = rng.standard_normal((576, 576), dtype=np.float32)
-    x = rng.standard_normal((GEMM_MIN_ROWS, 576), dtype=np.float32)
-    assert np.array_equal(decode_matmul_t(x, w, batch_invariant=False), x @ w.T)
-    assert np.array_equal(decode_matmul_t(x[:2], w, batch_invariant=False), rows_matmul_t(x[:2], w))
+    w = rng.standard_normal(shape, dtype=np.float32)
+    x = rng.standard_normal((GEMV_MAX_ROWS, shape[1]), dtype=np.float32)
+    few = x[: GEMV_MAX_ROWS - 1]
+    assert np.array_equal(matmul_t(few, w, batch_invariant=False), rows_matmul_t(few, w))
+    assert np.array_equal(matmul_t(x, w, batch_invariant=False), matmul_t(x, w))
+    # GEMV rows and the tiles round differently: hence the invariant mode never runs a GEMV.
+    assert not np.array_equal(rows_matmul_t(x[:1], w), matmul_t(x[:1], w))
+
+
+def test_weight_tiles_stay_within_the_small_matrix_kernel():
+    # in = 576 or 64: 1200 outputs / 8 rows, less one; in = 1536: 1e6 / (8 * 1536), less one
+    assert [out_tile(width) for width in (64, 172, 576, 1536, 8192)] == [144, 144, 144, 80, 14]
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +128,50 @@ def test_smollm2_shaped_prefill_beside_other_chunks_is_bit_identical(smollm2_sha
     for b, cache in enumerate(fresh):
         model.prefill(chunks[b], cache)
         assert np.array_equal(model.prefill(more[b], cache), cont[b])
+
+
+def test_smollm2_shaped_decode_in_a_kv_pool_is_bit_identical_beside_any_lanes(smollm2_shaped):
+    model = smollm2_shaped
+    c = model.config
+    pool = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, c.max_seq_len)
+    n = 33
+    # Prompts of 1..129 tokens: a step's longest sequence spans one to three attention blocks.
+    prompts = [[(5 + 211 * b + 13 * t) % 49152 for t in range(1 + 4 * b)] for b in range(n)]
+    caches = [pool.take(len(p) + 1) for p in prompts]
+    assert len({id(cache.slab_k) for cache in caches}) == 1  # all lanes of one slab
+    last = [int(np.argmax(model.prefill(p, c))) for p, c in zip(prompts, caches, strict=True)]
+    snapshot = [(c.k.copy(), c.v.copy(), c.length) for c in caches]
+
+    def restore() -> None:
+        for c, (k, v, length) in zip(caches, snapshot, strict=True):
+            c.k[:], c.v[:], c.length = k, v, length
+
+    alone = [model.decode([last[b]], [caches[b]])[0] for b in range(n)]
+    restore()
+    every_third = list(range(0, n, 3))  # the lanes between decode nothing: computed, dropped
+    for picks in (list(range(n)), list(range(n))[::-1], every_third, [32, 0], list(range(5, 12))):
+        got = model.decode([last[i] for i in picks], [caches[i] for i in picks])
+        for row, i in enumerate(picks):
+            assert np.array_equal(got[row], alone[i]), (picks, i)
+        restore()
+    own = model.new_cache(len(prompts[7]) + 1)  # the same sequence in a cache of its own
+    model.prefill(prompts[7], own)
+    assert np.array_equal(model.decode([last[7]], [own])[0], alone[7])
+
+
+def test_smollm2_shaped_decode_beside_a_prompt_chunk_is_bit_identical(smollm2_shaped):
+    model = smollm2_shaped
+    c = model.config
+    pool = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, c.max_seq_len)
+    prompts = [[3, 77, 1000], [9] * 20, [42]]
+    caches = [pool.take(40) for _ in prompts]
+    last = [int(np.argmax(model.prefill(p, c))) for p, c in zip(prompts, caches, strict=True)]
+    snapshot = [(c.k.copy(), c.v.copy(), c.length) for c in caches]
+    alone = model.decode(last, caches)
+    for cache, (k, v, length) in zip(caches, snapshot, strict=True):
+        cache.k[:], cache.v[:], cache.length = k, v, length
+    chunk = [(11 + 29 * t) % 49152 for t in range(12)]
+    chunk_alone = model.prefill(chunk, pool.take(40))
+    mixed = model.forward([chunk] + [[t] for t in last], [pool.take(40)] + caches)
+    assert np.array_equal(mixed[0], chunk_alone)
+    assert np.array_equal(mixed[1:], alone)

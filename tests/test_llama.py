@@ -106,8 +106,9 @@ def test_caches_never_live_on_the_model(tiny: Llama) -> None:
     cache = tiny.new_cache(8)
     tiny.prefill([1, 2, 3], cache)
     assert not any(isinstance(v, KVCache) for v in vars(tiny).values())
-    assert cache.k.shape == (2, 8, 2, 16) and cache.length == 3
-    assert not cache.k[:, 3:].any()  # nothing written past the sequence
+    # (n_layers, n_kv_heads, positions in whole attention blocks, head_dim)
+    assert cache.k.shape == (2, 2, 64, 16) and cache.capacity == 8 and cache.length == 3
+    assert cache.k[:, :, :3].all() and not cache.k[:, :, 3:].any()  # nothing past the sequence
 
 
 def test_cache_errors(tiny: Llama) -> None:
@@ -158,8 +159,8 @@ def test_rope_rotates_the_two_halves_of_each_head() -> None:
 
 def test_attention_is_causal_and_groups_query_heads() -> None:
     # 2 query heads share 1 kv head; head_dim 2; 2 positions.
-    k = np.array([[[1.0, 0.0]], [[0.0, 1.0]]], dtype=np.float32)  # (S=2, Hkv=1, hd=2)
-    v = np.array([[[1.0, 2.0]], [[3.0, 4.0]]], dtype=np.float32)
+    k = np.array([[[1.0, 0.0], [0.0, 1.0]]], dtype=np.float32)  # (Hkv=1, S=2, hd=2)
+    v = np.array([[[1.0, 2.0], [3.0, 4.0]]], dtype=np.float32)
     q = np.zeros((2, 2, 2), dtype=np.float32)  # uniform scores where visible
     out = attention(q, k, v, 0)
     # position 0 sees only v0; position 1 averages v0 and v1; both heads alike

@@ -124,7 +124,7 @@ def test_validation_happens_before_the_first_token(model: Llama) -> None:
 
 
 class CountingModel:
-    """Wrap a Llama and count prefill/decode calls (to see that close() stops the work)."""
+    """Wrap a Llama and count its passes over the weights (to see that close() stops the work)."""
 
     def __init__(self, model: Llama) -> None:
         self._model = model
@@ -133,17 +133,9 @@ class CountingModel:
     def __getattr__(self, name: str):
         return getattr(self._model, name)
 
-    def prefill(self, *args):
+    def forward(self, *args):
         self.calls += 1
-        return self._model.prefill(*args)
-
-    def prefill_batch(self, *args):
-        self.calls += 1
-        return self._model.prefill_batch(*args)
-
-    def decode(self, *args):
-        self.calls += 1
-        return self._model.decode(*args)
+        return self._model.forward(*args)
 
 
 def test_no_work_before_next_and_none_after_close(model: Llama) -> None:

@@ -176,9 +176,8 @@ class ThreadedEngine:
                 touched = scheduler.step()
             except BaseException as exc:  # noqa: BLE001 - fail the live sequences, keep serving
                 log.exception("engine step failed")
-                for seq in scheduler.live:
+                for seq in scheduler.abort():
                     self._post(seq.handle, exc)
-                scheduler.live = []
                 continue
             for seq in touched:
                 for item in seq.steps:

@@ -1,27 +1,30 @@
-"""The decode step's matrix products ``x @ w.T``, with rows that can be made independent of the batch.
+"""The forward pass's matrix products ``x @ w.T``, in tiles that make every row independent of the batch.
 
 BLAS picks its kernel from the matrix sizes, and the kernels round differently: numpy's OpenBLAS
-runs a one-row product as a GEMV, a product with ``out * rows <= 1200`` (and ``out * rows * in <=
-1e6``) on SkylakeX as a "small matrix" kernel, and anything larger as a blocked GEMM. So a
-sequence's logits computed in a batch of 3 need not be the bits computed alone. Two ways out were
-measured on SmolLM2-135M's shapes (bench/results, ``llama_forward``):
+runs a one-row product as a GEMV, a small product as a "small matrix" kernel (on SkylakeX, in the
+orientation used here, ``out * rows <= 1200`` and ``out * rows * in <= 1e6``) and anything larger as a
+blocked GEMM. So a sequence's logits computed in a batch of 3 need not be the bits computed alone.
 
-- Padding every product to a fixed number of rows (or to the GEMM path's minimum) keeps the rows
-  independent but runs GEMM even for one sequence, ~2.5x slower than GEMV there: OpenBLAS repacks
-  the whole weight matrix on every call, which costs more than the product when rows are few.
-- :func:`rows_matmul_t` runs one GEMV per row, so a row's bits are those of the row alone by
-  construction, at no cost for one sequence. Each weight matrix is walked in chunks of
-  ``CHUNK_BYTES`` that stay in the core's L2 cache while every row reads them, so the matrix comes
-  from memory once per step. Its cost grows with the rows (one L2 pass each): about even with
-  GEMM at 16 rows, slower beyond.
+:func:`tiled_matmul_t` never lets BLAS choose: it runs every product as small-matrix products of a
+fixed shape, ``OUT_TILE(in)`` weight rows by ``ROW_TILE`` (or, for the last rows, half as many) rows
+of ``x``, padded to a multiple of ``ROW_PAD``. An output element's bits then depend only on its
+weight tile, which is fixed per matrix, never on how many rows share the product or where its row
+sits (tests/test_batch_invariance.py checks this on every shape of the models used here). It is also
+the fastest way measured on SmolLM2-135M's matrices (30 layers and the 49,152-row head, one core of
+this machine; bench/results): the small-matrix kernel reads the weights where they lie, while a GEMM
+first packs each weight matrix into a buffer, an extra pass over 540 MB of weights per step.
 
-:func:`decode_matmul_t` is what the decode step calls: batch-invariant means the GEMV rows always;
-otherwise GEMV rows below ``GEMM_MIN_ROWS`` and one GEMM from there (fastest, but a sequence's
-last bits then depend on how many others are decoding).
+============  ======  ======  ======  ======  ======  ======
+rows              1       4       8      32      64     256
+============  ======  ======  ======  ======  ======  ======
+tiles (ms)       50      50      61     132     225     831
+GEMM (ms)        86      88      95     157     267     934
+GEMV rows        45      64      87      --      --      --
+============  ======  ======  ======  ======  ======  ======
 
-Prefill rows are many, so they run as GEMM; :func:`prefill_matmul_t` pads a product to the fewest rows
-for which OpenBLAS takes the GEMM path, whose rows are independent of each other, so that a chunk
-prefilled beside other sequences' chunks is the same bits as alone.
+Without batch invariance (``BATCH_INVARIANT=0``) products of fewer than ``GEMV_MAX_ROWS`` rows
+run one GEMV per row (:func:`rows_matmul_t`), ~10 % faster for a lone sequence, but not the same
+bits as its rows in a larger step.
 
 Source: OpenBLAS 0.3.x ``interface/gemm.c`` (GEMV forwarding, small-matrix dispatch) and
 ``kernel/x86_64/sgemm_small_kernel_permit_skylakex.c`` (the size rule above).
@@ -32,11 +35,25 @@ from __future__ import annotations
 import numpy as np
 
 CHUNK_BYTES = 256 * 1024  # weight bytes per GEMV chunk: fits a 1-2 MiB L2 with room to spare
-GEMM_MIN_ROWS = 16  # without batch invariance, rows from which one GEMM beats per-row GEMV
+GEMV_MAX_ROWS = 3  # without batch invariance, rows below which per-row GEMV beats the tiles
+ROW_TILE = 8  # rows of x per small product (4 for the last ones: the same bits)
+ROW_PAD = 4  # x is padded to a multiple of this many rows (2 or 3 rows take other kernels)
+SMALL_MAX_OUTPUTS = 1200  # the small-matrix kernel's limit on out_tile * rows
+SMALL_MAX_MACS = 1_000_000  # and on out_tile * rows * in
+
+
+def out_tile(width: int) -> int:
+    """Return the weight rows per small product for a matrix of ``width`` columns (``in``).
+
+    At most ``SMALL_MAX_OUTPUTS / ROW_TILE`` less one (a one-row remainder joins the last tile),
+    within ``SMALL_MAX_MACS``, and a multiple of 16 (whole SIMD registers) from 16 on.
+    """
+    tile = min(SMALL_MAX_OUTPUTS // ROW_TILE, SMALL_MAX_MACS // (ROW_TILE * width)) - 1
+    return tile // 16 * 16 if tile >= 16 else tile
 
 
 def rows_matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Return ``x @ w.T`` computed one row at a time, so each row is the same bits in any batch.
+    """Return ``x @ w.T`` computed one row at a time (one GEMV each).
 
     Args:
         x: ``(n, in)`` float32, C-contiguous.
@@ -55,55 +72,65 @@ def rows_matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
-def decode_matmul_t(x: np.ndarray, w: np.ndarray, batch_invariant: bool) -> np.ndarray:
-    """Return ``x @ w.T`` for a decode step of ``n`` sequences (see the module docstring).
-
-    Args:
-        x: ``(n, in)`` float32, C-contiguous; one row per sequence.
-        w: ``(out, in)`` float32, C-contiguous.
-        batch_invariant: Give every row the bits it has alone, whatever ``n``.
-
-    Returns:
-        ``(n, out)`` float32.
-    """
-    if batch_invariant or x.shape[0] < GEMM_MIN_ROWS:
-        return rows_matmul_t(x, w)
-    return x @ w.T
-
-
-def gemm_min_rows(out: int) -> int:
-    """Return the fewest rows of ``x`` for which ``x @ w.T`` (``w`` of ``out`` rows) runs as GEMM.
-
-    One row is a GEMV; OpenBLAS's SkylakeX small-matrix kernel takes ``out * rows <= 1200``.
-    """
-    return max(2, 1200 // out + 1)
-
-
-def prefill_matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Return ``x @ w.T`` as one GEMM whose rows are the bits they have in any larger GEMM.
+def tiled_matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Return ``x @ w.T`` as fixed-shape small products, each row the bits it has in any batch.
 
     Args:
         x: ``(n, in)`` float32.
         w: ``(out, in)`` float32, C-contiguous.
 
     Returns:
-        ``(n, out)`` float32.
+        ``(n, out)`` float32, C-contiguous.
     """
-    n = x.shape[0]
-    rows = gemm_min_rows(w.shape[0])
-    if n >= rows:
-        return x @ w.T
-    padded = np.zeros((rows, x.shape[1]), dtype=np.float32)
-    padded[:n] = x
-    return (padded @ w.T)[:n]
+    n, width = x.shape
+    rows = -(-n // ROW_PAD) * ROW_PAD
+    if rows != n:
+        padded = np.zeros((rows, width), dtype=np.float32)
+        padded[:n] = x
+        x = padded
+    tile = out_tile(width)
+    if tile < 2:  # no small product fits a row this wide: one GEMM (rows independent too)
+        return np.ascontiguousarray((w @ x.T).T[:n])
+    n_tiles, rest = divmod(w.shape[0], tile)
+    if rest == 1 and n_tiles:  # never a one-row weight tile (a GEMV)
+        n_tiles, rest = n_tiles - 1, rest + tile
+    split = n_tiles * tile
+    full = rows // ROW_TILE * ROW_TILE  # rows in whole ROW_TILE tiles; the rest is ROW_PAD rows
+    out = np.empty((rows, w.shape[0]), dtype=np.float32)
+    # (full, in) -> (full/8, 8, in) -> (full/8, in, 8): each item is one tile of x, transposed
+    xt = x[:full].reshape(full // ROW_TILE, ROW_TILE, width).transpose(0, 2, 1)
+    tail = x[full:].T  # (in, rows - full)
+    if n_tiles:
+        wt = w[:split].reshape(n_tiles, 1, tile, width)  # (tiles, 1, tile, in): a view
+        if full:
+            part = np.matmul(wt, xt[None])  # (tiles, full/8, tile, 8)
+            # (tiles, full/8, tile, 8) -> (full/8, 8, tiles, tile) -> (full, split)
+            out[:full, :split] = part.transpose(1, 3, 0, 2).reshape(full, split)
+        if rows > full:
+            part = np.matmul(wt[:, 0], tail)  # (tiles, tile, rows - full)
+            out[full:, :split] = part.transpose(2, 0, 1).reshape(rows - full, split)
+    if rest:
+        wr = w[split:]  # (rest, in)
+        if full:
+            # (rest, in) @ (full/8, in, 8) -> (full/8, rest, 8) -> (full/8, 8, rest) -> (full, rest)
+            out[:full, split:] = np.matmul(wr, xt).transpose(0, 2, 1).reshape(full, rest)
+        if rows > full:
+            out[full:, split:] = (wr @ tail).T
+    return out[:n] if rows != n else out
 
 
-def matmul_t(x: np.ndarray, w: np.ndarray, decode: bool | None = None) -> np.ndarray:
+def matmul_t(x: np.ndarray, w: np.ndarray, batch_invariant: bool = True) -> np.ndarray:
     """Return ``x @ w.T`` (``(n, in) x (out, in) -> (n, out)`` float32) for the forward pass.
 
-    ``decode`` is None for prefill (:func:`prefill_matmul_t`), else the decode step's
-    ``batch_invariant`` (:func:`decode_matmul_t`).
+    Args:
+        x: ``(n, in)`` float32, C-contiguous; one row per token.
+        w: ``(out, in)`` float32, C-contiguous.
+        batch_invariant: Give every row the bits it has alone, whatever ``n`` (the tiles);
+            False runs GEMV rows below ``GEMV_MAX_ROWS`` (see the module docstring).
+
+    Returns:
+        ``(n, out)`` float32, C-contiguous.
     """
-    if decode is None:
-        return prefill_matmul_t(x, w)
-    return decode_matmul_t(x, w, decode)
+    if not batch_invariant and x.shape[0] < GEMV_MAX_ROWS:
+        return rows_matmul_t(x, w)
+    return tiled_matmul_t(x, w)

@@ -20,10 +20,11 @@ from typing import Self
 import numpy as np
 
 from model.files import CONFIG_NAME, read_json_object
+from model.llama.attend import StepAttention
 from model.llama.config import LlamaConfig
 from model.llama.kv_cache import KVCache
 from model.llama.matmul import matmul_t
-from model.llama.ops import apply_rope, attention, decode_attention, rmsnorm, silu
+from model.llama.ops import apply_rope, rmsnorm, silu
 from model.llama.weights import load_weights
 
 # Buffers some checkpoints carry that the forward pass recomputes instead.
@@ -210,29 +211,22 @@ class Llama:
             ValueError: If there are no tokens, an id is outside the vocabulary, the cache does
                 not fit this model or has no room.
         """
-        return self.prefill_batch([token_ids], [cache])[0]
+        return self.forward([token_ids], [cache])[0]
 
     def prefill_batch(
         self, chunks: Sequence[Sequence[int]], caches: Sequence[KVCache]
     ) -> np.ndarray:
         """Prefill a chunk of each of several sequences in one pass over the weights.
 
-        The projections and the MLP run once for all the chunks' rows; attention runs per
-        sequence. A sequence's results are the same bits whatever it is batched with
-        (:func:`model.llama.matmul.prefill_matmul_t`, and the head runs per row).
-
-        Args:
-            chunks: One or more token ids per sequence.
-            caches: One distinct cache per sequence, each with room for its chunk.
+        The same as :meth:`forward` with its default ``batch_invariant``.
 
         Returns:
             ``(len(chunks), vocab_size)`` float32 logits after each chunk's last token.
 
         Raises:
-            ValueError: As :meth:`prefill`; or the lengths differ or a cache repeats.
+            ValueError: As :meth:`forward`.
         """
-        x, ends = self._prefill_hidden(chunks, caches)
-        return self._head(np.ascontiguousarray(x[ends - 1]), True)
+        return self.forward(chunks, caches)
 
     def prompt_logits(self, token_ids: Sequence[int], cache: KVCache) -> np.ndarray:
         """Prefill like :meth:`prefill` but return the logits after every token (for ``echo``).
@@ -243,23 +237,20 @@ class Llama:
         Raises:
             ValueError: As :meth:`prefill`.
         """
-        return self._head(self._prefill_hidden([token_ids], [cache])[0])
+        return self._head(self._hidden([token_ids], [cache], True)[0], True)
 
     def decode(
         self, tokens: Sequence[int], caches: Sequence[KVCache], batch_invariant: bool = True
     ) -> np.ndarray:
-        """Feed one new token to each of a batch of sequences, batched per layer.
+        """Feed one new token to each of a batch of sequences: :meth:`forward` of one-token chunks.
 
         Sequence ``b`` may be at any position: ``tokens[b]`` goes to position
-        ``caches[b].length``. Projections and the MLP run for the whole batch in each product
-        (:func:`model.llama.matmul.decode_matmul_t`); attention runs per sequence over its own
-        cache.
+        ``caches[b].length``.
 
         Args:
             tokens: One token id per sequence.
             caches: One distinct cache per sequence, each with room for one more token.
-            batch_invariant: Give each sequence the logits it has alone, bit for bit, whatever
-                the batch (the default); False lets large batches use one GEMM per product.
+            batch_invariant: As :meth:`forward`.
 
         Returns:
             ``(batch, vocab_size)`` float32 logits of each sequence's next token.
@@ -270,32 +261,45 @@ class Llama:
         """
         if not tokens or len(tokens) != len(caches):
             raise ValueError(f"decode: {len(tokens)} tokens for {len(caches)} caches")
-        if len({id(c) for c in caches}) != len(caches):
-            raise ValueError("decode: the same cache appears twice in one batch")
-        for cache in caches:
-            self._check_cache(cache, 1)
-        ids = self._check_ids(tokens)
-        pos = np.array([c.length for c in caches])
-        n = len(caches)
-        x = self.tok_embeddings[ids]  # (n, dim)
-        cos, sin = self._rope(pos)
-        for layer_index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin, batch_invariant)
-            att = np.empty((n, q.shape[1] * q.shape[2]), dtype=np.float32)
-            for b, cache in enumerate(caches):
-                p = cache.length
-                cache.k[layer_index, p] = k[b]
-                cache.v[layer_index, p] = v[b]
-                att[b] = decode_attention(
-                    q[b], cache.k[layer_index, : p + 1], cache.v[layer_index, : p + 1]
-                )
-            x = self._block_tail(layer, x, att, batch_invariant)
-        for cache in caches:
-            cache.length += 1
-        return self._head(x, batch_invariant)
+        return self.forward([[t] for t in tokens], caches, batch_invariant)
 
-    def _prefill_hidden(
-        self, chunks: Sequence[Sequence[int]], caches: Sequence[KVCache]
+    def forward(
+        self,
+        chunks: Sequence[Sequence[int]],
+        caches: Sequence[KVCache],
+        batch_invariant: bool = True,
+    ) -> np.ndarray:
+        """Feed a chunk of tokens to each of several sequences in one pass over the weights.
+
+        This is one scheduling step: decoding sequences bring one token each, prefilling ones a
+        chunk of their prompt. Chunk ``b`` takes positions ``caches[b].length ..``. The
+        projections, the MLP and the head run once for all the rows
+        (:func:`model.llama.matmul.matmul_t`: one GEMM streams each weight matrix from memory
+        once per step); a prompt chunk attends over its own cache, and the one-token chunks
+        attend together, per slab of caches (:mod:`model.llama.attend`). With
+        ``batch_invariant`` (the default) a sequence's results are the same bits whatever it
+        shares the pass with; without it, steps of fewer than
+        :data:`~model.llama.matmul.GEMV_MAX_ROWS` rows run one GEMV per row instead (faster,
+        but a sequence's last bits then depend on how many rows share its step).
+
+        Args:
+            chunks: One or more token ids per sequence.
+            caches: One distinct cache per sequence, each with room for its chunk.
+            batch_invariant: See above (``BATCH_INVARIANT``).
+
+        Returns:
+            ``(len(chunks), vocab_size)`` float32 logits after each chunk's last token.
+
+        Raises:
+            ValueError: If there are no chunks, the lengths differ, a chunk is empty or has an
+                id outside the vocabulary, a cache repeats, does not fit this model or has no
+                room.
+        """
+        x, ends = self._hidden(chunks, caches, batch_invariant)
+        return self._head(np.ascontiguousarray(x[ends - 1]), batch_invariant)
+
+    def _hidden(
+        self, chunks: Sequence[Sequence[int]], caches: Sequence[KVCache], batch_invariant: bool
     ) -> tuple[np.ndarray, np.ndarray]:
         """Run the blocks over the chunks' tokens, concatenated.
 
@@ -303,30 +307,24 @@ class Llama:
             The ``(T, dim)`` hidden states and ``(len(chunks),)`` int64 end rows of the chunks.
         """
         if not chunks or len(chunks) != len(caches):
-            raise ValueError(f"prefill: {len(chunks)} chunks for {len(caches)} caches")
+            raise ValueError(f"forward: {len(chunks)} chunks for {len(caches)} caches")
         if len({id(c) for c in caches}) != len(caches):
-            raise ValueError("prefill: the same cache appears twice in one batch")
+            raise ValueError("forward: the same cache appears twice in one batch")
         ids = [self._check_ids(chunk) for chunk in chunks]
         for chunk_ids, cache in zip(ids, caches, strict=True):
             self._check_cache(cache, len(chunk_ids))
-        ends = np.cumsum([len(chunk_ids) for chunk_ids in ids])
+        sizes = [len(chunk_ids) for chunk_ids in ids]
+        ends = np.cumsum(sizes)
         starts = [c.length for c in caches]
         x = self.tok_embeddings[np.concatenate(ids)]  # (T, dim)
-        positions = [s + np.arange(len(i)) for s, i in zip(starts, ids, strict=True)]
+        positions = [s + np.arange(n) for s, n in zip(starts, sizes, strict=True)]
         cos, sin = self._rope(np.concatenate(positions))
+        attend = StepAttention(caches, sizes, ends)
         for layer_index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, cos, sin)
-            att = np.empty((x.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
-            for b, cache in enumerate(caches):
-                r0, r1, start = ends[b] - len(ids[b]), ends[b], starts[b]
-                end = start + r1 - r0
-                cache.k[layer_index, start:end] = k[r0:r1]
-                cache.v[layer_index, start:end] = v[r0:r1]
-                kc, vc = cache.k[layer_index, :end], cache.v[layer_index, :end]
-                att[r0:r1] = attention(q[r0:r1], kc, vc, start)
-            x = self._block_tail(layer, x, att)
-        for chunk_ids, cache in zip(ids, caches, strict=True):
-            cache.length += len(chunk_ids)
+            q, k, v = self._qkv(layer, x, cos, sin, batch_invariant)
+            x = self._block_tail(layer, x, attend(layer_index, q, k, v), batch_invariant)
+        for n, cache in zip(sizes, caches, strict=True):
+            cache.length += n
         return x, ends
 
     def _qkv(
@@ -335,38 +333,38 @@ class Llama:
         x: np.ndarray,
         cos: np.ndarray,
         sin: np.ndarray,
-        decode: bool | None = None,
+        batch_invariant: bool,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Return RoPE'd queries ``(n, n_heads, hd)``, keys and values ``(n, n_kv_heads, hd)``.
-
-        ``decode`` is None for prefill, else the decode step's ``batch_invariant``.
-        """
+        """Return RoPE'd queries ``(n, n_heads, hd)``, keys and values ``(n, n_kv_heads, hd)``."""
         c = self.config
         xb = rmsnorm(x, layer.rms_att, c.norm_eps)
         n = x.shape[0]
-        q = matmul_t(xb, layer.wq, decode).reshape(
+        q = matmul_t(xb, layer.wq, batch_invariant).reshape(
             n, c.n_heads, c.head_dim
         )  # (n, H*hd) -> (n, H, hd)
-        k = matmul_t(xb, layer.wk, decode).reshape(
+        k = matmul_t(xb, layer.wk, batch_invariant).reshape(
             n, c.n_kv_heads, c.head_dim
         )  # (n, Hkv*hd) -> (n, Hkv, hd)
-        v = matmul_t(xb, layer.wv, decode).reshape(
+        v = matmul_t(xb, layer.wv, batch_invariant).reshape(
             n, c.n_kv_heads, c.head_dim
         )  # (n, Hkv*hd) -> (n, Hkv, hd)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _block_tail(
-        self, layer: LayerWeights, x: np.ndarray, att: np.ndarray, decode: bool | None = None
+        self, layer: LayerWeights, x: np.ndarray, att: np.ndarray, batch_invariant: bool
     ) -> np.ndarray:
-        """Add the attention output and the SwiGLU MLP to the residual ``x`` ``(n, dim)``."""
-        x = x + matmul_t(att, layer.wo, decode)
+        """Add the attention output and the SwiGLU MLP to the residual ``x`` ``(n, dim)`` (in place)."""
+        x += matmul_t(att, layer.wo, batch_invariant)
         xb = rmsnorm(x, layer.rms_ffn, self.config.norm_eps)
-        gate = silu(matmul_t(xb, layer.w1, decode)) * matmul_t(xb, layer.w3, decode)
-        return x + matmul_t(gate, layer.w2, decode)
+        gate = silu(matmul_t(xb, layer.w1, batch_invariant))
+        gate *= matmul_t(xb, layer.w3, batch_invariant)
+        x += matmul_t(gate, layer.w2, batch_invariant)
+        return x
 
-    def _head(self, x: np.ndarray, decode: bool | None = None) -> np.ndarray:
+    def _head(self, x: np.ndarray, batch_invariant: bool = True) -> np.ndarray:
         """Return ``(n, vocab_size)`` float32 logits of hidden states ``(n, dim)``."""
-        return matmul_t(rmsnorm(x, self.rms_final, self.config.norm_eps), self.wcls, decode)
+        xb = rmsnorm(x, self.rms_final, self.config.norm_eps)
+        return matmul_t(xb, self.wcls, batch_invariant)
 
     def _rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Return ``(n, head_dim / 2)`` float32 cos and sin of the rotation angles."""
@@ -388,7 +386,8 @@ class Llama:
     def _check_cache(self, cache: KVCache, n_new: int) -> None:
         """Refuse a cache of another model's shape or without room for ``n_new`` tokens."""
         c = self.config
-        if cache.k.shape[0] != c.n_layers or cache.k.shape[2:] != (c.n_kv_heads, c.head_dim):
+        shape = cache.k.shape  # (n_layers, n_kv_heads, rows, head_dim)
+        if shape[:2] != (c.n_layers, c.n_kv_heads) or shape[3] != c.head_dim:
             raise ValueError(f"KV cache of shape {cache.k.shape} does not fit this model")
         if cache.length + n_new > cache.capacity:
             raise ValueError(

@@ -26,14 +26,24 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
     Source: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization".
     """
-    ms = np.mean(np.square(x), axis=-1, keepdims=True)  # (..., 1)
-    return x * (1.0 / np.sqrt(ms + eps)) * weight
+    # np.mean's own steps (a float32 sum, then / dim), in place: the same bits, fewer temporaries
+    inv = np.add.reduce(np.square(x), axis=-1, keepdims=True)  # (..., 1)
+    inv /= x.shape[-1]
+    inv += eps
+    np.sqrt(inv, out=inv)
+    np.divide(1.0, inv, out=inv)
+    out = x * inv
+    out *= weight
+    return out
 
 
 def silu(x: np.ndarray) -> np.ndarray:
     """Return ``x * sigmoid(x)`` elementwise (exp overflow for very negative x gives -0.0)."""
+    t = np.negative(x)
     with np.errstate(over="ignore"):
-        return x / (1.0 + np.exp(-x))
+        np.exp(t, out=t)
+    t += 1.0
+    return np.divide(x, t, out=t)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -63,8 +73,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
 
     Args:
         q: ``(T, n_heads, head_dim)`` float32 queries (after RoPE).
-        k: ``(S, n_kv_heads, head_dim)`` float32 keys, ``S = start + T``.
-        v: ``(S, n_kv_heads, head_dim)`` float32 values.
+        k: ``(n_kv_heads, S, head_dim)`` float32 keys, ``S = start + T``.
+        v: ``(n_kv_heads, S, head_dim)`` float32 values.
         start: Position of the first query.
 
     Returns:
@@ -73,11 +83,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     Source: Vaswani et al. 2017 (scaled dot-product attention); Ainslie et al. 2023 (GQA).
     """
     n_q, n_heads, head_dim = q.shape
-    n_kv = k.shape[1]
+    n_kv = k.shape[0]
     group = n_heads // n_kv
     scale = 1.0 / math.sqrt(head_dim)
-    kt = k.transpose(1, 2, 0)  # (S, Hkv, hd) -> (Hkv, hd, S)
-    vt = v.transpose(1, 0, 2)  # (S, Hkv, hd) -> (Hkv, S, hd)
+    kt = k.transpose(0, 2, 1)  # (Hkv, S, hd) -> (Hkv, hd, S)
     out = np.empty((n_q, n_heads * head_dim), dtype=np.float32)
     for b0 in range(0, n_q, ATTN_BLOCK):
         qb = q[b0 : b0 + ATTN_BLOCK]
@@ -92,31 +101,73 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
-        ob = scores @ vt[:, :seen]  # (Hkv, group*t, hd)
+        ob = scores @ v[:, :seen]  # (Hkv, group*t, hd)
         # (Hkv, group*t, hd) -> (Hkv, group, t, hd) -> (t, Hkv, group, hd) -> (t, H*hd)
         out[b0 : b0 + t] = ob.reshape(n_kv, group, t, head_dim).transpose(2, 0, 1, 3).reshape(t, -1)
     return out
 
 
-def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Attention of one new query over all of its sequence's keys (the decode case of
-    :func:`attention`, without the causal mask or the block loop).
+def attention_chunk(group: int, head_dim: int, block: int) -> int:
+    """Return the positions one decode product covers: whole blocks within OpenBLAS's small-matrix
+    kernel (``group * positions <= 1200`` and ``group * positions * head_dim <= 1e6``), at least one.
+
+    Within that kernel a query's score against a key is the same bits however many keys the
+    product covers, and a product over values is the same bits with zero weights appended.
+    """
+    return block * max(1, min(1200 // group, 1_000_000 // (group * head_dim)) // block)
+
+
+def decode_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: np.ndarray, block: int
+) -> np.ndarray:
+    """Attention of one new query per sequence over that sequence's keys, for many sequences at once.
+
+    Every sequence attends over the same number of positions, the longest length rounded up to whole
+    ``block``s, with the positions past its own length masked. So that a sequence's result is the
+    same bits whatever else is attended with it (and however far it is padded): its scores and its
+    weighted values are small-matrix products of at most :func:`attention_chunk` positions (their
+    bits depend neither on the positions covered nor on zero weights appended), the sum of its
+    weights is added ``block`` by ``block`` in order, and chunks are added in order.
 
     Args:
-        q: ``(n_heads, head_dim)`` float32 query (after RoPE) of the newest position.
-        k: ``(S, n_kv_heads, head_dim)`` float32 keys up to and including that position.
-        v: ``(S, n_kv_heads, head_dim)`` float32 values.
+        q: ``(n, n_heads, head_dim)`` float32 queries (after RoPE) of each sequence's newest position.
+        k: ``(n, n_kv_heads, rows, head_dim)`` float32 keys (``rows`` at least the longest length
+            rounded up to ``block``); positions at or past a sequence's length must be finite.
+        v: ``(n, n_kv_heads, rows, head_dim)`` float32 values, likewise.
+        lengths: ``(n,)`` int: positions each sequence sees (its newest included), at least 1.
+        block: Positions per block (the padding unit).
 
     Returns:
-        ``(n_heads * head_dim,)`` float32, heads concatenated in order.
+        ``(n, n_heads * head_dim)`` float32, heads concatenated in order.
+
+    Source: Vaswani et al. 2017 (scaled dot-product attention); Ainslie et al. 2023 (GQA).
     """
-    n_heads, head_dim = q.shape
+    n, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
-    qg = q.reshape(n_kv, n_heads // n_kv, head_dim)  # (H, hd) -> (Hkv, group, hd)
-    scores = qg @ k.transpose(1, 2, 0)  # (S, Hkv, hd) -> (Hkv, hd, S); scores (Hkv, group, S)
-    scores *= 1.0 / math.sqrt(head_dim)
+    group = n_heads // n_kv
+    n_blocks = -(-int(lengths.max()) // block)
+    rows = n_blocks * block
+    chunk = attention_chunk(group, head_dim, block)
+    k, v = k[:, :, :rows], v[:, :, :rows]  # (n, Hkv, rows, hd) views
+    # (n, H, hd) -> (n, Hkv, group, hd)
+    qg = (q * np.float32(1.0 / math.sqrt(head_dim))).reshape(n, n_kv, group, head_dim)
+    if rows <= chunk:
+        scores = np.matmul(qg, k.swapaxes(-1, -2))  # (n, Hkv, group, rows)
+    else:
+        scores = np.empty((n, n_kv, group, rows), dtype=np.float32)
+        for c0 in range(0, rows, chunk):
+            keys = k[:, :, c0 : c0 + chunk].swapaxes(-1, -2)  # (n, Hkv, hd, chunk)
+            np.matmul(qg, keys, out=scores[..., c0 : c0 + chunk])
+    unseen = np.arange(rows)[None, :] >= lengths[:, None]  # (n, rows)
+    np.copyto(scores, -np.inf, where=unseen[:, None, None, :])
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    out = scores @ v.transpose(1, 0, 2)  # (S, Hkv, hd) -> (Hkv, S, hd); out (Hkv, group, hd)
-    return out.reshape(-1)  # (Hkv, group, hd) -> (H*hd,)
+    # (n, Hkv, group, rows) -> (n, Hkv, group, blocks, block) -> sums per block, added in order
+    sums = scores.reshape(n, n_kv, group, n_blocks, block).sum(axis=-1)
+    total = sums[..., 0] if n_blocks == 1 else np.cumsum(sums, axis=-1)[..., -1]
+    first = min(chunk, rows)
+    out = np.matmul(scores[..., :first], v[:, :, :first])  # (n, Hkv, group, hd)
+    for c0 in range(chunk, rows, chunk):
+        out += np.matmul(scores[..., c0 : c0 + chunk], v[:, :, c0 : c0 + chunk])
+    out /= total[..., None]
+    return out.reshape(n, n_heads * head_dim)  # (n, Hkv, group, hd) -> (n, H*hd)

@@ -7,16 +7,16 @@ cache size and its finish reason. The sequential :class:`model.llama.engine.Llam
 scheduler with one sequence.
 
 Pure and single-threaded: the serving layer calls :meth:`BatchScheduler.step` in a loop on its own
-native thread. Each step first prefills the next chunk of the oldest sequences still reading their
-prompts, up to ``prefill_budget`` tokens in one pass over the weights (so a burst of prompts costs one
-pass, not one each, a long prompt never holds up the others for long, and a cancelled one stops within a
-chunk), then one batched decode for every sequence that is generating. A prompt's chunk boundaries are
-fixed (``prefill_chunk``), so its results never depend on what shares the pass. A sequence joins at
-the next step and leaves as soon as it finishes or is cancelled.
+native thread. Each step is one pass over the weights (``Llama.forward``): one token for every
+sequence that is generating, plus the next chunk of the oldest sequences still reading their prompts, up
+to ``prefill_budget`` prompt tokens (so a burst of prompts costs no pass of its own, a long prompt never
+holds up the others for long, and a cancelled one stops within a chunk). A prompt's chunk boundaries are
+fixed (``prefill_chunk``). A sequence joins at the next step and leaves as soon as it finishes or is
+cancelled.
 
-A sequence's tokens never depend on its batch: its prefill is its own, ``Llama.decode`` gives each row
-the same bits whatever the other rows are (unless ``batch_invariant`` is turned off to let large batches
-run one GEMM per product), and each sequence samples with its own PCG32.
+A sequence's tokens never depend on its batch: ``Llama.forward`` gives each row the same bits whatever
+the other rows are (unless ``batch_invariant`` is turned off, which lets steps of few rows run one GEMV
+per row), and each sequence samples with its own PCG32.
 
 Source: docs/ARCHITECTURE.md §5; Yu et al., "Orca" (OSDI 2022) for iteration-level scheduling.
 """
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from model.engine import GenerationRequest, Step, check_prompt, check_request, make_step
-from model.llama.kv_cache import KVCache
+from model.llama.kv_cache import KVCache, KVPool
 from model.llama.model import Llama
 from model.pcg32 import PCG32
 from model.sampling import sample
@@ -95,6 +95,8 @@ class BatchScheduler:
         self.batch_invariant = batch_invariant
         self.prefill_budget = prefill_budget
         self.live: list[Sequence] = []
+        c = model.config
+        self.pool = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, c.max_seq_len)
 
     @property
     def context_length(self) -> int:
@@ -154,7 +156,7 @@ class BatchScheduler:
             seq.steps.append(END)
         else:
             # The last generated token is never fed back, so the cache needs one slot less.
-            seq.cache = self.model.new_cache(len(req.prompt_ids) + n_tokens - 1)
+            seq.cache = self.pool.take(len(req.prompt_ids) + n_tokens - 1)
             if req.params.has_penalties:
                 seq.counts = np.zeros(self.model.vocab_size, np.int64)
             self.live.append(seq)
@@ -164,8 +166,15 @@ class BatchScheduler:
         """Drop cancelled sequences now (before new ones are added: they free batch places)."""
         for seq in self.live:
             if seq.cancelled:
-                seq.cache = None  # the caller may keep the sequence; its KV arrays go now
+                self._drop_cache(seq)  # the caller may keep the sequence; its KV pages go now
         self.live = [s for s in self.live if not s.cancelled]
+
+    def abort(self) -> list[Sequence]:
+        """Drop every live sequence (after a failed step) and return them."""
+        dropped, self.live = self.live, []
+        for seq in dropped:
+            self._drop_cache(seq)
+        return dropped
 
     @property
     def idle(self) -> bool:
@@ -182,23 +191,36 @@ class BatchScheduler:
             Exception: whatever the model raises; the caller fails the sequences still live.
         """
         self.prune()
-        touched: list[Sequence] = []
         decoding = [s for s in self.live if s.prefilled == len(s.req.prompt_ids)]
-        prefilling = [s for s in self.live if s.prefilled < len(s.req.prompt_ids)]
-        if prefilling:
-            self._prefill(prefilling, touched)
-        if decoding:
-            logits = self.model.decode(
-                [s.last_token for s in decoding], [s.cache for s in decoding], self.batch_invariant
-            )
-            for seq, row in zip(decoding, logits, strict=True):
+        chosen, spans = self._prefill_spans(
+            [s for s in self.live if s.prefilled < len(s.req.prompt_ids)]
+        )
+        if not decoding and not chosen:
+            return []
+        chunks = spans + [[s.last_token] for s in decoding]
+        logits = self.model.forward(
+            chunks, [s.cache for s in chosen + decoding], self.batch_invariant
+        )
+        touched: list[Sequence] = []
+        for seq, span, row in zip(chosen, spans, logits, strict=False):
+            seq.prefilled += len(span)
+            if seq.prefilled == len(seq.req.prompt_ids):
                 self._emit(seq, row)
                 touched.append(seq)
+        for seq, row in zip(decoding, logits[len(chosen) :], strict=True):
+            self._emit(seq, row)
+            touched.append(seq)
         self.live = [s for s in self.live if not s.done]
         return touched
 
-    def _prefill(self, prefilling: list[Sequence], touched: list[Sequence]) -> None:
-        chosen, spans, tokens = [], [], 0
+    def _prefill_spans(
+        self, prefilling: list[Sequence]
+    ) -> tuple[list[Sequence], list[abc.Sequence[int]]]:
+        """Return the sequences whose next prompt chunk joins this step, and those chunks: the
+        oldest first, within ``prefill_budget`` tokens (at least one chunk)."""
+        chosen: list[Sequence] = []
+        spans: list[abc.Sequence[int]] = []
+        tokens = 0
         for seq in prefilling:  # oldest first: the order they joined
             end = min(len(seq.req.prompt_ids), seq.prefilled + self.prefill_chunk)
             if chosen and tokens + end - seq.prefilled > self.prefill_budget:
@@ -206,12 +228,7 @@ class BatchScheduler:
             chosen.append(seq)
             spans.append(seq.req.prompt_ids[seq.prefilled : end])
             tokens += end - seq.prefilled
-        logits = self.model.prefill_batch(spans, [s.cache for s in chosen])
-        for seq, span, row in zip(chosen, spans, logits, strict=True):
-            seq.prefilled += len(span)
-            if seq.prefilled == len(seq.req.prompt_ids):
-                self._emit(seq, row)
-                touched.append(seq)
+        return chosen, spans
 
     def _emit(self, seq: Sequence, logits: np.ndarray) -> None:
         req = seq.req
@@ -230,7 +247,12 @@ class BatchScheduler:
         if reason is not None or last:
             seq.done = True
             seq.steps.append(END)
-            seq.cache = None  # its KV arrays go now, even while the caller keeps the sequence
+            self._drop_cache(seq)  # its KV pages go now, even while the caller keeps the sequence
+
+    def _drop_cache(self, seq: Sequence) -> None:
+        if seq.cache is not None:
+            self.pool.release(seq.cache)
+            seq.cache = None
 
 
 def steps_of(seq: Sequence) -> list[Step]:
