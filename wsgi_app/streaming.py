@@ -41,7 +41,8 @@ def queue_heartbeats(ticket: Ticket, pacer: Pacer, heartbeat_s: float) -> Iterat
 
     A wait ends early at the deadline or the worker's stop time, or when the stop wakes the queue
     (``Admission.wake_queued``); the clock decides what follows, so a wake a moment before the stop
-    time waits out that moment rather than sending a heartbeat.
+    time waits out that moment rather than sending a heartbeat. A slot granted past the stop time (a
+    running stream ended by the stop freed it) starts nothing: the request ends as the stop says.
 
     Raises:
         ApiError: 504 past the deadline, 503 when the worker is stopping.
@@ -50,6 +51,7 @@ def queue_heartbeats(ticket: Ticket, pacer: Pacer, heartbeat_s: float) -> Iterat
     while True:
         now = time.perf_counter()
         if ticket.wait(min(beat_at - now, pacer.time_left_s(now))):
+            pacer.check(time.perf_counter())
             return
         now = time.perf_counter()
         pacer.check(now)
