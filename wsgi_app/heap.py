@@ -80,10 +80,12 @@ class HeapTrimmer:
 class AfterAnswers:
     """Trim the heap once a worker's generation requests are over.
 
-    Every finished generation request (re)starts one timer on the gevent hub; when it fires,
-    ``delay_s`` after the last one, with no generation running or queued, the heap is trimmed
-    (through a :class:`HeapTrimmer`; a trim refused for being too soon is retried a delay later).
-    Waiting until the request's greenlet is done lets its answer's bytes be freed first.
+    Every finished generation request notes its time; one timer on the gevent hub, armed by the
+    first of them after a quiet spell, fires ``delay_s`` after the last one (re-arming itself for
+    what is left while requests keep finishing). Then, with no generation running or queued, the
+    heap is trimmed (through a :class:`HeapTrimmer`; a trim refused for being too soon is retried a
+    delay later). Waiting until the request's greenlet is done lets its answer's bytes be freed
+    first. A request's own cost is one clock read.
 
     Args:
         idle: True when the worker has no generation running or queued.
@@ -104,25 +106,31 @@ class AfterAnswers:
         self._trimmer = HeapTrimmer() if trimmer is None else trimmer
         self._loop = loop
         self._timer: Any = None
+        self._last = 0.0  # perf_counter of the last finished request
 
     def request_done(self) -> None:
         """A generation request's answer is written: trim ``delay_s`` from now, if idle then."""
+        self._last = time.perf_counter()
+        if self._timer is None or not self._timer.active:
+            self._arm(self.delay_s)
+
+    def _arm(self, after_s: float) -> None:
         if self._loop is None:
             import gevent  # only in a worker: the app factory may run without a hub
 
             self._loop = gevent.get_hub().loop
-        self._start()
-
-    def _start(self) -> None:
         if self._timer is not None:
             self._timer.close()  # a stopped libev timer restarted keeps its first deadline
         # The loop's clock is the time of its last iteration: a greenlet that ran long since (a big
         # answer's encoding) would make the timer due at once.
         self._loop.update_now()
         # ref=False: a pending trim never keeps a stopping worker's loop alive.
-        self._timer = self._loop.timer(self.delay_s, 0.0, ref=False)
+        self._timer = self._loop.timer(after_s, 0.0, ref=False)
         self._timer.start(self._fire)
 
     def _fire(self) -> None:
-        if self._idle() and self._trimmer() is False:  # trimmed too recently: retry later
-            self._start()
+        left = self._last + self.delay_s - time.perf_counter()
+        if left > 0:  # requests finished meanwhile: wait out the last one's delay
+            self._arm(left)
+        elif self._idle() and self._trimmer() is False:  # trimmed too recently: retry later
+            self._arm(self.delay_s)
