@@ -19,7 +19,7 @@ from typing import Any
 
 from bench import procstat
 from bench.loadgen import _STATUS, http_request
-from wsgi_app.request_fields import MAX_MODEL_CHARS
+from wsgi_app.api.fields import MAX_MODEL_CHARS
 
 _FIRST = b"data: {"
 

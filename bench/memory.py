@@ -199,13 +199,13 @@ def run_inprocess(parallel: int, trace: bool) -> dict[str, Any]:
     """Run the ``completions`` and ``chat`` bursts in this process; return where memory goes."""
     from model.bigram.engine import BigramEngine
     from model.loader import load_model
-    from wsgi_app.chat import chat_completion_request
-    from wsgi_app.chat_protocol import parse_chat_request
-    from wsgi_app.chat_wire import CHAT_COMPLETION
-    from wsgi_app.completion import Completion
-    from wsgi_app.pacer import Unpaced
-    from wsgi_app.protocol import parse_completion_request
-    from wsgi_app.wire_format import TEXT_COMPLETION
+    from wsgi_app.api.chat import parse_chat_request
+    from wsgi_app.api.completions import parse_completion_request
+    from wsgi_app.generation.completion import Completion
+    from wsgi_app.generation.pacer import Unpaced
+    from wsgi_app.http.chat import chat_completion_request
+    from wsgi_app.wire.chat import CHAT_COMPLETION
+    from wsgi_app.wire.encoder import TEXT_COMPLETION
 
     loaded = load_model(None)
     engine = BigramEngine(loaded.model)

@@ -20,9 +20,9 @@ import numpy as np
 from bench import straightforward
 from model.bigram.engine import BigramEngine
 from model.bigram.model import Bigram
-from wsgi_app.completion import Completion
-from wsgi_app.pacer import Unpaced
-from wsgi_app.protocol import parse_completion_request
+from wsgi_app.api.completions import parse_completion_request
+from wsgi_app.generation.completion import Completion
+from wsgi_app.generation.pacer import Unpaced
 
 PROMPT = "ROMEO:"
 MAX_TOKENS = 256

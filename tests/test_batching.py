@@ -130,7 +130,7 @@ def test_prefill_budget_takes_the_oldest_prompts_first(stories):
 
 
 def test_threaded_engine_streams_without_blocking_the_hub(stories):
-    from wsgi_app.engine_thread import ThreadedEngine
+    from wsgi_app.generation.engine_thread import ThreadedEngine
 
     engine = ThreadedEngine(BatchScheduler(stories.model, eos(stories), max_batch=8), tick_s=0.05)
     try:
@@ -168,7 +168,7 @@ def test_threaded_engine_streams_without_blocking_the_hub(stories):
 
 
 def test_cancelled_sequences_free_their_places_before_newcomers_join(stories):
-    from wsgi_app.engine_thread import ThreadedEngine
+    from wsgi_app.generation.engine_thread import ThreadedEngine
 
     alone = BatchScheduler(stories.model, eos(stories), max_batch=1)
     alone.add(request(stories, 1, max_tokens=5), "second")
@@ -186,7 +186,7 @@ def test_cancelled_sequences_free_their_places_before_newcomers_join(stories):
 
 
 def test_threaded_engine_calls_on_idle_once_when_the_last_sequence_leaves(stories):
-    from wsgi_app.engine_thread import ThreadedEngine
+    from wsgi_app.generation.engine_thread import ThreadedEngine
 
     calls = []
     engine = ThreadedEngine(

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 
 from model.sampling import SamplingParams
-from wsgi_app.chat_protocol import ChatRequest, completion_request, parse_chat_request
-from wsgi_app.errors import ApiError
-from wsgi_app.protocol import CompletionRequest
+from wsgi_app.api.chat import ChatRequest, completion_request, parse_chat_request
+from wsgi_app.api.completions import CompletionRequest
+from wsgi_app.api.errors import ApiError
 
 USER = [{"role": "user", "content": "Hi"}]
 CONTEXT_51 = (

@@ -19,7 +19,7 @@ from model.chat_template import ChatTemplate
 from tests.gguffiles import golden, teacher_forced
 from tests.server import GunicornServer
 from tests.sse import sse_json
-from wsgi_app.chat import serving_template
+from wsgi_app.http.chat import serving_template
 from wsgi_app.settings import Settings
 
 CLEAR_GAP = 1.0  # as tests/test_gguf_fidelity.py: llama.cpp is decided at this top-2 gap

@@ -16,7 +16,7 @@ from model.chat_template import DEFAULT_STOP
 from model.loader import load_model
 from tests.gguffiles import write_tiny_gguf
 from tests.llamafiles import write_tiny_llama
-from wsgi_app.chat import check_chat_template, serving_template
+from wsgi_app.http.chat import check_chat_template, serving_template
 from wsgi_app.settings import Settings
 
 USER = [{"role": "user", "content": "hi"}]

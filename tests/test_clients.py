@@ -6,9 +6,9 @@ import hashlib
 
 import pytest
 
-from wsgi_app.auth import bearer_token, key_matches
-from wsgi_app.client_identity import forwarded_client, key_digest
-from wsgi_app.ratelimit import parse_rate_limit, redacted, retry_after_s, storage_options
+from wsgi_app.http.auth import bearer_token, key_matches
+from wsgi_app.http.client_identity import forwarded_client, key_digest
+from wsgi_app.http.ratelimit import parse_rate_limit, redacted, retry_after_s, storage_options
 from wsgi_app.settings import Settings
 
 

@@ -9,7 +9,7 @@ import socket
 import pytest
 from gevent import socket as gsocket
 
-from wsgi_app.connection import peer_closed
+from wsgi_app.server.connection import peer_closed
 
 
 def test_peer_closed_sees_data_and_the_fin_without_consuming():

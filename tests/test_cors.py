@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.server import GunicornServer
-from wsgi_app.cors import ALLOW_HEADERS, allow_headers, allowed_origin
+from wsgi_app.http.cors import ALLOW_HEADERS, allow_headers, allowed_origin
 from wsgi_app.settings import Settings
 
 ALLOWED = "http://a.example"

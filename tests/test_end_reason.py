@@ -27,7 +27,7 @@ from tests.sse import EventReader, sse_events
 from tests.test_logs import request_line
 from tests.test_metrics import scrape
 from tests.test_timeouts import blocked_on_its_reader, raw_request
-from wsgi_app.admission import Admission
+from wsgi_app.generation.admission import Admission
 
 # Final events, byte for byte: the OpenAI error envelope, then [DONE].
 DONE = b"data: [DONE]\n\n"

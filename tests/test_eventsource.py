@@ -9,9 +9,9 @@ import pytest
 from werkzeug.datastructures import MultiDict
 
 from tests.sse import frames, sse_json
-from wsgi_app.errors import ApiError
-from wsgi_app.routes.completions_get import parse_last_event_id, query_body
-from wsgi_app.sse import EventIds
+from wsgi_app.api.errors import ApiError
+from wsgi_app.http.routes.completions_get import parse_last_event_id, query_body
+from wsgi_app.wire.sse import EventIds
 
 SSE = {"Accept": "text/event-stream"}
 GREEDY = {"model": "m", "prompt": "a", "max_tokens": 3, "temperature": 0}

@@ -47,7 +47,7 @@ def test_the_wheel_is_what_runs(installed, elsewhere):
 
 
 def test_installed_command_serves_the_default_model(server):
-    assert "Using worker: wsgi_app.worker.GeventWorker" in server.log_text()
+    assert "Using worker: wsgi_app.server.worker.GeventWorker" in server.log_text()
     status, headers, body = server.complete(
         {"model": "bigram", "prompt": "ROMEO:", "max_tokens": 24, "seed": 1}
     )

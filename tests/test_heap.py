@@ -13,8 +13,8 @@ import gevent
 import numpy as np
 import pytest
 
-from wsgi_app import heap
-from wsgi_app.heap import AfterAnswers, HeapTrimmer, trim_heap
+from wsgi_app.server import heap
+from wsgi_app.server.heap import AfterAnswers, HeapTrimmer, trim_heap
 
 
 def anonymous_mib() -> int:

@@ -21,11 +21,11 @@ from model.pcg32 import PCG32
 from model.sampling import SamplingParams, sample
 from model.utf8 import Utf8Decoder
 from tests.modelfiles import pattern_weight
-from wsgi_app.completion import Completion
-from wsgi_app.pacer import Unpaced
-from wsgi_app.protocol import parse_completion_request
-from wsgi_app.sse import EventIds
-from wsgi_app.wire_format import JOIN_LIMIT_BYTES
+from wsgi_app.api.completions import parse_completion_request
+from wsgi_app.generation.completion import Completion
+from wsgi_app.generation.pacer import Unpaced
+from wsgi_app.wire.encoder import JOIN_LIMIT_BYTES
+from wsgi_app.wire.sse import EventIds
 
 
 class ReadOnlyModel:

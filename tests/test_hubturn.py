@@ -6,8 +6,8 @@ import gevent
 import pytest
 
 from tests.server import wait_until
-from wsgi_app.hubturn import HubTurn
-from wsgi_app.pacer import HUB_ROUND_S, HUB_SLICE_S, hub_slice
+from wsgi_app.generation.hubturn import HubTurn
+from wsgi_app.generation.pacer import HUB_ROUND_S, HUB_SLICE_S, hub_slice
 
 
 def test_pending_greenlets_run_before_the_turn_returns():

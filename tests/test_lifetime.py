@@ -14,7 +14,7 @@ import pytest
 from tests.collector import FakeCollector
 from tests.server import GunicornServer, concurrently, wait_until
 from tests.sse import EventReader, sse_events
-from wsgi_app.admission import default_limits
+from wsgi_app.generation.admission import default_limits
 
 SLOW = "slow_step_s=0.02"  # 50 tokens/s: long enough streams to disconnect from, short tests
 

@@ -1,7 +1,7 @@
 """The bytes of answers that carry ``logprobs`` (completions and chat, streamed and not), pinned.
 
 Logprob entries are kept compact while generating (arrays of ids and floats, see
-``wsgi_app/logprobs.py``) and turned into JSON only when written. Each case here runs a real
+``wsgi_app/wire/logprobs.py``) and turned into JSON only when written. Each case here runs a real
 ``Completion`` in this process on the packaged bigram (byte tokens) or the tiny Llama fixture (an HF
 tokenizer where ``<0x61>`` and ``a`` show as the same token, so a ``top_logprobs`` object can hold
 fewer keys than alternatives), and its bytes are compared two ways:
@@ -29,14 +29,14 @@ from model.engine import Step
 from model.loader import LoadedModel, load_model
 from tests.llamafiles import write_tiny_llama
 from tests.sse import frames
-from wsgi_app.chat import chat_completion_request
-from wsgi_app.chat_protocol import parse_chat_request
-from wsgi_app.chat_wire import CHAT_COMPLETION
-from wsgi_app.completion import Completion
-from wsgi_app.errors import json_bytes
-from wsgi_app.pacer import Unpaced
-from wsgi_app.protocol import parse_completion_request
-from wsgi_app.wire_format import TEXT_COMPLETION
+from wsgi_app.api.chat import parse_chat_request
+from wsgi_app.api.completions import parse_completion_request
+from wsgi_app.api.errors import json_bytes
+from wsgi_app.generation.completion import Completion
+from wsgi_app.generation.pacer import Unpaced
+from wsgi_app.http.chat import chat_completion_request
+from wsgi_app.wire.chat import CHAT_COMPLETION
+from wsgi_app.wire.encoder import TEXT_COMPLETION
 
 PROSE = "To be, or not to be — naïve café: €5\n"
 STOP = {"stop": ["e ", "th"]}

@@ -1,4 +1,4 @@
-"""The compact ``logprobs`` entries (``wsgi_app/logprobs.py``) against the list-of-dicts shape, on
+"""The compact ``logprobs`` entries (``wsgi_app/wire/logprobs.py``) against the list-of-dicts shape, on
 hand-made Steps: what the engines give and what they could give (no logprob, no alternatives,
 alternatives that show alike, a NaN), in slices of every size.
 
@@ -14,8 +14,8 @@ import pytest
 
 from model.engine import Step
 from tests.test_logprob_bytes import chat_reference, legacy_reference
-from wsgi_app.errors import json_bytes
-from wsgi_app.logprobs import ChatLogprobs, Logprobs
+from wsgi_app.api.errors import json_bytes
+from wsgi_app.wire.logprobs import ChatLogprobs, Logprobs
 
 
 class Tokens:

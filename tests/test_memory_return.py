@@ -5,8 +5,8 @@
 answered (their JSON is ~6.5 MB each). Afterwards its resident memory must come back to within
 ``RETURN_BOUND_MIB`` of what it was before (measured after a warm-up request of the same kind, so
 imports and caches are already counted): the entries are kept in typed arrays, not in millions of
-small objects that pin CPython's arenas (``wsgi_app/logprobs.py``), and the freed C heap is trimmed
-once the worker is idle (``wsgi_app/heap.py``). Before both, the worker stayed ~70 MiB above.
+small objects that pin CPython's arenas (``wsgi_app/wire/logprobs.py``), and the freed C heap is trimmed
+once the worker is idle (``wsgi_app/server/heap.py``). Before both, the worker stayed ~70 MiB above.
 """
 
 from __future__ import annotations

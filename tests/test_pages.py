@@ -14,7 +14,7 @@ import pytest
 
 from tests.modelfiles import BIGRAM_CONFIG, succ_weight, write_model_dir
 from wsgi_app import create_app
-from wsgi_app.routes import pages
+from wsgi_app.http.routes import pages
 from wsgi_app.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ import pytest
 from model.loader import load_model
 from tests.gguffiles import write_tiny_gguf
 from tests.server import ROOT, GunicornServer, wait_until
-from wsgi_app.faults import Faults
+from wsgi_app.generation.faults import Faults
 from wsgi_app.setting_checks import check_rate_limit_storage
 from wsgi_app.settings import ServerSettings, Settings, usable_cpus
 

@@ -14,7 +14,7 @@ from telemetry.history import KEEP_MINUTES, HistoryStore
 from telemetry.recorder import HistoryRecorder
 from tests.server import GunicornServer, wait_until
 from wsgi_app import create_app
-from wsgi_app.routes.stats import parse_minutes
+from wsgi_app.http.routes.stats import parse_minutes
 from wsgi_app.settings import Settings
 
 T0 = 1_700_000_040.0  # a minute boundary: 28_333_334 * 60

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.server import GunicornServer
-from wsgi_app.body import read_body
-from wsgi_app.errors import ApiError
+from wsgi_app.api.errors import ApiError
+from wsgi_app.http.body import read_body
 
 LIMIT = 2048
 OK = b'{"model":"m","prompt":"a","max_tokens":2,"temperature":0}'

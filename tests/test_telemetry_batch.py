@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from telemetry.metrics import Metrics
 from telemetry.spans import start_server_span
 from tests.test_metrics import _samples
-from wsgi_app.record import RequestRecord
+from wsgi_app.generation.record import RequestRecord
 from wsgi_app.request_telemetry import Observer, summarize
 from wsgi_app.telemetry_batch import Observation, Quantiles, count_all, reduce_gaps
 

@@ -20,7 +20,7 @@ import pytest
 from gevent import socket as gsocket
 
 from tests.server import GunicornServer, wait_until
-from wsgi_app.worker import GeventWorker, SendTimeout, StreamSocket
+from wsgi_app.server.worker import GeventWorker, SendTimeout, StreamSocket
 
 PAYLOAD = bytes(range(256)) * (8 * 4096)  # 8 MiB: far more than the kernel's socket buffers
 
@@ -167,7 +167,7 @@ def test_closed_peer_raises_oserror(pair):
 
 
 def test_worker_class_is_the_configured_one(succ_server):
-    assert "Using worker: wsgi_app.worker.GeventWorker" in succ_server.log_text()
+    assert "Using worker: wsgi_app.server.worker.GeventWorker" in succ_server.log_text()
     assert issubclass(
         GeventWorker, __import__("gunicorn.workers.ggevent").workers.ggevent.GeventWorker
     )

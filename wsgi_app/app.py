@@ -16,14 +16,12 @@ from model import __version__
 from model.llama.scheduler import BatchScheduler
 from model.loader import LoadedModel, load_model
 from telemetry.otlp import NullExporter, SpanExporter
-from wsgi_app import auth, cors, lifecycle, ratelimit
-from wsgi_app.admission import Admission, default_limits
-from wsgi_app.chat import serving_template
-from wsgi_app.error_handlers import register_error_handlers
-from wsgi_app.faults import Faults, FaultyEngine
-from wsgi_app.heap import AfterAnswers
-from wsgi_app.request_telemetry import build_observer
-from wsgi_app.routes import (
+from wsgi_app.generation.admission import Admission, default_limits
+from wsgi_app.generation.faults import Faults, FaultyEngine
+from wsgi_app.http import auth, cors, lifecycle, ratelimit
+from wsgi_app.http.chat import serving_template
+from wsgi_app.http.error_handlers import register_error_handlers
+from wsgi_app.http.routes import (
     chat,
     completions,
     completions_get,
@@ -33,7 +31,9 @@ from wsgi_app.routes import (
     pages,
     stats,
 )
-from wsgi_app.runtime import EXTENSION, Runtime
+from wsgi_app.http.runtime import EXTENSION, Runtime
+from wsgi_app.request_telemetry import build_observer
+from wsgi_app.server.heap import AfterAnswers
 from wsgi_app.settings import Settings
 
 
@@ -42,7 +42,7 @@ def make_engine(model: LoadedModel, settings: Settings) -> Any:
     runs on one native thread per worker with continuous batching (up to ``MAX_SLOTS`` requests of
     ``MAX_N`` choices each)."""
     if model.engine_kind == "llama":
-        from wsgi_app.engine_thread import ThreadedEngine
+        from wsgi_app.generation.engine_thread import ThreadedEngine
 
         slots, _ = default_limits(model.engine_kind, settings.max_slots, settings.max_queue)
         batch = slots * settings.max_n

@@ -60,8 +60,8 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
 bind = _server.bind
 # Worker processes (WEB_CONCURRENCY); 0 or unset: one per usable CPU.
 workers = _server.workers or usable_cpus()
-# Every connection is a greenlet: gunicorn's gevent worker with a cheaper sendall (wsgi_app.worker).
-worker_class = "wsgi_app.worker.GeventWorker"
+# Every connection is a greenlet: gunicorn's gevent worker with a cheaper sendall (wsgi_app.server.worker).
+worker_class = "wsgi_app.server.worker.GeventWorker"
 # Simultaneous connections per worker (WORKER_CONNECTIONS), streams and idle keep-alives alike.
 worker_connections = _server.worker_connections
 # The app factory runs in each worker, after gevent's monkey-patching.
@@ -112,14 +112,14 @@ def _check_config_or_exit():
     import socket
 
     from model.loader import gguf_file, load_model
-    from wsgi_app.chat import check_chat_template
+    from wsgi_app.http.chat import check_chat_template
     from wsgi_app.setting_checks import check_stats_db
     from wsgi_app.settings import Settings
 
     try:
         settings = Settings.from_env()  # also RATE_LIMIT, its storage and the OTLP endpoint
         if settings.faults:
-            from wsgi_app.faults import Faults
+            from wsgi_app.generation.faults import Faults
 
             Faults.parse(settings.faults)
         try:
@@ -198,7 +198,7 @@ def worker_exit(server, worker):
     app = getattr(worker, "wsgi", None)
     state = getattr(app, "extensions", {}).get("greenserve") if app is not None else None
     if state is not None:
-        # Within what is left of the grace period (wsgi_app.worker keeps some for this hook).
+        # Within what is left of the grace period (wsgi_app.server.worker keeps some for this hook).
         budget = getattr(worker, "exit_budget_s", lambda cap_s: cap_s)
         state.exporter.shutdown(budget(5.0))
         if state.observer is not None:
@@ -220,7 +220,7 @@ def _log_serving(worker, state):
     first bind is the API port, the second the health port)."""
     import logging
 
-    from wsgi_app.routes.models import model_card
+    from wsgi_app.http.routes.models import model_card
 
     scheme = "https" if worker.cfg.is_ssl else "http"
     addresses = [_address(sock, scheme) for sock in worker.sockets]
@@ -262,7 +262,7 @@ def post_worker_init(worker):
     import signal
 
     state = worker.wsgi.extensions["greenserve"]
-    from wsgi_app.gunicorn_errors import install_json_errors
+    from wsgi_app.server.gunicorn_errors import install_json_errors
 
     install_json_errors(state.model_version)  # requests gunicorn cannot parse: JSON, not HTML
     if state.observer is not None:

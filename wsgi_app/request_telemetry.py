@@ -1,7 +1,7 @@
 """What the server tells operators about each finished request: the JSON log line, the Prometheus
 metrics and the per-minute history.
 
-Called once per request from ``wsgi_app.lifecycle.finish`` (after the last byte, on the request's
+Called once per request from ``wsgi_app.http.lifecycle.finish`` (after the last byte, on the request's
 greenlet), which only queues it: in a worker, the event loop's next turn observes every request
 finished meanwhile (``Observer.flush``). The per-token work during generation is one
 ``perf_counter`` append (``Pacer``); everything derived from the token times (inter-token gaps, their
@@ -29,7 +29,7 @@ from telemetry.logs import held_lines
 from telemetry.metrics import ITL_BUCKETS, Metrics
 from telemetry.recorder import HistoryRecorder
 from telemetry.sketch import bin_counts
-from wsgi_app.record import RequestRecord
+from wsgi_app.generation.record import RequestRecord
 from wsgi_app.settings import Settings
 from wsgi_app.telemetry_batch import BatchGaps, Observation, Quantiles, count_all, reduce_gaps
 

@@ -64,7 +64,7 @@ def parse_rate_limit(text: str) -> list[RateLimitItem]:
 
 def check_rate_limit_storage(uri: str) -> None:
     """Check that ``RATE_LIMIT_STORAGE_URI`` names a ``limits`` storage that can count a moving window
-    (``wsgi_app.ratelimit.STRATEGY``) and whose client library is installed, without connecting to it.
+    (``wsgi_app.http.ratelimit.STRATEGY``) and whose client library is installed, without connecting to it.
 
     The message shows the scheme only: the URI may hold a Redis password.
 

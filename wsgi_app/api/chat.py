@@ -1,0 +1,382 @@
+"""OpenAI Chat Completions request validation (no Flask here).
+
+The sampling fields are parsed by the same functions as ``/v1/completions`` (``wsgi_app.api.completions``),
+so a :class:`ChatRequest` carries the same values, and :func:`completion_request` turns it, once the
+chat template has made the prompt, into the :class:`~wsgi_app.api.completions.CompletionRequest` the
+generation pipeline already serves. Unlike the legacy endpoint, an unknown field is a 400, as OpenAI
+answers it; documented OpenAI fields this server does not implement (tools, audio, JSON output...)
+are a 400 saying so, never silently ignored. ``null`` means absent.
+
+Source: OpenAI API reference, "Chat Completions" (create).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from model.sampling import SamplingParams
+from wsgi_app.api.completions import MAX_TOKENS_LIMIT, CompletionRequest
+from wsgi_app.api.errors import ApiError, invalid, quote_name
+from wsgi_app.api.fields import (
+    _boolean,
+    _check_unicode,
+    _integer,
+    _stop,
+    build_sampling,
+    parse_model,
+    parse_sampling_fields,
+    parse_stream_fields,
+    reject_unknown,
+)
+
+MAX_TOP_LOGPROBS = 20
+MAX_CHAT_MESSAGES = 1024  # the MAX_CHAT_MESSAGES setting's default
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+# The request fields accepted; extensions shared with /v1/completions: top_k, min_p, ignore_eos.
+KNOWN_FIELDS = frozenset(
+    {
+        "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
+        "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+        "top_logprobs", "stream", "stream_options", "user", "response_format", "modalities",
+        "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
+        "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+        "prediction", "web_search_options", "reasoning_effort", "verbosity",
+        "top_k", "min_p", "ignore_eos",
+    }
+)  # fmt: skip
+# Documented OpenAI fields this server does not implement: any non-null value is a 400.
+UNSUPPORTED_FIELDS = (
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+    "prediction", "web_search_options", "reasoning_effort", "verbosity", "metadata",
+)  # fmt: skip
+MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+ASSISTANT_FIELDS = MESSAGE_FIELDS | {"refusal", "tool_calls", "function_call", "audio"}
+UNSUPPORTED_PARTS = frozenset({"image_url", "input_audio", "file", "refusal"})
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """A validated ``POST /v1/chat/completions`` request, before its template is rendered.
+
+    Attributes:
+        model: the requested model name, echoed in every answer.
+        messages: ``({"role": "system"|"user"|"assistant", "content": str}, ...)``, non-empty;
+            ``developer`` is ``system``, content parts are joined with ``"\\n"``.
+        max_tokens: ``max_tokens`` or ``max_completion_tokens`` (1..4096), None when neither is given.
+        max_tokens_param: which of the two the client sent (named by context-length errors).
+        sampling: the sampling parameters, as on ``/v1/completions``.
+        seed: 0..2**64-1, or None when the server should pick one.
+        n: number of choices.
+        stop: up to 4 non-empty stop strings from the request.
+        logprobs: alternatives to report per token (``top_logprobs``, 0..20), or None for no logprobs.
+        stream: answer as Server-Sent Events.
+        include_usage: with ``stream``, send a final usage chunk before ``[DONE]``.
+        ignore_eos: keep generating past end-of-sequence (vLLM's extension).
+        user: the client's end-user id, or None (log it hashed).
+    """
+
+    model: str
+    messages: tuple[dict[str, str], ...]
+    max_tokens: int | None
+    max_tokens_param: str
+    sampling: SamplingParams
+    seed: int | None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False
+    user: str | None = None
+
+
+def unsupported(name: str, what: str | None = None) -> ApiError:
+    """Return the 400 for a documented OpenAI field (or value) this server does not implement."""
+    return invalid(f"{what or repr(name)} is not supported by this server.", name)
+
+
+def parse_chat_request(
+    body: dict[str, Any],
+    *,
+    vocab_size: int,
+    max_n: int = 8,
+    max_messages: int = MAX_CHAT_MESSAGES,
+) -> ChatRequest:
+    """Validate a decoded ``/v1/chat/completions`` body into a :class:`ChatRequest`.
+
+    Args:
+        body: the decoded JSON object (``wsgi_app.api.fields.decode_json_body``).
+        vocab_size: the model's vocabulary (bounds ``top_k`` and ``logit_bias`` keys).
+        max_n: largest accepted ``n`` (``MAX_N``).
+        max_messages: the most messages accepted (``MAX_CHAT_MESSAGES``), checked before any is read.
+
+    Raises:
+        ApiError: 400 naming the first invalid field in ``param``: an unknown field
+            (``Unrecognized request argument supplied: NAME``), an unsupported one, or a bad value,
+            down to the part (``messages[2].content[0].type``).
+    """
+    reject_unknown(body, KNOWN_FIELDS)
+    for name in UNSUPPORTED_FIELDS:
+        if body.get(name) is not None:
+            raise unsupported(name)
+    _check_options(body)
+    model = parse_model(body)
+    messages = _messages(body.get("messages"), max_messages)
+    max_tokens, max_tokens_param = _max_tokens(body)
+    fields = parse_sampling_fields(body, vocab_size, max_n)
+    logprobs = _boolean(body, "logprobs")
+    top_logprobs = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top_logprobs is not None and not logprobs:
+        raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+    stream = parse_stream_fields(body)
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
+        sampling=build_sampling(fields, body, vocab_size),
+        seed=fields.seed,
+        n=fields.n,
+        stop=_stop(body.get("stop")),
+        logprobs=(top_logprobs or 0) if logprobs else None,
+        stream=stream.stream,
+        include_usage=stream.include_usage,
+        ignore_eos=stream.ignore_eos,
+        user=body.get("user"),
+    )
+
+
+def completion_request(
+    chat: ChatRequest,
+    prompt_ids: list[int] | tuple[int, ...],
+    prompt_text: str,
+    *,
+    context_length: int | None,
+    default_max_tokens: int,
+    template_stop: tuple[str, ...] = (),
+    kv_tokens_per_choice: int | None = None,
+    max_logprob_entries: int | None = None,
+) -> CompletionRequest:
+    """Return the generation request for ``chat`` once its template has rendered the prompt.
+
+    Args:
+        chat: the validated chat request.
+        prompt_ids: the rendered prompt's token ids (``ChatTemplate.encode``).
+        prompt_text: the rendered prompt (``ChatTemplate.render``).
+        context_length: the model's context in tokens, or None for no limit.
+        default_max_tokens: the cap on the default ``max_tokens`` (a server setting); without
+            ``max_tokens`` the answer may use the rest of the context up to this cap.
+        template_stop: stop strings the template needs (``ChatTemplate.stop``), added to the request's.
+        kv_tokens_per_choice: the most tokens (prompt + answer) each of the ``n`` choices may hold
+            within the worker's KV-cache budget (``KV_CACHE_BUDGET_MB``), or None for no budget:
+            the default ``max_tokens`` is capped by it too. An explicit ``max_tokens`` is not (the
+            admission refuses it, naming ``max_tokens``, when it cannot fit).
+        max_logprob_entries: the request's budget of ``logprobs`` entries (``MAX_LOGPROB_ENTRIES``):
+            choices × ``max_tokens`` × (``top_logprobs`` + 1), or None for no budget. A default
+            ``max_tokens`` is capped by it; an explicit one over it is refused.
+
+    Raises:
+        ApiError: 400 ``messages`` when the rendered prompt is empty, fills the context, or (without
+            ``max_tokens``) leaves no room in the KV budget; 400 naming the client's
+            ``max_tokens``/``max_completion_tokens`` when prompt + it exceed the context; 400
+            ``top_logprobs`` when the answer's logprobs could exceed ``max_logprob_entries``.
+    """
+    n_prompt = len(prompt_ids)
+    if n_prompt == 0:
+        raise invalid("The chat template rendered an empty prompt for 'messages'.", "messages")
+    room = None if context_length is None else context_length - n_prompt
+    if room is not None and room <= 0:
+        raise invalid(
+            f"This model's maximum context length is {context_length} tokens; the rendered "
+            f"conversation has {n_prompt} tokens, which leaves no room for an answer.",
+            "messages",
+        )
+    max_tokens = chat.max_tokens
+    if max_tokens is None:
+        max_tokens = default_max_tokens if room is None else min(default_max_tokens, room)
+        if kv_tokens_per_choice is not None:
+            if kv_tokens_per_choice - n_prompt < 1:
+                raise invalid(
+                    f"The rendered conversation has {n_prompt} tokens; this server's KV-cache "
+                    f"budget holds at most {kv_tokens_per_choice} tokens for each of the "
+                    f"{chat.n} choices, which leaves no room for an answer.",
+                    "messages",
+                )
+            max_tokens = min(max_tokens, kv_tokens_per_choice - n_prompt)
+    elif room is not None and max_tokens > room:
+        raise invalid(
+            f"This model's maximum context length is {context_length} tokens; you requested "
+            f"{n_prompt + max_tokens} ({n_prompt} in the rendered conversation, {max_tokens} for "
+            f"the answer). Reduce the messages or '{chat.max_tokens_param}'.",
+            chat.max_tokens_param,
+        )
+    if chat.logprobs is not None and max_logprob_entries is not None:
+        max_tokens = _logprob_budget(chat, max_tokens, max_logprob_entries)
+    return CompletionRequest(
+        model=chat.model,
+        prompt_ids=tuple(prompt_ids),
+        prompt_text=prompt_text,
+        max_tokens=max_tokens,
+        sampling=chat.sampling,
+        seed=chat.seed,
+        n=chat.n,
+        stop=tuple(dict.fromkeys(chat.stop + tuple(template_stop))),
+        logprobs=chat.logprobs,
+        stream=chat.stream,
+        include_usage=chat.include_usage,
+        ignore_eos=chat.ignore_eos,
+    )
+
+
+def _logprob_budget(chat: ChatRequest, max_tokens: int, budget: int) -> int:
+    """Return ``max_tokens`` within the request's ``logprobs`` budget: a default one is capped to
+    it, an explicit one over it is refused (every token of every choice holds ``top_logprobs`` + 1
+    entries until the answer is written; the completions endpoint's budget, without an echo).
+
+    Raises:
+        ApiError: 400 ``top_logprobs`` when even one token per choice, or the client's
+            ``max_tokens``, is over ``budget``.
+    """
+    per_token = chat.n * (chat.logprobs + 1)
+    most = budget // per_token
+    if chat.max_tokens is None and most >= 1:
+        return min(max_tokens, most)
+    if max_tokens > most:
+        param = chat.max_tokens_param if chat.max_tokens is not None else "max_tokens"
+        raise invalid(
+            f"This request could return {chat.n * max_tokens * (chat.logprobs + 1)} logprobs "
+            f"entries (choices × '{param}' × ('top_logprobs' + 1) = {chat.n * max_tokens} × "
+            f"{chat.logprobs + 1}); the limit is MAX_LOGPROB_ENTRIES ({budget}). Reduce "
+            f"'top_logprobs', '{param}' or 'n'.",
+            "top_logprobs",
+        )
+    return max_tokens
+
+
+def _check_options(body: dict[str, Any]) -> None:
+    """Accept the output options that mean "plain text, not stored"; refuse the others by name."""
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise invalid(
+                "'response_format' must be an object with a string 'type'.", "response_format"
+            )
+        if fmt["type"] in ("json_object", "json_schema"):
+            raise unsupported("response_format", f"'response_format' of type '{fmt['type']}'")
+        if fmt["type"] != "text":
+            raise invalid(
+                f"Invalid 'response_format.type': {quote_name(fmt['type'])!r}.", "response_format"
+            )
+    modalities = body.get("modalities")
+    if modalities is not None:
+        if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
+            raise invalid("'modalities' must be a list of strings.", "modalities")
+        if any(m != "text" for m in modalities):
+            raise unsupported("modalities", "Output modalities other than 'text'")
+    if body.get("store") is not None and _boolean(body, "store"):
+        raise unsupported("store", "Storing completions ('store': true)")
+    tier = body.get("service_tier")
+    if tier is not None and (not isinstance(tier, str) or tier not in ("auto", "default")):
+        raise unsupported("service_tier", f"'service_tier' {quote_name(tier)!r}")
+    for name in ("user", "prompt_cache_key", "safety_identifier"):
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, str):
+                raise invalid(f"'{name}' must be a string.", name)
+            _check_unicode(value, name)
+
+
+def _max_tokens(body: dict[str, Any]) -> tuple[int | None, str]:
+    legacy = _integer(body, "max_tokens", None, 1, MAX_TOKENS_LIMIT)
+    current = _integer(body, "max_completion_tokens", None, 1, MAX_TOKENS_LIMIT)
+    if legacy is not None and current is not None and legacy != current:
+        raise invalid(
+            "'max_tokens' and 'max_completion_tokens' are both given with different values; "
+            "send one ('max_tokens' is deprecated).",
+            "max_completion_tokens",
+        )
+    if current is not None:
+        return current, "max_completion_tokens"
+    return legacy, "max_tokens"
+
+
+def _messages(value: Any, max_messages: int) -> tuple[dict[str, str], ...]:
+    if value is None:
+        raise invalid("'messages' is required.", "messages")
+    if not isinstance(value, list):
+        raise invalid("'messages' must be a list of message objects.", "messages")
+    if not value:
+        raise invalid("'messages' must not be empty.", "messages")
+    if len(value) > max_messages:  # before any is read or rendered
+        raise invalid(
+            f"'messages' holds {len(value)} messages; the limit is {max_messages} "
+            "(MAX_CHAT_MESSAGES).",
+            "messages",
+        )
+    return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(value))
+
+
+def _message(message: Any, where: str) -> dict[str, str]:
+    if not isinstance(message, dict):
+        raise invalid(f"'{where}' must be an object.", where)
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise invalid(f"'{where}.role' is required and must be a string.", f"{where}.role")
+    if role in ("tool", "function"):
+        raise unsupported(f"{where}.role", f"The '{role}' role")
+    if role not in ROLES:
+        raise invalid(
+            f"Invalid value for '{where}.role': {quote_name(role)!r}; expected one of 'system', "
+            "'developer', 'user', 'assistant'.",
+            f"{where}.role",
+        )
+    allowed = ASSISTANT_FIELDS if role == "assistant" else MESSAGE_FIELDS
+    for key in message:
+        if key not in allowed:
+            at = f"{where}.{quote_name(key)}"
+            raise invalid(f"Unrecognized request argument supplied: {at}", at)
+    for key in ("tool_calls", "function_call", "audio"):
+        if message.get(key) is not None:
+            raise unsupported(f"{where}.{key}")
+    for key in ("name", "refusal"):
+        if message.get(key) is not None and not isinstance(message[key], str):
+            raise invalid(f"'{where}.{key}' must be a string.", f"{where}.{key}")
+    return {"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")}
+
+
+def _content(content: Any, where: str) -> str:
+    if content is None:
+        raise invalid(f"'{where}' is required.", where)
+    if isinstance(content, str):
+        _check_unicode(content, where)
+        return content
+    if not isinstance(content, list) or not content:
+        raise invalid(f"'{where}' must be a string or a non-empty list of content parts.", where)
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise invalid(f"'{at}' must be an object.", at)
+        kind = part.get("type")
+        if not isinstance(kind, str):  # a list or object is unhashable: no set lookup before this
+            raise invalid(f"'{at}.type' is required and must be a string.", f"{at}.type")
+        if kind in UNSUPPORTED_PARTS:
+            raise unsupported(f"{at}.type", f"Content part type '{kind}'")
+        if kind != "text":
+            raise invalid(
+                f"Invalid value for '{at}.type': {quote_name(kind)!r}; expected 'text'.",
+                f"{at}.type",
+            )
+        for key in part:
+            if key not in ("type", "text"):
+                bad = f"{at}.{quote_name(key)}"
+                raise invalid(f"Unrecognized request argument supplied: {bad}", bad)
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"'{at}.text' must be a string.", f"{at}.text")
+        _check_unicode(text, f"{at}.text")
+        texts.append(text)
+    # Several text parts are one message: joined by newlines, as vLLM does.
+    return "\n".join(texts)

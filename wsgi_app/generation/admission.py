@@ -1,0 +1,263 @@
+"""Admission control: a bounded number of generation slots per worker and a bounded FIFO wait queue.
+
+A request either gets a slot at once, waits in the queue, or is refused with ``429 server_busy`` and a
+``Retry-After`` computed from the observed service time. A released slot is handed straight to the oldest
+waiter, so the queue is fair and nobody races for it. Every ticket is released exactly once, whatever path
+the request takes (finished, disconnected, timed out, failed, shut down).
+
+A request also reserves the KV-cache bytes its sequences may hold (``KV_CACHE_BUDGET_MB``, see
+:func:`model.llama.kv_cache.reservation_bytes`): it runs only when a slot and its bytes are both free,
+waits in the same queue otherwise (the oldest waiter first, so a large request is never starved by small
+ones), and one that could not fit even in an idle worker is a 400.
+
+Source: docs/ARCHITECTURE.md §9 (admission and stream lifetime).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from gevent.event import Event
+
+from model.llama.kv_cache import can_ever_fit
+from wsgi_app.api.errors import ApiError, invalid
+
+QUEUED, RUNNING, RELEASED = "queued", "running", "released"
+_EWMA_ALPHA = 0.2  # weight of the newest slot-hold time in the service-time estimate
+
+
+class Ticket:
+    """One request's claim on a slot.
+
+    Attributes:
+        request_id: the request's id (for ``/debug/state``).
+        state: ``queued``, ``running`` or ``released``.
+        arrived: ``perf_counter`` at admission, in seconds.
+        deadline: ``perf_counter`` value after which the request times out, in seconds.
+        started: ``perf_counter`` when the slot was granted, or None.
+        progress: an object with ``completion_tokens`` (the live completion), or None.
+        kv_bytes: the KV-cache bytes reserved while running.
+    """
+
+    __slots__ = (
+        "_admission",
+        "request_id",
+        "kv_bytes",
+        "state",
+        "arrived",
+        "deadline",
+        "started",
+        "progress",
+        "_granted",
+    )
+
+    def __init__(
+        self, admission: Admission, request_id: str, deadline: float, kv_bytes: int = 0
+    ) -> None:
+        self._admission = admission
+        self.request_id = request_id
+        self.kv_bytes = kv_bytes
+        self.state = QUEUED
+        self.arrived = time.perf_counter()
+        self.deadline = deadline
+        self.started: float | None = None
+        self.progress: Any = None
+        self._granted = Event()
+
+    @property
+    def running(self) -> bool:
+        """True once the ticket holds a slot."""
+        return self.state == RUNNING
+
+    def _grant(self) -> None:
+        self.state = RUNNING
+        self.started = time.perf_counter()
+        self._granted.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block this greenlet until the slot is granted or ``timeout_s`` passes; True when granted."""
+        if self.state == RUNNING:
+            return True
+        woken = self._granted.wait(max(0.0, timeout_s))
+        if self.state == RUNNING:
+            return True
+        if woken:  # woken by Admission.wake_queued, not granted: the next wait waits again
+            self._granted.clear()
+        return False
+
+    def release(self) -> None:
+        """Give the slot (or the queue place) back; idempotent."""
+        self._admission._release(self)
+
+
+# Default limits, sized to what a slot costs (docs/ARCHITECTURE.md §9). A bigram stream runs inline in
+# its greenlet and holds ~32 KiB (a generator, a record, a socket): 1024 of them cost ~32 MiB, and the
+# pacer keeps a round of all running streams near HUB_ROUND_S (wsgi_app/generation/pacer.py), so slots are not
+# what limits it; WORKER_CONNECTIONS (1000) is reached first. A Llama slot is a row of every batched
+# decode step (up to MAX_N sequences): rows beyond what the step keeps busy only lengthen every
+# stream's inter-token time, so slots stay few and the rest wait in the queue.
+INLINE_SLOTS, INLINE_QUEUE = 1024, 1024
+BATCHED_SLOTS, BATCHED_QUEUE = 64, 256
+
+
+def default_limits(
+    engine_kind: str, max_slots: int | None, max_queue: int | None
+) -> tuple[int, int]:
+    """Return ``(slots, queue)`` per worker: ``MAX_SLOTS`` and ``MAX_QUEUE`` when set, else sized to
+    the model's engine.
+
+    Args:
+        engine_kind: ``"bigram"`` (inline) or ``"llama"`` (batched on the engine thread).
+        max_slots: ``MAX_SLOTS``, or None for the model's default.
+        max_queue: ``MAX_QUEUE``, or None for the model's default.
+    """
+    slots, queue = (
+        (BATCHED_SLOTS, BATCHED_QUEUE) if engine_kind == "llama" else (INLINE_SLOTS, INLINE_QUEUE)
+    )
+    return (
+        slots if max_slots is None else max_slots,
+        queue if max_queue is None else max_queue,
+    )
+
+
+class Admission:
+    """Slots and queue of one worker.
+
+    Args:
+        max_slots: concurrent generations (``MAX_SLOTS``).
+        max_queue: requests allowed to wait (``MAX_QUEUE``).
+        on_change: called with ``(busy slots, queued requests)`` after every admission and release
+            (e.g. to set gauges); must not raise.
+        kv_budget_bytes: KV-cache bytes the running requests may reserve together.
+    """
+
+    def __init__(
+        self,
+        max_slots: int,
+        max_queue: int,
+        on_change: Callable[[int, int], None] | None = None,
+        kv_budget_bytes: int = 1 << 62,
+    ) -> None:
+        self.max_slots = max_slots
+        self.max_queue = max_queue
+        self.on_change = on_change
+        self.kv_budget_bytes = kv_budget_bytes
+        self.kv_reserved = 0  # bytes reserved by running tickets
+        self.busy = 0
+        self._waiters: deque[Ticket] = deque()
+        self.tickets: dict[int, Ticket] = {}  # id(ticket) -> ticket, everything not yet released
+        self.service_s = 0.05  # EWMA of slot-hold time, seconds; a neutral start
+        self.served = 0
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._waiters)
+
+    def retry_after_s(self) -> int:
+        """Seconds until a slot is likely free for a new request: the queue ahead, drained at the
+        observed throughput (``max_slots / service_s``), rounded up, at least 1."""
+        wait = (len(self._waiters) + 1) * self.service_s / self.max_slots
+        return max(1, math.ceil(wait))
+
+    def admit(self, request_id: str, deadline: float, kv_bytes: int = 0) -> Ticket:
+        """Return a ticket that is running (a free slot and ``kv_bytes`` of budget) or queued.
+
+        Raises:
+            ApiError: 400 (``param`` ``max_tokens``) when ``kv_bytes`` exceeds the whole budget; 429
+                ``server_busy`` with ``Retry-After`` when the slots and the queue are full.
+        """
+        if not can_ever_fit(kv_bytes, self.kv_budget_bytes):
+            raise invalid(
+                f"This request may hold {_mib(kv_bytes)} MiB of KV cache (n x (prompt tokens + "
+                f"max_tokens)), more than this server's budget of {_mib(self.kv_budget_bytes)} MiB "
+                "per worker. Reduce 'max_tokens', the prompt or 'n'.",
+                "max_tokens",
+            )
+        ticket = Ticket(self, request_id, deadline, kv_bytes)
+        if not self._waiters and self._fits(ticket):
+            self._run(ticket)
+        elif len(self._waiters) < self.max_queue:
+            self._waiters.append(ticket)
+        else:
+            retry = self.retry_after_s()
+            raise ApiError(
+                429,
+                f"Server busy: all {self.max_slots} generation slots are in use and "
+                f"{len(self._waiters)} requests are queued; retry after {retry} s.",
+                type="rate_limit_error",
+                code="server_busy",
+                headers={"Retry-After": str(retry)},
+            )
+        self.tickets[id(ticket)] = ticket
+        if self.on_change is not None:
+            self.on_change(self.busy, len(self._waiters))
+        return ticket
+
+    def wake_queued(self) -> None:
+        """End every queued request's current wait early, without a slot, so that its caller looks
+        at the clock now (the worker's stop time has come: it answers 503 rather than waiting out a
+        heartbeat)."""
+        for ticket in self._waiters:
+            ticket._granted.set()
+
+    def _release(self, ticket: Ticket) -> None:
+        if ticket.state == RELEASED:
+            return
+        if ticket.state == QUEUED:
+            self._waiters.remove(ticket)
+        else:
+            held = time.perf_counter() - (ticket.started or ticket.arrived)
+            self.service_s += _EWMA_ALPHA * (held - self.service_s)
+            self.served += 1
+            self.busy -= 1
+            self.kv_reserved -= ticket.kv_bytes
+        # Hand what is free to the oldest waiters, in order (also after a queued one left the head).
+        while self._waiters and self._fits(self._waiters[0]):
+            self._run(self._waiters.popleft())
+        ticket.state = RELEASED
+        self.tickets.pop(id(ticket), None)
+        if self.on_change is not None:
+            self.on_change(self.busy, len(self._waiters))
+
+    def _fits(self, ticket: Ticket) -> bool:
+        return (
+            self.busy < self.max_slots
+            and self.kv_reserved + ticket.kv_bytes <= self.kv_budget_bytes
+        )
+
+    def _run(self, ticket: Ticket) -> None:
+        self.busy += 1
+        self.kv_reserved += ticket.kv_bytes
+        ticket._grant()
+
+    def state(self) -> dict[str, Any]:
+        """Return slots, queue and every in-flight request (age, tokens, time to deadline, seconds)."""
+        now = time.perf_counter()
+        requests = []
+        for t in self.tickets.values():
+            requests.append(
+                {
+                    "request_id": t.request_id,
+                    "state": t.state,
+                    "age_s": round(now - t.arrived, 3),
+                    "tokens": 0 if t.progress is None else t.progress.completion_tokens,
+                    "deadline_in_s": round(t.deadline - now, 3),
+                }
+            )
+        return {
+            "slots": {"busy": self.busy, "total": self.max_slots},
+            "queue": {"waiting": len(self._waiters), "max": self.max_queue},
+            "kv_cache_bytes": {"reserved": self.kv_reserved, "budget": self.kv_budget_bytes},
+            "service_time_s": round(self.service_s, 6),
+            "requests": requests,
+        }
+
+
+def _mib(nbytes: int) -> str:
+    """Return ``nbytes`` in MiB with one decimal."""
+    return f"{nbytes / (1 << 20):.1f}"

@@ -1,0 +1,141 @@
+"""One choice of a completion: its token stream, text, stop strings and logprobs.
+
+Each :class:`Choice` owns its engine token stream, its incremental UTF-8 decoder and its stop matcher;
+:class:`~wsgi_app.wire.logprobs.Logprobs` (or its chat twin) is the ``logprobs`` object it fills. How
+they go on the wire is ``wsgi_app.wire.encoder``'s business.
+
+Source: OpenAI API reference, "Completions" (legacy) objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from model.engine import Step
+from model.stop import StopMatcher
+from model.tokenizer import ByteTokenizer
+from model.utf8 import Utf8Decoder
+from wsgi_app.wire.logprobs import ChatLogprobs, Logprobs
+
+BYTE_TOKENIZER = ByteTokenizer()
+
+
+def token_start(released: str, data: bytes) -> int:
+    """Return where a token's own text starts in the text its bytes released.
+
+    A token fed while the decoder held earlier bytes may release their U+FFFD (the token showed them
+    invalid) before its own text: ``"\ufffd\x1c"`` for ``\x1c`` after ``\xf1``. Its own text starts
+    after that; a token that completed the held bytes into a character starts with that character (0).
+
+    Args:
+        released: the text the decoder returned for the token's bytes.
+        data: the token's bytes.
+    """
+    try:
+        own = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return 0
+    return len(released) - len(own) if own and released.endswith(own) else 0
+
+
+class Choice:
+    """One choice of a completion: advances its token stream one token at a time.
+
+    Args:
+        index: the choice's ``index`` on the wire.
+        stream: the engine's token stream (closed when the choice ends); None items are engine ticks
+            (no token yet).
+        max_tokens: tokens to generate.
+        stop: stop strings (never returned in the text).
+        echo_text: the prompt text when ``echo`` is set, else "".
+        logprobs: a :class:`~wsgi_app.wire.logprobs.Logprobs` or ``ChatLogprobs`` to fill, or None.
+        token_bytes: the bytes each token id adds to the text (the tokenizer's ``token_bytes``).
+        pending: with ``echo``, the echoed prompt's unfinished UTF-8 tail: prompt and completion are
+            one byte stream, so the first tokens may finish that character.
+    """
+
+    __slots__ = (
+        "index",
+        "_stream",
+        "max_tokens",
+        "_decoder",
+        "_matcher",
+        "parts",
+        "tokens",
+        "finish_reason",
+        "logprobs",
+        "_chars",
+        "_stops",
+        "_token_bytes",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        stream: Iterator[Step | None],
+        max_tokens: int,
+        stop: tuple[str, ...],
+        echo_text: str,
+        logprobs: Logprobs | ChatLogprobs | None,
+        token_bytes: list[bytes] = BYTE_TOKENIZER.token_bytes,
+        pending: bytes = b"",
+    ) -> None:
+        self.index = index
+        self._token_bytes = token_bytes
+        self._stream = stream
+        self.max_tokens = max_tokens
+        self._decoder = Utf8Decoder()
+        self._decoder.feed(pending)  # a proper prefix of a character: releases no text
+        self._matcher = StopMatcher(stop)
+        self._stops = bool(stop)  # without stop strings the matcher releases text unchanged
+        self.parts: list[str] = [echo_text] if echo_text else []
+        self.tokens = 0
+        self.finish_reason: str | None = None if max_tokens > 0 else "length"
+        self.logprobs = logprobs
+        self._chars = len(echo_text)  # characters decoded so far, for ``text_offset``
+
+    def advance(self) -> str | None:
+        """Generate one token and return the text it releases (may be ""), or None for an engine tick
+        (no token yet: the engine is still working, e.g. prefilling a long prompt).
+
+        Sets :attr:`finish_reason` on the last token (``length``), on a stop string (``stop``), or
+        when the engine ends the stream: an end-of-sequence token (``stop``; it adds no text) or a full
+        context (``length``).
+
+        Raises:
+            Exception: whatever the engine raises; the caller turns it into an error answer.
+        """
+        step = next(self._stream)
+        if step is None:
+            return None
+        self.tokens += 1
+        ended = step.finish_reason
+        held = self.logprobs is not None and self._decoder.pending
+        data = self._token_bytes[step.token_id]
+        text = "" if ended == "stop" else self._decoder.feed(data)
+        last = ended is not None or self.tokens >= self.max_tokens
+        if self.logprobs is not None:  # the character count is only for ``text_offset``
+            start = token_start(text, data) if held and text else 0
+            self.logprobs.add(step, self._chars + start)
+            self._chars += len(text)
+        if last:
+            tail = self._decoder.finish()
+            text += tail
+            self._chars += len(tail)
+        if self._stops:
+            out, stopped = self._matcher.push(text)
+        else:
+            out, stopped = text, False
+        if stopped:
+            self.finish_reason = "stop"
+            self.close()
+        elif last:
+            out += self._matcher.flush()
+            self.finish_reason = ended or "length"
+            self.close()
+        self.parts.append(out)
+        return out
+
+    def close(self) -> None:
+        """Stop the token stream: no model work happens for this choice after this."""
+        self._stream.close()

@@ -1,0 +1,303 @@
+"""A completion: the ``n`` choices of one request, and the token loop that generates them.
+
+:meth:`Completion.chunks` is the token loop of every stream: round-robin over the live choices, one token
+each, every token's event built by the one chunk builder (``wsgi_app.wire.encoder.ChunkEncoder``) and
+followed by a call of the request's pacer (``wsgi_app.generation.pacer.Pacer``). :meth:`Completion.run`
+drives the same loop for a non-streamed answer and returns its JSON.
+
+Source: OpenAI API reference, "Completions" (legacy) objects.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from itertools import cycle
+from typing import Protocol
+
+from model.engine import GenerationRequest, Step
+from model.tokenizer import TextTokenizer
+from model.utf8 import Utf8Decoder
+from wsgi_app.api.completions import CompletionRequest, Prompt
+from wsgi_app.generation.choice import BYTE_TOKENIZER, Choice, token_start
+from wsgi_app.wire.encoder import TEXT_COMPLETION, ChunkEncoder, WireFormat
+from wsgi_app.wire.logprobs import Logprobs
+from wsgi_app.wire.sse import PING, PLAIN, Framing
+
+# How far ahead of its expected place a prompt token's text is looked for, in characters, where the
+# tokenizer changed the prompt's text (so the search stays linear in the prompt).
+_RESYNC_CHARS = 16
+
+
+class Engine(Protocol):
+    """What a completion needs of the model's engine."""
+
+    def stream(self, req: GenerationRequest) -> Iterator[Step | None]:
+        """Return the token stream of ``req``; None items are ticks (no token yet)."""
+
+    def score(
+        self, prompt_ids: tuple[int, ...], top_n: int, pause: Callable[[], None]
+    ) -> list[Step]:
+        """Return the logprobs of the prompt tokens (for ``echo``), calling ``pause`` between slices."""
+
+
+class Pacing(Protocol):
+    """The request's pacer (``wsgi_app.generation.pacer.Pacer``): called after every token.
+
+    Raises:
+        ApiError: from any method, to end the request (deadline, shutdown).
+    """
+
+    def __call__(self) -> None:
+        """A token was generated."""
+
+    def tick(self) -> None:
+        """The engine has no token yet."""
+
+    def pause(self) -> None:
+        """A slice of a long piece of work (scoring, encoding) is done."""
+
+
+class Completion:
+    """The ``n`` choices of one request and their rendering on the wire.
+
+    Args:
+        engine: the model's engine (the choices' token streams, the prompt's scores).
+        req: the validated request.
+        seed: the effective seed, 0..2**64-1.
+        completion_id: the id (``cmpl-…``), the same for every chunk.
+        created: Unix time in seconds.
+        pacer: the request's pacer; called after every token, told about ticks and pauses.
+        framing: how SSE events are framed (:data:`~wsgi_app.wire.sse.PLAIN` for POST streams,
+            :class:`~wsgi_app.wire.sse.EventIds` for the ``EventSource`` stream).
+        heartbeat_s: while only ticks come, a ``: ping`` is streamed this often, in seconds.
+        tokenizer: the model's tokenizer (bytes for the bigram).
+        wire: the wire format of the answer.
+        fingerprint: the model version, for wire formats that carry ``system_fingerprint``.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        req: CompletionRequest,
+        seed: int,
+        completion_id: str,
+        created: int,
+        pacer: Pacing,
+        framing: Framing = PLAIN,
+        *,
+        heartbeat_s: float = 15.0,
+        tokenizer: TextTokenizer = BYTE_TOKENIZER,
+        wire: WireFormat = TEXT_COMPLETION,
+        fingerprint: str | None = None,
+    ) -> None:
+        self.req = req
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._echo_scored = not (req.echo and req.logprobs is not None)
+        self.pacer = pacer
+        self.heartbeat_s = heartbeat_s
+        self._quiet_since = time.perf_counter()
+        self.framing = framing
+        self.seed = seed
+        self.choices: list[Choice] = []
+        self.echo_texts: list[str] = []  # per prompt: the text its choices' echo chunk carries
+        n = req.n
+        for prompt in req.prompts():
+            echo_text, pending = _echo(prompt, req) if req.echo else ("", b"")
+            self.echo_texts.append(echo_text)
+            for i in range(n):  # choice i of prompt p is index p*n + i, seeded as choice i
+                logprobs = None if req.logprobs is None else wire.new_logprobs(tokenizer)
+                gen = GenerationRequest(
+                    prompt_ids=prompt.ids,
+                    max_tokens=req.max_tokens,
+                    params=req.sampling,
+                    seed=seed,
+                    seq=54 + i,
+                    logprobs=req.logprobs,
+                    ignore_eos=req.ignore_eos,
+                )
+                choice = Choice(
+                    len(self.choices),
+                    engine.stream(gen),
+                    req.max_tokens,
+                    req.stop,
+                    echo_text,
+                    logprobs,
+                    tokenizer.token_bytes,
+                    pending,
+                )
+                self.choices.append(choice)
+        self.encoder: ChunkEncoder = wire.encoder(
+            completion_id,
+            created,
+            req.model,
+            len(self.choices),
+            req.include_usage,
+            framing,
+            fingerprint,
+        )
+
+    # -- accounting ---------------------------------------------------------------------------
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated over all choices."""
+        return sum(c.tokens for c in self.choices)
+
+    def usage(self) -> dict[str, int]:
+        """Return the ``usage`` object: each prompt counted once, completions summed over choices."""
+        prompt = self.req.prompt_tokens
+        completion = self.completion_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def finish_reasons(self) -> list[str | None]:
+        """Each choice's finish reason (None while it runs)."""
+        return [c.finish_reason for c in self.choices]
+
+    def close(self) -> None:
+        """Close every token stream (idempotent)."""
+        for choice in self.choices:
+            choice.close()
+
+    # -- the token loop -----------------------------------------------------------------------
+
+    def _score_echo(self) -> None:
+        """With ``echo`` and ``logprobs``: score the prompt once (after the slot is granted, not at
+        admission) and give every choice its prompt entries."""
+        if self._echo_scored:
+            return
+        self._echo_scored = True
+        req, pause, n = self.req, self.pacer.pause, self.req.n
+        for p, prompt in enumerate(req.prompts()):
+            scored = self._engine.score(prompt.ids, req.logprobs, pause)
+            entries = Logprobs(self._tokenizer.token_str)
+            offsets = _offsets(prompt, self._tokenizer.token_bytes, pause)
+            for i, (offset, step) in enumerate(zip(offsets, scored, strict=True)):
+                entries.add(step, offset)
+                if i % 1024 == 1023:
+                    pause()
+            for choice in self.choices[p * n : (p + 1) * n]:
+                choice.logprobs.extend(entries)  # array copies: n choices cost one scoring
+
+    def _tick(self) -> Iterator[bytes]:
+        """Handle an engine tick: enforce deadlines, and stream a ``: ping`` at most every
+        ``heartbeat_s`` (a write: a client that left during a long prefill is noticed)."""
+        self.pacer.tick()
+        now = time.perf_counter()
+        if now - self._quiet_since >= self.heartbeat_s:
+            self._quiet_since = now
+            yield PING
+
+    def chunks(self, events: bool = True) -> Iterator[bytes]:
+        """Generate every choice to its end: one SSE event per token, round-robin over the live
+        choices (so an engine that batches, Llama, has them all in flight at once).
+
+        Each choice may first get an opening chunk (the prompt text with ``echo``; the chat
+        completion's role): ``ChunkEncoder.first_chunks``. The caller frames the stream (opening
+        comment, usage chunk, ``[DONE]``) and handles errors. Events the framing drops (a
+        resumed ``EventSource`` stream) are built but not yielded.
+
+        Args:
+            events: False to build no events (a non-streamed answer; only pings are yielded).
+
+        Raises:
+            Exception: whatever the engine or the pacer raises; the caller answers with an error.
+        """
+        self._score_echo()
+        chunk, pace = self.encoder.chunk, self.pacer
+        if events:
+            n = self.req.n
+            echo = [self.echo_texts[c.index // n] for c in self.choices] if self.req.echo else None
+            for event in self.encoder.first_chunks(self.choices, echo, self.pacer.pause):
+                if event:
+                    yield event
+        live = [c for c in self.choices if c.finish_reason is None]
+        while live:
+            for c in cycle(live):  # round after round, with no per-round work
+                text = c.advance()
+                if text is None:
+                    yield from self._tick()
+                    continue
+                if events:
+                    event = chunk(c, text)
+                    if event:
+                        yield event
+                pace()
+                if c.finish_reason is not None:
+                    break
+            # Only the choice that just advanced can have ended: the next round goes on after it.
+            k = live.index(c)
+            live = live[k + 1 :] + live[:k]
+
+    def usage_chunk(self) -> bytes:
+        """Return the ``stream_options.include_usage`` event: no choices, the usage."""
+        return self.encoder.usage_chunk(self.usage())
+
+    def run(self) -> list[bytes]:
+        """Generate every choice to its end and return the JSON answer's byte strings
+        (:meth:`~wsgi_app.wire.encoder.ChunkEncoder.answer`)."""
+        for _ in self.chunks(events=False):
+            pass
+        return self.encoder.answer(self.choices, self.usage(), self.pacer.pause)
+
+
+def _echo(prompt: Prompt, req: CompletionRequest) -> tuple[str, bytes]:
+    """Return the text an echoing choice starts with, and the bytes its decoder starts with.
+
+    Prompt and completion are one byte stream: a token-id prompt ending inside a character (its
+    ``tail``) is echoed without that character's U+FFFD, and the tail goes to the choice's decoder,
+    which the first generated bytes may complete. With nothing to generate, the U+FFFD stays.
+    """
+    if prompt.tail and req.max_tokens > 0:
+        return prompt.text[:-1], prompt.tail  # text ends with the tail's one U+FFFD
+    return prompt.text, b""
+
+
+def _offsets(prompt: Prompt, token_bytes: list[bytes], pause: Callable[[], None]) -> list[int]:
+    """Return the character offset in the echoed prompt at which each prompt token's text starts.
+
+    The echoed text is the string the client sent, which is not always the tokens' own text: a
+    SentencePiece tokenizer prepends a space (its dummy prefix, " Once" for "Once"). Offsets count the
+    tokens' text and are shifted back by what the tokenizer added in front (never below 0), so that the
+    echoed text at ``text_offset[i]`` starts with token ``i``'s text wherever that text is there. A
+    tokenizer that changed the text elsewhere (a normalizer) gets each token placed at its text found
+    just ahead, when found; offsets never decrease.
+
+    Args:
+        prompt: the prompt (its ids and the text echoed).
+        token_bytes: the bytes of each token id.
+        pause: called between slices of a long prompt.
+    """
+    decoder = Utf8Decoder()
+    pieces, starts = [], []
+    for i, token_id in enumerate(prompt.ids):
+        held, data = decoder.pending, token_bytes[token_id]
+        piece = decoder.feed(data)
+        pieces.append(piece)
+        starts.append(token_start(piece, data) if held and piece else 0)
+        if i % 8192 == 8191:
+            pause()
+    joined, text = "".join(pieces), prompt.text
+    offsets, chars = [], 0
+    if text.startswith(joined) or joined.endswith(text):
+        shift = max(0, len(joined) - len(text))  # the characters added in front of the text
+        for piece, start in zip(pieces, starts, strict=True):
+            offsets.append(max(0, chars + start - shift))
+            chars += len(piece)
+        return offsets
+    for piece in pieces:  # the tokens' text differs from the prompt's inside: resynchronise
+        if not piece or text.startswith(piece, chars):
+            offsets.append(chars)
+            chars += len(piece)
+            continue
+        core = piece.strip()
+        found = text.find(core, chars, chars + len(piece) + _RESYNC_CHARS) if core else -1
+        offsets.append(chars if found < 0 else found)
+        if found >= 0:
+            chars = found + len(core)
+    return offsets

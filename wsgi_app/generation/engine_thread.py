@@ -1,0 +1,190 @@
+"""The batching engine's native thread, and the gevent-safe channel between it and the request greenlets.
+
+Transformer steps cost milliseconds of CPU; on the hub they would freeze every connection of the worker.
+So one thread per worker runs :class:`model.llama.scheduler.BatchScheduler` (numpy releases the GIL in its
+matrix products), and greenlets talk to it through plain deques: a submission and a cancellation flag one
+way; Steps the other way, announced by a libev/libuv *async watcher*, the one gevent object that another
+native thread may signal. Greenlets never block the hub: they wait on a per-stream gevent Event that the
+watcher's callback (on the hub) sets.
+
+The stream has the bigram engine's interface, plus heartbeat ticks: while its next token is not ready
+after ``tick_s`` it yields ``None``, so the HTTP layer can check deadlines and write keep-alives (for
+example during a long prefill, which runs in chunks and notices a cancellation within one chunk).
+
+Source: docs/ARCHITECTURE.md §5, §15 (heavy numpy work off the hub); gevent docs, "Threads and
+the hub" (async watchers are the safe cross-thread wakeup).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import gevent
+from gevent.event import Event
+from gevent.monkey import get_original
+from gevent.threadpool import ThreadPool
+
+from model.engine import GenerationRequest, Step
+from model.llama.scheduler import END, BatchScheduler, Sequence
+from wsgi_app.server.heap import HeapTrimmer
+
+log = logging.getLogger("greenserve.engine")
+
+# The real ones: under gevent's monkey-patching, threading would give us a greenlet.
+_start_new_thread = get_original("_thread", "start_new_thread")
+_allocate_lock = get_original("_thread", "allocate_lock")
+
+
+class _Stream:
+    """Hub-side state of one sequence: delivered items and the Event its greenlet waits on."""
+
+    __slots__ = ("items", "ready", "seq")
+
+    def __init__(self) -> None:
+        self.items: deque[Any] = deque()
+        self.ready = Event()
+        self.seq: Sequence | None = None
+
+
+class ThreadedEngine:
+    """Continuous batching on one native thread per worker.
+
+    Args:
+        scheduler: the batch scheduler (owned by the engine thread from now on).
+        tick_s: longest a stream waits for its next token before yielding a ``None`` tick, seconds.
+        idle_s: how long the idle thread sleeps between looks at its inbox when nobody rings, seconds.
+        on_idle: called on the engine thread each time the last sequence leaves; by default it
+            returns the freed C heap to the system (rate-limited, see :mod:`wsgi_app.server.heap`), so
+            an idle worker does not keep a burst's memory.
+    """
+
+    def __init__(
+        self,
+        scheduler: BatchScheduler,
+        tick_s: float = 0.25,
+        idle_s: float = 1.0,
+        on_idle: Callable[[], Any] | None = None,
+    ) -> None:
+        self._scheduler = scheduler
+        self._on_idle = HeapTrimmer() if on_idle is None else on_idle
+        self._pending_trim = False
+        self.tick_s = tick_s
+        self._idle_s = idle_s
+        self._inbox: deque[tuple[GenerationRequest, _Stream]] = deque()
+        self._outbox: deque[tuple[_Stream, Any]] = deque()
+        self._doorbell = _allocate_lock()
+        self._doorbell.acquire()
+        self._stopping = False
+        self._watcher = gevent.get_hub().loop.async_()
+        self._watcher.start(self._deliver)
+        # Scoring (echo) is one prefill: run it on a dedicated native pool, not on the hub.
+        self._score_pool = ThreadPool(1)
+        self.failed: BaseException | None = None
+        _start_new_thread(self._run, ())
+
+    # -- greenlet side --------------------------------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        """The most tokens (prompt + generated) one sequence may hold."""
+        return self._scheduler.model.config.max_seq_len
+
+    def stream(self, req: GenerationRequest) -> Iterator[Step | None]:
+        """Validate ``req`` now, then return a generator of its Steps (``None`` = still working).
+
+        Closing the generator cancels the sequence; the engine thread drops it at its next step.
+
+        Raises:
+            ValueError: as ``LlamaEngine.stream`` (bad prompt, seed, ``max_tokens``, ``logprobs``).
+        """
+        self._scheduler.validate(req)
+        return self._steps(req)
+
+    def _steps(self, req: GenerationRequest) -> Iterator[Step | None]:
+        stream = _Stream()
+        self._inbox.append((req, stream))
+        self._ring()
+        try:
+            while True:
+                if not stream.items:
+                    stream.ready.clear()
+                    if not stream.ready.wait(self.tick_s):
+                        yield None
+                        continue
+                item = stream.items.popleft()
+                if item is END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if stream.seq is not None:
+                stream.seq.cancelled = True  # one attribute write: safe across threads
+            else:
+                stream.items.append(END)  # not admitted yet: the thread skips it
+            self._ring()
+
+    def score(
+        self, prompt_ids: tuple[int, ...], top_n: int, pause: Callable[[], None] | None = None
+    ) -> list[Step]:
+        """Score the prompt's tokens (for ``echo`` with ``logprobs``) on a native thread (the hub
+        runs meanwhile, so ``pause`` is never needed)."""
+        return self._score_pool.apply(self._scheduler.score, (prompt_ids, top_n))
+
+    def shutdown(self) -> None:
+        """Stop the engine thread after its current step."""
+        self._stopping = True
+        self._ring()
+
+    def _ring(self) -> None:
+        try:
+            self._doorbell.release()
+        except RuntimeError:  # already rung
+            pass
+
+    def _deliver(self) -> None:
+        """On the hub: hand the engine thread's output to the waiting streams."""
+        while self._outbox:
+            stream, item = self._outbox.popleft()
+            stream.items.append(item)
+            stream.ready.set()
+
+    # -- engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        scheduler = self._scheduler
+        while not self._stopping:
+            scheduler.prune()  # a client that left frees its place before a newcomer asks for one
+            while self._inbox:
+                req, stream = self._inbox.popleft()
+                if stream.items and stream.items[-1] is END:  # cancelled before it started
+                    continue
+                try:
+                    stream.seq = scheduler.add(req, stream)
+                except Exception as exc:  # noqa: BLE001 - reported to that stream
+                    self._post(stream, exc)
+            if scheduler.idle:
+                if self._pending_trim:  # the last sequence just left (False: retry when idle)
+                    self._pending_trim = self._on_idle() is False
+                self._doorbell.acquire(timeout=self._idle_s)
+                continue
+            self._pending_trim = True
+            try:
+                touched = scheduler.step()
+            except BaseException as exc:  # noqa: BLE001 - fail the live sequences, keep serving
+                log.exception("engine step failed")
+                for seq in scheduler.abort():
+                    self._post(seq.handle, exc)
+                continue
+            for seq in touched:
+                for item in seq.steps:
+                    self._outbox.append((seq.handle, item))
+                seq.steps.clear()
+            self._watcher.send()
+
+    def _post(self, stream: _Stream, item: Any) -> None:
+        self._outbox.append((stream, item))
+        self._watcher.send()

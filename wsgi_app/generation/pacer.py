@@ -1,0 +1,186 @@
+"""The pacer of one generating request: what runs between its tokens.
+
+One :class:`Pacer` per request, called after every generated token (and told about engine ticks and
+long slices of work): it stamps the token times, enforces the request's and the worker's deadlines,
+notices a non-streamed request's vanished client, and gives the gevent hub a turn
+(:class:`~wsgi_app.generation.hubturn.HubTurn`) once the request has run for its slice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import typing
+
+import gevent
+
+from wsgi_app.api.errors import timeout_error, unavailable
+from wsgi_app.generation.hubturn import HubTurn
+from wsgi_app.generation.record import DEADLINE, SHUTDOWN, RequestRecord
+from wsgi_app.server.connection import peer_closed
+
+if typing.TYPE_CHECKING:
+    import socket
+
+    from wsgi_app.http.runtime import Runtime
+
+# The bigram engine runs inline in the request's greenlet: give the hub a turn at least this often, so
+# one fast stream never holds the other connections (and /healthz) for more than about a millisecond.
+HUB_SLICE_S = 0.0005
+# Streams yield with a HubTurn (wsgi_app/generation/hubturn.py), which queues them in order and resumes them
+# between the hub's I/O polls, a millisecond's worth at a time (hubturn.POLL_S): new connections,
+# /healthz probes and other I/O wait at most about that long per step, however many streams run. So
+# that a round of all the streams (each one's inter-token gap) stays near HUB_ROUND_S, the slice shrinks
+# to HUB_ROUND_S divided by the busy slots (down to one token). Chosen with bench/ (README,
+# Performance): at 128 streams a 20 ms round gives ~12 % more tokens/s than 10 ms.
+HUB_ROUND_S = 0.02
+PEER_CHECK_S = (
+    0.1  # how often a generating non-streamed request looks for a vanished client, seconds
+)
+
+
+def hub_slice(busy: int) -> float:
+    """Return how long (seconds) one stream may run before yielding the hub, with ``busy`` slots in use."""
+    return min(HUB_SLICE_S, HUB_ROUND_S / busy) if busy > 0 else HUB_SLICE_S
+
+
+step_log = logging.getLogger("greenserve.step")
+
+
+class ClientGone(Exception):
+    """The client closed its connection while a non-streamed answer was being generated."""
+
+
+class Pacer:
+    """The pacer of one request. Called after every generated token: stamps TTFT, enforces the
+    request's deadline and the shutdown deadline, and yields the gevent hub a turn
+    (:class:`~wsgi_app.generation.hubturn.HubTurn`: pending I/O and new requests first) once this greenlet has
+    run for its slice (:func:`hub_slice`: ``HUB_SLICE_S``, less when many streams run). Every
+    token's ``perf_counter`` is appended to ``record.token_times`` (8 bytes a token); the
+    inter-token statistics are computed from it once, when the request ends.
+
+    The common path costs one ``perf_counter`` read, one array append and three comparisons.
+    :meth:`tick` is for an engine tick (no token yet), :meth:`pause` for a break between slices of a
+    long piece of work that is not a token (scoring or encoding a huge prompt).
+
+    Raises:
+        ApiError: 504 ``timeout`` past the deadline; 503 ``unavailable`` when the worker is stopping.
+    """
+
+    __slots__ = (
+        "_rt",
+        "_record",
+        "_times",
+        "deadline",
+        "_since",
+        "_slice",
+        "_turn",
+        "peer",
+        "_peer_seen",
+    )
+
+    def __init__(self, rt: Runtime, record: RequestRecord, deadline: float) -> None:
+        self._rt = rt
+        self._record = record
+        self._times = record.token_times
+        self.deadline = deadline
+        self._since = time.perf_counter()
+        self._slice = hub_slice(rt.admission.busy)
+        self._turn = HubTurn()
+        # A non-streamed answer writes nothing until its end: its view sets ``peer`` so that a client
+        # that left is noticed (every PEER_CHECK_S) rather than generated for in vain.
+        self.peer: socket.socket | None = None
+        self._peer_seen = self._since
+
+    @staticmethod
+    def make(rt: Runtime, record: RequestRecord, deadline: float) -> Pacer:
+        """Return a :class:`Pacer`, or a :class:`DebugPacer` when ``LOG_LEVEL=debug``."""
+        cls = DebugPacer if step_log.isEnabledFor(logging.DEBUG) else Pacer
+        return cls(rt, record, deadline)
+
+    def __call__(self) -> None:
+        now = time.perf_counter()
+        times = self._times
+        if not times:
+            self._record.ttft_s = now - self._record.started
+        times.append(now)
+        if now >= self.deadline or self._rt.stop_at is not None:
+            self.check(now)
+        if now - self._since >= self._slice:
+            self._turn()
+            self._since = time.perf_counter()
+            self._slice = hub_slice(self._rt.admission.busy)
+            if self.peer is not None:
+                self._check_peer(self._since)
+
+    def tick(self) -> None:
+        """Called while the engine has no token yet (a tick): enforce the deadlines, and notice a
+        vanished client of a non-streamed answer."""
+        now = time.perf_counter()
+        self.check(now)
+        if self.peer is not None:
+            self._check_peer(now)
+
+    @staticmethod
+    def pause() -> None:
+        """Let other greenlets (and ``/healthz``) run between slices of a long piece of work."""
+        gevent.sleep(0)
+
+    def _check_peer(self, now: float) -> None:
+        if now - self._peer_seen >= PEER_CHECK_S:
+            self._peer_seen = now
+            if peer_closed(self.peer):
+                raise ClientGone()
+
+    def check(self, now: float) -> None:
+        """Raise if the request's deadline or the worker's stop time has passed at ``now``, and
+        record that as the request's ``end_reason`` (``deadline``, ``shutdown``)."""
+        if now >= self.deadline:
+            self._record.end(DEADLINE)
+            raise timeout_error(self._rt.settings.request_timeout_s)
+        stop_at = self._rt.stop_at
+        if stop_at is not None and now >= stop_at:
+            self._record.end(SHUTDOWN)
+            raise unavailable("Server is shutting down; generation was ended early.")
+
+    def time_left_s(self, now: float) -> float:
+        """Seconds from ``now`` until :meth:`check` raises (the deadline or the worker's stop time)."""
+        stop_at = self._rt.stop_at
+        return (self.deadline if stop_at is None else min(self.deadline, stop_at)) - now
+
+
+class DebugPacer(Pacer):
+    """A :class:`Pacer` that also logs one debug line per generated token (``LOG_LEVEL=debug``):
+    the request id, the token's index over all choices, its time since arrival and the gap before it.
+    No text: token texts are for ``LOG_PROMPTS=1`` and the request line only."""
+
+    __slots__ = ()
+
+    def __call__(self) -> None:
+        super().__call__()
+        times, record = self._times, self._record
+        n = len(times)
+        step_log.debug(
+            "step",
+            extra={
+                "request_id": record.request_id,
+                "step": n,
+                "t_s": round(times[-1] - record.started, 6),
+                "gap_s": round(times[-1] - times[-2], 6) if n > 1 else None,
+            },
+        )
+
+
+class Unpaced:
+    """A pacer that stamps nothing and never stops a request: for driving a
+    :class:`~wsgi_app.generation.completion.Completion` by hand (benchmarks, tests)."""
+
+    __slots__ = ()
+
+    def __call__(self) -> None:
+        """Do nothing after a token."""
+
+    def tick(self) -> None:
+        """Do nothing on an engine tick."""
+
+    pause = staticmethod(Pacer.pause)

@@ -1,0 +1,92 @@
+"""What the server learns about one request while answering it: the one per-request state.
+
+Made before routing (``wsgi_app.http.lifecycle``), filled in as the request goes (admission and
+settling in ``wsgi_app.generation.start`` and ``wsgi_app.http.stream_body``, token times in
+``wsgi_app.generation.pacer``, a failure in ``wsgi_app.http.error_handlers``), and read once when the
+response is closed (``wsgi_app.http.lifecycle.finish``, ``wsgi_app.request_telemetry``).
+This module imports nothing of the app, so every layer may import it.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from dataclasses import dataclass, field
+
+from telemetry.spans import Span
+
+# Why a generation ended (``RequestRecord.end_reason``; docs/ARCHITECTURE.md §9). The client's doing:
+# CLIENT_LEFT (it closed the connection), SEND_TIMEOUT (it stopped reading for ``SEND_TIMEOUT_S``).
+# The server's: DEADLINE (``REQUEST_TIMEOUT_S``), SHUTDOWN (the worker stopping), ENGINE_ERROR (any
+# other failure). A normal end: FINISHED (every choice ran to ``max_tokens``), STOP (at least one
+# choice ended at a stop string or the end-of-generation token).
+FINISHED, STOP = "finished", "stop"
+CLIENT_LEFT, SEND_TIMEOUT = "client_left", "send_timeout"
+DEADLINE, SHUTDOWN, ENGINE_ERROR = "deadline", "shutdown", "engine_error"
+END_REASONS = (FINISHED, STOP, CLIENT_LEFT, SEND_TIMEOUT, DEADLINE, SHUTDOWN, ENGINE_ERROR)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What the server learns about one request while answering it.
+
+    Attributes:
+        request_id: the client's ``X-Request-Id`` (1-128 visible ASCII) or a generated one.
+        span: the request's SERVER span.
+        started: ``perf_counter`` at arrival, in seconds.
+        status: the HTTP status sent.
+        prompt_tokens, completion_tokens: usage counts (tokens).
+        finish_reasons: one per choice.
+        error: message of a failure after the first byte (the status cannot change then), or None.
+        ttft_s: seconds from arrival to the first generated token, or None.
+        done: True once :func:`wsgi_app.http.lifecycle.finish` has run (it runs once).
+        method, path, route: the HTTP method, the path (no query string) and the matched rule or None.
+        client_hash: salted hash of the client's address (``telemetry.logs.client_hash``).
+        user_hash: salted hash of the request's ``user`` (the same function), or None without one.
+        model: the request's ``model`` once validated, else None.
+        prompt: the prompt text, kept only with ``LOG_PROMPTS=1`` (else None).
+        texts: each choice's text, kept only with ``LOG_PROMPTS=1`` (else None).
+        token_times: ``perf_counter`` of every generated token (all choices), ``array('d')``, seconds.
+        queue_wait_s: seconds from admission to a slot (or to leaving the queue), None if never queued.
+        slot_at: ``perf_counter`` when the slot was granted, or None.
+        end_reason: why generation ended, one of :data:`END_REASONS`, set once by :meth:`end`; None
+            for a request that never generated (refused, invalid, not a generation route).
+    """
+
+    request_id: str
+    span: Span
+    started: float = field(default_factory=time.perf_counter)
+    status: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reasons: list[str | None] = field(default_factory=list)
+    error: str | None = None
+    ttft_s: float | None = None
+    done: bool = False
+    method: str = ""
+    path: str = ""
+    route: str | None = None
+    client_hash: str = ""
+    user_hash: str | None = None
+    model: str | None = None
+    prompt: str | None = None
+    texts: list[str] | None = None
+    token_times: array = field(default_factory=lambda: array("d"))
+    queue_wait_s: float | None = None
+    slot_at: float | None = None
+    end_reason: str | None = None
+
+    def end(self, reason: str) -> bool:
+        """Record why generation ended, unless a reason is recorded already (the first one to know
+        wins: a deadline that raised is not then overwritten by the close that follows it).
+
+        Args:
+            reason: one of :data:`END_REASONS`.
+
+        Returns:
+            True when ``reason`` was recorded.
+        """
+        if self.end_reason is not None:
+            return False
+        self.end_reason = reason
+        return True

@@ -1,0 +1,155 @@
+"""A chat request becomes a completion request: the worker's chat template renders the conversation.
+
+The template served is the ``CHAT_TEMPLATE`` file when set, else the model's own, else the default
+template (``model.chat_template``). The master renders it once on :data:`SAMPLE_CONVERSATION` before
+any worker starts (:func:`check_chat_template`), so a broken ``CHAT_TEMPLATE`` stops the start with one
+line; a template that fails on a request's conversation is a 400 on ``messages``.
+
+Source: OpenAI API reference, "Chat Completions"; Hugging Face transformers, "Chat templates".
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from model.chat_template import ChatTemplate, TemplateError
+from model.loader import LoadedModel
+from wsgi_app.api.chat import ChatRequest, completion_request
+from wsgi_app.api.completions import CompletionRequest
+from wsgi_app.api.errors import invalid
+from wsgi_app.settings import Settings
+
+# Turns every template accepts: alternating user and assistant, no system message (some templates
+# refuse one).
+SAMPLE_CONVERSATION = (
+    {"role": "user", "content": "Hello!"},
+    {"role": "assistant", "content": "Hello. How can I help?"},
+    {"role": "user", "content": "Name a colour."},
+)
+
+
+def serving_template(model: LoadedModel, settings: Settings) -> ChatTemplate:
+    """Return the chat template a worker serves ``model`` with.
+
+    Raises:
+        ValueError: one line naming ``CHAT_TEMPLATE`` (unreadable or not compiling) or ``MODEL_DIR``
+            (the model's own template does not compile).
+    """
+    source = settings.chat_template_source()
+    try:
+        return model.chat_template(source)
+    except TemplateError as exc:
+        if source is not None:
+            raise ValueError(f"CHAT_TEMPLATE ({settings.chat_template}): {exc}") from None
+        where = settings.model_dir or "the embedded default model"
+        raise ValueError(f"MODEL_DIR ({where}): {exc}") from None
+
+
+def check_chat_template(model: LoadedModel, settings: Settings) -> None:
+    """Build the template as a worker will and render it on :data:`SAMPLE_CONVERSATION` (in the
+    master, before the workers start). A model's own template is only compiled: one that refuses
+    this conversation may still serve others.
+
+    Raises:
+        ValueError: one line naming ``CHAT_TEMPLATE`` or ``MODEL_DIR`` and the template's error.
+    """
+    template = serving_template(model, settings)
+    if settings.chat_template is None:
+        return
+    try:
+        template.encode(SAMPLE_CONVERSATION, model.tokenizer)
+    except TemplateError as exc:
+        raise ValueError(
+            f"CHAT_TEMPLATE ({settings.chat_template}): fails on a sample conversation: {exc}"
+        ) from None
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token_bytes(tokenizer: Any) -> int:
+    """Return the most bytes one token of ``tokenizer``'s vocabulary stands for (at least 1)."""
+    return max(1, max(map(len, tokenizer.token_bytes), default=1))
+
+
+def content_char_limit(tokenizer: Any, max_prompt_tokens: int) -> int:
+    """Return the most message characters a prompt of ``max_prompt_tokens`` tokens can hold.
+
+    No token stands for more than :func:`longest_token_bytes` bytes, and a character is at least
+    one byte, so contents (surrounding whitespace aside, which templates may trim) longer than this
+    cannot render into an acceptable prompt: they are refused before the template runs.
+    """
+    return max_prompt_tokens * longest_token_bytes(tokenizer)
+
+
+def _inline(func: Callable[..., Any], args: Sequence[Any]) -> Any:
+    return func(*args)
+
+
+def chat_completion_request(
+    chat: ChatRequest,
+    template: ChatTemplate,
+    model: LoadedModel,
+    *,
+    max_prompt_tokens: int,
+    chat_max_tokens: int,
+    offload: Callable[[Callable[..., Any], Sequence[Any]], Any] = _inline,
+    kv_budget_bytes: int | None = None,
+    max_logprob_entries: int | None = None,
+) -> CompletionRequest:
+    """Render ``chat``'s conversation and return the generation request it stands for.
+
+    Args:
+        chat: the validated chat request.
+        template: the worker's chat template.
+        model: the loaded model (its tokenizer and context length).
+        max_prompt_tokens: the longest rendered prompt, tokens (``MAX_PROMPT_TOKENS``).
+        chat_max_tokens: the cap on the default ``max_tokens`` (``CHAT_MAX_TOKENS``).
+        offload: runs ``func(*args)`` and returns its result: the render and the tokenization go
+            through it (a native thread pool's ``apply`` in a worker, so the gevent hub keeps
+            serving meanwhile); inline by default.
+        kv_budget_bytes: the worker's KV-cache budget (``KV_CACHE_BUDGET_MB``), bytes, or None:
+            without ``max_tokens``, the default answer is capped so the request fits it.
+        max_logprob_entries: the request's budget of ``logprobs`` entries
+            (``MAX_LOGPROB_ENTRIES``), or None (see ``chat_protocol.completion_request``).
+
+    Raises:
+        ApiError: 400 ``messages`` when the contents are longer than any acceptable prompt
+            (:func:`content_char_limit`), the template fails (its message) or the rendered prompt
+            is over ``max_prompt_tokens`` or fills the context; 400 naming ``max_tokens`` or
+            ``max_completion_tokens`` when the answer would not fit; 400 ``top_logprobs`` over
+            ``max_logprob_entries``.
+    """
+    limit = content_char_limit(model.tokenizer, max_prompt_tokens)
+    chars = sum(len(m["content"].strip()) for m in chat.messages)
+    if chars > limit:
+        raise invalid(
+            f"The messages hold {chars} characters; no conversation over {limit} characters fits "
+            f"the prompt limit of {max_prompt_tokens} tokens.",
+            "messages",
+        )
+    try:
+        prompt_text, prompt_ids = offload(
+            template.render_and_encode, (chat.messages, model.tokenizer)
+        )
+    except TemplateError as exc:
+        raise invalid(f"The chat template failed on 'messages': {exc}", "messages") from None
+    if len(prompt_ids) > max_prompt_tokens:
+        raise invalid(
+            f"The rendered conversation is {len(prompt_ids)} tokens; the limit is "
+            f"{max_prompt_tokens}.",
+            "messages",
+        )
+    per_token = model.kv_bytes_per_token
+    return completion_request(
+        chat,
+        prompt_ids,
+        prompt_text,
+        context_length=model.context_length,
+        default_max_tokens=chat_max_tokens,
+        template_stop=template.stop,
+        kv_tokens_per_choice=(
+            kv_budget_bytes // (chat.n * per_token) if kv_budget_bytes and per_token else None
+        ),
+        max_logprob_entries=max_logprob_entries,
+    )

@@ -1,0 +1,150 @@
+"""One record per request: request id, server span, timings; finished when the response is closed.
+
+The record is made before routing and finished from the response's ``call_on_close`` callback, which
+gunicorn triggers after the last byte (or after a failed write), so a stream's span and log line carry
+its real end, its token counts and its finish reason.
+
+Source: W3C Trace Context (``traceparent``); OpenTelemetry semantic conventions for HTTP server spans.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import socket
+import time
+
+from flask import Flask, Response, g, request
+
+from telemetry import traceparent
+from telemetry.logs import client_hash
+from telemetry.otlp import NullExporter, SpanExporter
+from telemetry.spans import start_server_span
+from wsgi_app.generation.record import RequestRecord
+from wsgi_app.http.client_identity import forwarded_client
+from wsgi_app.http.runtime import runtime
+from wsgi_app.request_telemetry import Observer, log_request
+
+# A client cut for not reading is the client's doing, not a failure: a warning, not an error.
+stall_log = logging.getLogger("greenserve.access")
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+STATUS_UNSET, STATUS_OK, STATUS_ERROR = 0, 1, 2
+
+
+def request_id_from(value: str | None) -> str:
+    """Return ``value`` when it is 1-128 visible ASCII characters, else a new random id."""
+    if value is not None and _REQUEST_ID.fullmatch(value):
+        return value
+    return secrets.token_hex(16)  # 32 hex digits, as uuid4().hex, for a third of its cost
+
+
+def _begin() -> None:
+    rid = request_id_from(request.headers.get("X-Request-Id"))
+    parent = traceparent.parse(request.headers.get("traceparent"))
+    rule = request.url_rule.rule if request.url_rule is not None else None
+    name = f"{request.method} {rule}" if rule else request.method
+    span = start_server_span(
+        name,
+        parent,
+        {
+            "http.request.method": request.method,
+            "url.path": request.path,
+            "greenserve.request_id": rid,
+        },
+    )
+    if rule:
+        span.attributes["http.route"] = rule
+    settings = runtime().settings
+    peer = forwarded_client(
+        request.remote_addr, request.headers.get("X-Forwarded-For"), settings.trusted_proxies
+    )
+    g.record = RequestRecord(
+        request_id=rid,
+        span=span,
+        method=request.method,
+        path=request.path,
+        route=rule,
+        client_hash=client_hash(settings.client_hash_salt, peer),
+    )
+
+
+def _headers(response: Response) -> Response:
+    record: RequestRecord | None = g.get("record")
+    rt = runtime()
+    response.headers["X-Model-Version"] = rt.model_version
+    if record is None:  # a failure before _begin ran; still answer with an id
+        response.headers["X-Request-Id"] = request_id_from(None)
+        return response
+    response.headers["X-Request-Id"] = record.request_id
+    record.status = response.status_code
+    # Close callbacks run after the request context is gone: pass the exporter explicitly.
+    exporter, observer, after_answers = rt.exporter, rt.observer, rt.after_answers
+    sock = request.environ.get("gunicorn.socket")
+
+    def closed() -> None:
+        finish(record, exporter, observer, sock)
+        if after_answers is not None and record.prompt_tokens:  # a generation request
+            after_answers.request_done()
+
+    response.call_on_close(closed)
+    return response
+
+
+def finish(
+    record: RequestRecord,
+    exporter: SpanExporter | NullExporter,
+    observer: Observer | None = None,
+    sock: socket.socket | None = None,
+) -> None:
+    """End ``record``'s span, hand it to ``exporter``, and observe the request (idempotent).
+
+    Args:
+        record: the request's record.
+        exporter: an object with ``export(span)`` that never blocks nor raises.
+        observer: a ``wsgi_app.request_telemetry.Observer`` (log line, metrics, history), or None to write the
+            log line only.
+        sock: the connection (``wsgi_app.server.worker.StreamSocket``): one whose reader stopped reading
+            (``SEND_TIMEOUT_S``) adds a warning line and a span attribute.
+    """
+    if record.done:
+        return
+    record.done = True
+    span = record.span
+    attrs = span.attributes
+    if getattr(
+        sock, "stalled", False
+    ):  # a StreamSocket (wsgi_app.server.worker) whose reader stopped
+        attrs["greenserve.client_stalled"] = True
+        stall_log.warning(
+            "client stopped reading",
+            extra={
+                "request_id": record.request_id,
+                "trace_id": span.trace_id,
+                "send_timeout_s": sock.send_timeout_s,
+            },
+        )
+    attrs["http.response.status_code"] = record.status
+    if record.prompt_tokens:
+        attrs["gen_ai.usage.input_tokens"] = record.prompt_tokens
+        attrs["gen_ai.usage.output_tokens"] = record.completion_tokens
+    if record.finish_reasons:
+        attrs["gen_ai.response.finish_reasons"] = ",".join(
+            r or "none" for r in record.finish_reasons
+        )
+    if record.end_reason is not None:
+        attrs["greenserve.end_reason"] = record.end_reason
+    failed = record.status >= 500 or record.error is not None
+    span.end(STATUS_ERROR if failed else STATUS_UNSET, record.error or "")
+    elapsed = time.perf_counter() - record.started
+    exporter.export(span)
+    if observer is not None:
+        observer.request_done(record, elapsed)
+    else:
+        log_request(record, elapsed)
+
+
+def install(app: Flask) -> None:
+    """Register the per-request hooks on ``app``."""
+    app.before_request(_begin)
+    app.after_request(_headers)

@@ -1,0 +1,132 @@
+"""``/v1/chat/completions``: ``POST`` (JSON or Server-Sent Events) and ``GET`` (the ``EventSource`` stream).
+
+Both validate the request (``wsgi_app.api.chat``), render the conversation with the worker's
+chat template (``wsgi_app.http.chat``) and hand the resulting completion request to the pipeline every
+generation goes through (admission, slots, deadlines, streaming: ``wsgi_app.http.answer`` and
+``routes.completions_get``), answering in the chat wire format (``wsgi_app.wire.chat``).
+
+The ``GET`` form takes the body's fields as query parameters, as ``GET /v1/completions`` does:
+``messages`` is one parameter holding the JSON list of messages, ``include_usage=true`` stands for
+``stream_options.include_usage``, ``stop`` repeats.
+
+Source: OpenAI API reference, "Chat Completions" (create); WHATWG HTML Living Standard, §9.2
+"Server-sent events".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, Response, g, request
+
+from telemetry.logs import client_hash
+from wsgi_app.api.chat import KNOWN_FIELDS as CHAT_FIELDS
+from wsgi_app.api.chat import ChatRequest, parse_chat_request
+from wsgi_app.api.completions import CompletionRequest
+from wsgi_app.api.errors import invalid
+from wsgi_app.api.fields import loads_strict
+from wsgi_app.generation.record import RequestRecord
+from wsgi_app.http.answer import answer, json_body
+from wsgi_app.http.chat import chat_completion_request
+from wsgi_app.http.routes.completions_get import check_event_source, event_stream, query_body
+from wsgi_app.http.runtime import Runtime, runtime
+from wsgi_app.wire.chat import CHAT_COMPLETION
+
+bp = Blueprint("chat", __name__)
+
+PATH = "/v1/chat/completions"
+GET_TEXT = ("model", "user")
+GET_NUMBERS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "n",
+    "top_logprobs",
+)
+GET_BOOLEANS = ("logprobs", "ignore_eos", "include_usage")
+
+
+@bp.post(PATH)
+def create_chat_completion() -> Response:
+    """Answer one chat completion request.
+
+    Raises:
+        ApiError: 400 for invalid input, a template that fails or a conversation too long (naming
+            ``param``), 413 for a body over ``MAX_BODY_BYTES``, 429 ``server_busy``, 503 when
+            stopping or out of memory, 504 past the deadline, 500 ``engine_error``.
+    """
+    rt = runtime()
+    record: RequestRecord = g.record
+    req = _completion_request(rt, record, json_body(rt, record))
+    return answer(rt, req, record, CHAT_COMPLETION)
+
+
+@bp.get(PATH)
+def stream_chat_completion() -> Response:
+    """Stream a chat completion to an ``EventSource``.
+
+    Raises:
+        ApiError: 400 without ``Accept: text/event-stream``, for an invalid parameter (naming it,
+            ``messages`` when it is not JSON), or a bad ``Last-Event-ID``; 429; 503.
+    """
+    rt = runtime()
+    check_event_source(PATH)
+    body = query_body(
+        request.args,
+        GET_TEXT,
+        GET_NUMBERS,
+        GET_BOOLEANS,
+        extra=("messages",),
+        post_fields=CHAT_FIELDS,
+    )
+    raw = request.args.getlist("messages")
+    if len(raw) > 1:
+        raise invalid("Query parameter 'messages' is given more than once.", "messages")
+    if raw:
+        try:  # the same strict reader as a POST body: no NaN, no repeated key
+            body["messages"] = loads_strict(raw[0])
+        except ValueError as exc:
+            raise invalid(
+                f"Query parameter 'messages' must be a JSON list of messages: {exc}.", "messages"
+            ) from None
+    if body.pop("include_usage", False):
+        body["stream_options"] = {"include_usage": True}
+    record: RequestRecord = g.record
+    req = _completion_request(rt, record, body)
+    return event_stream(rt, req, record, body, CHAT_COMPLETION)
+
+
+def _completion_request(
+    rt: Runtime, record: RequestRecord, body: dict[str, Any]
+) -> CompletionRequest:
+    """Validate a chat body, note its hashed ``user``, and render it into a completion request.
+
+    Raises:
+        ApiError: 400 naming the invalid field (see :func:`~wsgi_app.api.chat.parse_chat_request`
+            and :func:`~wsgi_app.http.chat.chat_completion_request`).
+    """
+    settings = rt.settings
+    chat: ChatRequest = parse_chat_request(
+        body,
+        vocab_size=rt.model.tokenizer.vocab_size,
+        max_n=settings.max_n,
+        max_messages=settings.max_chat_messages,
+    )
+    if chat.user is not None:  # an end-user id is personal data: only its salted hash is logged
+        record.user_hash = client_hash(settings.client_hash_salt, chat.user)
+    return chat_completion_request(
+        chat,
+        rt.chat_template,
+        rt.model,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        chat_max_tokens=settings.chat_max_tokens,
+        offload=rt.offload,
+        kv_budget_bytes=settings.kv_cache_budget_mb << 20,
+        max_logprob_entries=settings.max_logprob_entries,
+    )

@@ -1,0 +1,118 @@
+"""Operational endpoints: liveness, readiness, and the loopback-only debug views.
+
+Served on both the API port and the health port, so probes never queue behind API traffic.
+"""
+
+from __future__ import annotations
+
+import gc
+import ipaddress
+import os
+
+from flask import Blueprint, Response, request
+
+from wsgi_app.api.errors import ApiError
+from wsgi_app.http.error_handlers import json_response
+from wsgi_app.http.runtime import runtime
+
+bp = Blueprint("ops", __name__)
+
+
+@bp.get("/healthz")
+def healthz() -> Response:
+    """Answer 200 ``{"status":"ok"}`` while the worker's hub is responsive."""
+    return json_response({"status": "ok"})
+
+
+@bp.get("/health")
+def health() -> Response:
+    """Liveness: 200 ``{"status":"ok"}`` while the worker runs."""
+    return json_response({"status": "ok"})
+
+
+@bp.get("/ready")
+def ready() -> Response:
+    """Readiness: 200 when this worker should get traffic; 503 while draining or after an engine
+    failure that leaves the engine untrustworthy."""
+    rt = runtime()
+    if rt.ready:
+        return json_response({"status": "ready"})
+    reason = "draining" if rt.draining else "engine_failed"
+    return json_response({"status": "not_ready", "reason": reason}, 503)
+
+
+def loopback_host(host: str) -> bool:
+    """True when ``host`` (a ``Host`` value) is ``localhost`` or a loopback IP literal, with or
+    without a port: a page on another name (DNS rebinding) never gets the debug views.
+
+    Source: RFC 9110 §7.2 (Host); RFC 3986 §3.2.2 (IP-literal in brackets).
+    """
+    name = host.strip().lower()
+    if name.startswith("["):  # [::1] or [::1]:8000
+        name, sep, port = name[1:].partition("]")
+        if not sep or (port and not (port[0] == ":" and port[1:].isdigit())):
+            return False
+    else:
+        name, _, port = name.partition(":")
+        if port and not port.isdigit():
+            return False
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def require_loopback() -> None:
+    """Allow only a direct loopback peer that names a loopback host: never a request that came
+    through a proxy, from a page, or for another host name (DNS rebinding).
+
+    Raises:
+        ApiError: 404 for anyone else (the route does not exist for them).
+    """
+    try:
+        direct = ipaddress.ip_address(request.remote_addr or "").is_loopback
+    except ValueError:
+        direct = False
+    forwarded = any(h in request.headers for h in ("X-Forwarded-For", "Forwarded", "X-Real-IP"))
+    # A browser sends Origin with every cross-site POST: a page open on the host must not be able to
+    # drain the server (the operator's curl sends no Origin).
+    from_page = "Origin" in request.headers
+    if not direct or forwarded or from_page or not loopback_host(request.host):
+        raise ApiError(404, "Not found: no such route.", type="not_found_error")
+
+
+@bp.get("/debug/state")
+def debug_state() -> Response:
+    """Slots, queue, in-flight requests and garbage-collector counts of the worker that answers
+    (loopback clients only)."""
+    require_loopback()
+    rt = runtime()
+    state = rt.admission.state()
+    state["rate_limit"] = {"storage_errors": rt.rate_limit_storage_errors}
+    # The collector's view: a worker whose full collections stall the hub shows it here first.
+    state["gc"] = {
+        "frozen": gc.get_freeze_count(),
+        "counts": list(gc.get_count()),
+        "collections": [generation["collections"] for generation in gc.get_stats()],
+    }
+    return json_response({"pid": os.getpid(), "ready": rt.ready, "draining": rt.draining, **state})
+
+
+@bp.post("/debug/drain")
+def debug_drain() -> Response:
+    """Drain the whole server: ``/ready`` answers 503 from every worker while they keep serving, until
+    ``DELETE /debug/drain`` (loopback only). A SIGHUP reload keeps it; a new start clears it."""
+    require_loopback()
+    runtime().set_drained(True)
+    return json_response({"status": "draining", "pid": os.getpid()})
+
+
+@bp.delete("/debug/drain")
+def debug_undrain() -> Response:
+    """Undo ``POST /debug/drain``: ``/ready`` answers 200 again from every worker (loopback only)."""
+    require_loopback()
+    rt = runtime()
+    rt.set_drained(False)
+    return json_response({"status": "ready" if rt.ready else "not_ready", "pid": os.getpid()})

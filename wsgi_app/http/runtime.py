@@ -1,0 +1,178 @@
+"""Per-worker state: the settings, the model and its engine, the span exporter.
+
+This is the only state the app keeps beyond a request; it lives on ``app.extensions["greenserve"]``, made
+by the app factory in the worker (after gevent's patching), never in the gunicorn master.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import gevent
+from flask import current_app
+from gevent.threadpool import ThreadPool
+
+from wsgi_app.generation.admission import Admission
+from wsgi_app.request_telemetry import Observer
+from wsgi_app.server.worker import END_STREAMS_S
+from wsgi_app.settings import Settings
+
+EXTENSION = "greenserve"
+RENDER_THREADS = 2
+T = TypeVar("T")
+DRAIN_FILE = "greenserve-drained"  # in PROMETHEUS_MULTIPROC_DIR: see Runtime.drain_path
+
+
+@dataclass
+class Runtime:
+    """What one worker serves with.
+
+    Attributes:
+        settings: the frozen settings.
+        model: the loaded model and its tokenizer (``model.loader.LoadedModel``).
+        engine: the token-stream engine over it: the bigram's inline engine, or the Llama batching
+            engine on its native thread (``wsgi_app.generation.engine_thread.ThreadedEngine``).
+        exporter: the span exporter (``telemetry.otlp.SpanExporter`` or ``NullExporter``).
+        model_version: ``X-Model-Version`` value: checkpoint hash + code version.
+        admission: the worker's slots and queue.
+        started_at: Unix time the worker became ready, in seconds.
+        stopping: SIGTERM happened: ``/ready`` answers 503.
+        drained_here: the server was drained with no shared directory to say so (single process).
+        engine_ok: False once the engine failed in a way that leaves it untrustworthy.
+        stop_at: ``perf_counter`` time by which in-flight streams must end (set on SIGTERM), or None.
+        rate_limit_storage_errors: times the rate-limit storage (Redis) could not be reached; the
+            limiter fails open, so requests are served unchecked meanwhile.
+        observer: the request observer (logs, metrics, history), or None.
+        chat_template: the chat template (``model.chat_template.ChatTemplate``) chat requests are
+            rendered with: ``CHAT_TEMPLATE``, else the model's, else the default.
+        render_pool: native threads that render chat templates and tokenize their prompts (see
+            :meth:`offload`), made on first use.
+        after_answers: told when a generation request's answer is written, to give the freed heap
+            back once the worker is idle (``wsgi_app.server.heap.AfterAnswers``), or None.
+    """
+
+    settings: Settings
+    model: Any
+    engine: Any
+    exporter: Any
+    model_version: str
+    admission: Admission
+    started_at: float = field(default_factory=time.time)
+    stopping: bool = False
+    drained_here: bool = False
+    engine_ok: bool = True
+    stop_at: float | None = None
+    rate_limit_storage_errors: int = 0
+    observer: Observer | None = None
+    chat_template: Any = None
+    render_pool: Any = field(default=None, repr=False)
+    after_answers: Any = field(default=None, repr=False)
+
+    @property
+    def parse_limits(self) -> dict[str, Any]:
+        """Keyword arguments for ``protocol.parse_completion_request``: the limits and tokenizer."""
+        return {
+            "max_prompt_tokens": self.settings.max_prompt_tokens,
+            "max_n": self.settings.max_n,
+            "max_logprob_entries": self.settings.max_logprob_entries,
+            "tokenizer": self.model.tokenizer,
+            "context_length": self.model.context_length,
+        }
+
+    def offload(self, func: Callable[..., T], args: Sequence[Any]) -> T:
+        """Run ``func(*args)`` on a native thread of :attr:`render_pool`; return its result.
+
+        The calling greenlet waits; the hub serves every other connection meanwhile, taking the GIL
+        at least every ``sys.getswitchinterval()`` (5 ms) from the thread. Chat template renders
+        (pure Python, up to ``MAX_RENDER_S``) and prompt tokenization (the ``tokenizers`` library
+        releases the GIL) run here, so a heavy conversation never freezes the worker.
+
+        Raises:
+            BaseException: whatever ``func`` raised.
+        """
+        if self.render_pool is None:
+            # Two threads: a second render need not queue behind a slow one, and the hub competes
+            # for the GIL with at most two others.
+            self.render_pool = ThreadPool(RENDER_THREADS)
+        return self.render_pool.apply(func, args)
+
+    @property
+    def drain_path(self) -> str | None:
+        """The file whose presence drains the whole server: in the server's metrics directory, which
+        the master makes (or the operator gives) and every worker shares, and which outlives a
+        SIGHUP reload; None without one."""
+        directory = self.settings.prometheus_multiproc_dir
+        return os.path.join(directory, DRAIN_FILE) if directory else None
+
+    @property
+    def draining(self) -> bool:
+        """True while stopping or while the server is drained (``POST /debug/drain``)."""
+        if self.stopping or self.drained_here:
+            return True
+        path = self.drain_path
+        return path is not None and os.path.exists(path)
+
+    def set_drained(self, drained: bool) -> None:
+        """Drain the whole server (every worker's ``/ready`` answers 503), or undo it.
+
+        Raises:
+            OSError: the shared directory cannot be written.
+        """
+        path = self.drain_path
+        if path is None:
+            self.drained_here = drained
+        elif drained:
+            with open(path, "w") as f:
+                f.write(f"{os.getpid()}\n")
+        else:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+
+    @property
+    def ready(self) -> bool:
+        """True while the worker should get traffic: not draining, engine trusted."""
+        return self.engine_ok and not self.draining
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Start a graceful stop: readiness turns false and in-flight streams end by ``grace_s``.
+
+        Streams still running or queued ``END_STREAMS_S`` before the grace period ends get a final
+        error event and ``[DONE]`` (gunicorn kills the worker at the end of ``graceful_timeout``,
+        and the worker cuts and ends what is left before that: ``wsgi_app.server.worker``). Queued
+        requests are woken then, not at their next heartbeat.
+
+        A second SIGTERM changes nothing: the worker's own deadlines count from the first.
+
+        Args:
+            grace_s: gunicorn's ``graceful_timeout``, seconds from now.
+        """
+        if self.stop_at is not None:
+            return
+        self.stopping = True
+        stop_in_s = max(0.0, grace_s - END_STREAMS_S)
+        self.stop_at = time.perf_counter() + stop_in_s
+        gevent.spawn_later(stop_in_s, self.admission.wake_queued)
+
+    def worker_state(self) -> dict[str, Any]:
+        """Return this worker's state for ``/stats`` (written with every history heartbeat)."""
+        adm = self.admission
+        return {
+            "ready": self.ready,
+            "draining": self.draining,
+            "engine_ok": self.engine_ok,
+            "slots_busy": adm.busy,
+            "slots_total": adm.max_slots,
+            "queued": adm.queued,
+            "served": adm.served,
+        }
+
+
+def runtime() -> Runtime:
+    """Return the current app's :class:`Runtime`."""
+    return current_app.extensions[EXTENSION]

@@ -1,0 +1,63 @@
+"""The client's connection as the generating code sees it: tuned for streaming, and checked for a
+client that left.
+
+Source: POSIX ``recv(MSG_PEEK | MSG_DONTWAIT)`` (a zero-byte read is the peer's FIN); RFC 9293 (TCP).
+"""
+
+from __future__ import annotations
+
+import socket
+
+from wsgi_app.server.worker import StreamSocket
+
+
+def tune_socket(sock: socket.socket | None, send_timeout_s: float) -> None:
+    """Send each event at once, and cut a reader that stops reading for ``send_timeout_s``.
+
+    Args:
+        sock: the connection's socket (gunicorn's ``environ["gunicorn.socket"]``), or None.
+        send_timeout_s: how long a write may wait without progress, seconds (``SEND_TIMEOUT_S``).
+    """
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A write that waits this long without progress raises; gunicorn then closes the body,
+        # freeing the slot. Under another worker class (gunicorn's own gevent worker, TLS) the
+        # socket's timeout is all there is: it bounds a whole write, and reads too.
+        if isinstance(sock, StreamSocket):
+            sock.send_timeout_s = send_timeout_s
+        else:
+            sock.settimeout(send_timeout_s)
+    except OSError:  # already closed, or not TCP: nothing to tune
+        pass
+
+
+def peer_closed(sock: socket.socket | None) -> bool:
+    """True when the client has closed its side of ``sock`` (a zero-byte peek); never consumes data.
+
+    Args:
+        sock: the connection's socket (gunicorn's ``environ["gunicorn.socket"]``), or None.
+    """
+    if sock is None:
+        return False
+    # A non-blocking peek of the real socket (gevent's wraps one; its recv would wait on EAGAIN).
+    # Not select(): it refuses descriptors past FD_SETSIZE (1024), which a busy worker has.
+    raw = getattr(sock, "_sock", sock)
+    try:
+        return raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:  # nothing to read: the client is still there
+        return False
+    except OSError:
+        return True
+
+
+def close_after_response(sock: socket.socket | None) -> None:
+    """Answer the current request with ``Connection: close`` and close the connection after it
+    (where the request's end on the connection is unknown, e.g. a body that stopped arriving).
+
+    Args:
+        sock: the connection's socket (gunicorn's ``environ["gunicorn.socket"]``), or None.
+    """
+    if isinstance(sock, StreamSocket):
+        sock.close_after_response()

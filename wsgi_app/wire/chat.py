@@ -1,0 +1,165 @@
+"""The chat completion on the wire: ``chat.completion`` answers and ``chat.completion.chunk`` streams.
+
+:data:`CHAT_COMPLETION` plugs into the one token loop (``wsgi_app.generation.completion.Completion``)
+through the :class:`~wsgi_app.wire.encoder.WireFormat` seam. A stream gives each choice a first chunk with
+``delta: {"role": "assistant", "content": ""}``, then a chunk per token that releases text (or carries
+a ``logprobs`` entry) with ``delta: {"content": ...}``, then a chunk with an empty ``delta`` and the
+``finish_reason``. The end-of-turn token releases no text and gets no chunk of its own, nor a
+``logprobs`` entry. Every chunk carries the same ``id``, ``created`` and ``system_fingerprint``, and
+``"usage": null`` when ``stream_options.include_usage`` asks for the final usage chunk.
+
+Source: OpenAI API reference, "Chat Completions": the chat completion object, the chat completion
+chunk object, and their ``logprobs`` (``content[]`` of ``token``, ``logprob``, ``bytes``,
+``top_logprobs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from model.tokenizer import TextTokenizer
+from wsgi_app.api.errors import json_bytes
+from wsgi_app.generation.choice import Choice
+from wsgi_app.wire.encoder import ChunkEncoder, WireFormat, _text_json
+from wsgi_app.wire.logprobs import ChatLogprobs
+from wsgi_app.wire.sse import PLAIN, Framing
+
+
+@dataclass(frozen=True)
+class ChatWireFormat(WireFormat):
+    """The chat completion's objects: its own encoder and ``logprobs`` shape."""
+
+    def encoder(
+        self,
+        completion_id: str,
+        created: int,
+        model: str,
+        n: int,
+        include_usage: bool,
+        framing: Framing = PLAIN,
+        fingerprint: str | None = None,
+    ) -> ChunkEncoder:
+        """Return a :class:`ChatChunkEncoder`."""
+        return ChatChunkEncoder(
+            self, completion_id, created, model, n, include_usage, framing, fingerprint
+        )
+
+    def new_logprobs(self, tokenizer: TextTokenizer) -> ChatLogprobs:
+        """Return an empty :class:`ChatLogprobs`."""
+        return ChatLogprobs(tokenizer.token_str, tokenizer.token_bytes)
+
+
+CHAT_COMPLETION = ChatWireFormat(
+    answer_object="chat.completion",
+    chunk_object="chat.completion.chunk",
+    id_prefix="chatcmpl-",
+    chunk_text=b'"delta":{"content":',
+    answer_text=b'"message":{"role":"assistant","content":',
+    text_end=b',"refusal":null}',
+)
+
+
+def _head(completion_id: str, obj: str, created: int, model: str, fingerprint: str | None) -> bytes:
+    """``{"id":…,"object":…,"created":…,"model":…,"system_fingerprint":…`` without the closing brace."""
+    return json_bytes(
+        {
+            "id": completion_id,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "system_fingerprint": fingerprint,
+        }
+    )[:-1]
+
+
+class ChatChunkEncoder(ChunkEncoder):
+    """Build the bytes of one chat completion (see the module docstring for the events); the usage
+    chunk and the non-streamed answer are the base class's, with this format's head and keys.
+
+    Args:
+        fmt: the wire format (:data:`CHAT_COMPLETION`).
+        completion_id: the id, the same in every chunk.
+        created: Unix time in seconds.
+        model: the request's ``model``, echoed.
+        n: the number of choices.
+        include_usage: every chunk carries ``"usage":null``.
+        framing: the SSE framing of the stream.
+        fingerprint: the model version (``system_fingerprint``).
+    """
+
+    __slots__ = ("_chunk_head", "_role", "_content", "_content_end", "_finish", "_sent")
+
+    def __init__(
+        self,
+        fmt: WireFormat,
+        completion_id: str,
+        created: int,
+        model: str,
+        n: int,
+        include_usage: bool,
+        framing: Framing = PLAIN,
+        fingerprint: str | None = None,
+    ) -> None:
+        self.fmt = fmt
+        self.framing = framing
+        self._plain = framing is PLAIN
+        head = _head(completion_id, fmt.chunk_object, created, model, fingerprint)
+        self._head = head
+        self._answer_head = _head(completion_id, fmt.answer_object, created, model, fingerprint)
+        usage_tail = b',"usage":null}' if include_usage else b"}"
+        choice = [head + b',"choices":[{"index":%d,' % i for i in range(n)]
+        self._role = [
+            c
+            + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+            + usage_tail
+            for c in choice
+        ]
+        self._content = [c + fmt.chunk_text for c in choice]
+        self._content_end = (b'},"logprobs":', b',"finish_reason":null}]' + usage_tail)
+        self._finish = [
+            (c + b'"delta":{},"logprobs":null,"finish_reason":"', b'"}]' + usage_tail)
+            for c in choice
+        ]
+        self._sent = [0] * n  # logprobs entries already streamed, per choice
+
+    def first_chunks(
+        self,
+        choices: Sequence[Choice],
+        echo_texts: Sequence[str] | None,
+        pause: Callable[[], None] | None = None,
+    ) -> Iterator[bytes]:
+        """Yield each choice's first chunk: ``delta: {"role": "assistant", "content": ""}``."""
+        for c in choices:
+            yield self.framing.frame(self._role[c.index])
+
+    def chunk(
+        self,
+        choice: Choice,
+        text: str,
+        lp_start: int = -1,
+        pause: Callable[[], None] | None = None,
+    ) -> bytes:
+        """Return the events of one token of ``choice``: a content chunk when it releases text or
+        carries a ``logprobs`` entry, then the finish chunk when the choice has ended; b"" for none
+        (or when the framing drops them). ``lp_start`` and ``pause`` are unused: new entries are
+        tracked here, one token's at a time."""
+        i = choice.index
+        frame = self.framing.frame
+        sent = count = 0
+        if choice.logprobs is not None:
+            sent, count = self._sent[i], len(choice.logprobs)
+            self._sent[i] = count
+        out = b""
+        if text or count > sent:
+            logprobs = b"null"
+            if count > sent:
+                content = choice.logprobs.content_json(sent)
+                logprobs = b'{"content":' + content + b',"refusal":null}'
+            mid, end = self._content_end
+            out = frame(b"".join((self._content[i], _text_json(text), mid, logprobs, end)))
+        reason = choice.finish_reason
+        if reason is not None:
+            start, end = self._finish[i]
+            out += frame(start + reason.encode() + end)
+        return out

@@ -1,0 +1,237 @@
+"""The bytes of a completion on the wire: one builder for every streamed chunk, and the JSON answer.
+
+A :class:`WireFormat` says what differs between OpenAI's completion objects (the ``object`` names, the
+id's prefix, the keys around a choice's text); a :class:`ChunkEncoder` builds every streamed event of one
+completion from it, whatever the SSE framing, and its non-streamed answer. This module serves the legacy
+text completion, :data:`TEXT_COMPLETION`; a wire format whose events differ in shape (the chat
+completion's deltas, ``wsgi_app.wire.chat``) subclasses :class:`WireFormat` and returns its own encoder
+and logprobs object from :meth:`WireFormat.encoder` and :meth:`WireFormat.new_logprobs`.
+
+Source: OpenAI API reference, "Completions" (legacy): the completion object and its streamed chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from model.tokenizer import TextTokenizer
+from wsgi_app.api.errors import json_bytes
+from wsgi_app.generation.choice import Choice
+from wsgi_app.wire.logprobs import Logprobs
+from wsgi_app.wire.sse import PLAIN, Framing
+
+# A non-streamed answer up to this size is written in one piece (joining 1 MiB takes ~0.1 ms).
+JOIN_LIMIT_BYTES = 1 << 20
+# JSON of the short texts most chunks carry (one token releases at most a character or two).
+_TEXT_JSON: dict[str, bytes] = {}
+_TEXT_JSON_MAX = 4096
+
+
+def _text_json(text: str) -> bytes:
+    """Return ``json.dumps(text, ensure_ascii=False).encode()``, memoised for texts of up to two
+    characters."""
+    encoded = _TEXT_JSON.get(text)
+    if encoded is None:
+        encoded = json.dumps(text, ensure_ascii=False).encode()
+        if len(text) <= 2 and len(_TEXT_JSON) < _TEXT_JSON_MAX:
+            _TEXT_JSON[text] = encoded
+    return encoded
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """What one kind of completion object looks like on the wire.
+
+    A choice object is ``{"index":<i>,`` + the text key + the text as a JSON string + ``text_end`` +
+    ``,"logprobs":…,"finish_reason":…}``, in a chunk and in the answer alike.
+
+    Attributes:
+        answer_object: the ``object`` of a non-streamed answer.
+        chunk_object: the ``object`` of every streamed chunk.
+        id_prefix: the id's prefix; 24 random hex digits follow.
+        chunk_text: the bytes of a chunk's choice between ``"index":<i>,`` and its text's JSON string.
+        answer_text: the same bytes in a non-streamed answer's choice.
+        text_end: the bytes right after the text's JSON string (closing what the text key opened).
+    """
+
+    answer_object: str
+    chunk_object: str
+    id_prefix: str
+    chunk_text: bytes
+    answer_text: bytes
+    text_end: bytes = b""
+
+    def new_id(self) -> str:
+        """Return a fresh completion id: the prefix and 24 hex digits from the OS's randomness."""
+        return self.id_prefix + secrets.token_hex(12)
+
+    def encoder(
+        self,
+        completion_id: str,
+        created: int,
+        model: str,
+        n: int,
+        include_usage: bool,
+        framing: Framing = PLAIN,
+        fingerprint: str | None = None,
+    ) -> ChunkEncoder:
+        """Return the encoder of one completion in this format (arguments: :class:`ChunkEncoder`;
+        ``fingerprint``, the model version, is for formats that carry ``system_fingerprint``)."""
+        return ChunkEncoder(self, completion_id, created, model, n, include_usage, framing)
+
+    def new_logprobs(self, tokenizer: TextTokenizer) -> Logprobs:
+        """Return an empty ``logprobs`` object for one choice (the legacy shape here)."""
+        return Logprobs(tokenizer.token_str)
+
+
+TEXT_COMPLETION = WireFormat(
+    answer_object="text_completion",
+    chunk_object="text_completion",
+    id_prefix="cmpl-",
+    chunk_text=b'"text":',
+    answer_text=b'"text":',
+)
+
+
+def _head(completion_id: str, obj: str, created: int, model: str) -> bytes:
+    """``{"id":…,"object":…,"created":…,"model":…`` without the closing brace."""
+    head = {"id": completion_id, "object": obj, "created": created}
+    return json_bytes(head)[:-1] + b',"model":' + json_bytes(model)
+
+
+class ChunkEncoder:
+    """Build the bytes of one completion: each streamed event, framed, and the non-streamed answer.
+
+    Args:
+        fmt: the wire format.
+        completion_id: the id, the same in every chunk.
+        created: Unix time in seconds.
+        model: the request's ``model``, echoed.
+        n: the number of choices.
+        include_usage: every chunk carries ``"usage":null`` (``stream_options.include_usage``).
+        framing: the SSE framing of the stream (:data:`~wsgi_app.wire.sse.PLAIN` for POST streams).
+    """
+
+    __slots__ = ("fmt", "framing", "_plain", "_head", "_answer_head", "_mids", "_tail", "_end")
+
+    def __init__(
+        self,
+        fmt: WireFormat,
+        completion_id: str,
+        created: int,
+        model: str,
+        n: int,
+        include_usage: bool,
+        framing: Framing = PLAIN,
+    ) -> None:
+        self.fmt = fmt
+        self.framing = framing
+        self._plain = plain = framing is PLAIN
+        self._head = _head(completion_id, fmt.chunk_object, created, model)
+        self._answer_head = _head(completion_id, fmt.answer_object, created, model)
+        usage_tail = b',"usage":null}' if include_usage else b"}"
+        # A POST stream frames every event alike (data_event's bytes): the framing is folded into the
+        # constant bytes, so that a running chunk without logprobs is one join of three parts.
+        opening, closing = (b"data: ", b"\n\n") if plain else (b"", b"")
+        self._mids = [
+            opening + self._head + b',"choices":[{"index":%d,' % i + fmt.chunk_text
+            for i in range(n)
+        ]
+        self._tail = (
+            fmt.text_end + b',"logprobs":null,"finish_reason":null}]' + usage_tail + closing
+        )
+        self._end = (b"}]" + usage_tail + closing, fmt.text_end + b',"logprobs":')
+
+    def first_chunks(
+        self,
+        choices: Sequence[Choice],
+        echo_texts: Sequence[str] | None,
+        pause: Callable[[], None] | None = None,
+    ) -> Iterator[bytes]:
+        """Yield the events that come before any token: with ``echo``, each choice's prompt chunk
+        (``echo_texts[i]`` for ``choices[i]``, with all its prompt ``logprobs`` entries, encoded a
+        slice at a time with ``pause()`` between slices: a long prompt's entries take a while)."""
+        if echo_texts is not None:
+            for c, text in zip(choices, echo_texts, strict=True):
+                yield self.chunk(c, text, 0, pause)
+
+    def chunk(
+        self,
+        choice: Choice,
+        text: str,
+        lp_start: int = -1,
+        pause: Callable[[], None] | None = None,
+    ) -> bytes:
+        """Return the streamed event of ``choice`` releasing ``text`` (b"" when the framing drops it).
+
+        Args:
+            choice: the choice; its finish reason and logprobs go into the chunk.
+            text: the text released (may be "").
+            lp_start: the first ``logprobs`` entry the chunk carries: -1 for the last token's alone,
+                0 for all (the echoed prompt's chunk).
+            pause: with ``lp_start`` 0, called between slices of the entries' encoding.
+        """
+        if choice.finish_reason is None and choice.logprobs is None:
+            event = b"".join((self._mids[choice.index], _text_json(text), self._tail))
+        else:
+            logprobs = b"null"
+            if choice.logprobs is not None:
+                if pause is not None and lp_start == 0:
+                    logprobs = b"".join(choice.logprobs.encode(pause))
+                else:
+                    logprobs = json_bytes(choice.logprobs.as_dict(lp_start))
+            reason = choice.finish_reason
+            finish = b"null" if reason is None else b'"' + reason.encode() + b'"'
+            closing, logprobs_key = self._end
+            event = b"".join(
+                (
+                    self._mids[choice.index],
+                    _text_json(text),
+                    logprobs_key,
+                    logprobs,
+                    b',"finish_reason":',
+                    finish,
+                    closing,
+                )
+            )
+        return event if self._plain else self.framing.frame(event)
+
+    def usage_chunk(self, usage: dict[str, int]) -> bytes:
+        """Return the ``stream_options.include_usage`` event: no choices, the usage."""
+        return self.framing.frame(self._head + b',"choices":[],"usage":' + json_bytes(usage) + b"}")
+
+    def answer(
+        self, choices: Sequence[Choice], usage: dict[str, int], pause: Callable[[], None]
+    ) -> list[bytes]:
+        """Return the non-streamed answer as the byte strings that, joined, make its JSON: one for an
+        answer up to ``JOIN_LIMIT_BYTES``, else its parts, which the server writes one by one (joining
+        a huge answer, echo + logprobs of a long prompt, would hold the hub for tens of milliseconds).
+
+        Each choice's ``logprobs`` entries are released once encoded (the answer is made once).
+
+        Args:
+            choices: the finished choices.
+            usage: the ``usage`` object.
+            pause: called between slices of a long ``logprobs`` encoding.
+        """
+        fmt = self.fmt
+        parts = [self._answer_head, b',"choices":[']
+        for c in choices:
+            parts += (
+                b'{"index":%d,' % c.index + fmt.answer_text,
+                json_bytes("".join(c.parts)),
+                fmt.text_end + b',"logprobs":',
+            )
+            if c.logprobs is None:
+                parts.append(b"null")
+            else:  # its parts, unjoined: a big answer is written in slices
+                parts += c.logprobs.encode(pause)
+                c.logprobs.release()  # encoded: its entries need not wait for the others'
+            parts += (b',"finish_reason":', json_bytes(c.finish_reason), b"},")
+        parts[-1] = b"}"  # no comma after the last choice
+        parts += (b'],"usage":', json_bytes(usage), b"}")
+        # One write for a usual answer (a dozen small writes cost ~0.1 ms of system calls).
+        return [b"".join(parts)] if sum(map(len, parts)) <= JOIN_LIMIT_BYTES else parts
