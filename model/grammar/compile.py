@@ -1,0 +1,187 @@
+"""Constraints compiled into grammars: one :class:`Grammar` per distinct constraint, cached per worker.
+
+A :class:`Constraint` is what a request asks for (a JSON Schema, any JSON object, a regex, a choice
+of strings, a Lark grammar), already in its canonical form. :class:`GrammarCompiler` turns it into
+llguidance's grammar and a template matcher, refusing what llguidance cannot enforce exactly: a
+schema it cannot compile, a keyword it does not implement (``lenient`` is never on), a regex or
+grammar that does not parse, or anything over :data:`MAX_CONSTRAINT_BYTES` and the parser limits.
+JSON is compact: no whitespace outside strings, ``,`` and ``:`` as separators; ``oneOf`` is refused
+unless llguidance can prove its branches disjoint (``coerce_one_of`` stays off). Compiled grammars
+are kept in a bounded LRU keyed by the constraint's canonical JSON.
+
+Compiling can take from ~1 ms to ~1 s for a hostile grammar (llguidance drops the GIL meanwhile); the
+serving layer runs :meth:`GrammarCompiler.compile` on a thread of its own, never on the event loop or
+the engine thread.
+
+Source: llguidance docs/json_schema.md and docs/syntax.md (what it enforces); the OpenAI "Structured
+Outputs" guide (the request forms).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+from model.grammar import tokens
+from model.grammar.matcher import ConstraintError, TokenMatcher
+from model.tokenizer import TextTokenizer
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_CONSTRAINT_BYTES = 64 * 1024  # canonical JSON of a schema, or a regex/grammar/choice list
+MAX_CHOICES = 1024
+MAX_GRAMMAR_SIZE = 100_000  # llguidance grammar symbols (its default is 500 000)
+CACHE_SIZE = 256  # compiled grammars kept per worker
+# JSON output options that no schema's "x-guidance" may change: compact, strict, exact.
+JSON_OPTIONS = {
+    "whitespace_flexible": False,
+    "item_separator": ",",
+    "key_separator": ":",
+    "coerce_one_of": False,
+    "lenient": False,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """One request's output constraint, validated for shape (not yet compiled).
+
+    Attributes:
+        kind: one of :data:`KINDS`.
+        value: the schema (a dict) for ``json_schema``; None for ``json_object``; the pattern for
+            ``regex``; a tuple of strings for ``choice``; the Lark text for ``grammar``.
+    """
+
+    kind: str
+    value: Any = None
+
+    def key(self) -> str:
+        """Return the canonical JSON of the constraint: the cache key, equal for equal constraints."""
+        value = list(self.value) if isinstance(self.value, tuple) else self.value
+        return json.dumps(
+            [self.kind, value], sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        )
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """Return llguidance's grammar for ``constraint`` (not yet checked against a tokenizer).
+
+    Raises:
+        ConstraintError: over :data:`MAX_CONSTRAINT_BYTES` or :data:`MAX_CHOICES`, an empty choice,
+            or a kind outside :data:`KINDS`.
+    """
+    kind, value = constraint.kind, constraint.value
+    if len(constraint.key().encode("utf-8")) > MAX_CONSTRAINT_BYTES:
+        raise ConstraintError(f"is over the limit of {MAX_CONSTRAINT_BYTES} bytes")
+    if kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(value, overrides=JSON_OPTIONS)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            {"type": "object"}, overrides=JSON_OPTIONS
+        )
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":
+        if not value or len(value) > MAX_CHOICES or any(not s for s in value):
+            raise ConstraintError(f"must hold 1..{MAX_CHOICES} non-empty strings")
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(s) for s in value)
+        )
+    if kind == "grammar":
+        return llguidance.LLMatcher.grammar_from_lark(value)
+    raise ConstraintError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+
+
+def limits() -> llguidance.LLParserLimits:
+    """Return the parser limits of every matcher: bounded grammar size, errors without state."""
+    return llguidance.LLParserLimits(max_grammar_size=MAX_GRAMMAR_SIZE, verbose_errors=False)
+
+
+class Grammar:
+    """A compiled constraint: makes one :class:`TokenMatcher` per choice (a copy of its template).
+
+    Attributes:
+        kind: the constraint's kind (for logs and metrics).
+        compile_s: seconds its compilation took.
+    """
+
+    __slots__ = ("kind", "compile_s", "_template", "_sizes")
+
+    def __init__(
+        self, kind: str, template: llguidance.LLMatcher, sizes: tuple[int, int], compile_s: float
+    ) -> None:
+        self.kind = kind
+        self.compile_s = compile_s
+        self._template = template
+        self._sizes = sizes  # (model vocabulary, bridge vocabulary)
+
+    def matcher(self) -> TokenMatcher:
+        """Return a fresh matcher at the grammar's start (µs: the compiled grammar is shared)."""
+        return TokenMatcher(self._template.deep_copy(), *self._sizes)
+
+
+class GrammarCompiler:
+    """Compile constraints for one served tokenizer, with a bounded LRU of the results.
+
+    Thread-safe: the bridge tokenizer is built once (on the first compile), and the cache is locked.
+
+    Args:
+        tokenizer: the served tokenizer.
+        cache_size: compiled grammars kept.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, cache_size: int = CACHE_SIZE) -> None:
+        self._tokenizer = tokenizer
+        self._lltok: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    @property
+    def lltokenizer(self) -> llguidance.LLTokenizer:
+        """The llguidance tokenizer (built on first use, ~0.5 s for a 49k vocabulary)."""
+        with self._lock:
+            if self._lltok is None:
+                self._lltok = tokens.build(self._tokenizer)
+            return self._lltok
+
+    def compile(self, constraint: Constraint) -> tuple[Grammar, bool]:
+        """Return the grammar of ``constraint`` and whether it came from the cache.
+
+        Raises:
+            ConstraintError: llguidance cannot enforce it (the message is llguidance's, first line,
+                without grammar state), or it is over the limits.
+        """
+        key = constraint.key()
+        with self._lock:
+            found = self._cache.get(key)
+            if found is not None:
+                self._cache.move_to_end(key)
+                return found, True
+        lltok = self.lltokenizer
+        start = time.perf_counter()
+        try:
+            text = grammar_text(constraint)
+        except ValueError as exc:  # llguidance raises ValueError for a value it cannot read
+            raise ConstraintError(_short(str(exc))) from None
+        template = llguidance.LLMatcher(lltok, text, log_level=0, limits=limits())
+        if template.is_error():
+            raise ConstraintError(_short(template.get_error()))
+        sizes = (self._tokenizer.vocab_size, lltok.vocab_size)
+        grammar = Grammar(constraint.kind, template, sizes, time.perf_counter() - start)
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return grammar, False
+
+
+def _short(message: str, limit: int = 300) -> str:
+    """Return llguidance's error message on one line, at most ``limit`` characters."""
+    text = " ".join(message.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
