@@ -186,7 +186,7 @@ BAD = [
     ),
     ({"model": "m", "messages": HELLO, "tools": [{"type": "function"}]}, "tools"),
     (
-        {"model": "m", "messages": HELLO, "response_format": {"type": "json_object"}},
+        {"model": "m", "messages": HELLO, "response_format": {"type": "json_schema"}},
         "response_format",
     ),
     ({"model": "m", "messages": HELLO, "top_logprobs": 2}, "top_logprobs"),

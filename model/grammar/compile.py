@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
 
 from model.grammar import tokens
 from model.grammar.matcher import ConstraintError, TokenMatcher
@@ -93,7 +94,11 @@ def grammar_text(constraint: Constraint) -> str:
             "start: " + " | ".join(json.dumps(s) for s in value)
         )
     if kind == "grammar":
-        return llguidance.LLMatcher.grammar_from_lark(value)
+        try:  # llama.cpp's and xgrammar's GBNF becomes Lark; Lark passes as is
+            lark = any_to_lark(value)
+        except Exception as exc:  # noqa: BLE001 - the converter raises whatever it meets
+            raise ConstraintError(f"cannot read the GBNF grammar: {exc}") from None
+        return llguidance.LLMatcher.grammar_from_lark(lark)
     raise ConstraintError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
 
 
@@ -125,6 +130,35 @@ class Grammar:
         return TokenMatcher(self._template.deep_copy(), *self._sizes)
 
 
+class RequestGrammar:
+    """One request's use of a compiled grammar: its choices' matchers, and their mask time.
+
+    The engine calls :meth:`matcher` once per choice (any thread); the serving layer reads
+    :attr:`mask_s` when the request is done.
+
+    Args:
+        grammar: the compiled grammar (shared by every request with the same constraint).
+    """
+
+    __slots__ = ("grammar", "kind", "matchers")
+
+    def __init__(self, grammar: Grammar) -> None:
+        self.grammar = grammar
+        self.kind = grammar.kind
+        self.matchers: list[TokenMatcher] = []
+
+    def matcher(self) -> TokenMatcher:
+        """Return a fresh matcher for one more choice of the request."""
+        m = self.grammar.matcher()
+        self.matchers.append(m)
+        return m
+
+    @property
+    def mask_s(self) -> float:
+        """Seconds spent computing this request's masks, over all its choices."""
+        return sum(m.mask_s for m in self.matchers)
+
+
 class GrammarCompiler:
     """Compile constraints for one served tokenizer, with a bounded LRU of the results.
 
@@ -149,6 +183,15 @@ class GrammarCompiler:
             if self._lltok is None:
                 self._lltok = tokens.build(self._tokenizer)
             return self._lltok
+
+    def cached(self, constraint: Constraint) -> Grammar | None:
+        """Return the grammar of ``constraint`` if it is in the cache (a dict lookup), else None."""
+        key = constraint.key()
+        with self._lock:
+            found = self._cache.get(key)
+            if found is not None:
+                self._cache.move_to_end(key)
+            return found
 
     def compile(self, constraint: Constraint) -> tuple[Grammar, bool]:
         """Return the grammar of ``constraint`` and whether it came from the cache.

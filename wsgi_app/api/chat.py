@@ -4,7 +4,7 @@ The sampling fields are parsed by the same functions as ``/v1/completions`` (``w
 so a :class:`ChatRequest` carries the same values, and :func:`completion_request` turns it, once the
 chat template has made the prompt, into the :class:`~wsgi_app.api.completions.CompletionRequest` the
 generation pipeline already serves. Unlike the legacy endpoint, an unknown field is a 400, as OpenAI
-answers it; documented OpenAI fields this server does not implement (tools, audio, JSON output...)
+answers it; documented OpenAI fields this server does not implement (tools, audio...)
 are a 400 saying so, never silently ignored. ``null`` means absent.
 
 Source: OpenAI API reference, "Chat Completions" (create).
@@ -29,6 +29,7 @@ from wsgi_app.api.fields import (
     parse_stream_fields,
     reject_unknown,
 )
+from wsgi_app.api.structured import CONSTRAINT_FIELDS, RequestConstraint, parse_constraint
 
 MAX_TOP_LOGPROBS = 20
 MAX_CHAT_MESSAGES = 1024  # the MAX_CHAT_MESSAGES setting's default
@@ -43,7 +44,7 @@ KNOWN_FIELDS = frozenset(
         "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
         "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
         "prediction", "web_search_options", "reasoning_effort", "verbosity",
-        "top_k", "min_p", "ignore_eos",
+        "top_k", "min_p", "ignore_eos", *CONSTRAINT_FIELDS,
     }
 )  # fmt: skip
 # Documented OpenAI fields this server does not implement: any non-null value is a 400.
@@ -75,6 +76,8 @@ class ChatRequest:
         include_usage: with ``stream``, send a final usage chunk before ``[DONE]``.
         ignore_eos: keep generating past end-of-sequence (vLLM's extension).
         user: the client's end-user id, or None (log it hashed).
+        constraint: the output constraint (``response_format`` and the other spellings of
+            ``wsgi_app.api.structured``), or None.
     """
 
     model: str
@@ -90,6 +93,7 @@ class ChatRequest:
     include_usage: bool = False
     ignore_eos: bool = False
     user: str | None = None
+    constraint: RequestConstraint | None = None
 
 
 def unsupported(name: str, what: str | None = None) -> ApiError:
@@ -145,6 +149,7 @@ def parse_chat_request(
         include_usage=stream.include_usage,
         ignore_eos=stream.ignore_eos,
         user=body.get("user"),
+        constraint=parse_constraint(body),
     )
 
 
@@ -227,6 +232,7 @@ def completion_request(
         stream=chat.stream,
         include_usage=chat.include_usage,
         ignore_eos=chat.ignore_eos,
+        constraint=chat.constraint,
     )
 
 
@@ -256,19 +262,8 @@ def _logprob_budget(chat: ChatRequest, max_tokens: int, budget: int) -> int:
 
 
 def _check_options(body: dict[str, Any]) -> None:
-    """Accept the output options that mean "plain text, not stored"; refuse the others by name."""
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-            raise invalid(
-                "'response_format' must be an object with a string 'type'.", "response_format"
-            )
-        if fmt["type"] in ("json_object", "json_schema"):
-            raise unsupported("response_format", f"'response_format' of type '{fmt['type']}'")
-        if fmt["type"] != "text":
-            raise invalid(
-                f"Invalid 'response_format.type': {quote_name(fmt['type'])!r}.", "response_format"
-            )
+    """Accept the output options that mean "text, not stored"; refuse the others by name
+    (``response_format`` is read by ``wsgi_app.api.structured``)."""
     modalities = body.get("modalities")
     if modalities is not None:
         if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):

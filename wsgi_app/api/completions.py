@@ -29,6 +29,7 @@ from wsgi_app.api.fields import (
     parse_stream_fields,
     reject_unknown,
 )
+from wsgi_app.api.structured import CONSTRAINT_FIELDS, RequestConstraint, parse_constraint
 
 MAX_TOKENS_LIMIT = 4096
 MAX_LOGPROBS = 5
@@ -40,6 +41,7 @@ KNOWN_FIELDS = frozenset(
         "model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "n", "stream",
         "stream_options", "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty",
         "best_of", "logit_bias", "user", "seed", "top_k", "min_p", "ignore_eos",
+        *CONSTRAINT_FIELDS,
     }
 )  # fmt: skip
 
@@ -82,6 +84,9 @@ class CompletionRequest:
         ignore_eos: keep generating past the model's end-of-sequence token (vLLM's extension).
         prompt_tail: the first prompt's :attr:`Prompt.tail`.
         more_prompts: the prompts after the first of a batch (OpenAI's list of prompts).
+        constraint: the output constraint (structured outputs, ``wsgi_app.api.structured``), or None.
+        grammar: ``constraint`` compiled (``model.grammar.compile.Grammar``), set once compiled
+            (``wsgi_app.generation.grammars``); None without a constraint.
     """
 
     model: str
@@ -99,6 +104,8 @@ class CompletionRequest:
     ignore_eos: bool = False
     prompt_tail: bytes = b""
     more_prompts: tuple[Prompt, ...] = ()
+    constraint: RequestConstraint | None = None
+    grammar: Any = None
 
     def prompts(self) -> tuple[Prompt, ...]:
         """Return every prompt of the request, in order (prompt ``p`` has choices ``p*n .. p*n+n-1``)."""
@@ -238,6 +245,7 @@ def parse_completion_request(
         stream=stream.stream,
         include_usage=stream.include_usage,
         ignore_eos=stream.ignore_eos,
+        constraint=parse_constraint(body),
     )
 
 

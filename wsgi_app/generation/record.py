@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 from telemetry.spans import Span
 
@@ -51,6 +52,10 @@ class RequestRecord:
         slot_at: ``perf_counter`` when the slot was granted, or None.
         end_reason: why generation ended, one of :data:`END_REASONS`, set once by :meth:`end`; None
             for a request that never generated (refused, invalid, not a generation route).
+        constraint: the kind of the request's output constraint (``json_schema``, ``regex``...), or
+            None (structured outputs, ``wsgi_app.generation.grammars``).
+        compile_s: seconds the request waited for its grammar (about 0 from the cache), or None.
+        grammar: the request's ``model.grammar.compile.RequestGrammar`` (its mask time), or None.
     """
 
     request_id: str
@@ -75,6 +80,9 @@ class RequestRecord:
     queue_wait_s: float | None = None
     slot_at: float | None = None
     end_reason: str | None = None
+    constraint: str | None = None
+    compile_s: float | None = None
+    grammar: Any = None
 
     def end(self, reason: str) -> bool:
         """Record why generation ended, unless a reason is recorded already (the first one to know

@@ -16,6 +16,7 @@ from flask import Response, request
 from wsgi_app.api.completions import CompletionRequest
 from wsgi_app.api.errors import ApiError
 from wsgi_app.api.fields import decode_json_body
+from wsgi_app.generation.grammars import grammar_service
 from wsgi_app.generation.pacer import ClientGone
 from wsgi_app.generation.record import CLIENT_LEFT, ENGINE_ERROR, RequestRecord
 from wsgi_app.generation.start import admit, engine_error, random_seed
@@ -45,9 +46,11 @@ def answer(
     """Admit ``req`` and answer it in ``wire``'s format, streamed when ``req.stream``.
 
     Raises:
-        ApiError: 429 ``server_busy`` when slots and queue are full, 503 when stopping or out of
+        ApiError: 400 naming the output constraint llguidance cannot enforce, 429 ``server_busy``
+            when slots and queue are full, 503 when stopping or out of
             memory, 504 when the deadline passes before the answer, 500 ``engine_error``.
     """
+    req = grammar_service(rt).prepare(req, record)  # structured outputs: 400 before any byte
     seed = req.seed if req.seed is not None else random_seed()
     sock = request.environ.get("gunicorn.socket")
     completion, ticket, pacer = admit(rt, req, record, seed, sock, wire=wire)

@@ -53,6 +53,8 @@ class Runtime:
             :meth:`offload`), made on first use.
         after_answers: told when a generation request's answer is written, to give the freed heap
             back once the worker is idle (``wsgi_app.server.heap.AfterAnswers``), or None.
+        grammars: the structured-output compiler (``wsgi_app.generation.grammars``), made on
+            first use.
     """
 
     settings: Settings
@@ -71,6 +73,7 @@ class Runtime:
     chat_template: Any = None
     render_pool: Any = field(default=None, repr=False)
     after_answers: Any = field(default=None, repr=False)
+    grammars: Any = field(default=None, repr=False)
 
     @property
     def parse_limits(self) -> dict[str, Any]:
