@@ -83,6 +83,27 @@ def test_schema_grid_is_enforced(server):
     assert stopped >= 0.8 * len(results)
 
 
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 9}])
+def test_alone_and_in_a_batch_of_16_give_the_same_bytes(server, sampling):
+    body = {
+        "model": "m",
+        "prompt": "Data:",
+        "max_tokens": MAX_TOKENS,
+        "logprobs": 2,
+        "n": 2,
+        "structured_outputs": {"json": SCHEMAS["nested_arrays"]},
+        **sampling,
+    }
+
+    def choices(_: int) -> str:
+        status, _, raw = server.complete(body)
+        assert status == 200, raw
+        return json.dumps(json.loads(raw)["choices"])
+
+    alone = choices(0)
+    assert concurrently(choices, 16, timeout_s=120) == [alone] * 16
+
+
 def test_json_is_compact(server):
     schema = {
         "type": "object",
