@@ -32,7 +32,7 @@ from wsgi_app.http.routes import (
     stats,
 )
 from wsgi_app.http.runtime import EXTENSION, Runtime
-from wsgi_app.request_telemetry import build_observer
+from telemetry.observer import build_observer
 from wsgi_app.server.heap import AfterAnswers
 from wsgi_app.settings import Settings
 

@@ -87,7 +87,7 @@ class AppLogsRequests(Logger):
     with ``logconfig_dict`` set gunicorn would otherwise build (then drop) access fields every time."""
 
     def access(self, resp, req, environ, request_time):
-        """Do nothing: the request line is the app's (``wsgi_app.request_telemetry``)."""
+        """Do nothing: the request line is the app's (``telemetry.observer``)."""
 
 
 logger_class = AppLogsRequests

@@ -6,7 +6,7 @@ greenlet), which only queues it: in a worker, the event loop's next turn observe
 finished meanwhile (``Observer.flush``). The per-token work during generation is one
 ``perf_counter`` append (``Pacer``); everything derived from the token times (inter-token gaps, their
 percentiles and histogram buckets) is computed then, with numpy, once per batch
-(``wsgi_app.telemetry_batch``).
+(``telemetry.batch``).
 Nothing here raises into the request: a telemetry failure is logged and forgotten.
 
 Source: docs/ARCHITECTURE.md §10 (one JSON log line per request; slow requests log their timeline).
@@ -31,7 +31,7 @@ from telemetry.recorder import HistoryRecorder
 from telemetry.sketch import bin_counts
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.settings import Settings
-from wsgi_app.telemetry_batch import BatchGaps, Observation, Quantiles, count_all, reduce_gaps
+from telemetry.batch import BatchGaps, Observation, Quantiles, count_all, reduce_gaps
 
 __all__ = [
     "API_ROUTES",
