@@ -15,6 +15,7 @@ from flask import Flask, Response, request
 from model import __version__
 from model.llama.scheduler import BatchScheduler
 from model.loader import LoadedModel, load_model
+from telemetry.observer import build_observer
 from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app.generation.admission import Admission, default_limits
 from wsgi_app.generation.faults import Faults, FaultyEngine
@@ -32,7 +33,6 @@ from wsgi_app.http.routes import (
     stats,
 )
 from wsgi_app.http.runtime import EXTENSION, Runtime
-from telemetry.observer import build_observer
 from wsgi_app.server.heap import AfterAnswers
 from wsgi_app.settings import Settings
 
@@ -80,7 +80,13 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     logging.getLogger("greenserve").setLevel(settings.log_level.upper())
     model = load_model(settings.model_dir)
     chat_template = serving_template(model, settings)
-    observer = build_observer(settings, clock or time.time)
+    observer = build_observer(
+        clock or time.time,
+        stats_db=settings.stats_db,
+        slo_ttft_s=settings.slo_ttft_s,
+        stats_flush_s=settings.stats_flush_s,
+        slow_request_s=settings.slow_request_s,
+    )
     if settings.otlp_endpoint:
         exporter = SpanExporter(
             settings.otlp_endpoint,

@@ -16,8 +16,8 @@ import gevent
 from flask import current_app
 from gevent.threadpool import ThreadPool
 
-from wsgi_app.generation.admission import Admission
 from telemetry.observer import Observer
+from wsgi_app.generation.admission import Admission
 from wsgi_app.server.worker import END_STREAMS_S
 from wsgi_app.settings import Settings
 
