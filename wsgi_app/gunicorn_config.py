@@ -147,7 +147,7 @@ def _log_gguf_loading(path):
         return
     import logging
 
-    from model.llama.gguf_cache import default_cache_dir
+    from model.loader import default_cache_dir
 
     logging.getLogger("greenserve.start").info(
         "loading %s: hashing, float32 cache at %s",
