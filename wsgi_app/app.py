@@ -85,6 +85,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
             settings.otlp_endpoint,
             service_name=settings.service_name,
             on_result=observer.metrics.on_span_result,
+            scope_version=__version__,
         )
     else:
         exporter = NullExporter()
