@@ -31,6 +31,7 @@ import numpy as np
 
 from model.engine import (
     COMPLETE,
+    END,
     GenerationRequest,
     Step,
     check_prompt,
@@ -42,8 +43,6 @@ from model.llama.kv_cache import KVCache, KVPool
 from model.llama.model import Llama
 from model.pcg32 import PCG32
 from model.sampling import sample
-
-END = object()  # delivered after a sequence's last Step
 
 
 @dataclass(eq=False)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import gevent
 
-from model.engine import GenerationRequest, Step
+from model.engine import Engine, GenerationRequest, Step
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class _FaultyGrammar:
 class FaultyEngine:
     """Wrap an engine and inject :class:`Faults` into every token stream."""
 
-    def __init__(self, engine: Any, faults: Faults) -> None:
+    def __init__(self, engine: Engine, faults: Faults) -> None:
         self._engine = engine
         self._faults = faults
 
@@ -110,6 +110,12 @@ class FaultyEngine:
         if self._faults.matcher_fail_at and req.grammar is not None:
             req = dataclasses.replace(req, grammar=_FaultyGrammar(req.grammar, self._faults))
         return self._faulty(self._engine.stream(req))
+
+    def score(
+        self, prompt_ids: Sequence[int], top_n: int, pause: Callable[[], None] | None = None
+    ) -> list[Step]:
+        """Return the wrapped engine's scores (no faults: they are injected into streams only)."""
+        return self._engine.score(prompt_ids, top_n, pause)
 
     def _faulty(self, steps: Iterator[Step | None]) -> Iterator[Step | None]:
         f = self._faults
