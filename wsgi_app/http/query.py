@@ -1,0 +1,201 @@
+"""The query string of a GET generation stream as the JSON body it stands for (``EventSource``).
+
+``EventSource`` can only GET, so a stream's request is its query string: each parameter is converted
+by its field's type (numbers as in JSON, booleans as ``true``/``false``, ``stop`` repeatable) into the
+body a POST would send, which the endpoint's parser then validates exactly like one. Names and values
+must be UTF-8 once percent-decoded (as a POST body must be).
+
+Source: WHATWG URL Standard, "application/x-www-form-urlencoded parsing"; WHATWG HTML Living
+Standard, §9.2 "Server-sent events"; docs/ARCHITECTURE.md §8.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+from urllib.parse import unquote_to_bytes
+
+from werkzeug.datastructures import MultiDict
+
+from wsgi_app.api.chat import KNOWN_FIELDS as CHAT_FIELDS
+from wsgi_app.api.completions import KNOWN_FIELDS
+from wsgi_app.api.errors import invalid, quote_name
+from wsgi_app.api.fields import loads_strict
+
+TEXT_PARAMS = ("model", "prompt", "user")
+NUMBER_PARAMS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "n",
+    "logprobs",
+)
+BOOLEAN_PARAMS = ("echo", "ignore_eos")
+LIST_PARAMS = ("stop",)
+AUTH_PARAMS = ("api_key",)  # read by wsgi_app.http.auth, not a request field
+GET_TEXT = ("model", "user")
+GET_NUMBERS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "n",
+    "top_logprobs",
+)
+GET_BOOLEANS = ("logprobs", "ignore_eos", "include_usage")
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+
+
+def _number(name: str, raw: str) -> int | float:
+    if _JSON_NUMBER.fullmatch(raw):
+        try:
+            # int for integer literals, float otherwise: the types a JSON body would have
+            return json.loads(raw)
+        except ValueError:  # an integer past Python's digit limit
+            pass
+    raise invalid(f"Query parameter '{name}' must be a number, got {raw[:40]!r}.", name)
+
+
+def _boolean(name: str, raw: str) -> bool:
+    if raw not in ("true", "false"):
+        raise invalid(f"Query parameter '{name}' must be true or false, got {raw[:40]!r}.", name)
+    return raw == "true"
+
+
+def check_query_utf8(query: str) -> None:
+    """Refuse a query string whose names or values are not UTF-8 once percent-decoded.
+
+    werkzeug decodes ``request.args`` with replacement characters; a POST body that is not UTF-8 is a
+    400, so the same prompt sent as a query must be too, not generated from with U+FFFD in it.
+
+    Args:
+        query: the WSGI ``QUERY_STRING`` (the raw bytes decoded as Latin-1, PEP 3333).
+
+    Raises:
+        ApiError: 400 naming the parameter whose name or value does not decode.
+
+    Source: WHATWG URL Standard, "application/x-www-form-urlencoded parsing" (percent-decoded bytes,
+    then UTF-8); PEP 3333 for the Latin-1 environ strings.
+    """
+    for pair in query.split("&"):
+        name, _, value = pair.partition("=")
+        raw_name = _form_bytes(name)
+        try:
+            raw_name.decode("utf-8")
+            _form_bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            param = raw_name.decode("utf-8", "replace")[:40]
+            raise invalid(
+                f"Query parameter '{param}' is not valid UTF-8 once percent-decoded: "
+                f"{exc.reason} at byte {exc.start}.",
+                param,
+            ) from None
+
+
+def _form_bytes(part: str) -> bytes:
+    # Latin-1 gives back the bytes the client sent (a server that broke PEP 3333 gets "?" instead).
+    return unquote_to_bytes(part.replace("+", " ").encode("latin-1", "replace"))
+
+
+def query_body(
+    args: MultiDict,
+    text: tuple[str, ...] = TEXT_PARAMS,
+    numbers: tuple[str, ...] = NUMBER_PARAMS,
+    booleans: tuple[str, ...] = BOOLEAN_PARAMS,
+    lists: tuple[str, ...] = LIST_PARAMS,
+    *,
+    extra: tuple[str, ...] = (),
+    post_fields: frozenset[str] = KNOWN_FIELDS,
+) -> dict[str, Any]:
+    """Convert a query string into the JSON body it stands for (``stream`` always true).
+
+    Args:
+        args: the parsed query string.
+        text, numbers, booleans, lists: the parameters of each kind (the completion's by default).
+        extra: further parameters the caller reads itself (the chat's ``messages``).
+        post_fields: the endpoint's body fields, for the 400 that tells to POST those the query
+            cannot carry.
+
+    Returns:
+        A dict for :func:`~wsgi_app.api.completions.parse_completion_request`.
+
+    Raises:
+        ApiError: 400 naming the parameter that is unknown, that only a POST body can carry, that
+            repeats, or that does not convert to its field's type.
+    """
+    for name in args:
+        if name in text or name in numbers or name in booleans or name in lists:
+            continue
+        if name in extra or name in AUTH_PARAMS:
+            continue
+        if name in post_fields:
+            raise invalid(
+                f"'{name}' cannot be sent on the EventSource stream; POST a JSON body to use it.",
+                name,
+            )
+        shown = quote_name(name)
+        raise invalid(f"Unrecognized request argument supplied: {shown}", shown)
+    body: dict[str, Any] = {"stream": True}
+    for name in (*text, *numbers, *booleans):
+        values = args.getlist(name)
+        if not values:
+            continue
+        if len(values) > 1:
+            raise invalid(f"Query parameter '{name}' is given more than once.", name)
+        raw = values[0]
+        if name in text:
+            body[name] = raw
+        elif raw == "":
+            continue  # an empty form field: absent, as JSON null is
+        elif name in numbers:
+            body[name] = _number(name, raw)
+        else:
+            body[name] = _boolean(name, raw)
+    for name in lists:
+        values = args.getlist(name)
+        if values:
+            body[name] = values
+    return body
+
+
+def chat_query_body(args: MultiDict) -> dict[str, Any]:
+    """Convert a ``GET /v1/chat/completions`` query string into the chat body it stands for:
+    ``messages`` is one parameter holding the JSON list of messages, ``include_usage=true`` stands
+    for ``stream_options.include_usage``, the rest as :func:`query_body` converts them.
+
+    Raises:
+        ApiError: 400 as :func:`query_body`, or naming ``messages`` when it repeats or is not strict
+            JSON.
+    """
+    body = query_body(
+        args,
+        GET_TEXT,
+        GET_NUMBERS,
+        GET_BOOLEANS,
+        extra=("messages",),
+        post_fields=CHAT_FIELDS,
+    )
+    raw = args.getlist("messages")
+    if len(raw) > 1:
+        raise invalid("Query parameter 'messages' is given more than once.", "messages")
+    if raw:
+        try:  # the same strict reader as a POST body: no NaN, no repeated key
+            body["messages"] = loads_strict(raw[0])
+        except ValueError as exc:
+            raise invalid(
+                f"Query parameter 'messages' must be a JSON list of messages: {exc}.", "messages"
+            ) from None
+    if body.pop("include_usage", False):
+        body["stream_options"] = {"include_usage": True}
+    return body
