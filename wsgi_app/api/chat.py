@@ -19,15 +19,15 @@ from model.sampling import SamplingParams
 from wsgi_app.api.completions import MAX_TOKENS_LIMIT, CompletionRequest
 from wsgi_app.api.errors import ApiError, invalid, quote_name
 from wsgi_app.api.fields import (
-    _boolean,
-    _check_unicode,
-    _integer,
-    _stop,
+    boolean_field,
     build_sampling,
+    check_unicode,
+    integer_field,
     parse_model,
     parse_sampling_fields,
     parse_stream_fields,
     reject_unknown,
+    stop_strings,
 )
 
 MAX_TOP_LOGPROBS = 20
@@ -126,8 +126,8 @@ def parse_chat_request(
     messages = _messages(body.get("messages"), max_messages)
     max_tokens, max_tokens_param = _max_tokens(body)
     fields = parse_sampling_fields(body, vocab_size, max_n)
-    logprobs = _boolean(body, "logprobs")
-    top_logprobs = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    logprobs = boolean_field(body, "logprobs")
+    top_logprobs = integer_field(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top_logprobs is not None and not logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
     stream = parse_stream_fields(body)
@@ -139,7 +139,7 @@ def parse_chat_request(
         sampling=build_sampling(fields, body, vocab_size),
         seed=fields.seed,
         n=fields.n,
-        stop=_stop(body.get("stop")),
+        stop=stop_strings(body.get("stop")),
         logprobs=(top_logprobs or 0) if logprobs else None,
         stream=stream.stream,
         include_usage=stream.include_usage,
@@ -275,7 +275,7 @@ def _check_options(body: dict[str, Any]) -> None:
             raise invalid("'modalities' must be a list of strings.", "modalities")
         if any(m != "text" for m in modalities):
             raise unsupported("modalities", "Output modalities other than 'text'")
-    if body.get("store") is not None and _boolean(body, "store"):
+    if body.get("store") is not None and boolean_field(body, "store"):
         raise unsupported("store", "Storing completions ('store': true)")
     tier = body.get("service_tier")
     if tier is not None and (not isinstance(tier, str) or tier not in ("auto", "default")):
@@ -285,12 +285,12 @@ def _check_options(body: dict[str, Any]) -> None:
         if value is not None:
             if not isinstance(value, str):
                 raise invalid(f"'{name}' must be a string.", name)
-            _check_unicode(value, name)
+            check_unicode(value, name)
 
 
 def _max_tokens(body: dict[str, Any]) -> tuple[int | None, str]:
-    legacy = _integer(body, "max_tokens", None, 1, MAX_TOKENS_LIMIT)
-    current = _integer(body, "max_completion_tokens", None, 1, MAX_TOKENS_LIMIT)
+    legacy = integer_field(body, "max_tokens", None, 1, MAX_TOKENS_LIMIT)
+    current = integer_field(body, "max_completion_tokens", None, 1, MAX_TOKENS_LIMIT)
     if legacy is not None and current is not None and legacy != current:
         raise invalid(
             "'max_tokens' and 'max_completion_tokens' are both given with different values; "
@@ -350,7 +350,7 @@ def _content(content: Any, where: str) -> str:
     if content is None:
         raise invalid(f"'{where}' is required.", where)
     if isinstance(content, str):
-        _check_unicode(content, where)
+        check_unicode(content, where)
         return content
     if not isinstance(content, list) or not content:
         raise invalid(f"'{where}' must be a string or a non-empty list of content parts.", where)
@@ -376,7 +376,7 @@ def _content(content: Any, where: str) -> str:
         text = part.get("text")
         if not isinstance(text, str):
             raise invalid(f"'{at}.text' must be a string.", f"{at}.text")
-        _check_unicode(text, f"{at}.text")
+        check_unicode(text, f"{at}.text")
         texts.append(text)
     # Several text parts are one message: joined by newlines, as vLLM does.
     return "\n".join(texts)

@@ -18,16 +18,16 @@ from model.tokenizer import ByteTokenizer, TextTokenizer
 from model.utf8 import Utf8Decoder
 from wsgi_app.api.errors import invalid
 from wsgi_app.api.fields import (
-    _boolean,
-    _check_unicode,
-    _integer,
-    _is_int,
-    _stop,
+    boolean_field,
     build_sampling,
+    check_unicode,
+    integer_field,
+    is_int,
     parse_model,
     parse_sampling_fields,
     parse_stream_fields,
     reject_unknown,
+    stop_strings,
 )
 
 MAX_TOKENS_LIMIT = 4096
@@ -123,12 +123,12 @@ def _prompt(value: Any, max_prompt_tokens: int, tokenizer: TextTokenizer, where:
     vocab_size = tokenizer.vocab_size
     tail = b""
     if isinstance(value, str):
-        _check_unicode(value, "prompt")
+        check_unicode(value, "prompt")
         if not value:
             raise invalid(f"'{where}' must not be empty.", "prompt")
         ids = tuple(tokenizer.encode(value))
         text = value
-    elif isinstance(value, list) and value and all(_is_int(t) for t in value):
+    elif isinstance(value, list) and value and all(is_int(t) for t in value):
         bad = next((t for t in value if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise invalid(
@@ -197,11 +197,11 @@ def parse_completion_request(
 
     for unsupported in ("suffix", "best_of"):
         value = body.get(unsupported)
-        if value is not None and not (unsupported == "best_of" and value == 1 and _is_int(value)):
+        if value is not None and not (unsupported == "best_of" and value == 1 and is_int(value)):
             raise invalid(f"'{unsupported}' is not supported by this server.", unsupported)
 
-    echo = _boolean(body, "echo")
-    max_tokens = _integer(body, "max_tokens", 16, 0, MAX_TOKENS_LIMIT)
+    echo = boolean_field(body, "echo")
+    max_tokens = integer_field(body, "max_tokens", 16, 0, MAX_TOKENS_LIMIT)
     if max_tokens == 0 and not echo:
         raise invalid(
             "'max_tokens' must be at least 1 (0 is allowed only with 'echo').", "max_tokens"
@@ -213,7 +213,7 @@ def parse_completion_request(
             f"request makes at most MAX_N ({max_n}) choices (prompts × n).",
             "n",
         )
-    logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    logprobs = integer_field(body, "logprobs", None, 0, MAX_LOGPROBS)
     if logprobs is not None:
         _check_logprob_budget(prompts, fields.n, max_tokens, echo, logprobs, max_logprob_entries)
     stream = parse_stream_fields(body)
@@ -232,7 +232,7 @@ def parse_completion_request(
         sampling=build_sampling(fields, body, vocab_size),
         seed=fields.seed,
         n=fields.n,
-        stop=_stop(body.get("stop")),
+        stop=stop_strings(body.get("stop")),
         echo=echo,
         logprobs=logprobs,
         stream=stream.stream,

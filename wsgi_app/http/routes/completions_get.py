@@ -2,11 +2,12 @@
 
 ``EventSource`` can only GET and cannot send headers (besides ``Last-Event-ID``), so the request is the
 query string: ``wsgi_app.http.query`` converts each parameter by its field's type, and the result is
-validated exactly like a POST body (``wsgi_app.api.completions.parse_completion_request``). The answer is always a stream, framed by
-:class:`~wsgi_app.wire.sse.EventIds`: ``retry:``, ``id: <seed>-<index>`` on every data event, ``[DONE]`` with
-``id: <seed>-done``. A reconnect sends ``Last-Event-ID``: the same seed regenerates the same stream, which
-resumes after that event, or the request gets a ``204`` (which stops the browser) when it names ``done``.
-The completion ``id`` is a hash of the seed and the request, so a resumed stream carries the same one.
+validated exactly like a POST body (``wsgi_app.api.completions.parse_completion_request``). The
+answer is always a stream, framed by :class:`~wsgi_app.wire.sse.EventIds`: ``retry:``,
+``id: <seed>-<index>`` on every data event, ``[DONE]`` with ``id: <seed>-done``. A reconnect sends
+``Last-Event-ID``: the same seed regenerates the same stream, which resumes after that event, or the
+request gets a ``204`` (which stops the browser) when it names ``done``. The completion ``id`` is a
+hash of the seed and the request, so a resumed stream carries the same one.
 
 Query values: numbers as in JSON (``0.5``, ``1e-3``; not ``nan``, ``inf`` or ``0x1``), booleans as
 ``true``/``false``, ``stop`` repeatable (up to 4); an empty value for a number or boolean means "absent";
