@@ -19,6 +19,12 @@ from model.sampling import SamplingParams
 from wsgi_app.api.completions import MAX_TOKENS_LIMIT, CompletionRequest
 from wsgi_app.api.errors import ApiError, invalid, quote_name
 from wsgi_app.api.fields import (
+    BOOLEAN,
+    JSON,
+    NUMBER,
+    SHARED_FIELDS,
+    Field,
+    FieldTable,
     boolean_field,
     build_sampling,
     check_unicode,
@@ -34,23 +40,41 @@ MAX_TOP_LOGPROBS = 20
 MAX_CHAT_MESSAGES = 1024  # the MAX_CHAT_MESSAGES setting's default
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
-# The request fields accepted; extensions shared with /v1/completions: top_k, min_p, ignore_eos.
-KNOWN_FIELDS = frozenset(
-    {
-        "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
-        "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-        "top_logprobs", "stream", "stream_options", "user", "response_format", "modalities",
-        "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
-        "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
-        "prediction", "web_search_options", "reasoning_effort", "verbosity",
-        "top_k", "min_p", "ignore_eos",
-    }
-)  # fmt: skip
-# Documented OpenAI fields this server does not implement: any non-null value is a 400.
-UNSUPPORTED_FIELDS = (
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
-    "prediction", "web_search_options", "reasoning_effort", "verbosity", "metadata",
-)  # fmt: skip
+# The request fields of OpenAI's Chat Completions (and the shared extensions); anything else is refused by
+# name. The documented fields this server does not implement are a 400 for any non-null value.
+FIELDS = FieldTable(
+    (
+        *SHARED_FIELDS,
+        Field("messages", JSON),
+        Field("max_tokens", NUMBER),
+        Field("max_completion_tokens", NUMBER),
+        Field("logprobs", BOOLEAN),
+        Field("top_logprobs", NUMBER),
+        Field("response_format"),
+        Field("modalities"),
+        Field("store"),
+        Field("service_tier"),
+        Field("prompt_cache_key"),
+        Field("safety_identifier"),
+        *(
+            Field(name, unsupported=True)
+            for name in (
+                "tools",
+                "tool_choice",
+                "functions",
+                "function_call",
+                "parallel_tool_calls",
+                "audio",
+                "prediction",
+                "web_search_options",
+                "reasoning_effort",
+                "verbosity",
+                "metadata",
+            )  # fmt: skip
+        ),
+    )
+)
+KNOWN_FIELDS = FIELDS.names
 MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 ASSISTANT_FIELDS = MESSAGE_FIELDS | {"refusal", "tool_calls", "function_call", "audio"}
 UNSUPPORTED_PARTS = frozenset({"image_url", "input_audio", "file", "refusal"})
@@ -118,7 +142,7 @@ def parse_chat_request(
             down to the part (``messages[2].content[0].type``).
     """
     reject_unknown(body, KNOWN_FIELDS)
-    for name in UNSUPPORTED_FIELDS:
+    for name in FIELDS.unsupported:
         if body.get(name) is not None:
             raise unsupported(name)
     _check_options(body)

@@ -18,6 +18,12 @@ from model.tokenizer import ByteTokenizer, TextTokenizer
 from model.utf8 import Utf8Decoder
 from wsgi_app.api.errors import invalid
 from wsgi_app.api.fields import (
+    BOOLEAN,
+    NUMBER,
+    SHARED_FIELDS,
+    TEXT,
+    Field,
+    FieldTable,
     boolean_field,
     build_sampling,
     check_unicode,
@@ -33,15 +39,20 @@ from wsgi_app.api.fields import (
 MAX_TOKENS_LIMIT = 4096
 MAX_LOGPROBS = 5
 
-# The request fields of OpenAI's legacy Completions, and the extensions shared with vLLM (top_k, min_p,
-# ignore_eos); anything else is refused by name.
-KNOWN_FIELDS = frozenset(
-    {
-        "model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "n", "stream",
-        "stream_options", "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty",
-        "best_of", "logit_bias", "user", "seed", "top_k", "min_p", "ignore_eos",
-    }
-)  # fmt: skip
+# The request fields of OpenAI's legacy Completions (and the shared extensions); anything else is refused
+# by name.
+FIELDS = FieldTable(
+    (
+        *SHARED_FIELDS,
+        Field("prompt", TEXT),
+        Field("suffix", unsupported=True),
+        Field("max_tokens", NUMBER),
+        Field("logprobs", NUMBER),
+        Field("echo", BOOLEAN),
+        Field("best_of", unsupported=True),  # 1 is accepted: it changes nothing
+    )
+)
+KNOWN_FIELDS = FIELDS.names
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +206,7 @@ def parse_completion_request(
         for i, v in enumerate(values)
     ]
 
-    for unsupported in ("suffix", "best_of"):
+    for unsupported in FIELDS.unsupported:
         value = body.get(unsupported)
         if value is not None and not (unsupported == "best_of" and value == 1 and is_int(value)):
             raise invalid(f"'{unsupported}' is not supported by this server.", unsupported)

@@ -1,8 +1,9 @@
 """The request fields both generation endpoints share, read from a strict JSON body (no Flask here).
 
-Strict JSON (no NaN, no repeated key), unknown fields refused by name, and the sampling, seed and
-stream fields of OpenAI's Completions and Chat Completions parsed once for both: every violation is
-a 400 naming its ``param``.
+Strict JSON (no NaN, no repeated key); each endpoint's :class:`FieldTable`, the one list of its
+top-level fields and how a GET query string carries each; and the sampling, seed and stream fields
+of OpenAI's Completions and Chat Completions parsed once for both: every violation is a 400 naming
+its ``param``.
 
 Source: OpenAI API reference, "Completions" and "Chat Completions"; RFC 8259 (JSON).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,74 @@ from wsgi_app.api.errors import invalid, quote_name
 MAX_MODEL_CHARS = 256
 MAX_STOP = 4
 SEED_LIMIT = 1 << 64
+
+# How a GET query string carries a field (``wsgi_app.http.query``): its text as sent, a number as in
+# JSON, ``true``/``false``, a repeatable parameter (a list of texts), one parameter holding strict JSON.
+TEXT, NUMBER, BOOLEAN, LIST, JSON = "text", "number", "boolean", "list", "json"
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One top-level request field of an endpoint.
+
+    Attributes:
+        name: the wire name.
+        query: how a GET query string carries it (:data:`TEXT`, :data:`NUMBER`, :data:`BOOLEAN`,
+            :data:`LIST`, :data:`JSON`), or None when only a POST body can.
+        unsupported: a documented field this server does not implement: any non-null value is a 400.
+    """
+
+    name: str
+    query: str | None = None
+    unsupported: bool = False
+
+
+class FieldTable:
+    """The top-level fields of one endpoint: what is known, what is refused, what a query carries.
+
+    Args:
+        fields: the endpoint's fields, each named once.
+
+    Raises:
+        ValueError: a name given twice.
+    """
+
+    def __init__(self, fields: Iterable[Field]) -> None:
+        self.fields = tuple(fields)
+        self.names = frozenset(f.name for f in self.fields)
+        if len(self.names) != len(self.fields):
+            raise ValueError("a field is named twice")
+        self.unsupported = tuple(f.name for f in self.fields if f.unsupported)
+        self._query = {f.name: f.query for f in self.fields}
+
+    def query_kind(self, name: str) -> str | None:
+        """Return how a query string carries ``name`` (None: POST only, or not a field)."""
+        return self._query.get(name)
+
+    def query_names(self, kind: str) -> tuple[str, ...]:
+        """Return the fields a query string carries as ``kind``, in table order."""
+        return tuple(f.name for f in self.fields if f.query == kind)
+
+
+# The fields of both generation endpoints: OpenAI's, and the extensions shared with vLLM (top_k, min_p,
+# ignore_eos).
+SHARED_FIELDS = (
+    Field("model", TEXT),
+    Field("temperature", NUMBER),
+    Field("top_p", NUMBER),
+    Field("top_k", NUMBER),
+    Field("min_p", NUMBER),
+    Field("presence_penalty", NUMBER),
+    Field("frequency_penalty", NUMBER),
+    Field("seed", NUMBER),
+    Field("n", NUMBER),
+    Field("stop", LIST),
+    Field("logit_bias"),
+    Field("stream"),
+    Field("stream_options"),
+    Field("user", TEXT),
+    Field("ignore_eos", BOOLEAN),
+)
 
 
 def _reject_constant(name: str) -> Any:

@@ -18,42 +18,12 @@ from urllib.parse import unquote_to_bytes
 
 from werkzeug.datastructures import MultiDict
 
-from wsgi_app.api.chat import KNOWN_FIELDS as CHAT_FIELDS
-from wsgi_app.api.completions import KNOWN_FIELDS
+from wsgi_app.api.chat import FIELDS as CHAT_FIELDS
+from wsgi_app.api.completions import FIELDS as COMPLETION_FIELDS
 from wsgi_app.api.errors import invalid, quote_name
-from wsgi_app.api.fields import loads_strict
+from wsgi_app.api.fields import BOOLEAN, JSON, LIST, NUMBER, TEXT, FieldTable, loads_strict
 
-TEXT_PARAMS = ("model", "prompt", "user")
-NUMBER_PARAMS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "n",
-    "logprobs",
-)
-BOOLEAN_PARAMS = ("echo", "ignore_eos")
-LIST_PARAMS = ("stop",)
 AUTH_PARAMS = ("api_key",)  # read by wsgi_app.http.auth, not a request field
-GET_TEXT = ("model", "user")
-GET_NUMBERS = (
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "n",
-    "top_logprobs",
-)
-GET_BOOLEANS = ("logprobs", "ignore_eos", "include_usage")
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 
 
@@ -109,64 +79,64 @@ def _form_bytes(part: str) -> bytes:
 
 
 def query_body(
-    args: MultiDict,
-    text: tuple[str, ...] = TEXT_PARAMS,
-    numbers: tuple[str, ...] = NUMBER_PARAMS,
-    booleans: tuple[str, ...] = BOOLEAN_PARAMS,
-    lists: tuple[str, ...] = LIST_PARAMS,
-    *,
-    extra: tuple[str, ...] = (),
-    post_fields: frozenset[str] = KNOWN_FIELDS,
+    args: MultiDict, table: FieldTable = COMPLETION_FIELDS, *, aliases: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """Convert a query string into the JSON body it stands for (``stream`` always true).
 
+    Each parameter is converted as ``table`` says its field is carried (:data:`TEXT` as sent,
+    :data:`NUMBER` as a JSON number, :data:`BOOLEAN` as ``true``/``false``, :data:`LIST` repeatable,
+    :data:`JSON` one strict JSON document); an empty number or boolean is absent, as JSON ``null`` is.
+
     Args:
         args: the parsed query string.
-        text, numbers, booleans, lists: the parameters of each kind (the completion's by default).
-        extra: further parameters the caller reads itself (the chat's ``messages``).
-        post_fields: the endpoint's body fields, for the 400 that tells to POST those the query
-            cannot carry.
+        table: the endpoint's fields (the completion's by default).
+        aliases: boolean parameters the caller maps itself (the chat's ``include_usage``).
 
     Returns:
-        A dict for :func:`~wsgi_app.api.completions.parse_completion_request`.
+        A dict for the endpoint's parser (``parse_completion_request``, ``parse_chat_request``).
 
     Raises:
         ApiError: 400 naming the parameter that is unknown, that only a POST body can carry, that
             repeats, or that does not convert to its field's type.
     """
-    for name in args:
-        if name in text or name in numbers or name in booleans or name in lists:
+    body: dict[str, Any] = {"stream": True}
+    for name in dict.fromkeys(args):
+        if name in AUTH_PARAMS:
             continue
-        if name in extra or name in AUTH_PARAMS:
-            continue
-        if name in post_fields:
+        kind = BOOLEAN if name in aliases else table.query_kind(name)
+        if kind is None and name in table.names:
             raise invalid(
                 f"'{name}' cannot be sent on the EventSource stream; POST a JSON body to use it.",
                 name,
             )
-        shown = quote_name(name)
-        raise invalid(f"Unrecognized request argument supplied: {shown}", shown)
-    body: dict[str, Any] = {"stream": True}
-    for name in (*text, *numbers, *booleans):
+        if kind is None:
+            shown = quote_name(name)
+            raise invalid(f"Unrecognized request argument supplied: {shown}", shown)
         values = args.getlist(name)
-        if not values:
+        if kind == LIST:
+            body[name] = values
             continue
         if len(values) > 1:
             raise invalid(f"Query parameter '{name}' is given more than once.", name)
         raw = values[0]
-        if name in text:
+        if kind == TEXT:
             body[name] = raw
+        elif kind == JSON:
+            body[name] = _json(name, raw)
         elif raw == "":
             continue  # an empty form field: absent, as JSON null is
-        elif name in numbers:
+        elif kind == NUMBER:
             body[name] = _number(name, raw)
         else:
             body[name] = _boolean(name, raw)
-    for name in lists:
-        values = args.getlist(name)
-        if values:
-            body[name] = values
     return body
+
+
+def _json(name: str, raw: str) -> Any:
+    try:  # the same strict reader as a POST body: no NaN, no repeated key
+        return loads_strict(raw)
+    except ValueError as exc:
+        raise invalid(f"Query parameter '{name}' must be strict JSON: {exc}.", name) from None
 
 
 def chat_query_body(args: MultiDict) -> dict[str, Any]:
@@ -175,27 +145,9 @@ def chat_query_body(args: MultiDict) -> dict[str, Any]:
     for ``stream_options.include_usage``, the rest as :func:`query_body` converts them.
 
     Raises:
-        ApiError: 400 as :func:`query_body`, or naming ``messages`` when it repeats or is not strict
-            JSON.
+        ApiError: 400 as :func:`query_body`.
     """
-    body = query_body(
-        args,
-        GET_TEXT,
-        GET_NUMBERS,
-        GET_BOOLEANS,
-        extra=("messages",),
-        post_fields=CHAT_FIELDS,
-    )
-    raw = args.getlist("messages")
-    if len(raw) > 1:
-        raise invalid("Query parameter 'messages' is given more than once.", "messages")
-    if raw:
-        try:  # the same strict reader as a POST body: no NaN, no repeated key
-            body["messages"] = loads_strict(raw[0])
-        except ValueError as exc:
-            raise invalid(
-                f"Query parameter 'messages' must be a JSON list of messages: {exc}.", "messages"
-            ) from None
+    body = query_body(args, CHAT_FIELDS, aliases=("include_usage",))
     if body.pop("include_usage", False):
         body["stream_options"] = {"include_usage": True}
     return body
