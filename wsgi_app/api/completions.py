@@ -1,9 +1,9 @@
 """OpenAI legacy Completions wire types and their validation (no Flask here).
 
 Precedence for every field: the request's value, else the OpenAI default. ``null`` means absent, booleans are
-not numbers, an unknown field is a 400 as OpenAI answers it ("Unrecognized request argument supplied"), the
-documented fields this server does not implement (``suffix``, ``best_of`` above 1) are a 400 saying so, and
-every violation is a 400 naming its ``param``.
+not numbers, an unknown field is ignored (the v0 contract; the answer names it in ``X-Ignored-Fields``),
+the documented fields this server does not implement (``suffix``, ``best_of`` above 1) and other servers'
+constraint fields are a 400 saying so, and every violation is a 400 naming its ``param``.
 
 Source: OpenAI API reference, "Completions" (legacy); docs/ARCHITECTURE.md §6 and §8.
 """
@@ -18,12 +18,6 @@ from model.tokenizer import ByteTokenizer, TextTokenizer
 from model.utf8 import Utf8Decoder
 from wsgi_app.api.errors import invalid
 from wsgi_app.api.fields import (
-    BOOLEAN,
-    NUMBER,
-    SHARED_FIELDS,
-    TEXT,
-    Field,
-    FieldTable,
     boolean_field,
     build_sampling,
     check_unicode,
@@ -32,15 +26,16 @@ from wsgi_app.api.fields import (
     parse_model,
     parse_sampling_fields,
     parse_stream_fields,
-    reject_unknown,
     stop_strings,
+    unsupported,
 )
+from wsgi_app.api.table import BOOLEAN, NUMBER, SHARED_FIELDS, TEXT, Field, FieldTable
 
 MAX_TOKENS_LIMIT = 4096
 MAX_LOGPROBS = 5
 
-# The request fields of OpenAI's legacy Completions (and the shared extensions); anything else is refused
-# by name.
+# The request fields of OpenAI's legacy Completions (and the shared extensions); anything else is ignored
+# (and named in the answer's X-Ignored-Fields), except another server's constraint field.
 FIELDS = FieldTable(
     (
         *SHARED_FIELDS,
@@ -52,7 +47,6 @@ FIELDS = FieldTable(
         Field("best_of", unsupported=True),  # 1 is accepted: it changes nothing
     )
 )
-KNOWN_FIELDS = FIELDS.names
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +87,8 @@ class CompletionRequest:
         ignore_eos: keep generating past the model's end-of-sequence token (vLLM's extension).
         prompt_tail: the first prompt's :attr:`Prompt.tail`.
         more_prompts: the prompts after the first of a batch (OpenAI's list of prompts).
+        ignored_fields: the unknown top-level fields the request sent, sorted, as the
+            ``X-Ignored-Fields`` header lists them (``wsgi_app.api.fields.shown_names``).
     """
 
     model: str
@@ -110,6 +106,7 @@ class CompletionRequest:
     ignore_eos: bool = False
     prompt_tail: bytes = b""
     more_prompts: tuple[Prompt, ...] = ()
+    ignored_fields: tuple[str, ...] = ()
 
     def prompts(self) -> tuple[Prompt, ...]:
         """Return every prompt of the request, in order (prompt ``p`` has choices ``p*n .. p*n+n-1``)."""
@@ -186,9 +183,10 @@ def parse_completion_request(
         max_logprob_entries: the request's budget of ``logprobs`` entries (``MAX_LOGPROB_ENTRIES``).
 
     Raises:
-        ApiError: 400 naming the first invalid field in ``param``; an unknown field first of all.
+        ApiError: 400 naming the first invalid field in ``param``; another server's constraint
+            field (``wsgi_app.api.fields.CONSTRAINT_FIELDS``) first of all.
     """
-    reject_unknown(body, KNOWN_FIELDS)
+    ignored = FIELDS.check(body)
     model = parse_model(body)
     if "prompt" not in body or body["prompt"] is None:
         raise invalid("'prompt' is required.", "prompt")
@@ -206,10 +204,10 @@ def parse_completion_request(
         for i, v in enumerate(values)
     ]
 
-    for unsupported in FIELDS.unsupported:
-        value = body.get(unsupported)
-        if value is not None and not (unsupported == "best_of" and value == 1 and is_int(value)):
-            raise invalid(f"'{unsupported}' is not supported by this server.", unsupported)
+    for name in FIELDS.unsupported:
+        value = body.get(name)
+        if value is not None and not (name == "best_of" and value == 1 and is_int(value)):
+            raise unsupported(name)
 
     echo = boolean_field(body, "echo")
     max_tokens = integer_field(body, "max_tokens", 16, 0, MAX_TOKENS_LIMIT)
@@ -249,6 +247,7 @@ def parse_completion_request(
         stream=stream.stream,
         include_usage=stream.include_usage,
         ignore_eos=stream.ignore_eos,
+        ignored_fields=ignored,
     )
 
 

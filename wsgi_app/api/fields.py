@@ -1,9 +1,9 @@
 """The request fields both generation endpoints share, read from a strict JSON body (no Flask here).
 
-Strict JSON (no NaN, no repeated key); each endpoint's :class:`FieldTable`, the one list of its
-top-level fields and how a GET query string carries each; and the sampling, seed and stream fields
-of OpenAI's Completions and Chat Completions parsed once for both: every violation is a 400 naming
-its ``param``.
+Strict JSON (no NaN, no repeated key), and the sampling, seed and stream fields of OpenAI's
+Completions and Chat Completions parsed once for both, with the typed readers every field uses:
+every violation is a 400 naming its ``param``. Which fields an endpoint has is its table's
+(``wsgi_app.api.table``).
 
 Source: OpenAI API reference, "Completions" and "Chat Completions"; RFC 8259 (JSON).
 """
@@ -12,84 +12,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from model.sampling import SamplingParams
-from wsgi_app.api.errors import invalid, quote_name
+from wsgi_app.api.errors import ApiError, invalid, quote_name
 
 MAX_MODEL_CHARS = 256
 MAX_STOP = 4
 SEED_LIMIT = 1 << 64
-
-# How a GET query string carries a field (``wsgi_app.http.query``): its text as sent, a number as in
-# JSON, ``true``/``false``, a repeatable parameter (a list of texts), one parameter holding strict JSON.
-TEXT, NUMBER, BOOLEAN, LIST, JSON = "text", "number", "boolean", "list", "json"
-
-
-@dataclass(frozen=True, slots=True)
-class Field:
-    """One top-level request field of an endpoint.
-
-    Attributes:
-        name: the wire name.
-        query: how a GET query string carries it (:data:`TEXT`, :data:`NUMBER`, :data:`BOOLEAN`,
-            :data:`LIST`, :data:`JSON`), or None when only a POST body can.
-        unsupported: a documented field this server does not implement: any non-null value is a 400.
-    """
-
-    name: str
-    query: str | None = None
-    unsupported: bool = False
-
-
-class FieldTable:
-    """The top-level fields of one endpoint: what is known, what is refused, what a query carries.
-
-    Args:
-        fields: the endpoint's fields, each named once.
-
-    Raises:
-        ValueError: a name given twice.
-    """
-
-    def __init__(self, fields: Iterable[Field]) -> None:
-        self.fields = tuple(fields)
-        self.names = frozenset(f.name for f in self.fields)
-        if len(self.names) != len(self.fields):
-            raise ValueError("a field is named twice")
-        self.unsupported = tuple(f.name for f in self.fields if f.unsupported)
-        self._query = {f.name: f.query for f in self.fields}
-
-    def query_kind(self, name: str) -> str | None:
-        """Return how a query string carries ``name`` (None: POST only, or not a field)."""
-        return self._query.get(name)
-
-    def query_names(self, kind: str) -> tuple[str, ...]:
-        """Return the fields a query string carries as ``kind``, in table order."""
-        return tuple(f.name for f in self.fields if f.query == kind)
-
-
-# The fields of both generation endpoints: OpenAI's, and the extensions shared with vLLM (top_k, min_p,
-# ignore_eos).
-SHARED_FIELDS = (
-    Field("model", TEXT),
-    Field("temperature", NUMBER),
-    Field("top_p", NUMBER),
-    Field("top_k", NUMBER),
-    Field("min_p", NUMBER),
-    Field("presence_penalty", NUMBER),
-    Field("frequency_penalty", NUMBER),
-    Field("seed", NUMBER),
-    Field("n", NUMBER),
-    Field("stop", LIST),
-    Field("logit_bias"),
-    Field("stream"),
-    Field("stream_options"),
-    Field("user", TEXT),
-    Field("ignore_eos", BOOLEAN),
-)
 
 
 def _reject_constant(name: str) -> Any:
@@ -103,20 +34,6 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"duplicate key {quote_name(key)!r}")
         obj[key] = value
     return obj
-
-
-def reject_unknown(body: dict[str, Any], known: frozenset[str]) -> None:
-    """Refuse the first field of ``body`` that is not in ``known``, as OpenAI does.
-
-    Raises:
-        ApiError: 400 "Unrecognized request argument supplied: NAME" with ``param`` NAME.
-
-    Source: OpenAI API reference (the error its API answers for an unknown request field).
-    """
-    for name in body:
-        if name not in known:
-            shown = quote_name(name)
-            raise invalid(f"Unrecognized request argument supplied: {shown}", shown)
 
 
 def loads_strict(text: str) -> Any:
@@ -262,6 +179,11 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     return include
 
 
+def unsupported(name: str, what: str | None = None) -> ApiError:
+    """Return the 400 for a documented OpenAI field (or value) this server does not implement."""
+    return invalid(f"{what or repr(name)} is not supported by this server.", name)
+
+
 def parse_model(body: dict[str, Any]) -> str:
     """Return the request's ``model``: a non-empty string of at most 256 characters.
 
@@ -310,20 +232,21 @@ def parse_sampling_fields(body: dict[str, Any], vocab_size: int, max_n: int) -> 
 
 
 def _seed(body: dict[str, Any]) -> int | None:
-    """Return ``seed`` (0..2**64-1), or None when absent, ``null`` or ``-1``.
+    """Return ``seed`` (0..2**64-1), or None when absent or ``null`` (the server picks one).
 
-    ``-1`` is "pick a random seed" in llama.cpp and vLLM, and clients written for them send it; any
-    other negative seed is still a 400.
+    A negative seed is a 400, ``-1`` too (llama.cpp's and vLLM's "random"): the contract's seed is
+    non-negative, and the message says how to ask for a random one.
 
     Raises:
         ApiError: 400 with ``param`` ``seed``.
+
+    Source: DESIGN.md §3 and §5, the v0 contract ("``seed`` a non-negative integer").
     """
     value = body.get("seed")
-    if is_int(value) and value == -1:
-        return None
     if is_int(value) and not 0 <= value < SEED_LIMIT:
         raise invalid(
-            f"'seed' must be in 0..{SEED_LIMIT - 1}, or -1 for a random seed, got {value}.", "seed"
+            f"'seed' must be in 0..{SEED_LIMIT - 1}, got {value}; omit 'seed' for a random seed.",
+            "seed",
         )
     return integer_field(body, "seed", None, 0, SEED_LIMIT - 1)
 

@@ -20,8 +20,9 @@ from werkzeug.datastructures import MultiDict
 
 from wsgi_app.api.chat import FIELDS as CHAT_FIELDS
 from wsgi_app.api.completions import FIELDS as COMPLETION_FIELDS
-from wsgi_app.api.errors import invalid, quote_name
-from wsgi_app.api.fields import BOOLEAN, JSON, LIST, NUMBER, TEXT, FieldTable, loads_strict
+from wsgi_app.api.errors import invalid
+from wsgi_app.api.fields import loads_strict
+from wsgi_app.api.table import BOOLEAN, JSON, LIST, NUMBER, TEXT, FieldTable
 
 AUTH_PARAMS = ("api_key",)  # read by wsgi_app.http.auth, not a request field
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
@@ -86,6 +87,8 @@ def query_body(
     Each parameter is converted as ``table`` says its field is carried (:data:`TEXT` as sent,
     :data:`NUMBER` as a JSON number, :data:`BOOLEAN` as ``true``/``false``, :data:`LIST` repeatable,
     :data:`JSON` one strict JSON document); an empty number or boolean is absent, as JSON ``null`` is.
+    A parameter the table does not know is kept as text (a list when repeated): the parser ignores it
+    and names it, as it does an unknown body field (or refuses another server's constraint field).
 
     Args:
         args: the parsed query string.
@@ -96,8 +99,8 @@ def query_body(
         A dict for the endpoint's parser (``parse_completion_request``, ``parse_chat_request``).
 
     Raises:
-        ApiError: 400 naming the parameter that is unknown, that only a POST body can carry, that
-            repeats, or that does not convert to its field's type.
+        ApiError: 400 naming the parameter that only a POST body can carry, that repeats, or that does
+            not convert to its field's type.
     """
     body: dict[str, Any] = {"stream": True}
     for name in dict.fromkeys(args):
@@ -109,10 +112,10 @@ def query_body(
                 f"'{name}' cannot be sent on the EventSource stream; POST a JSON body to use it.",
                 name,
             )
-        if kind is None:
-            shown = quote_name(name)
-            raise invalid(f"Unrecognized request argument supplied: {shown}", shown)
         values = args.getlist(name)
+        if kind is None:  # unknown: passed on as sent, for the parser to ignore and name
+            body[name] = values[0] if len(values) == 1 else values
+            continue
         if kind == LIST:
             body[name] = values
             continue

@@ -12,8 +12,9 @@ hash of the seed and the request, so a resumed stream carries the same one.
 Query values: numbers as in JSON (``0.5``, ``1e-3``; not ``nan``, ``inf`` or ``0x1``), booleans as
 ``true``/``false``, ``stop`` repeatable (up to 4); an empty value for a number or boolean means "absent";
 every other parameter may appear once; names and values must be UTF-8 once percent-decoded (as a POST
-body must be). An unknown parameter is a 400 naming it, as an unknown body field is; the body fields a
-query cannot carry (``logit_bias``, ``stream_options``...) are a 400 saying to POST them. ``api_key`` is
+body must be). An unknown parameter is ignored and named in ``X-Ignored-Fields``, as an unknown body
+field is; the body fields a query cannot carry (``logit_bias``, ``stream_options``...) are a 400 saying
+to POST them. ``api_key`` is
 for the API-key check and is never logged (logs and spans carry the path, not the query).
 
 A GET without ``Accept: text/event-stream`` is a 400: JSON answers come from ``POST``.
