@@ -105,21 +105,23 @@ CONSTRAINT_FIELDS = (
 )
 MAX_SHOWN_NAMES = 32
 MAX_SHOWN_NAME_CHARS = 64
-# RFC 9110 token characters less "%" (the escape) and "+" (the overflow mark).
-_NAME_SAFE = "!#$&'*-.^_`|~"
+# RFC 9110 token characters less "%" (the escape), "+" (the overflow mark) and "'" (the empty name).
+_NAME_SAFE = "!#$&*-.^_`|~"
+EMPTY_NAME = "''"
 
 
 def shown_names(names: Iterable[str]) -> tuple[str, ...]:
     """Return client-sent field names as an ``X-Ignored-Fields`` header lists them: sorted, at most
     :data:`MAX_SHOWN_NAMES` (then ``+<how many more>``), each cut to :data:`MAX_SHOWN_NAME_CHARS`
     characters and percent-encoded outside the RFC 9110 token characters (so a name never splits the
-    comma-separated list nor carries a byte a header cannot).
+    comma-separated list nor carries a byte a header cannot); the empty name is :data:`EMPTY_NAME`.
 
     Source: RFC 9110 §5.6.2 (tokens), RFC 3986 §2.1 (percent-encoding).
     """
     ordered = sorted(names)
     shown = [
         quote(name[:MAX_SHOWN_NAME_CHARS].encode("utf-8", "surrogatepass"), safe=_NAME_SAFE)
+        or EMPTY_NAME
         for name in ordered[:MAX_SHOWN_NAMES]
     ]
     if len(ordered) > MAX_SHOWN_NAMES:
