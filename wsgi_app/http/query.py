@@ -1,9 +1,11 @@
 """The query string of a GET generation stream as the JSON body it stands for (``EventSource``).
 
 ``EventSource`` can only GET, so a stream's request is its query string: each parameter is converted
-by its field's type (numbers as in JSON, booleans as ``true``/``false``, ``stop`` repeatable) into the
-body a POST would send, which the endpoint's parser then validates exactly like one. Names and values
-must be UTF-8 once percent-decoded (as a POST body must be).
+as the endpoint's field table (``wsgi_app.api.table``) says its field is carried (numbers as in JSON,
+booleans as ``true``/``false``, ``stop`` repeatable) into the body a POST would send, which the
+endpoint's parser then validates exactly like one; an unknown parameter is passed on as text, to be
+ignored and named as an unknown body field is. Names and values must be UTF-8 once percent-decoded (as
+a POST body must be).
 
 Source: WHATWG URL Standard, "application/x-www-form-urlencoded parsing"; WHATWG HTML Living
 Standard, §9.2 "Server-sent events"; docs/ARCHITECTURE.md §8.
