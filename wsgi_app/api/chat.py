@@ -34,9 +34,14 @@ from wsgi_app.api.messages import parse_messages
 from wsgi_app.api.structured import CONSTRAINT_FIELDS as STRUCTURED_FIELDS
 from wsgi_app.api.structured import RequestConstraint, parse_constraint
 from wsgi_app.api.table import BOOLEAN, JSON, NUMBER, SHARED_FIELDS, Field, FieldTable
+from wsgi_app.api.tools import ToolRequest, parse_tools
 
 MAX_TOP_LOGPROBS = 20
 MAX_CHAT_MESSAGES = 1024  # the MAX_CHAT_MESSAGES setting's default
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+# Tool calls are read and validated (wsgi_app.api.tools, wsgi_app.api.messages) but not yet generated:
+# a request that sends tools, or tool-call history, is a 400 once it is known to be well formed.
+TOOL_CALLS_GENERATED = False
 
 # The request fields of OpenAI's Chat Completions (and the shared extensions); anything else is ignored
 # (and named in X-Ignored-Fields). The documented fields this server does not implement are a 400 for
@@ -55,14 +60,11 @@ FIELDS = FieldTable(
         Field("prompt_cache_key"),
         Field("safety_identifier"),
         *(Field(name) for name in STRUCTURED_FIELDS),  # read by wsgi_app.api.structured
+        # read by wsgi_app.api.tools
+        *(Field(name) for name in TOOL_FIELDS),
         *(
             Field(name, unsupported=True)
             for name in (
-                "tools",
-                "tool_choice",
-                "functions",
-                "function_call",
-                "parallel_tool_calls",
                 "audio",
                 "prediction",
                 "web_search_options",
@@ -100,10 +102,11 @@ class ChatRequest:
             lists them.
         constraint: the output constraint (``response_format`` and the other spellings of
             ``wsgi_app.api.structured``), or None.
+        tools: the functions the model may call and how (``wsgi_app.api.tools``), or None.
     """
 
     model: str
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     max_tokens: int | None
     max_tokens_param: str
     sampling: SamplingParams
@@ -117,6 +120,7 @@ class ChatRequest:
     user: str | None = None
     ignored_fields: tuple[str, ...] = ()
     constraint: RequestConstraint | None = None
+    tools: ToolRequest | None = None
 
 
 def parse_chat_request(
@@ -146,6 +150,9 @@ def parse_chat_request(
     _check_options(body)
     model = parse_model(body)
     messages = parse_messages(body.get("messages"), max_messages)
+    tools = parse_tools(body)
+    if not TOOL_CALLS_GENERATED:
+        _refuse_tool_calls(tools, messages)
     max_tokens, max_tokens_param = _max_tokens(body)
     fields = parse_sampling_fields(body, vocab_size, max_n)
     logprobs = boolean_field(body, "logprobs")
@@ -169,6 +176,7 @@ def parse_chat_request(
         user=body.get("user"),
         ignored_fields=ignored,
         constraint=parse_constraint(body),
+        tools=tools,
     )
 
 
@@ -279,6 +287,22 @@ def _logprob_budget(chat: ChatRequest, max_tokens: int, budget: int) -> int:
             "top_logprobs",
         )
     return max_tokens
+
+
+def _refuse_tool_calls(tools: ToolRequest | None, messages: tuple[dict[str, Any], ...]) -> None:
+    """Refuse well-formed tools and tool-call history while calls are not generated.
+
+    Raises:
+        ApiError: 400 naming ``tools``/``functions``, or the first message that holds tool calls
+            or a tool result.
+    """
+    if tools is not None:
+        raise unsupported(tools.param)
+    for i, message in enumerate(messages):
+        if message.get("tool_calls"):
+            raise unsupported(f"messages[{i}].tool_calls", "Tool-call history")
+        if message["role"] == "tool":
+            raise unsupported(f"messages[{i}].role", "The 'tool' role")
 
 
 def _check_options(body: dict[str, Any]) -> None:
