@@ -174,7 +174,7 @@ BAD = [
     ({"messages": HELLO}, "model"),
     ({"model": "m"}, "messages"),
     ({"model": "m", "messages": []}, "messages"),
-    ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
     (
         {"model": "m", "messages": [*HELLO, *HELLO, {"role": "user", "content": [{"type": "a"}]}]},
