@@ -19,6 +19,17 @@ from tests.installed import build_wheel
 from tests.modelfiles import write_succ_model
 from tests.server import GunicornServer
 
+# A test that asks for one of these (directly or through another fixture) needs the SmolLM2 GGUF or
+# its llama.cpp reference outputs: it is marked ``gguf`` without saying so itself.
+GGUF_FIXTURES = frozenset({"smollm2_gguf", "smollm2_data"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that needs the SmolLM2 files ``gguf`` (``-m "not gguf"`` leaves them out)."""
+    for item in items:
+        if GGUF_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.gguf)
+
 
 @pytest.fixture(scope="session")
 def succ_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

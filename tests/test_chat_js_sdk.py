@@ -37,6 +37,7 @@ MESSAGES = [
 REQUEST = {"model": "bigram", "messages": MESSAGES, "max_tokens": 40, "temperature": 0.9, "seed": 7}
 
 pytestmark = [
+    pytest.mark.browser,
     needs_chromium,
     pytest.mark.skipif(
         not ESBUILD.exists(), reason="tests/js has no node_modules: run `npm ci --prefix tests/js`"

@@ -29,7 +29,7 @@ SLOW_STEP_S = 0.05
 MODEL = "bigram"
 PATH = "/v1/chat/completions"
 
-pytestmark = needs_chromium
+pytestmark = [pytest.mark.browser, needs_chromium]
 
 # Record every change of the answer being streamed (its length and the page's state at that moment),
 # from its first character on (the empty answer is added while connecting).

@@ -47,6 +47,7 @@ def stack(
         yield nginx, srv, collector
 
 
+@pytest.mark.services
 def test_each_event_arrives_before_the_next_token(stack):
     nginx, srv, _ = stack
     reader = EventReader(
@@ -78,6 +79,7 @@ def test_each_event_arrives_before_the_next_token(stack):
     assert arrivals[-1] - arrivals[0] >= 2.5 * STEP_S
 
 
+@pytest.mark.services
 def test_client_address_reaches_the_limiter(stack):
     nginx, _, _ = stack
     body = json.dumps({"model": "m", "prompt": "a", "max_tokens": 1}).encode()
@@ -97,6 +99,7 @@ def test_client_address_reaches_the_limiter(stack):
     assert post("127.0.0.3") == (200, "2")
 
 
+@pytest.mark.services
 def test_disconnect_at_nginx_stops_generation(stack):
     nginx, srv, collector = stack
     reader = EventReader(
@@ -120,6 +123,7 @@ def test_disconnect_at_nginx_stops_generation(stack):
     assert status == 200
 
 
+@pytest.mark.services
 def test_debug_endpoints_are_not_reachable_through_nginx(stack):
     nginx, _, _ = stack
     status, _, body = nginx.request("GET", "/debug/state")

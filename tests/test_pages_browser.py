@@ -22,7 +22,7 @@ from tests.server import GunicornServer
 KEY = "demo-key-1"
 SLOW_STEP_S = 0.05
 
-pytestmark = needs_chromium
+pytestmark = [pytest.mark.browser, needs_chromium]
 
 # Record every change of the continuation's text (its length and the page's state at that moment).
 RECORD = """() => {

@@ -26,6 +26,8 @@ from openai import OpenAI
 from tests.server import GunicornServer, wait_until
 from tests.services import NginxServer, RedisServer
 
+pytestmark = pytest.mark.services
+
 LIMIT = 20  # requests per minute per client
 STEP_S = 0.1  # every token takes at least this long (GREENSERVE_FAULTS)
 STREAM_TOKENS = 40
