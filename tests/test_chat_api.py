@@ -223,23 +223,19 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def templated(succ_dir, tmp_path_factory):
+def templated(succ_dir, tmp_path_factory, serve_module):
     """A server with a CHAT_TEMPLATE that raises and loops on demand, slow steps and 2 slots."""
     tmp = tmp_path_factory.mktemp("chat-template")
     (tmp / "chat.jinja").write_text(TEMPLATE)
-    with GunicornServer(
-        tmp,
-        {
-            "MODEL_DIR": str(succ_dir),
-            "CHAT_TEMPLATE": str(tmp / "chat.jinja"),
-            "GREENSERVE_FAULTS": "slow_step_s=0.02",
-            "MAX_SLOTS": "2",
-            "MAX_PROMPT_TOKENS": "64",
-            "CLIENT_HASH_SALT": "salt",
-        },
+    return serve_module(
+        MODEL_DIR=str(succ_dir),
+        CHAT_TEMPLATE=str(tmp / "chat.jinja"),
+        GREENSERVE_FAULTS="slow_step_s=0.02",
+        MAX_SLOTS="2",
+        MAX_PROMPT_TOKENS="64",
+        CLIENT_HASH_SALT="salt",
         health_port=False,
-    ) as srv:
-        yield srv
+    )
 
 
 def test_chat_template_setting_renders_the_prompt(templated):

@@ -15,22 +15,14 @@ import time
 import pytest
 
 from model.chat_template import MAX_RENDER_S
-from tests.server import GunicornServer, concurrently
+from tests.server import concurrently
 
 PATH = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf, smollm2, gguf_cache_dir, tmp_path_factory):
-    # ``smollm2`` has built the cache file in gguf_cache_dir: the server maps it.
-    srv = GunicornServer(
-        tmp_path_factory.mktemp("chat-hub"),
-        {"MODEL_DIR": str(smollm2_gguf), "GREENSERVE_CACHE_DIR": str(gguf_cache_dir)},
-    ).start(timeout_s=120)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(smollm2_server):
+    return smollm2_server  # the session's SmolLM2 server (tests/conftest.py)
 
 
 def test_too_many_messages_is_a_400_before_rendering(server):

@@ -110,10 +110,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 
 
 @pytest.fixture(scope="module")
-def server(site: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GunicornServer]:
-    env = {"CORS_ORIGINS": f"http://127.0.0.1:{site}", "API_KEYS": KEY}
-    with GunicornServer(tmp_path_factory.mktemp("sdk-server"), env) as srv:
-        yield srv
+def server(site: int, serve_module) -> GunicornServer:
+    return serve_module(CORS_ORIGINS=f"http://127.0.0.1:{site}", API_KEYS=KEY)
 
 
 @pytest.fixture(scope="module")

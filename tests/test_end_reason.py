@@ -103,17 +103,15 @@ def read_all(sock: socket.socket) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def ends(succ_dir, tmp_path_factory):
+def ends(succ_dir, collector, serve_module):
     """50 tokens/s, a 2 s deadline, and an engine failure at every choice's 30th token."""
-    with FakeCollector() as collector:
-        env = {
-            "MODEL_DIR": str(succ_dir),
-            "GREENSERVE_FAULTS": "slow_step_s=0.02,fail_at=30",
-            "REQUEST_TIMEOUT_S": "2",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
-        }
-        with GunicornServer(tmp_path_factory.mktemp("ends"), env) as srv:
-            yield srv, collector
+    srv = serve_module(
+        MODEL_DIR=str(succ_dir),
+        GREENSERVE_FAULTS="slow_step_s=0.02,fail_at=30",
+        REQUEST_TIMEOUT_S="2",
+        OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+    )
+    return srv, collector
 
 
 def test_finished(ends):

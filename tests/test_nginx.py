@@ -26,24 +26,18 @@ STEP_S = 0.2  # GREENSERVE_FAULTS slow step: each token takes at least this long
 
 @pytest.fixture(scope="module")
 def stack(
-    succ_dir, tmp_path_factory
+    succ_dir, collector, serve_module, tmp_path_factory
 ) -> Iterator[tuple[NginxServer, GunicornServer, FakeCollector]]:
     """nginx -> gunicorn (1 worker, slow steps, 3 requests/minute per client) -> a span collector."""
-    env = {
-        "MODEL_DIR": str(succ_dir),
-        "GREENSERVE_FAULTS": f"slow_step_s={STEP_S}",
-        "TRUSTED_PROXIES": "1",
-        "RATE_LIMIT": "3/minute",
-    }
+    srv = serve_module(
+        MODEL_DIR=str(succ_dir),
+        GREENSERVE_FAULTS=f"slow_step_s={STEP_S}",
+        TRUSTED_PROXIES="1",
+        RATE_LIMIT="3/minute",
+        OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+    )
     # NginxServer skips (or fails under CI) without nginx: the upstream stops then too.
-    with (
-        FakeCollector() as collector,
-        GunicornServer(
-            tmp_path_factory.mktemp("upstream"),
-            {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url},
-        ) as srv,
-        NginxServer(tmp_path_factory.mktemp("nginx"), srv.port) as nginx,
-    ):
+    with NginxServer(tmp_path_factory.mktemp("nginx"), srv.port) as nginx:
         yield nginx, srv, collector
 
 

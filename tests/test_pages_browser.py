@@ -36,15 +36,13 @@ RECORD = """() => {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GunicornServer]:
-    env = {
-        "GREENSERVE_FAULTS": f"slow_step_s={SLOW_STEP_S}",
-        "API_KEYS": KEY,
-        "STATS_FLUSH_S": "0.2",
-        "SLO_TTFT_S": "0.5",
-    }
-    with GunicornServer(tmp_path_factory.mktemp("pages-browser"), env) as srv:
-        yield srv
+def server(serve_module) -> GunicornServer:
+    return serve_module(
+        GREENSERVE_FAULTS=f"slow_step_s={SLOW_STEP_S}",
+        API_KEYS=KEY,
+        STATS_FLUSH_S="0.2",
+        SLO_TTFT_S="0.5",
+    )
 
 
 @pytest.fixture(scope="module")

@@ -9,21 +9,19 @@ import time
 import pytest
 
 from tests.collector import FakeCollector
-from tests.server import GunicornServer, wait_until
+from tests.server import wait_until
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 @pytest.fixture(scope="module")
-def traced(succ_dir, tmp_path_factory):
-    with FakeCollector() as collector:
-        env = {
-            "MODEL_DIR": str(succ_dir),
-            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
-            "OTEL_SERVICE_NAME": "greenserve-test",
-        }
-        with GunicornServer(tmp_path_factory.mktemp("traced"), env) as srv:
-            yield srv, collector
+def traced(succ_dir, collector, serve_module):
+    srv = serve_module(
+        MODEL_DIR=str(succ_dir),
+        OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+        OTEL_SERVICE_NAME="greenserve-test",
+    )
+    return srv, collector
 
 
 def _attrs(span: dict) -> dict:
