@@ -196,8 +196,11 @@ def smollm2_server(
         tmp_path_factory.mktemp("smollm2-server"),
         {"MODEL_DIR": str(smollm2_gguf), "GREENSERVE_CACHE_DIR": str(gguf_cache_dir)},
     )
-    with srv.start(timeout_s=120):  # mapping a 0.5 GB float32 cache takes a while on a busy machine
+    srv.start(timeout_s=120)  # mapping a 0.5 GB float32 cache takes a while on a busy machine
+    try:
         yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="session")
