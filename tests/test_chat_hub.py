@@ -15,7 +15,7 @@ import time
 import pytest
 
 from model.chat_template import MAX_RENDER_S
-from tests.server import concurrently
+from tests.server import SLACK_S, concurrently
 
 PATH = "/v1/chat/completions"
 
@@ -34,7 +34,7 @@ def test_too_many_messages_is_a_400_before_rendering(server):
     assert error["message"] == (
         "'messages' holds 30000 messages; the limit is 1024 (MAX_CHAT_MESSAGES)."
     )
-    assert time.perf_counter() - started < MAX_RENDER_S
+    assert time.perf_counter() - started < MAX_RENDER_S + SLACK_S
 
 
 def test_healthz_answers_while_heavy_chats_render(server):
@@ -70,6 +70,8 @@ def test_healthz_answers_while_heavy_chats_render(server):
         error = json.loads(raw)["error"]
         assert (status, error["param"]) == (400, "messages"), raw
         assert "tokens; the limit is 32768." in error["message"]
+    # Both ports kept answering while the renders ran, none held up by a render (each may run
+    # for MAX_RENDER_S; the render threads share the GIL with the hub, hence the slack).
     for port, seen in latencies.items():
         assert len(seen) >= 5, (port, seen)
-        assert max(seen) < MAX_RENDER_S, (port, seen)
+        assert max(seen) < MAX_RENDER_S + SLACK_S, (port, seen)

@@ -112,7 +112,7 @@ def test_dead_or_slow_collector_does_not_delay_answers(succ_dir, serve, mode):
             latencies.append(time.perf_counter() - started)
             assert status == 200 and json.loads(raw)["choices"][0]["text"] == "bcdefghi"
         # The exporter posts from its own greenlet: no answer waits for the 5 s collector.
-        assert max(latencies) < 1.0, latencies
+        assert max(latencies) < 5.0 / 2, latencies
 
 
 def test_lost_spans_are_logged_once_per_outage(succ_dir, serve):
