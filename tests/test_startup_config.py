@@ -149,12 +149,6 @@ def test_greenserve_command_refuses_a_bad_worker_count_with_one_line(tmp_path, e
     assert done.stderr == f"greenserve: cannot start: {message}\n"
 
 
-# settings.usable_cpus() reads the cgroup v1 files with open(...).read() and leaves them to the garbage
-# collector (a ResourceWarning); production code is not this change's to touch: the lead fixes it
-# (Path.read_text) and this filter goes.
-@pytest.mark.filterwarnings(
-    "ignore:Exception ignored in.*/sys/fs/cgroup/:pytest.PytestUnraisableExceptionWarning"
-)
 def test_web_concurrency_zero_starts_one_worker_per_usable_cpu(succ_dir, serve):
     srv = serve(workers=0, MODEL_DIR=str(succ_dir))
     assert len(srv.wait_workers(usable_cpus())) == usable_cpus()
