@@ -12,7 +12,7 @@ Source: docs/ARCHITECTURE.md §10 (telemetry); §9 (end reasons).
 from __future__ import annotations
 
 from array import array
-from typing import Protocol
+from typing import Any, Protocol
 
 from telemetry.spans import Span
 
@@ -39,6 +39,11 @@ class FinishedRequest(Protocol):
         queue_wait_s: seconds from admission to a slot (or to leaving the queue), None if never queued.
         slot_at: ``perf_counter`` when the slot was granted, or None.
         end_reason: why generation ended (docs/ARCHITECTURE.md §9), or None when it never generated.
+        ignored_fields: the unknown top-level fields a generation request sent (names as its
+            ``X-Ignored-Fields`` header lists them), ``()`` without any.
+        constraint: the kind of the request's output constraint (structured outputs), or None.
+        compile_s: seconds the request waited for its grammar, or None.
+        grammar: an object whose ``mask_s`` is the request's mask time in seconds, or None.
     """
 
     request_id: str
@@ -62,3 +67,7 @@ class FinishedRequest(Protocol):
     queue_wait_s: float | None
     slot_at: float | None
     end_reason: str | None
+    ignored_fields: tuple[str, ...]
+    constraint: str | None
+    compile_s: float | None
+    grammar: Any

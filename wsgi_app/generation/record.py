@@ -52,10 +52,8 @@ class RequestRecord:
         slot_at: ``perf_counter`` when the slot was granted, or None.
         end_reason: why generation ended, one of :data:`END_REASONS`, set once by :meth:`end`; None
             for a request that never generated (refused, invalid, not a generation route).
-        constraint: the kind of the request's output constraint (``json_schema``, ``regex``...), or
-            None (structured outputs, ``wsgi_app.generation.grammars``).
-        compile_s: seconds the request waited for its grammar (about 0 from the cache), or None.
-        grammar: the request's ``model.grammar.compile.RequestGrammar`` (its mask time), or None.
+        ignored_fields: the unknown top-level fields of a generation request, sorted, as its
+            ``X-Ignored-Fields`` header lists them (``wsgi_app.api.fields.shown_names``).
     """
 
     request_id: str
@@ -83,6 +81,7 @@ class RequestRecord:
     constraint: str | None = None
     compile_s: float | None = None
     grammar: Any = None
+    ignored_fields: tuple[str, ...] = ()
 
     def end(self, reason: str) -> bool:
         """Record why generation ended, unless a reason is recorded already (the first one to know
