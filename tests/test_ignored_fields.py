@@ -158,7 +158,7 @@ def test_known_unsupported_fields_stay_a_400(succ_server):
         ({**CHAT_BODY, "modalities": ["text", "audio"]}, "modalities"),
         ({**CHAT_BODY, "audio": {"voice": "alloy"}}, "audio"),
         ({**CHAT_BODY, "tools": [{"type": "function"}]}, "tools"),
-        ({**CHAT_BODY, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**CHAT_BODY, "response_format": {"type": "json_schema"}}, "response_format"),
     ]:
         status, _, raw = succ_server.post(CHAT, body)
         assert (status, json.loads(raw)["error"]["param"]) == (400, param)
