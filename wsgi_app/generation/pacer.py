@@ -16,8 +16,9 @@ import gevent
 
 from wsgi_app.api.errors import timeout_error, unavailable
 from wsgi_app.generation.hubturn import HubTurn
-from wsgi_app.generation.record import DEADLINE, SHUTDOWN, RequestRecord
+from wsgi_app.generation.record import RequestRecord
 from wsgi_app.server.connection import peer_closed
+from wsgi_app.server.end_reason import DEADLINE, SHUTDOWN
 
 if typing.TYPE_CHECKING:
     import socket

@@ -17,12 +17,13 @@ from wsgi_app.api.completions import CompletionRequest
 from wsgi_app.api.errors import ApiError
 from wsgi_app.api.fields import decode_json_body
 from wsgi_app.generation.pacer import ClientGone
-from wsgi_app.generation.record import CLIENT_LEFT, ENGINE_ERROR, RequestRecord
+from wsgi_app.generation.record import RequestRecord
 from wsgi_app.generation.start import admit, engine_error, random_seed
 from wsgi_app.http.body import read_body
 from wsgi_app.http.error_handlers import error_response
 from wsgi_app.http.runtime import Runtime
 from wsgi_app.http.stream_body import EventStreamResponse, StreamBody, settle, wait_for_slot
+from wsgi_app.server.end_reason import CLIENT_LEFT, ENGINE_ERROR
 from wsgi_app.wire.encoder import TEXT_COMPLETION, WireFormat
 
 log = logging.getLogger("greenserve.completions")

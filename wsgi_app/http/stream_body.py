@@ -23,10 +23,11 @@ from wsgi_app.api.errors import ApiError, error_body
 from wsgi_app.generation.admission import Ticket
 from wsgi_app.generation.completion import Completion
 from wsgi_app.generation.pacer import Pacer
-from wsgi_app.generation.record import CLIENT_LEFT, ENGINE_ERROR, FINISHED, STOP, RequestRecord
+from wsgi_app.generation.record import RequestRecord
 from wsgi_app.generation.start import engine_error
 from wsgi_app.http.runtime import Runtime
 from wsgi_app.server.connection import peer_closed
+from wsgi_app.server.end_reason import CLIENT_LEFT, ENGINE_ERROR, FINISHED, STOP
 from wsgi_app.server.worker import StreamSocket
 from wsgi_app.wire import sse
 

@@ -47,7 +47,7 @@ from gunicorn import util
 from gunicorn.sock import ssl_context
 from gunicorn.workers import ggevent
 
-from wsgi_app.generation.record import SEND_TIMEOUT, SHUTDOWN
+from wsgi_app.server.end_reason import SEND_TIMEOUT, SHUTDOWN
 from wsgi_app.server.request_head import HeadLimits, HeadTimeout, install
 from wsgi_app.settings import ServerSettings
 
