@@ -2,8 +2,8 @@
 
 Both validate the request (``wsgi_app.api.chat``), render the conversation with the worker's
 chat template (``wsgi_app.http.chat``) and hand the resulting completion request to the pipeline every
-generation goes through (admission, slots, deadlines, streaming: ``wsgi_app.http.answer`` and
-``routes.completions_get``), answering in the chat wire format (``wsgi_app.wire.chat``).
+generation goes through (admission, slots, deadlines, streaming: ``wsgi_app.http.answer``), answering
+in the chat wire format (``wsgi_app.wire.chat``).
 
 The ``GET`` form takes the body's fields as query parameters, as ``GET /v1/completions`` does:
 ``messages`` is one parameter holding the JSON list of messages, ``include_usage=true`` stands for
@@ -28,7 +28,7 @@ from wsgi_app.api.fields import loads_strict
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.http.answer import answer, json_body
 from wsgi_app.http.chat import chat_completion_request
-from wsgi_app.http.routes.completions_get import check_event_source, event_stream, query_body
+from wsgi_app.http.routes.completions_get import check_event_source, query_body
 from wsgi_app.http.runtime import Runtime, runtime
 from wsgi_app.wire.chat import CHAT_COMPLETION
 
@@ -99,7 +99,7 @@ def stream_chat_completion() -> Response:
         body["stream_options"] = {"include_usage": True}
     record: RequestRecord = g.record
     req = _completion_request(rt, record, body)
-    return event_stream(rt, req, record, body, CHAT_COMPLETION)
+    return answer(rt, req, record, CHAT_COMPLETION, query=body)
 
 
 def _completion_request(
