@@ -44,6 +44,10 @@ class RequestRecord:
         end_reason: why generation ended, one of ``wsgi_app.server.end_reason.END_REASONS``, set
             once by :meth:`end`; None for a request that never generated (refused, invalid, not a
             generation route).
+        api_key_digest: the digest of the API key the request was authenticated with
+            (``wsgi_app.http.client_identity.key_digest``: its rate-limit bucket), or None.
+        rate_limit_counted: True when the request counts against its client's rate limit (an API
+            route while the limiter's storage answers).
     """
 
     request_id: str
@@ -68,6 +72,8 @@ class RequestRecord:
     queue_wait_s: float | None = None
     slot_at: float | None = None
     end_reason: str | None = None
+    api_key_digest: str | None = None
+    rate_limit_counted: bool = False
 
     def end(self, reason: str) -> bool:
         """Record why generation ended, unless a reason is recorded already (the first one to know
