@@ -9,6 +9,7 @@ Source: WHATWG HTML Living Standard, §9.2 "Server-sent events"; RFC 9112 §7.1 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from itertools import chain, islice
 
 from flask import Response
 
@@ -25,47 +26,40 @@ class _Events:
     gunicorn writes each item a body yields through four Python calls (``Response.write``, its
     bookkeeping, ``util.write``, ``write_chunk``), a tenth of a token's cost. Here the first event (the
     opening comment) still goes through gunicorn, which sends the headers with it and so commits to
-    chunked transfer coding; every later event is framed as one chunk here and sent straight to the
-    socket (the same bytes gunicorn would send), and gunicorn ends the body with its last chunk. A
-    failed write raises from this iterator, as it would from gunicorn's write, and ``close()`` is
-    called the same way.
+    chunked transfer coding; every later event is framed as one chunk and sent straight to the socket
+    (``StreamSocket.write_chunks``: the same bytes gunicorn would send), and gunicorn ends the body
+    with its last chunk. Both are chained in C, so no frame of this module sits between a token's
+    event and its write. A failed write raises from this iterator, as it would from gunicorn's
+    write, and ``close()`` is called the same way.
 
     Source: RFC 9112 §7.1 (chunked transfer coding); gunicorn's ``Response.is_chunked``.
     """
 
-    __slots__ = ("_events", "close", "_send")
+    __slots__ = ("_events", "close", "_sock")
 
     def __init__(
         self,
         events: Iterator[bytes],
         close: Callable[[], None],
-        send: Callable[[bytes], None] | None,
+        sock: StreamSocket | None,
     ) -> None:
         self._events = events
         self.close = close
-        self._send = send
+        self._sock = sock
 
     def __iter__(self) -> Iterator[bytes]:
-        if self._send is None:
+        if self._sock is None:
             return self._events
-        return self._written()
-
-    def _written(self) -> Iterator[bytes]:
-        events, send = self._events, self._send
-        for opening in events:
-            yield opening  # gunicorn sends the headers (chunked) and this first chunk
-            break
-        for event in events:
-            send(b"%X\r\n%b\r\n" % (len(event), event))
+        return chain(islice(self._events, 1), self._sock.write_chunks(self._events))
 
 
-def _direct_send(environ: dict) -> Callable[[bytes], None] | None:
-    """Return the connection's ``sendall`` when gunicorn will frame this response as chunks on a
-    greenserve worker's socket (HTTP/1.1, a body, no ``Content-Length``), else None."""
+def _direct_socket(environ: dict) -> StreamSocket | None:
+    """Return the connection when gunicorn will frame this response as chunks on a greenserve
+    worker's socket (HTTP/1.1, a body, no ``Content-Length``), else None."""
     sock = environ.get("gunicorn.socket")
     if not isinstance(sock, StreamSocket) or not sock.http:
         return None
-    return sock.sendall if environ.get("SERVER_PROTOCOL") == "HTTP/1.1" else None
+    return sock if environ.get("SERVER_PROTOCOL") == "HTTP/1.1" else None
 
 
 class EventStreamResponse(Response):
@@ -86,4 +80,4 @@ class EventStreamResponse(Response):
         """Return the stream's events, with ``close()`` calling :meth:`Response.close`."""
         if environ["REQUEST_METHOD"] == "HEAD":
             return super().get_app_iter(environ)
-        return _Events(iter(self.response), self.close, _direct_send(environ))
+        return _Events(iter(self.response), self.close, _direct_socket(environ))
