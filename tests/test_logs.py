@@ -15,9 +15,9 @@ import pytest
 from pythonjsonlogger.json import JsonFormatter as LibraryFormatter
 
 from telemetry.logs import JsonFormatter, StderrHandler, client_hash, held_lines, logging_config
+from telemetry.observer import finish_reason, is_failed, summarize
 from tests.server import GunicornServer, wait_until
 from tests.sse import sse_events
-from wsgi_app.request_telemetry import finish_reason, is_failed, summarize
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 SALT = "pepper"
@@ -330,3 +330,14 @@ def test_held_lines_leave_in_one_write_in_order():
         "held-test.access after\n",
     ]
     assert logging_config("info")["handlers"]["stderr"]["class"] == "telemetry.logs.StderrHandler"
+
+
+def test_a_plain_options_is_logged_with_the_204_it_is_answered_with(logged):
+    # Not a CORS preflight (no Access-Control-Request-Method): Flask's automatic answer, made a 204.
+    status, headers, body = logged.request(
+        "OPTIONS", "/v1/completions", headers={"X-Request-Id": "log-options-1"}
+    )
+    assert (status, body) == (204, b"")
+    assert headers["allow"] == "GET, HEAD, OPTIONS, POST"
+    line = request_line(logged, "log-options-1")
+    assert (line["method"], line["status"]) == ("OPTIONS", 204)

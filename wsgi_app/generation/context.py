@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import gevent
 
+from model.engine import Engine
+from model.loader import LoadedModel
 from wsgi_app.generation.admission import Admission
 from wsgi_app.settings import Settings
-
-if TYPE_CHECKING:
-    from wsgi_app.generation.completion import Engine
 
 
 class StopClock:
@@ -48,8 +46,8 @@ class GenerationContext:
 
     Attributes:
         settings: the frozen settings.
-        model: the loaded model and its tokenizer (``model.loader.LoadedModel``).
-        engine: the token-stream engine over it.
+        model: the loaded model and its tokenizer.
+        engine: the token-stream engine over it (``model.engine.Engine``).
         admission: the worker's slots and queue.
         model_version: the ``X-Model-Version`` value, the chat answers' ``system_fingerprint``.
         stop: when in-flight generations must end.
@@ -58,7 +56,7 @@ class GenerationContext:
     """
 
     settings: Settings
-    model: Any
+    model: LoadedModel
     engine: Engine
     admission: Admission
     model_version: str

@@ -5,7 +5,7 @@ filled in as the request goes: the client's key digest (``wsgi_app.http.auth``),
 limit counted it (``wsgi_app.http.ratelimit``), the chat's hashed ``user`` (``routes/chat.py``), and
 everything of its generation by the generation itself (``wsgi_app.generation.lifetime``: admission,
 failures, settling; ``wsgi_app.generation.pacer``: token times, deadlines). Read once when the
-response is closed (``wsgi_app.http.lifecycle.finish``, ``wsgi_app.request_telemetry``).
+response is closed (``wsgi_app.http.lifecycle.finish``, ``telemetry.observer``).
 This module imports nothing of the app, so every layer may import it.
 """
 
