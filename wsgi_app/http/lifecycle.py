@@ -1,5 +1,5 @@
-"""One record per request: request id, server span, timings, a server error's reason; finished when
-the response is closed.
+"""One record per request: request id, server span, timings, who asks (hashed), a server error's
+reason; finished when the response is closed.
 
 The record is made before routing and finished from the response's ``call_on_close`` callback, which
 gunicorn triggers after the last byte (or after a failed write), so a stream's span and log line carry
@@ -91,6 +91,13 @@ def _headers(response: Response) -> Response:
 
     response.call_on_close(closed)
     return response
+
+
+def note_user(record: RequestRecord, salt: str, user: str | None) -> None:
+    """Note the request's ``user`` on ``record`` as its salted hash (``telemetry.logs.client_hash``,
+    as the client's address): an end-user id is personal data, only its hash is logged."""
+    if user is not None:
+        record.user_hash = client_hash(salt, user)
 
 
 def note_server_error(err: ApiError) -> None:

@@ -19,7 +19,6 @@ from typing import Any
 
 from flask import Blueprint, Response, g, request
 
-from telemetry.logs import client_hash
 from wsgi_app.api.chat import KNOWN_FIELDS as CHAT_FIELDS
 from wsgi_app.api.chat import ChatRequest, parse_chat_request
 from wsgi_app.api.completions import CompletionRequest
@@ -28,6 +27,7 @@ from wsgi_app.api.fields import loads_strict
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.http.answer import answer, json_body
 from wsgi_app.http.chat import chat_completion_request
+from wsgi_app.http.lifecycle import note_user
 from wsgi_app.http.routes.completions_get import check_event_source, query_body
 from wsgi_app.http.runtime import Runtime, runtime
 from wsgi_app.wire.chat import CHAT_COMPLETION
@@ -118,8 +118,7 @@ def _completion_request(
         max_n=settings.max_n,
         max_messages=settings.max_chat_messages,
     )
-    if chat.user is not None:  # an end-user id is personal data: only its salted hash is logged
-        record.user_hash = client_hash(settings.client_hash_salt, chat.user)
+    note_user(record, settings.client_hash_salt, chat.user)
     return chat_completion_request(
         chat,
         rt.chat_template,
