@@ -44,6 +44,8 @@ class RequestRecord:
         end_reason: why generation ended, one of ``wsgi_app.server.end_reason.END_REASONS``, set
             once by :meth:`end`; None for a request that never generated (refused, invalid, not a
             generation route).
+        ignored_fields: the unknown top-level fields of a generation request, sorted, as its
+            ``X-Ignored-Fields`` header lists them (``wsgi_app.api.fields.shown_names``).
         api_key_digest: the digest of the API key the request was authenticated with
             (``wsgi_app.http.client_identity.key_digest``: its rate-limit bucket), or None.
         rate_limit_counted: True when the request counts against its client's rate limit (an API
@@ -72,6 +74,7 @@ class RequestRecord:
     queue_wait_s: float | None = None
     slot_at: float | None = None
     end_reason: str | None = None
+    ignored_fields: tuple[str, ...] = ()
     api_key_digest: str | None = None
     rate_limit_counted: bool = False
 

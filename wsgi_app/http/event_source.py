@@ -1,5 +1,5 @@
 """The ``EventSource`` side of the ``GET`` streams (``GET /v1/completions``, ``GET
-/v1/chat/completions``; docs/ARCHITECTURE.md §8): who asks for one, and how a reconnect resumes.
+/v1/chat/completions``; docs/ARCHITECTURE.md §8): who may ask for one, and how a reconnect resumes.
 
 ``EventSource`` can only GET and cannot send headers (besides ``Last-Event-ID``), so the request is the
 query string. The answer is always a stream, framed by :class:`~wsgi_app.wire.sse.EventIds`:
@@ -22,6 +22,7 @@ from flask import Response, request
 
 from wsgi_app.api.errors import invalid
 from wsgi_app.api.fields import SEED_LIMIT
+from wsgi_app.http.query import check_query_utf8
 
 RETRY_MS = 3000  # EventSource's reconnection delay after a dropped stream, in milliseconds
 _EVENT_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,10}|done)")
@@ -73,3 +74,22 @@ def no_content() -> Response:
 def wants_event_stream() -> bool:
     """True when the client named ``text/event-stream`` in ``Accept`` (as ``EventSource`` does)."""
     return any(mime == "text/event-stream" and q > 0 for mime, q in request.accept_mimetypes)
+
+
+def check_event_source(path: str) -> None:
+    """Refuse an ``EventSource`` request without ``Accept: text/event-stream`` or whose query string
+    is not UTF-8.
+
+    Args:
+        path: the route's path, for the message.
+
+    Raises:
+        ApiError: 400 (the query parameter named, for bad UTF-8).
+    """
+    if not wants_event_stream():
+        raise invalid(
+            f"GET {path} is the EventSource stream: send 'Accept: text/event-stream', "
+            "or POST a JSON body for a JSON answer.",
+            None,
+        )
+    check_query_utf8(request.environ.get("QUERY_STRING", ""))
