@@ -261,7 +261,7 @@ def _log_serving(worker, state):
     first bind is the API port, the second the health port)."""
     import logging
 
-    from wsgi_app.http.routes.models import model_card
+    from wsgi_app.api.models import model_card
 
     scheme = "https" if worker.cfg.is_ssl else "http"
     addresses = [_address(sock, scheme) for sock in worker.sockets]
