@@ -24,6 +24,7 @@ numerals"), §9.3 (persistent connections); RFC 6585 §5 (431); RFC 9110 §15.5.
 from __future__ import annotations
 
 import re
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -163,7 +164,7 @@ class BoundedRequest(Request):
             if limits.stopping():
                 wait_s = min(wait_s, STOPPING_FIRST_BYTE_S)
         idle = hasattr(sock, "idle")
-        if sock is not None and hasattr(sock, "fileno"):
+        if sock is not None and hasattr(sock, "fileno") and not _bytes_waiting(sock):
             if idle:
                 sock.idle = True  # a stopping worker shuts it down (wsgi_app.server.worker)
             try:
@@ -193,6 +194,18 @@ class BoundedRequest(Request):
         super().set_body_reader()
         if isinstance(self.body.reader, ChunkedReader):
             self.body = Body(BoundedChunkedReader(self, self.unreader))
+
+
+def _bytes_waiting(sock: Any) -> bool:
+    """True when bytes wait on ``sock`` (a non-blocking peek; an end of file is left to the wait). A new
+    connection's request is usually there when its greenlet starts; waiting for the hub to report
+    it readable would cost that connection a whole turn of the hub (every running stream's slice)."""
+    try:
+        return bool(getattr(sock, "_sock", sock).recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except BlockingIOError:  # nothing yet
+        return False
+    except OSError:  # failed: let the read report it
+        return True
 
 
 def install(limits: HeadLimits) -> None:
