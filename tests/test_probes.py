@@ -191,3 +191,19 @@ def read_all(sock: socket.socket) -> bytes:
         answer += chunk
     sock.close()
     return answer
+
+
+def test_http_date_is_gunicorns_text_made_once_a_second(monkeypatch):
+    from email.utils import formatdate
+
+    from wsgi_app.server import request_head
+
+    clock = [1_796_158_490.25]
+    monkeypatch.setattr(request_head.time, "time", lambda: clock[0])
+    date = request_head.HttpDate()
+    assert date() == formatdate(clock[0], usegmt=True) == "Tue, 01 Dec 2026 20:54:50 GMT"
+    clock[0] += 0.5
+    assert date() == "Tue, 01 Dec 2026 20:54:50 GMT"
+    clock[0] += 0.5
+    assert date() == "Tue, 01 Dec 2026 20:54:51 GMT"
+    assert date(0) == "Thu, 01 Jan 1970 00:00:00 GMT"
