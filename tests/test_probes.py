@@ -207,3 +207,16 @@ def test_http_date_is_gunicorns_text_made_once_a_second(monkeypatch):
     clock[0] += 0.5
     assert date() == "Tue, 01 Dec 2026 20:54:51 GMT"
     assert date(0) == "Thu, 01 Jan 1970 00:00:00 GMT"
+
+
+def test_only_a_whole_plain_probe_head_is_served_from_the_accept():
+    from wsgi_app.server.probes import plain_probe_head
+
+    assert plain_probe_head(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+    assert plain_probe_head(b"HEAD /ready?x=1 HTTP/1.0\r\n\r\n")
+    assert not plain_probe_head(
+        b"GET /healthz HTTP/1.1\r\nHost: t\r\n"
+    )  # the head is not all there
+    assert not plain_probe_head(b"GET /healthzz HTTP/1.1\r\n\r\n")
+    assert not plain_probe_head(b"POST /healthz HTTP/1.1\r\n\r\n")
+    assert not plain_probe_head(b"GET /v1/models HTTP/1.1\r\n\r\n")
