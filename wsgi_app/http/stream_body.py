@@ -14,7 +14,7 @@ from itertools import chain, islice
 from flask import Response
 
 from wsgi_app.generation.lifetime import Generation
-from wsgi_app.server.worker import StreamSocket
+from wsgi_app.server.stream_socket import StreamSocket
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
