@@ -33,6 +33,7 @@ def server(smollm2_gguf, smollm2, gguf_cache_dir, tmp_path_factory):
             "MODEL_DIR": str(smollm2_gguf),
             "GREENSERVE_CACHE_DIR": str(gguf_cache_dir),
             "MAX_SLOTS": "16",
+            "REQUEST_TIMEOUT_S": "300",  # 16 streams on a shared 2-core machine can take minutes
         },
         health_port=False,
     ).start(timeout_s=120)

@@ -184,8 +184,10 @@ class GrammarCompiler:
                 self._lltok = tokens.build(self._tokenizer)
             return self._lltok
 
-    def cached(self, constraint: Constraint) -> Grammar | None:
-        """Return the grammar of ``constraint`` if it is in the cache (a dict lookup), else None."""
+    def cached(self, constraint: Constraint) -> Grammar | ConstraintError | None:
+        """Return what compiling ``constraint`` gave if it is in the cache (a dict lookup): its
+        grammar, or the refusal (refusals are cached too, so a hostile constraint sent again costs
+        nothing); None when it is not there."""
         key = constraint.key()
         with self._lock:
             found = self._cache.get(key)
@@ -197,31 +199,37 @@ class GrammarCompiler:
         """Return the grammar of ``constraint`` and whether it came from the cache.
 
         Raises:
-            ConstraintError: llguidance cannot enforce it (the message is llguidance's, first line,
-                without grammar state), or it is over the limits.
+            ConstraintError: llguidance cannot enforce it (the message is llguidance's, on one
+                line, without grammar state), or it is over the limits.
         """
-        key = constraint.key()
-        with self._lock:
-            found = self._cache.get(key)
-            if found is not None:
-                self._cache.move_to_end(key)
-                return found, True
+        found = self.cached(constraint)
+        hit = found is not None
+        if found is None:
+            found = self.result(constraint)
+        if isinstance(found, ConstraintError):
+            raise found
+        return found, hit
+
+    def result(self, constraint: Constraint) -> Grammar | ConstraintError:
+        """Compile ``constraint`` (no cache lookup) and cache the outcome; return the grammar or the
+        refusal, never raising it (a thread pool would print a raised one)."""
         lltok = self.lltokenizer
         start = time.perf_counter()
+        outcome: Grammar | ConstraintError
         try:
             text = grammar_text(constraint)
-        except ValueError as exc:  # llguidance raises ValueError for a value it cannot read
-            raise ConstraintError(_short(str(exc))) from None
-        template = llguidance.LLMatcher(lltok, text, log_level=0, limits=limits())
-        if template.is_error():
-            raise ConstraintError(_short(template.get_error()))
-        sizes = (self._tokenizer.vocab_size, lltok.vocab_size)
-        grammar = Grammar(constraint.kind, template, sizes, time.perf_counter() - start)
+            template = llguidance.LLMatcher(lltok, text, log_level=0, limits=limits())
+            if template.is_error():
+                raise ConstraintError(template.get_error())
+            sizes = (self._tokenizer.vocab_size, lltok.vocab_size)
+            outcome = Grammar(constraint.kind, template, sizes, time.perf_counter() - start)
+        except ValueError as exc:  # ConstraintError, or llguidance's for a value it cannot read
+            outcome = ConstraintError(_short(str(exc)))
         with self._lock:
-            self._cache[key] = grammar
+            self._cache[constraint.key()] = outcome
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return grammar, False
+        return outcome
 
 
 def _short(message: str, limit: int = 300) -> str:

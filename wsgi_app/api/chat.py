@@ -5,8 +5,8 @@ so a :class:`ChatRequest` carries the same values, and :func:`completion_request
 chat template has made the prompt, into the :class:`~wsgi_app.api.completions.CompletionRequest` the
 generation pipeline already serves. An unknown top-level field is ignored, as on the legacy endpoint
 (the answer names it in ``X-Ignored-Fields``); documented OpenAI fields this server does not implement
-(audio...) and other servers' constraint fields are a 400 saying so, never
-silently ignored. ``null`` means absent.
+(audio...) are a 400 saying so, never silently ignored; an output constraint in any spelling is
+read by ``wsgi_app.api.structured``. ``null`` means absent.
 
 Source: OpenAI API reference, "Chat Completions" (create).
 """
@@ -31,8 +31,7 @@ from wsgi_app.api.fields import (
     unsupported,
 )
 from wsgi_app.api.messages import parse_messages
-from wsgi_app.api.structured import CONSTRAINT_FIELDS as STRUCTURED_FIELDS
-from wsgi_app.api.structured import RequestConstraint, parse_constraint
+from wsgi_app.api.structured import STRUCTURED_FIELDS, RequestConstraint, parse_constraint
 from wsgi_app.api.table import BOOLEAN, JSON, NUMBER, SHARED_FIELDS, Field, FieldTable
 from wsgi_app.api.tools import ToolRequest, parse_tools
 
@@ -54,14 +53,13 @@ FIELDS = FieldTable(
         Field("max_completion_tokens", NUMBER),
         Field("logprobs", BOOLEAN),
         Field("top_logprobs", NUMBER),
+        *STRUCTURED_FIELDS,  # response_format and the other spellings of an output constraint
         Field("modalities"),
         Field("store"),
         Field("service_tier"),
         Field("prompt_cache_key"),
         Field("safety_identifier"),
-        *(Field(name) for name in STRUCTURED_FIELDS),  # read by wsgi_app.api.structured
-        # read by wsgi_app.api.tools
-        *(Field(name) for name in TOOL_FIELDS),
+        *(Field(name) for name in TOOL_FIELDS),  # read by wsgi_app.api.tools
         *(
             Field(name, unsupported=True)
             for name in (

@@ -31,9 +31,11 @@ from typing import Any
 from model.grammar.compile import MAX_CHOICES, Constraint
 from wsgi_app.api.errors import invalid, quote_name
 from wsgi_app.api.fields import loads_strict
+from wsgi_app.api.table import Field
 
-# Every top-level field that carries an output constraint (each endpoint's known fields include them).
-CONSTRAINT_FIELDS = (
+# Every top-level field that carries an output constraint (each endpoint's field table holds them, so
+# wsgi_app.api.table no longer refuses the other servers' spellings among them).
+STRUCTURED_FIELD_NAMES = (
     "response_format",
     "structured_outputs",
     "guided_json",
@@ -43,6 +45,7 @@ CONSTRAINT_FIELDS = (
     "json_schema",
     "grammar",
 )
+STRUCTURED_FIELDS = tuple(Field(name) for name in STRUCTURED_FIELD_NAMES)  # POST bodies only
 # structured_outputs' constraint keys, and the options that ask for what we always do.
 _SO_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 _SO_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
@@ -69,7 +72,7 @@ def parse_constraint(body: dict[str, Any]) -> RequestConstraint | None:
         ApiError: 400 naming the field: a malformed constraint, or two of them in one request.
     """
     found: list[RequestConstraint] = []
-    for name in CONSTRAINT_FIELDS:
+    for name in STRUCTURED_FIELD_NAMES:
         value = body.get(name)
         if value is None:
             continue

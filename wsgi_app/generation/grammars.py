@@ -57,10 +57,9 @@ class GrammarService:
         if grammar is None:
             if self._pool is None:
                 self._pool = ThreadPool(COMPILE_THREADS)
-            try:
-                grammar, _ = self._pool.apply(self.compiler.compile, (rc.constraint,))
-            except ConstraintError as exc:
-                raise invalid(f"'{rc.param}' cannot be enforced: {exc}", rc.param) from None
+            grammar = self._pool.apply(self.compiler.result, (rc.constraint,))
+        if isinstance(grammar, ConstraintError):
+            raise invalid(f"'{rc.param}' cannot be enforced: {grammar}", rc.param)
         record.compile_s = time.perf_counter() - start
         use = RequestGrammar(grammar)
         record.grammar = use
