@@ -185,7 +185,7 @@ BAD = [
         {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         "messages[0].content[0].type",
     ),
-    ({"model": "m", "messages": HELLO, "tools": [{"type": "function"}]}, "tools"),
+    ({"model": "m", "messages": HELLO, "tools": [{"type": "function"}]}, "tools[0].function"),
     (
         {"model": "m", "messages": HELLO, "response_format": {"type": "json_schema"}},
         "response_format",
