@@ -95,3 +95,21 @@ def test_call_ids_derive_from_seed_choice_and_index():
     assert all(re.fullmatch(r"call_[A-Za-z0-9]{24}", i) for i in ids)
     assert call_id(7, 1, 2) == call_id(7, 1, 2) != call_id(8, 1, 2)
     assert call_id(None, 0, 0) != call_id(None, 0, 0)
+
+
+def test_auto_lets_text_start_and_takes_over_at_the_opening_tag():
+    for fmt, block in (("smollm2", ONE), ("hermes", HERMES_TWO)):
+        grammar = call_grammar([WEATHER, TIME], fmt, choice="auto")
+        assert accepts(grammar, "Sunny, I think.")
+        assert accepts(grammar, "Let me look. " + block)
+        assert accepts(grammar, block)
+        # Once the tag is written, only a valid block may follow.
+        assert not accepts(grammar, "a <tool_call> b")
+        assert not accepts(grammar, '<tool_call>[{"name":"get_news","arguments":{}}]</tool_call>')
+
+
+def test_none_makes_the_tool_syntax_impossible():
+    grammar = call_grammar([WEATHER], choice="none")
+    assert accepts(grammar, "Sunny in Paris.")
+    assert not accepts(grammar, ONE)
+    assert not accepts(grammar, "x <tool_call>")

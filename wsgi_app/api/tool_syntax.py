@@ -57,21 +57,38 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def call_grammar(tools: Sequence[Tool], fmt: str = "smollm2", parallel: bool = True) -> str:
-    """Return the Lark grammar of one tool-call block (or, for ``hermes``, blocks) calling ``tools``.
+# Text that never holds the opening tag: "none" answers only this, "auto" this or text up to a block.
+TEXT_RULE = "TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/"
+CHOICES = ("none", "auto", "required")
+
+
+def call_grammar(
+    tools: Sequence[Tool], fmt: str = "smollm2", parallel: bool = True, choice: str = "required"
+) -> str:
+    """Return the Lark grammar of an answer under ``tool_choice``.
+
+    ``required`` (and a named choice: pass the one tool) is one tool-call block (``hermes``: blocks)
+    from the first byte; ``auto`` is text without the opening tag, or text up to the first opening
+    tag (a lazy ``stop`` lexeme: the text before it stays free) and then the block; ``none`` is text
+    that never holds the opening tag, so no call can be written.
 
     Args:
-        tools: the functions a call may name (at least one).
+        tools: the functions a call may name (at least one, unless ``choice`` is ``none``).
         fmt: one of :data:`FORMATS`.
         parallel: more than one call allowed; False allows exactly one.
+        choice: ``none``, ``auto`` or ``required``.
 
     Raises:
-        ValueError: no tools, or an unknown ``fmt``.
+        ValueError: no tools, an unknown ``fmt`` or ``choice``.
     """
-    if not tools:
-        raise ValueError("a tool-call grammar needs at least one tool")
     if fmt not in FORMATS:
         raise ValueError(f"TOOL_CALL_FORMAT must be one of {', '.join(FORMATS)}")
+    if choice not in CHOICES:
+        raise ValueError(f"choice must be one of {', '.join(CHOICES)}")
+    if choice == "none":
+        return "start: TEXT\n" + TEXT_RULE + "\n"
+    if not tools:
+        raise ValueError("a tool-call grammar needs at least one tool")
     rules = []
     for i, tool in enumerate(tools):
         # The arguments are compact JSON, as every structured output is (model.grammar.compile).
@@ -79,15 +96,19 @@ def call_grammar(tools: Sequence[Tool], fmt: str = "smollm2", parallel: bool = T
         head = '{"name":' + json.dumps(tool.name, ensure_ascii=False) + ',"arguments":'
         rules.append(f'call{i}: {_literal(head)} args{i} "}}"')
         rules.append(f"args{i}: %json {json.dumps(schema, ensure_ascii=False)}")
-    call = "call: " + " | ".join(f"call{i}" for i in range(len(tools)))
+    rules.append("call: " + " | ".join(f"call{i}" for i in range(len(tools))))
+    # `rest`: a block (or blocks) after its first opening tag.
     if fmt == "smollm2":
         more = ' ("," call)*' if parallel else ""
-        start = f"start: {_literal(OPEN + '[')} call{more} {_literal(']' + CLOSE)}"
+        rules.append(f'rest: "[" call{more} {_literal("]" + CLOSE)}')
     else:
-        block = f"block: {_literal(OPEN)} call {_literal(CLOSE)}"
-        rules.append(block)
-        start = "start: block+" if parallel else "start: block"
-    return "\n".join([start, call, *rules]) + "\n"
+        rules.append(f"rest: call {_literal(CLOSE)}" + (" block*" if parallel else ""))
+        rules.append(f"block: {_literal(OPEN)} call {_literal(CLOSE)}")
+    if choice == "required":
+        start = [f"start: {_literal(OPEN)} rest"]
+    else:
+        start = ["start: TEXT | pre rest", TEXT_RULE, f"pre[stop={_literal(OPEN)}]: /(?s:.*)/"]
+    return "\n".join([*start, *rules]) + "\n"
 
 
 def split_text(text: str) -> tuple[str, str | None]:
