@@ -187,7 +187,7 @@ BAD = [
     ),
     ({"model": "m", "messages": HELLO, "tools": [{"type": "function"}]}, "tools"),
     (
-        {"model": "m", "messages": HELLO, "response_format": {"type": "json_object"}},
+        {"model": "m", "messages": HELLO, "response_format": {"type": "json_schema"}},
         "response_format",
     ),
     ({"model": "m", "messages": HELLO, "top_logprobs": 2}, "top_logprobs"),
@@ -197,7 +197,8 @@ BAD = [
     ({"model": "m", "messages": HELLO, "n": 9}, "n"),
     ({"model": "m", "messages": HELLO, "temperature": 3}, "temperature"),
     ({"model": "m", "messages": HELLO, "user": 5}, "user"),
-    ({"model": "m", "messages": HELLO, "guided_json": {"type": "object"}}, "guided_json"),
+    ({"model": "m", "messages": HELLO, "guided_json": {"type": "strin"}}, "guided_json"),
+    ({"model": "m", "messages": HELLO, "format": "json"}, "format"),
     (
         {"model": "m", "messages": HELLO, "stream_options": {"include_usage": True}},
         "stream_options",

@@ -40,6 +40,7 @@ MODEL_DOOR = frozenset(
         "model.chat_template",
         "model.pcg32",
         "model.files",
+        "model.grammar.compile",  # structured outputs: constraints, compiled grammars, their errors
     }
 )
 

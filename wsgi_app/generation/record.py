@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 from telemetry.spans import Span
 
@@ -74,6 +75,9 @@ class RequestRecord:
     queue_wait_s: float | None = None
     slot_at: float | None = None
     end_reason: str | None = None
+    constraint: str | None = None
+    compile_s: float | None = None
+    grammar: Any = None
     ignored_fields: tuple[str, ...] = ()
     api_key_digest: str | None = None
     rate_limit_counted: bool = False

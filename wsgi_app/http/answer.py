@@ -20,6 +20,7 @@ from flask import Response, request
 from wsgi_app.api.completions import CompletionRequest
 from wsgi_app.api.errors import ApiError, invalid
 from wsgi_app.api.fields import decode_json_body
+from wsgi_app.generation.grammars import grammar_service
 from wsgi_app.generation.lifetime import admit, random_seed
 from wsgi_app.generation.pacer import ClientGone
 from wsgi_app.generation.record import RequestRecord
@@ -63,10 +64,12 @@ def answer(
             ``wsgi_app.http.event_source.stream_id``); None for a ``POST``.
 
     Raises:
-        ApiError: 400 for a malformed ``Last-Event-ID`` or one whose seed contradicts ``seed``;
-            429 ``server_busy`` when slots and queue are full, 503 when stopping or out of memory,
-            504 when the deadline passes before the answer, 500 ``engine_error``.
+        ApiError: 400 naming the output constraint llguidance cannot enforce, or for a malformed
+            ``Last-Event-ID`` or one whose seed contradicts ``seed``; 429 ``server_busy`` when slots
+            and queue are full, 503 when stopping or out of memory, 504 when the deadline passes
+            before the answer, 500 ``engine_error``.
     """
+    req = grammar_service(rt).prepare(req, record)  # structured outputs: 400 before any byte
     framing, completion_id = PLAIN, None
     if query is None:
         seed = req.seed if req.seed is not None else random_seed()

@@ -53,6 +53,8 @@ class Runtime:
             :meth:`offload`), made on first use.
         after_answers: told when a generation request's answer is written, to give the freed heap
             back once the worker is idle (``wsgi_app.server.heap.AfterAnswers``), or None.
+        grammars: the structured-output compiler (``wsgi_app.generation.grammars``), made on
+            first use.
         generation: what every generation runs with (``settings``, ``model``, ``engine``,
             ``admission`` and ``model_version`` above, the stop clock, the engine's health): the
             Flask-free part, which the answer path hands to ``wsgi_app.generation``.
@@ -72,6 +74,7 @@ class Runtime:
     chat_template: Any = None
     render_pool: Any = field(default=None, repr=False)
     after_answers: Any = field(default=None, repr=False)
+    grammars: Any = field(default=None, repr=False)
     generation: GenerationContext = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
