@@ -34,7 +34,8 @@ from model.llama.gguf import GGUF_SUFFIX, read_gguf
 from model.llama.gguf_cache import default_cache_dir, load_or_build
 from model.llama.gguf_tokenizer import tokenizer_from_gguf
 from model.llama.kv_cache import bytes_per_token, reservation_bytes
-from model.llama.model import Llama, check_tensors
+from model.llama.model import Llama
+from model.llama.tensors import check_tensors
 from model.tokenizer import ByteTokenizer, HFTokenizer
 
 TOKENIZER_NAME = "tokenizer.json"
