@@ -6,8 +6,12 @@ sequences. A prompt chunk of several tokens attends causally over its own cache
 the slab their caches are lanes of (:mod:`model.llama.kv_cache`): each group attends in one
 :func:`model.llama.ops.decode_attention` call over the slab's lanes ``lo..hi`` (a lane in between
 that decodes nothing this step is computed and dropped), so a step of 32 sequences costs about 15
-numpy calls per layer instead of a dozen per sequence. The plan is made once per pass and used for
-every layer.
+numpy calls per layer instead of a dozen per sequence. A *verify* chunk (a decoding sequence's last
+token and the tokens drafted after it, :mod:`model.llama.speculative`) is several decode rows of one
+sequence: each row attends with the decode arithmetic at its own length, in one
+:func:`~model.llama.ops.decode_attention` call over the sequence's lane repeated once per row (a
+broadcast view, nothing copied), so every row has the bits a one-token decode at its position has.
+The plan is made once per pass and used for every layer.
 """
 
 from __future__ import annotations
@@ -51,16 +55,30 @@ class StepAttention:
         caches: one distinct cache per chunk, checked to have room for it.
         sizes: the chunks' token counts.
         ends: ``(len(sizes),)`` the rows of the pass where each chunk ends (exclusive).
+        verify: per chunk, whether its rows are decode rows (a verify chunk); None for none.
+            A one-token chunk is a decode row either way.
     """
 
-    def __init__(self, caches: Sequence[KVCache], sizes: Sequence[int], ends: np.ndarray) -> None:
+    def __init__(
+        self,
+        caches: Sequence[KVCache],
+        sizes: Sequence[int],
+        ends: np.ndarray,
+        verify: Sequence[bool] | None = None,
+    ) -> None:
         self._prompts: list[tuple[KVCache, int, int, int]] = []  # (cache, row0, row1, start)
+        self._verifies: list[tuple[KVCache, int, int, np.ndarray]] = []  # (cache, r0, r1, lengths)
         decoding: dict[int, list[tuple[KVCache, int]]] = {}  # id(slab_k) -> [(cache, row)]
-        for cache, n, end in zip(caches, sizes, ends, strict=True):
+        flags = verify if verify is not None else [False] * len(sizes)
+        for cache, n, end, decode_rows in zip(caches, sizes, ends, flags, strict=True):
+            r0, r1 = int(end) - n, int(end)
             if n == 1:
-                decoding.setdefault(id(cache.slab_k), []).append((cache, int(end) - 1))
+                decoding.setdefault(id(cache.slab_k), []).append((cache, r1 - 1))
+            elif decode_rows:
+                lengths = cache.length + np.arange(1, n + 1, dtype=np.int64)
+                self._verifies.append((cache, r0, r1, lengths))
             else:
-                self._prompts.append((cache, int(end) - n, int(end), cache.length))
+                self._prompts.append((cache, r0, r1, cache.length))
         self._groups = [_group(members) for members in decoding.values()]
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -83,6 +101,14 @@ class StepAttention:
             cache.v[layer, :, start:end] = v[r0:r1].transpose(1, 0, 2)
             kc, vc = cache.k[layer, :, :end], cache.v[layer, :, :end]
             att[r0:r1] = attention(q[r0:r1], kc, vc, start)
+        for cache, r0, r1, lengths in self._verifies:
+            start = int(lengths[0]) - 1
+            cache.k[layer, :, start : start + r1 - r0] = k[r0:r1].transpose(1, 0, 2)
+            cache.v[layer, :, start : start + r1 - r0] = v[r0:r1].transpose(1, 0, 2)
+            # (Hkv, rows, hd) -> (m, Hkv, rows, hd): the lane once per row, a stride-0 view
+            ks = np.broadcast_to(cache.k[layer], (r1 - r0, *cache.k.shape[1:]))
+            vs = np.broadcast_to(cache.v[layer], (r1 - r0, *cache.v.shape[1:]))
+            att[r0:r1] = decode_attention(q[r0:r1], ks, vs, lengths, KV_BLOCK)
         for g in self._groups:
             # one (m, Hkv, hd) write per slab: lanes and positions index axes 0 and 3
             g.slab_k[g.lanes, layer, :, g.positions] = k[g.rows]

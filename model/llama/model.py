@@ -221,10 +221,59 @@ class Llama:
         x, ends = self._hidden(chunks, caches, batch_invariant)
         return self._head(np.ascontiguousarray(x[ends - 1]), batch_invariant)
 
+    def step(
+        self,
+        prompts: Sequence[Sequence[int]],
+        prompt_caches: Sequence[KVCache],
+        decodes: Sequence[Sequence[int]],
+        decode_caches: Sequence[KVCache],
+        batch_invariant: bool = True,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Run one scheduling step: prompt chunks, and decode chunks whose every row is a decode.
+
+        A decode chunk is a decoding sequence's newest token, optionally followed by tokens drafted
+        after it (:mod:`model.llama.speculative`): its row ``i`` takes position
+        ``cache.length + i`` and is computed with the arithmetic of a one-token decode at that
+        position (:class:`~model.llama.attend.StepAttention`), so its logits are the bits
+        :meth:`decode` would give once the tokens before it had been decoded one by one. The
+        cache's ``length`` advances by every chunk's size; a caller that rejects drafted rows
+        takes them back (the keys and values past ``length`` are never read).
+
+        Args:
+            prompts: Prompt chunks (one or more tokens each), as :meth:`forward`.
+            prompt_caches: One distinct cache per prompt chunk.
+            decodes: Decode chunks (one or more tokens each).
+            decode_caches: One distinct cache per decode chunk.
+            batch_invariant: As :meth:`forward`.
+
+        Returns:
+            ``(len(prompts), vocab_size)`` float32 logits after each prompt chunk's last token, and
+            ``(R, vocab_size)`` float32 logits after every row of the decode chunks, in order
+            (``R`` is their total size).
+
+        Raises:
+            ValueError: As :meth:`forward`.
+        """
+        verify = [False] * len(prompts) + [True] * len(decodes)
+        x, ends = self._hidden(
+            [*prompts, *decodes], [*prompt_caches, *decode_caches], batch_invariant, verify
+        )
+        p = len(prompts)
+        first_decode_row = int(ends[p - 1]) if p else 0
+        rows = np.concatenate([ends[:p] - 1, np.arange(first_decode_row, int(ends[-1]))])
+        logits = self._head(np.ascontiguousarray(x[rows]), batch_invariant)
+        return logits[:p], logits[p:]
+
     def _hidden(
-        self, chunks: Sequence[Sequence[int]], caches: Sequence[KVCache], batch_invariant: bool
+        self,
+        chunks: Sequence[Sequence[int]],
+        caches: Sequence[KVCache],
+        batch_invariant: bool,
+        verify: Sequence[bool] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Run the blocks over the chunks' tokens, concatenated.
+
+        ``verify`` marks the chunks whose rows are decode rows (see :meth:`step`).
 
         Returns:
             The ``(T, dim)`` hidden states and ``(len(chunks),)`` int64 end rows of the chunks.
@@ -242,7 +291,7 @@ class Llama:
         x = self.tok_embeddings[np.concatenate(ids)]  # (T, dim)
         positions = [s + np.arange(n) for s, n in zip(starts, sizes, strict=True)]
         cos, sin = self._rope(np.concatenate(positions))
-        attend = StepAttention(caches, sizes, ends)
+        attend = StepAttention(caches, sizes, ends, verify)
         for layer_index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin, batch_invariant)
             x = self._block_tail(layer, x, attend(layer_index, q, k, v), batch_invariant)

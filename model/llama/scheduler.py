@@ -32,6 +32,7 @@ import numpy as np
 from model.engine import GenerationRequest, Step, check_prompt, check_request, make_step
 from model.llama.kv_cache import KVCache, KVPool
 from model.llama.model import Llama
+from model.llama.speculative import SpecState, Speculator, accept
 from model.pcg32 import PCG32
 from model.sampling import sample
 
@@ -63,6 +64,7 @@ class Sequence:
     cancelled: bool = False
     done: bool = False
     steps: list[Any] = field(default_factory=list)
+    spec: SpecState | None = None  # drafting state, when the scheduler speculates
 
 
 class BatchScheduler:
@@ -77,6 +79,9 @@ class BatchScheduler:
             first; at least one chunk).
         batch_invariant: decode each sequence to the same bits whatever the batch
             (``BATCH_INVARIANT``; see :meth:`model.llama.model.Llama.decode`).
+        speculative_tokens: most tokens a decoding sequence drafts per step
+            (``SPECULATIVE_TOKENS``, :mod:`model.llama.speculative`); 0 turns speculation off. It
+            changes how many tokens a step yields, never which.
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class BatchScheduler:
         prefill_chunk: int = 128,
         batch_invariant: bool = True,
         prefill_budget: int = 256,
+        speculative_tokens: int = 0,
     ) -> None:
         self.model = model
         self.eos_ids = frozenset(eos_ids)
@@ -95,6 +101,7 @@ class BatchScheduler:
         self.batch_invariant = batch_invariant
         self.prefill_budget = prefill_budget
         self.live: list[Sequence] = []
+        self.speculator = Speculator(speculative_tokens)
         c = model.config
         self.pool = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, c.max_seq_len)
 
@@ -159,6 +166,8 @@ class BatchScheduler:
             seq.cache = self.pool.take(len(req.prompt_ids) + n_tokens - 1)
             if req.params.has_penalties:
                 seq.counts = np.zeros(self.model.vocab_size, np.int64)
+            if self.speculator.max_tokens:
+                seq.spec = SpecState(req.prompt_ids)
             self.live.append(seq)
         return seq
 
@@ -197,21 +206,40 @@ class BatchScheduler:
         )
         if not decoding and not chosen:
             return []
-        chunks = spans + [[s.last_token] for s in decoding]
-        logits = self.model.forward(
-            chunks, [s.cache for s in chosen + decoding], self.batch_invariant
+        drafts = self._drafts(decoding, sum(len(span) for span in spans))
+        prompt_logits, decode_logits = self.model.step(
+            spans,
+            [s.cache for s in chosen],
+            [[s.last_token, *draft] for s, draft in zip(decoding, drafts, strict=True)],
+            [s.cache for s in decoding],
+            self.batch_invariant,
         )
         touched: list[Sequence] = []
-        for seq, span, row in zip(chosen, spans, logits, strict=False):
+        for seq, span, row in zip(chosen, spans, prompt_logits, strict=True):
             seq.prefilled += len(span)
             if seq.prefilled == len(seq.req.prompt_ids):
                 self._emit(seq, row)
                 touched.append(seq)
-        for seq, row in zip(decoding, logits[len(chosen) :], strict=True):
-            self._emit(seq, row)
+        row = 0
+        for seq, draft in zip(decoding, drafts, strict=True):
+            rows = decode_logits[row : row + 1 + len(draft)]
+            row += len(rows)
+            if draft:
+                n_accepted = accept(seq, draft, rows, self._emit)
+                self.speculator.record(seq.spec, len(draft), n_accepted)
+            else:
+                self._emit(seq, rows[0])
             touched.append(seq)
         self.live = [s for s in self.live if not s.done]
         return touched
+
+    def _drafts(self, decoding: list[Sequence], prompt_rows: int) -> list[list[int]]:
+        """Return each decoding sequence's drafted tokens for this step (see :class:`Speculator`)."""
+        if not self.speculator.max_tokens or not decoding:
+            return [[] for _ in decoding]
+        budgets = [s.n_tokens - s.produced - 1 for s in decoding]  # the last token is never fed
+        states = [s.spec for s in decoding]
+        return self.speculator.plan(states, budgets, prompt_rows + len(decoding))  # type: ignore[arg-type]
 
     def _prefill_spans(
         self, prefilling: list[Sequence]
@@ -244,6 +272,8 @@ class BatchScheduler:
             reason = "length"
         seq.steps.append(make_step(token_id, logits, req.logprobs, reason))
         seq.last_token = token_id
+        if seq.spec is not None:
+            seq.spec.drafter.push(token_id)
         if reason is not None or last:
             seq.done = True
             seq.steps.append(END)
