@@ -37,10 +37,13 @@ from wsgi_app.server.heap import AfterAnswers
 from wsgi_app.settings import Settings
 
 
-def make_engine(model: LoadedModel, settings: Settings) -> Any:
+def make_engine(
+    model: LoadedModel, settings: Settings, on_speculated: Callable[[int, int], None] | None = None
+) -> Any:
     """Return the engine for ``model``: the bigram runs inline in each request's greenlet; a Llama
     runs on one native thread per worker with continuous batching (up to ``MAX_SLOTS`` requests of
-    ``MAX_N`` choices each)."""
+    ``MAX_N`` choices each), speculating ``SPECULATIVE_TOKENS`` (its drafted and accepted token
+    counts go to ``on_speculated``)."""
     if model.engine_kind == "llama":
         from wsgi_app.generation.engine_thread import ThreadedEngine
 
@@ -51,8 +54,9 @@ def make_engine(model: LoadedModel, settings: Settings) -> Any:
             model.tokenizer.eos_ids,
             batch,
             batch_invariant=settings.batch_invariant,
+            speculative_tokens=settings.speculative_tokens,
         )
-        return ThreadedEngine(scheduler)
+        return ThreadedEngine(scheduler, on_speculated=on_speculated)
     return model.make_engine()
 
 
@@ -94,7 +98,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     # "/v1//completions" is a 404 in the JSON shape, not an HTML redirect built from the Host header.
     app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    engine = make_engine(model, settings)
+    engine = make_engine(model, settings, observer.metrics.count_speculative)
     if settings.faults:
         engine = FaultyEngine(engine, Faults.parse(settings.faults))
     app.extensions[EXTENSION] = Runtime(

@@ -23,6 +23,7 @@ Source: docs/ARCHITECTURE.md §5; Yu et al., "Orca" (OSDI 2022) for iteration-le
 
 from __future__ import annotations
 
+import time
 from collections import abc
 from dataclasses import dataclass, field
 from typing import Any
@@ -207,6 +208,7 @@ class BatchScheduler:
         if not decoding and not chosen:
             return []
         drafts = self._drafts(decoding, sum(len(span) for span in spans))
+        t0 = time.perf_counter()
         prompt_logits, decode_logits = self.model.step(
             spans,
             [s.cache for s in chosen],
@@ -214,6 +216,8 @@ class BatchScheduler:
             [s.cache for s in decoding],
             self.batch_invariant,
         )
+        if not chosen:  # a pure decode step: what its rows cost, for the drafts' plan
+            self.speculator.observe(len(decode_logits), time.perf_counter() - t0)
         touched: list[Sequence] = []
         for seq, span, row in zip(chosen, spans, prompt_logits, strict=True):
             seq.prefilled += len(span)

@@ -24,8 +24,11 @@ cost is nearly flat in its rows while the weights dominate (the tiles of
 free; past :data:`GATE_ROWS` rows a step is compute-bound and a drafted row costs about what a real
 one does, so a step that big drafts nothing (a full batch is never slowed). Below it, each
 sequence's acceptance rate is tracked (decayed counts of drafted tokens tested and accepted) and the
-step takes the draft rows that maximise the expected tokens per unit of step cost
-(:func:`step_cost`).
+step takes the draft rows that maximise the expected tokens per unit of step cost. The cost of a
+step of so many rows is measured as the scheduler runs (a decayed mean of the seconds of its decode
+steps by rows in whole groups of :data:`ROW_PAD`, :meth:`Speculator.observe`), starting from a model
+of this machine's tiles (:func:`step_cost`): on a busy or a different machine the products become
+compute-bound sooner, and the drafts shrink with them.
 
 Source: Saxena 2023, "Prompt Lookup Decoding" (n-gram drafts from the prompt); Leviathan et al.
 2023, "Fast Inference from Transformers via Speculative Decoding" (verify k drafts in one pass; with
@@ -44,20 +47,19 @@ GATE_ROWS = 16  # a step with this many rows or more drafts nothing (compute-bou
 ROW_PAD = 4  # rows cost in whole groups of this many (model.llama.matmul.ROW_PAD)
 GROUP_COST = 0.2  # each group of ROW_PAD rows past the first, relative to a one-row step
 ROW_COST = 0.01  # and each row's own work (attention, sampling), likewise
+COST_DECAY = 0.9  # weight of the earlier steps in a row group's measured cost
 PRIOR_RATE = 0.5  # a new sequence's assumed acceptance rate
 PRIOR_WEIGHT = 2.0  # worth this many tested drafts
 DECAY = 0.8  # weight of the previous steps' counts in the rate
 
 
 def step_cost(rows: int) -> float:
-    """Return the cost of a step of ``rows`` rows, relative to a one-row step (a model).
+    """Return the modelled cost of a step's weight products for ``rows`` rows, relative to one row.
 
-    Measured on SmolLM2-135M, one core (bench/results, ``bench.speculative``): the weight products
-    cost the same for 1 to 4 rows and ~20 % more per further 4 rows up to 16; each row adds its
-    attention and sampling.
+    SmolLM2-135M on one quiet core (the table in :mod:`model.llama.matmul`): the tiles cost the same
+    for 1 to 4 rows and ~20 % more for each further 4 rows.
     """
-    groups = -(-rows // ROW_PAD)
-    return 1.0 + GROUP_COST * (groups - 1) + ROW_COST * rows
+    return 1.0 + GROUP_COST * (-(-rows // ROW_PAD) - 1)
 
 
 class Drafter:
@@ -89,8 +91,12 @@ class Drafter:
         self._indexed = len(tokens)
 
     def draft(self, k: int) -> list[int]:
-        """Return up to ``k`` tokens that followed the latest earlier occurrence of the longest
-        n-gram (``MAX_NGRAM`` down to 1 tokens) the sequence ends with; ``[]`` if none occurs."""
+        """Return ``k`` tokens that followed the latest earlier occurrence of the longest n-gram
+        (``MAX_NGRAM`` down to 1 tokens) the sequence ends with; ``[]`` if none occurs.
+
+        A continuation that reaches the end of the sequence goes on with the draft itself (a
+        repeating pattern is drafted on for its period, not just to the end of its last round).
+        """
         if k <= 0:
             return []
         self._index()
@@ -98,7 +104,11 @@ class Drafter:
         for n in range(min(MAX_NGRAM, len(tokens) - 1), 0, -1):
             start = self._after[n].get(tuple(tokens[-n:]))
             if start is not None:
-                return tokens[start : start + k]
+                draft = tokens[start : start + k]
+                period = len(tokens) - start  # the draft repeats tokens[start:] from here on
+                while len(draft) < k:
+                    draft.append(draft[len(draft) - period])
+                return draft
         return []
 
 
@@ -151,6 +161,28 @@ class Speculator:
         self.max_tokens = max_tokens
         self.drafted = 0
         self.accepted = 0
+        # _costs[g]: a step of g groups of ROW_PAD rows, relative to one group (modelled at first)
+        groups = -(-GATE_ROWS // ROW_PAD)
+        self._costs = [step_cost(g * ROW_PAD) for g in range(groups + 1)]
+        self._seconds: list[float | None] = [None] * (groups + 1)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """Count the seconds a decode step of ``rows`` rows took (steps past the gate are ignored)."""
+        g = -(-rows // ROW_PAD)
+        if not 0 < g < len(self._seconds):
+            return
+        old = self._seconds[g]
+        self._seconds[g] = seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds
+        one = self._seconds[1]
+        if one:
+            for i in range(2, len(self._seconds)):
+                measured = self._seconds[i]
+                if measured is not None:  # more rows never make a step cheaper
+                    self._costs[i] = max(1.0, measured / one)
+
+    def cost(self, rows: int) -> float:
+        """Return the cost of a step of ``rows`` rows relative to one of 1..``ROW_PAD`` rows."""
+        return self._costs[min(-(-rows // ROW_PAD), len(self._costs) - 1)] + ROW_COST * rows
 
     def plan(self, states: list[SpecState], budgets: list[int], base_rows: int) -> list[list[int]]:
         """Return each decoding sequence's draft for this step (``[]``: decode one token).
@@ -176,10 +208,10 @@ class Speculator:
         if not offers:
             return drafts
         offers.sort(key=lambda o: -o[0])  # per sequence the gains fall, so this keeps prefixes
-        tokens, best_ratio, best_n = float(len(states)), len(states) / step_cost(base_rows), 0
+        tokens, best_ratio, best_n = float(len(states)), len(states) / self.cost(base_rows), 0
         for n, (gain, _) in enumerate(offers[:room], start=1):
             tokens += gain
-            ratio = tokens / step_cost(base_rows + n)
+            ratio = tokens / self.cost(base_rows + n)
             if ratio > best_ratio:
                 best_ratio, best_n = ratio, n
         take = [0] * len(states)
