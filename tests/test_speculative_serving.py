@@ -16,6 +16,7 @@ import pytest
 
 from tests.llamafiles import convert_stories
 from tests.server import GunicornServer, concurrently
+from tests.sse import sse_events
 from tests.test_metrics import scrape, value
 
 STORIES_BODIES = [
@@ -70,8 +71,12 @@ def normalized(raw: bytes) -> bytes:
 
 
 def answer(srv: GunicornServer, body: dict, path: str = "/v1/completions") -> bytes:
+    """The answer's bytes, normalized; of a stream, its ``data:`` events (the ``: ping`` comments
+    depend on timing, and speculation changes when tokens arrive, never which)."""
     status, _, raw = srv.post(path, {"model": "m", **body}, timeout_s=120)
     assert status == 200, raw
+    if body.get("stream"):
+        return b"\n".join(sse_events(normalized(raw)))
     return normalized(raw)
 
 

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 MAX_NGRAM = 3  # longest suffix matched against the history, tokens
-GATE_ROWS = 16  # a step with this many rows or more drafts nothing (compute-bound)
+GATE_ROWS = 16  # the most rows of a step with drafts; a step of this many without drafts drafts nothing
 ROW_PAD = 4  # rows cost in whole groups of this many (model.llama.matmul.ROW_PAD)
 GROUP_COST = 0.2  # each group of ROW_PAD rows past the first, relative to a one-row step
 ROW_COST = 0.01  # and each row's own work (attention, sampling), likewise
@@ -196,7 +196,7 @@ class Speculator:
         drafts: list[list[int]] = [[] for _ in states]
         if not self.max_tokens or base_rows >= GATE_ROWS:
             return drafts
-        room = GATE_ROWS - 1 - base_rows
+        room = GATE_ROWS - base_rows
         # (gain, sequence): the j-th drafted token adds rate^j expected tokens
         offers: list[tuple[float, int]] = []
         for i, (state, budget) in enumerate(zip(states, budgets, strict=True)):
