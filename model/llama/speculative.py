@@ -43,7 +43,9 @@ from typing import Any
 import numpy as np
 
 MAX_NGRAM = 3  # longest suffix matched against the history, tokens
-GATE_ROWS = 16  # the most rows of a step with drafts; a step of this many without drafts drafts nothing
+GATE_ROWS = (
+    16  # the most rows of a step with drafts; a step of this many without drafts drafts nothing
+)
 ROW_PAD = 4  # rows cost in whole groups of this many (model.llama.matmul.ROW_PAD)
 GROUP_COST = 0.2  # each group of ROW_PAD rows past the first, relative to a one-row step
 ROW_COST = 0.01  # and each row's own work (attention, sampling), likewise
