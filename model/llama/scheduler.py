@@ -30,14 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from model.engine import GenerationRequest, Step, check_prompt, check_request, make_step
+from model.engine import END, GenerationRequest, Step, check_prompt, check_request, make_step
 from model.llama.kv_cache import KVCache, KVPool
 from model.llama.model import Llama
 from model.llama.speculative import SpecState, Speculator, accept
 from model.pcg32 import PCG32
 from model.sampling import sample
-
-END = object()  # delivered after a sequence's last Step
 
 
 @dataclass(eq=False)
@@ -190,6 +188,11 @@ class BatchScheduler:
     def idle(self) -> bool:
         """True when no sequence needs work."""
         return not self.live
+
+    @property
+    def speculated(self) -> tuple[int, int]:
+        """Tokens drafted (and verified) and drafted tokens accepted so far."""
+        return self.speculator.drafted, self.speculator.accepted
 
     def step(self) -> list[Sequence]:
         """Run one scheduling step; return the sequences that produced output.
