@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         srv = servers.start_llamacpp(ref_python, model, name, work / "llamacpp")
         try:
+            result["llamacpp"] = {"failed": "did not answer"}
             result["llamacpp"] = one_stream(srv.port, name, eog, prompt, args.answers, False)
             log(
                 f"llamacpp: {json.dumps({k: v['tokens_per_s'] for k, v in result['llamacpp'].items()})}"
@@ -197,6 +198,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 result["llamacpp"]["streams_32"] = smollm2_serving.series(
                     srv, stream_ref, plain_ref, [32], args.window, log, extra_events=1
                 )
+        except OSError as exc:  # the reference crashed (its log is in the work dir): say so
+            log(f"llama.cpp failed: {exc!r}")
+            result["llamacpp"]["failed"] = repr(exc)
         finally:
             srv.stop()
     result["meta"]["loadavg_end"] = list(os.getloadavg())
