@@ -109,4 +109,4 @@ def install(app: Flask, api_keys: Sequence[str]) -> None:
             raise missing_key()
         if not key_matches(key, digests):
             raise invalid_key()
-        g.api_key_digest = key_digest(key)  # the client identity (wsgi_app.clients)
+        g.record.api_key_digest = key_digest(key)  # the client identity (client_identity.py)

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import gevent
 from flask import current_app
 from gevent.threadpool import ThreadPool
 
@@ -20,6 +19,7 @@ from model.engine import Engine
 from model.loader import LoadedModel
 from telemetry.observer import Observer
 from wsgi_app.generation.admission import Admission
+from wsgi_app.generation.context import GenerationContext
 from wsgi_app.server.worker import END_STREAMS_S
 from wsgi_app.settings import Settings
 
@@ -44,8 +44,6 @@ class Runtime:
         started_at: Unix time the worker became ready, in seconds.
         stopping: SIGTERM happened: ``/ready`` answers 503.
         drained_here: the server was drained with no shared directory to say so (single process).
-        engine_ok: False once the engine failed in a way that leaves it untrustworthy.
-        stop_at: ``perf_counter`` time by which in-flight streams must end (set on SIGTERM), or None.
         rate_limit_storage_errors: times the rate-limit storage (Redis) could not be reached; the
             limiter fails open, so requests are served unchecked meanwhile.
         observer: the request observer (logs, metrics, history), or None.
@@ -55,6 +53,9 @@ class Runtime:
             :meth:`offload`), made on first use.
         after_answers: told when a generation request's answer is written, to give the freed heap
             back once the worker is idle (``wsgi_app.server.heap.AfterAnswers``), or None.
+        generation: what every generation runs with (``settings``, ``model``, ``engine``,
+            ``admission`` and ``model_version`` above, the stop clock, the engine's health): the
+            Flask-free part, which the answer path hands to ``wsgi_app.generation``.
     """
 
     settings: Settings
@@ -66,13 +67,27 @@ class Runtime:
     started_at: float = field(default_factory=time.time)
     stopping: bool = False
     drained_here: bool = False
-    engine_ok: bool = True
-    stop_at: float | None = None
     rate_limit_storage_errors: int = 0
     observer: Observer | None = None
     chat_template: Any = None
     render_pool: Any = field(default=None, repr=False)
     after_answers: Any = field(default=None, repr=False)
+    generation: GenerationContext = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.generation = GenerationContext(
+            self.settings, self.model, self.engine, self.admission, self.model_version
+        )
+
+    @property
+    def engine_ok(self) -> bool:
+        """False once the engine failed in a way that leaves it untrustworthy."""
+        return self.generation.engine_ok
+
+    @property
+    def stop_at(self) -> float | None:
+        """``perf_counter`` time by which in-flight streams must end (set on SIGTERM), or None."""
+        return self.generation.stop.stop_at
 
     @property
     def parse_limits(self) -> dict[str, Any]:
@@ -157,9 +172,7 @@ class Runtime:
         if self.stop_at is not None:
             return
         self.stopping = True
-        stop_in_s = max(0.0, grace_s - END_STREAMS_S)
-        self.stop_at = time.perf_counter() + stop_in_s
-        gevent.spawn_later(stop_in_s, self.admission.wake_queued)
+        self.generation.stop_in(max(0.0, grace_s - END_STREAMS_S))
 
     def worker_state(self) -> dict[str, Any]:
         """Return this worker's state for ``/stats`` (written with every history heartbeat)."""
