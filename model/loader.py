@@ -41,8 +41,9 @@ from model.llama.gguf_cache import default_cache_dir, load_or_build
 from model.llama.gguf_tokenizer import tokenizer_from_gguf
 from model.llama.kv_cache import bytes_per_token, reservation_bytes
 from model.llama.kv_cache import can_ever_fit as can_ever_fit  # the contract's, for admission
-from model.llama.model import Llama, check_tensors
+from model.llama.model import Llama
 from model.llama.scheduler import BatchScheduler
+from model.llama.tensors import check_tensors
 from model.tokenizer import ByteTokenizer, HFTokenizer
 
 TOKENIZER_NAME = "tokenizer.json"
@@ -139,7 +140,9 @@ class LoadedModel:
             return LlamaEngine(self.model, self.tokenizer.eos_ids)
         return BigramEngine(self.model)
 
-    def make_scheduler(self, max_batch: int, batch_invariant: bool = True) -> Scheduler:
+    def make_scheduler(
+        self, max_batch: int, batch_invariant: bool = True, speculative_tokens: int = 0
+    ) -> Scheduler:
         """Return a continuous-batching scheduler over this model, for a family that is not
         :attr:`Family.inline` (the server drives it on its engine thread).
 
@@ -147,6 +150,8 @@ class LoadedModel:
             max_batch: most sequences generating at once (slots x ``MAX_N``).
             batch_invariant: decode each sequence to the same bits whatever the batch
                 (``BATCH_INVARIANT``).
+            speculative_tokens: most tokens a sequence drafts per step (``SPECULATIVE_TOKENS``;
+                0: off). The answers are the same either way.
 
         Raises:
             ValueError: the family runs inline (the bigram has no scheduler).
@@ -154,7 +159,11 @@ class LoadedModel:
         if not isinstance(self.model, Llama):
             raise ValueError(f"the {self.engine_kind} family runs inline: it has no scheduler")
         return BatchScheduler(
-            self.model, self.tokenizer.eos_ids, max_batch, batch_invariant=batch_invariant
+            self.model,
+            self.tokenizer.eos_ids,
+            max_batch,
+            batch_invariant=batch_invariant,
+            speculative_tokens=speculative_tokens,
         )
 
 

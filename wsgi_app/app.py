@@ -36,16 +36,24 @@ from wsgi_app.server.heap import AfterAnswers
 from wsgi_app.settings import Settings
 
 
-def make_engine(model: LoadedModel, settings: Settings) -> Engine:
+def make_engine(
+    model: LoadedModel, settings: Settings, on_speculated: Callable[[int, int], None] | None = None
+) -> Engine:
     """Return the engine for ``model``: an inline family (the bigram) runs in each request's
     greenlet; a batched one (a Llama) runs on one native thread per worker with continuous batching
-    (up to ``MAX_SLOTS`` requests of ``MAX_N`` choices each)."""
+    (up to ``MAX_SLOTS`` requests of ``MAX_N`` choices each), drafting up to ``SPECULATIVE_TOKENS``
+    (its drafted and accepted token counts go to ``on_speculated``)."""
     if not model.family.inline:
         from wsgi_app.generation.engine_thread import ThreadedEngine
 
         slots, _ = model.family.limits(settings.max_slots, settings.max_queue)
         batch = slots * settings.max_n
-        return ThreadedEngine(model.make_scheduler(batch, batch_invariant=settings.batch_invariant))
+        scheduler = model.make_scheduler(
+            batch,
+            batch_invariant=settings.batch_invariant,
+            speculative_tokens=settings.speculative_tokens,
+        )
+        return ThreadedEngine(scheduler, on_speculated=on_speculated)
     return model.make_engine()
 
 
@@ -94,7 +102,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     # "/v1//completions" is a 404 in the JSON shape, not an HTML redirect built from the Host header.
     app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    engine = make_engine(model, settings)
+    engine = make_engine(model, settings, observer.metrics.count_speculative)
     if settings.faults:
         engine = FaultyEngine(engine, Faults.parse(settings.faults))
     app.extensions[EXTENSION] = Runtime(
