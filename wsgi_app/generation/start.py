@@ -86,7 +86,10 @@ def admit(
     if rt.stop_at is not None and time.perf_counter() >= rt.stop_at:
         raise unavailable("Server is shutting down.")
     deadline = record.started + settings.request_timeout_s
-    kv_bytes = rt.model.kv_reservation_bytes(len(req.prompt_ids), req.max_tokens, req.n)
+    # Every prompt of a batch runs its n choices at once: the reservation is their sum.
+    kv_bytes = sum(
+        rt.model.kv_reservation_bytes(len(p.ids), req.max_tokens, req.n) for p in req.prompts()
+    )
     ticket = rt.admission.admit(record.request_id, deadline, kv_bytes)
     tune_socket(sock, settings.send_timeout_s)
     pacer = Pacer.make(rt, record, deadline)
