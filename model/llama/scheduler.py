@@ -29,13 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from model.engine import GenerationRequest, Step, check_prompt, check_request, make_step
+from model.engine import END, GenerationRequest, Step, check_prompt, check_request, make_step
 from model.llama.kv_cache import KVCache, KVPool
 from model.llama.model import Llama
 from model.pcg32 import PCG32
 from model.sampling import sample
-
-END = object()  # delivered after a sequence's last Step
 
 
 @dataclass(eq=False)
