@@ -137,6 +137,10 @@ class Settings:
         max_logprob_entries: a request's budget of ``logprobs`` entries: choices × (``max_tokens`` +
             echoed prompt tokens) × (``logprobs`` + 1), checked before admission (400 beyond).
         request_timeout_s: per-request deadline, in seconds.
+        decode_tokens_per_s: the decode pace one sequence is assumed to reach at best, tokens per
+            second (``DECODE_TOKENS_PER_S``); None: measured by each worker at start. A request
+            whose ``max_tokens`` could not finish within ``request_timeout_s`` at this pace is
+            refused up front (``Runtime.feasible_max_tokens``).
         heartbeat_s: SSE ``: ping`` interval while nothing else is written, in seconds.
         send_timeout_s: how long a blocked write may wait on a stalled reader, in seconds.
         log_level: Python logging level name.
@@ -180,6 +184,7 @@ class Settings:
     max_n: int = 8
     max_logprob_entries: int = 262_144
     request_timeout_s: float = 60.0
+    decode_tokens_per_s: float | None = None
     heartbeat_s: float = 15.0
     send_timeout_s: float = 30.0
     log_level: str = "info"
@@ -230,6 +235,9 @@ class Settings:
             ),
             request_timeout_s=_float(
                 env, "REQUEST_TIMEOUT_S", d["request_timeout_s"], 0.001, 86_400.0
+            ),
+            decode_tokens_per_s=_float(
+                env, "DECODE_TOKENS_PER_S", d["decode_tokens_per_s"], 0.001, 1e9
             ),
             heartbeat_s=_float(env, "HEARTBEAT_S", d["heartbeat_s"], 0.01, 3_600.0),
             send_timeout_s=_float(env, "SEND_TIMEOUT_S", d["send_timeout_s"], 0.01, 3_600.0),

@@ -11,7 +11,7 @@ import socket
 import time
 
 from wsgi_app.api.completions import CompletionRequest
-from wsgi_app.api.errors import ApiError, unavailable
+from wsgi_app.api.errors import ApiError, invalid, unavailable
 from wsgi_app.generation.admission import Ticket
 from wsgi_app.generation.completion import Completion
 from wsgi_app.generation.faults import EngineFailure
@@ -86,6 +86,7 @@ def admit(
     if rt.stop_at is not None and time.perf_counter() >= rt.stop_at:
         raise unavailable("Server is shutting down.")
     deadline = record.started + settings.request_timeout_s
+    _refuse_infeasible(rt, req.max_tokens)
     # Every prompt of a batch runs its n choices at once: the reservation is their sum.
     kv_bytes = sum(
         rt.model.kv_reservation_bytes(len(p.ids), req.max_tokens, req.n) for p in req.prompts()
@@ -113,3 +114,25 @@ def admit(
     ticket.progress = completion
     record.span.attributes["gen_ai.request.seed"] = str(seed)
     return completion, ticket, pacer
+
+
+def _refuse_infeasible(rt: Runtime, max_tokens: int) -> None:
+    """Refuse a request whose ``max_tokens`` cannot be generated before its deadline.
+
+    Even at the worker's best decode pace (measured at start, ``DECODE_TOKENS_PER_S``) such a
+    request would run until ``REQUEST_TIMEOUT_S`` and end in a 504 (or a stream's error event)
+    after a minute of work; it is a 400 before any instead.
+
+    Raises:
+        ApiError: 400 naming ``max_tokens``, with the pace and the most that fits.
+    """
+    most = rt.feasible_max_tokens
+    if most is None or max_tokens <= most:
+        return
+    raise invalid(
+        f"'max_tokens' {max_tokens} cannot finish within this server's deadline of "
+        f"{rt.settings.request_timeout_s:g} s (REQUEST_TIMEOUT_S): a choice decodes at most "
+        f"~{rt.decode_tokens_per_s:.1f} tokens/s here, so at most {most} tokens fit. "
+        "Lower 'max_tokens' (or ask the operator to raise REQUEST_TIMEOUT_S).",
+        "max_tokens",
+    )

@@ -6,6 +6,7 @@ by the app factory in the worker (after gevent's patching), never in the gunicor
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,9 @@ from wsgi_app.settings import Settings
 
 EXTENSION = "greenserve"
 RENDER_THREADS = 2
+# The share of REQUEST_TIMEOUT_S that decoding at the measured best pace may fill: a request needing
+# more cannot finish in time (a served token also costs sampling, scheduling and shared steps).
+DEADLINE_HEADROOM = 0.75
 T = TypeVar("T")
 DRAIN_FILE = "greenserve-drained"  # in PROMETHEUS_MULTIPROC_DIR: see Runtime.drain_path
 
@@ -55,6 +59,8 @@ class Runtime:
             :meth:`offload`), made on first use.
         after_answers: told when a generation request's answer is written, to give the freed heap
             back once the worker is idle (``wsgi_app.server.heap.AfterAnswers``), or None.
+        decode_tokens_per_s: the best decode pace of one sequence, tokens per second
+            (``DECODE_TOKENS_PER_S``, else measured at start; ``math.inf`` for the bigram).
     """
 
     settings: Settings
@@ -73,6 +79,20 @@ class Runtime:
     chat_template: Any = None
     render_pool: Any = field(default=None, repr=False)
     after_answers: Any = field(default=None, repr=False)
+    decode_tokens_per_s: float = math.inf
+
+    @property
+    def feasible_max_tokens(self) -> int | None:
+        """Return the most tokens a choice can generate before ``REQUEST_TIMEOUT_S``, or None.
+
+        ``DEADLINE_HEADROOM`` of the deadline at the best decode pace (the rest is left for the
+        prompt, sampling and the neighbours a step is shared with). None when nothing bounds it
+        (the bigram).
+        """
+        if math.isinf(self.decode_tokens_per_s):
+            return None
+        budget_s = self.settings.request_timeout_s * DEADLINE_HEADROOM
+        return max(1, int(self.decode_tokens_per_s * budget_s))
 
     @property
     def parse_limits(self) -> dict[str, Any]:
