@@ -19,6 +19,7 @@ from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app.generation.admission import Admission
 from wsgi_app.generation.faults import Faults, FaultyEngine
 from wsgi_app.http import auth, cors, lifecycle, ratelimit
+from wsgi_app.http.auth_failures import AuthFailures
 from wsgi_app.http.chat import serving_template
 from wsgi_app.http.error_handlers import register_error_handlers
 from wsgi_app.http.routes import (
@@ -130,7 +131,12 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     # CORS preflights are answered before keys and limits: browsers send them without credentials.
     cors.install(app, settings.cors_origins)
     # Keys before limits: a request is authenticated (or refused) before it counts against a bucket.
-    auth.install(app, settings.api_keys)
+    failures = None
+    if settings.api_keys:
+        failures = AuthFailures(
+            settings.auth_failure_limit, settings.rate_limit_storage_uri, settings.client_hash_salt
+        )
+    auth.install(app, settings.api_keys, failures)
     ratelimit.install(app, app.extensions[EXTENSION])
     app.register_blueprint(completions.bp)
     app.register_blueprint(completions_get.bp)

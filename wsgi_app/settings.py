@@ -117,6 +117,14 @@ def _rate_limit(env: Mapping[str, str], storage_uri: str) -> str:
     return text
 
 
+def _auth_failure_limit(env: Mapping[str, str], storage_uri: str, keys: tuple[str, ...]) -> str:
+    text = _str(env, "AUTH_FAILURE_LIMIT", Settings.auth_failure_limit)
+    if keys:  # counted only when API keys are on
+        parse_rate_limit(text, "AUTH_FAILURE_LIMIT")
+        check_rate_limit_storage(storage_uri)
+    return text
+
+
 @dataclass(frozen=True)
 class Settings:
     """Immutable server settings (docs/ARCHITECTURE.md §11).
@@ -152,6 +160,9 @@ class Settings:
         rate_limit_storage_uri: where the limiter counts: ``memory://`` (per worker) or ``redis://…``.
         trusted_proxies: how many ``X-Forwarded-For`` hops (from the right) to trust; 0 ignores it.
         api_keys: accepted API keys; empty when authentication is off.
+        auth_failure_limit: how many wrong API keys a client address may send (a flask-limiter string,
+            ``AUTH_FAILURE_LIMIT``), counted in ``rate_limit_storage_uri``; past it, every request of
+            that address carrying a key is a 429 until the window passes.
         cors_origins: origins allowed cross-origin access (``scheme://host[:port]`` or ``*``); empty
             when CORS is off.
         slow_request_s: requests taking longer than this log their timeline, in seconds.
@@ -197,6 +208,7 @@ class Settings:
     rate_limit_storage_uri: str = field(default="memory://", repr=False)
     trusted_proxies: int = 0
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    auth_failure_limit: str = "20/minute"
     cors_origins: tuple[str, ...] = ()
     slow_request_s: float = 10.0
     stats_db: str = field(default_factory=lambda: default_stats_db())
@@ -250,6 +262,7 @@ class Settings:
             rate_limit_storage_uri=storage_uri,
             trusted_proxies=_int(env, "TRUSTED_PROXIES", d["trusted_proxies"], 0, 32),
             api_keys=_api_keys(env),
+            auth_failure_limit=_auth_failure_limit(env, storage_uri, _api_keys(env)),
             cors_origins=_cors_origins(env),
             slow_request_s=_float(env, "SLOW_REQUEST_S", d["slow_request_s"], 0.0, 86_400.0),
             stats_db=_str(env, "STATS_DB", default_stats_db(env)),

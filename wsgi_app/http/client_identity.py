@@ -66,9 +66,13 @@ def client_identity() -> str:
     digest = g.get("api_key_digest")
     if digest:
         return f"key:{digest}"
-    address = forwarded_client(
+    return f"addr:{client_address()}"
+
+
+def client_address() -> str:
+    """Return the current request's client address (see :func:`forwarded_client`)."""
+    return forwarded_client(
         request.remote_addr,
         request.headers.get("X-Forwarded-For"),
         runtime().settings.trusted_proxies,
     )
-    return f"addr:{address}"
