@@ -164,6 +164,7 @@ def request_fields(
         "queue_wait_s": _r(record.queue_wait_s),
         "error": record.error,
         "user_hash": record.user_hash,
+        "ignored_fields": list(record.ignored_fields) or None,
     }
     if record.prompt is not None:  # only with LOG_PROMPTS=1
         fields["prompt"] = record.prompt
