@@ -117,6 +117,22 @@ def _rate_limit(env: Mapping[str, str], storage_uri: str) -> str:
     return text
 
 
+def _forwarded_allow_ips(env: Mapping[str, str], default: tuple[str, ...]) -> tuple[str, ...]:
+    raw = env.get("FORWARDED_ALLOW_IPS", "")
+    entries = tuple(e.strip() for e in raw.split(",") if e.strip()) or default
+    if "*" in entries:
+        return ("*",)
+    for entry in entries:
+        try:
+            ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            raise ValueError(
+                "FORWARDED_ALLOW_IPS must list IP addresses or CIDR networks (or be '*'), "
+                f"got {entry!r}"
+            ) from None
+    return entries
+
+
 def _auth_failure_limit(env: Mapping[str, str], storage_uri: str, keys: tuple[str, ...]) -> str:
     text = _str(env, "AUTH_FAILURE_LIMIT", Settings.auth_failure_limit)
     if keys:  # counted only when API keys are on
@@ -159,6 +175,8 @@ class Settings:
         rate_limit: per-client limit on the API routes, e.g. ``600/minute``; empty when off.
         rate_limit_storage_uri: where the limiter counts: ``memory://`` (per worker) or ``redis://…``.
         trusted_proxies: how many ``X-Forwarded-For`` hops (from the right) to trust; 0 ignores it.
+        forwarded_allow_ips: the peers whose ``X-Forwarded-For`` is believed (``FORWARDED_ALLOW_IPS``,
+            gunicorn's setting and default): addresses and CIDR networks, or ``("*",)`` for any.
         api_keys: accepted API keys; empty when authentication is off.
         auth_failure_limit: how many wrong API keys a client address may send (a flask-limiter string,
             ``AUTH_FAILURE_LIMIT``), counted in ``rate_limit_storage_uri``; past it, every request of
@@ -207,6 +225,7 @@ class Settings:
     # Secrets (a Redis password in the URI, the keys) stay out of reprs and so out of logs.
     rate_limit_storage_uri: str = field(default="memory://", repr=False)
     trusted_proxies: int = 0
+    forwarded_allow_ips: tuple[str, ...] = ("127.0.0.1", "::1")
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     auth_failure_limit: str = "20/minute"
     cors_origins: tuple[str, ...] = ()
@@ -261,6 +280,7 @@ class Settings:
             rate_limit=_rate_limit(env, storage_uri),
             rate_limit_storage_uri=storage_uri,
             trusted_proxies=_int(env, "TRUSTED_PROXIES", d["trusted_proxies"], 0, 32),
+            forwarded_allow_ips=_forwarded_allow_ips(env, d["forwarded_allow_ips"]),
             api_keys=_api_keys(env),
             auth_failure_limit=_auth_failure_limit(env, storage_uri, _api_keys(env)),
             cors_origins=_cors_origins(env),

@@ -61,6 +61,8 @@ class Runtime:
             back once the worker is idle (``wsgi_app.server.heap.AfterAnswers``), or None.
         decode_tokens_per_s: the best decode pace of one sequence, tokens per second
             (``DECODE_TOKENS_PER_S``, else measured at start; ``math.inf`` for the bigram).
+        health_port: the port of the health socket (gunicorn's second bind), or None; set by
+            ``gunicorn_config.post_worker_init``.
     """
 
     settings: Settings
@@ -80,6 +82,7 @@ class Runtime:
     render_pool: Any = field(default=None, repr=False)
     after_answers: Any = field(default=None, repr=False)
     decode_tokens_per_s: float = math.inf
+    health_port: int | None = None
 
     @property
     def feasible_max_tokens(self) -> int | None:
