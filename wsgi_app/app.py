@@ -18,7 +18,7 @@ from telemetry.observer import build_observer
 from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app.generation.admission import Admission
 from wsgi_app.generation.faults import Faults, FaultyEngine
-from wsgi_app.http import auth, cors, lifecycle, ratelimit
+from wsgi_app.http import auth, cors, lifecycle, origin_guard, ratelimit
 from wsgi_app.http.auth_failures import AuthFailures
 from wsgi_app.http.chat import serving_template
 from wsgi_app.http.error_handlers import register_error_handlers
@@ -130,6 +130,8 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     app.after_request(_options_no_content)
     # CORS preflights are answered before keys and limits: browsers send them without credentials.
     cors.install(app, settings.cors_origins)
+    # Before keys and limits too: a web page of another origin makes the server do nothing.
+    origin_guard.install(app, settings.cors_origins)
     # Keys before limits: a request is authenticated (or refused) before it counts against a bucket.
     failures = None
     if settings.api_keys:
