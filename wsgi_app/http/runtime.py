@@ -19,6 +19,7 @@ from gevent.threadpool import ThreadPool
 
 from model.engine import Engine
 from model.loader import LoadedModel
+from model.tokenizer import ByteTokenizer
 from telemetry.observer import Observer
 from wsgi_app.generation.admission import Admission
 from wsgi_app.server.worker import END_STREAMS_S
@@ -26,6 +27,8 @@ from wsgi_app.settings import Settings
 
 EXTENSION = "greenserve"
 RENDER_THREADS = 2
+# Prompts longer than this (characters) are tokenized on the render pool, not on the hub.
+INLINE_ENCODE_CHARS = 4096
 # The share of REQUEST_TIMEOUT_S that decoding at the measured best pace may fill: a request needing
 # more cannot finish in time (a served token also costs sampling, scheduling and shared steps).
 DEADLINE_HEADROOM = 0.75
@@ -104,9 +107,20 @@ class Runtime:
             "max_prompt_tokens": self.settings.max_prompt_tokens,
             "max_n": self.settings.max_n,
             "max_logprob_entries": self.settings.max_logprob_entries,
-            "tokenizer": self.model.tokenizer,
+            "tokenizer": self.prompt_tokenizer,
             "context_length": self.model.context_length,
         }
+
+    @property
+    def prompt_tokenizer(self) -> Any:
+        """The model's tokenizer for request prompts: long texts are encoded on :attr:`render_pool`.
+
+        The byte tokenizer is returned as is (a prompt's byte length is its token count).
+        """
+        tokenizer = self.model.tokenizer
+        if isinstance(tokenizer, ByteTokenizer):
+            return tokenizer
+        return OffloadedTokenizer(tokenizer, self.offload)
 
     def offload(self, func: Callable[..., T], args: Sequence[Any]) -> T:
         """Run ``func(*args)`` on a native thread of :attr:`render_pool`; return its result.
@@ -201,3 +215,33 @@ class Runtime:
 def runtime() -> Runtime:
     """Return the current app's :class:`Runtime`."""
     return current_app.extensions[EXTENSION]
+
+
+class OffloadedTokenizer:
+    """A tokenizer whose ``encode`` of a long text runs on the worker's render pool, off the hub.
+
+    A 1 MB prompt takes the ``tokenizers`` library 0.6–1.2 s; on the hub it would stall every other
+    connection of the worker for that long. Texts of up to :data:`INLINE_ENCODE_CHARS` characters
+    (microseconds of work) are encoded in place. Everything else is the wrapped tokenizer's.
+
+    Args:
+        tokenizer: the model's tokenizer (``model.tokenizer.HFTokenizer``).
+        offload: :meth:`Runtime.offload`.
+    """
+
+    def __init__(self, tokenizer: Any, offload: Callable[..., Any]) -> None:
+        self._tokenizer = tokenizer
+        self._offload = offload
+
+    def encode(self, text: str, special: bool = False, *, bos: bool = True) -> list[int]:
+        """Return the wrapped tokenizer's ``encode(text, special, bos=bos)``, long texts off the hub.
+
+        Raises:
+            UnicodeEncodeError: as the wrapped tokenizer.
+        """
+        if len(text) <= INLINE_ENCODE_CHARS:
+            return self._tokenizer.encode(text, special, bos=bos)
+        return self._offload(lambda: self._tokenizer.encode(text, special, bos=bos), ())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
