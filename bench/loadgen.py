@@ -1,7 +1,11 @@
 """A closed-loop load generator in one process: raw non-blocking sockets on one epoll selector.
 
-Each of ``concurrency`` slots sends ``POST /v1/completions`` (``Connection: close``), reads the answer,
-and starts the next request as soon as the previous one ends, until the measurement window closes.
+Each of ``concurrency`` slots sends ``POST /v1/completions``, reads the answer, and starts the next
+request as soon as the previous one ends, until the measurement window closes. Two kinds of client:
+one request per connection (``Connection: close``, the default: a new connection per request, as
+most clients and every load balancer health check open), or ``keepalive``, the next request on the
+same connection once the answer's framing (the chunked body's last chunk, or ``Content-Length``)
+says it ended.
 Parsing is minimal on purpose, so the client costs far less CPU than the server: a streamed answer is
 counted by its ``data: {`` events (split across reads is handled), checked for ``data: [DONE]`` and
 for error events; a plain answer by the ``completion_tokens`` of its usage. The client measures its
@@ -29,6 +33,8 @@ _DONE = b"data: [DONE]"
 _TAIL = len(_ERROR) - 1  # bytes kept between reads so a split pattern is still seen once
 _USAGE = re.compile(rb'"completion_tokens":(\d+)')
 _STATUS = re.compile(rb"HTTP/1\.[01] (\d{3})")
+_LENGTH = re.compile(rb"\r\ncontent-length: *(\d+)", re.IGNORECASE)
+_LAST_CHUNK = b"\r\n0\r\n\r\n"  # a chunked body's end (no trailers)
 _RECV = 262144
 
 
@@ -52,6 +58,7 @@ class LoadSpec:
             closed loop does not keep them in lockstep (all finishing, and restarting, at once).
         timeout_s: per-request limit, seconds.
         spin: poll without sleeping (keeps the client core awake; see the README).
+        keepalive: send each slot's next request on the same connection (else a new one each).
         probe_ports: ports to send ``GET /healthz`` to, one at a time each, every ``probe_every_s``.
         server_pids: processes whose CPU and RSS are reported.
     """
@@ -67,6 +74,7 @@ class LoadSpec:
     drain_s: float = 5.0
     timeout_s: float = 60.0
     spin: bool = True
+    keepalive: bool = False
     probe_ports: tuple[int, ...] = ()
     probe_every_s: float = 0.02
     ramp_s: float = 0.0
@@ -74,9 +82,13 @@ class LoadSpec:
     server_cores: list[int] = field(default_factory=list)
 
 
-def http_request(method: str, path: str, port: int, body: bytes = b"") -> bytes:
-    """Return one HTTP/1.1 request (``Connection: close``) as bytes."""
-    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n"
+def http_request(
+    method: str, path: str, port: int, body: bytes = b"", keepalive: bool = False
+) -> bytes:
+    """Return one HTTP/1.1 request (``Connection: close`` unless ``keepalive``) as bytes."""
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+    if not keepalive:
+        head += "Connection: close\r\n"
     if body:
         head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
     return head.encode() + b"\r\n" + body
@@ -102,6 +114,9 @@ class Conn:
         "probe",
         "fd",
         "t_head",
+        "length",
+        "seen",
+        "end_tail",
     )
 
     def __init__(self, sock: socket.socket, out: bytes, t0: float, probe: int = 0) -> None:
@@ -121,6 +136,21 @@ class Conn:
         self.probe = probe  # the probed port, or 0 for a load request
         self.fd = sock.fileno()
         self.t_head: float | None = None
+        self.length: int | None = None  # the body's Content-Length, None when chunked
+        self.seen = 0  # body bytes read
+        self.end_tail = b""  # the body's last bytes, to see a chunked body end across reads
+
+    def again(self, out: bytes, t0: float) -> None:
+        """Start the next request on this (kept-alive) connection."""
+        self.__init__(self.sock, out, t0, self.probe)
+
+    def ended(self, data: bytes) -> bool:
+        """Note body bytes ``data``; True once the answer's framing says it is complete."""
+        self.seen += len(data)
+        if self.length is not None:
+            return self.seen >= self.length
+        self.end_tail = (self.end_tail + data)[-len(_LAST_CHUNK) :]
+        return self.end_tail == _LAST_CHUNK
 
 
 def _connect(sel: selectors.BaseSelector, port: int, out: bytes, probe: int = 0) -> Conn:
@@ -172,12 +202,15 @@ def _on_event(
         conn.status = int(match.group(1)) if match else -1
         conn.head = None
         conn.t_head = now
+        length = _LENGTH.search(head, 0, end + 2)
+        conn.length = int(length.group(1)) if length else None
         data = head[end + 4 :]
         if conn.t_first is None and not conn.probe and not w.stream_spec:
             conn.t_first = now  # a plain answer: its first byte
+    complete = w.keepalive and conn.ended(data)
     if conn.probe or not w.stream_spec or conn.status != 200:
         conn.body.append(data)
-        return ""
+        return _judge(conn, res, w) if complete else ""
     buf = conn.tail + data
     n = buf.count(_DATA) - conn.tail.count(_DATA)
     if n:
@@ -197,7 +230,7 @@ def _on_event(
             res.tokens_in_window += n
             res.zero_gaps += n - 1
         conn.t_last = now
-    return ""
+    return _judge(conn, res, w) if complete else ""
 
 
 def _judge(conn: Conn, res: Results, w) -> str:
@@ -224,7 +257,7 @@ def run_load(spec: LoadSpec) -> dict[str, Any]:
     """Run ``spec`` and return its results (see the README's column list)."""
     procstat.raise_nofile()
     sel = selectors.EpollSelector()
-    request = http_request("POST", "/v1/completions", spec.port, spec.body)
+    request = http_request("POST", "/v1/completions", spec.port, spec.body, spec.keepalive)
     probe_req = {p: http_request("GET", "/healthz", p) for p in spec.probe_ports}
     res = Results()
     res.probes = {p: [] for p in spec.probe_ports}
@@ -235,6 +268,7 @@ def run_load(spec: LoadSpec) -> dict[str, Any]:
         spec.stream,
         spec.expect_tokens + spec.extra_events,
     )
+    w.keepalive = spec.keepalive
     hard_end = w.end + spec.drain_s
     live: dict[int, Conn] = {}  # fileno -> conn
     probing: dict[int, Conn] = {}  # port -> probe in flight
@@ -299,8 +333,14 @@ def run_load(spec: LoadSpec) -> dict[str, Any]:
             outcome = _on_event(sel, conn, mask, t_work, res, w)
             if not outcome:
                 continue
-            sel.unregister(conn.sock)
-            conn.sock.close()
+            if conn.probe or outcome != "ok" or not spec.keepalive or t_work >= w.end:
+                sel.unregister(conn.sock)
+                conn.sock.close()
+            else:  # the next request on the same connection
+                account(conn, outcome, t_work, res, w)
+                conn.again(request, t_work)
+                sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
+                continue
             if conn.probe:
                 del probing[conn.probe]
                 if outcome == "ok" and w.start <= conn.t0 < w.end:

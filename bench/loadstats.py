@@ -36,16 +36,20 @@ class RunShape(Protocol):
     expect_tokens: int
     extra_events: int
     spin: bool
+    keepalive: bool
     probe_ports: tuple[int, ...]
 
 
 class Window:
     """The measurement window (``perf_counter`` seconds) and what every answer must carry."""
 
-    __slots__ = ("start", "end", "stream_spec", "expect")
+    __slots__ = ("start", "end", "stream_spec", "expect", "keepalive")
 
-    def __init__(self, start: float, end: float, stream: bool, expect: int) -> None:
+    def __init__(
+        self, start: float, end: float, stream: bool, expect: int, keepalive: bool = False
+    ) -> None:
         self.start, self.end, self.stream_spec, self.expect = start, end, stream, expect
+        self.keepalive = keepalive  # answers end by their framing, not by the server's close
 
 
 class Results:
@@ -106,6 +110,8 @@ def report(spec: RunShape, res: Results, snap: dict[str, float], dropped: int) -
     out: dict[str, Any] = {
         "concurrency": spec.concurrency,
         "stream": spec.stream,
+        # "close": one request per connection; "keepalive": each slot's requests on one connection.
+        "connection": "keepalive" if spec.keepalive else "close",
         "max_tokens": spec.expect_tokens,
         "window_s": round(window, 3),
         "completed": res.completed,

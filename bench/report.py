@@ -42,6 +42,14 @@ def _ms(d: dict | None, *keys: str) -> str:
     return " / ".join("–" if d.get(k) is None else f"{d[k]:.1f}" for k in keys)
 
 
+# What each probe scenario of ``bench.run`` loads the server with, by its name.
+HEALTHZ_LOADS = {
+    "healthz": "{} streams run",
+    "healthz-json": "{} closed-loop JSON clients run",
+    "healthz-burst": "{} streams arrive at once",
+}
+
+
 def _errors(run: dict) -> str:
     return str(sum(run["errors"].values())) if run["errors"] else "0"
 
@@ -71,7 +79,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {r['server_rss_mb']:.0f} | {r['client_busy']:.2f} |"
         )
         key = (r["scenario"], r["concurrency"])
-        if r["scenario"] == "healthz" or key in seen:
+        if r["scenario"].startswith("healthz") or key in seen:
             continue
         seen.add(key)
         cells = [_find(results, s, *key) for s in ("greenserve", "pywsgi", "fastapi")]
@@ -79,17 +87,18 @@ def markdown(results: dict[str, Any]) -> str:
         ratios = [_ratio(cells[0], cells[1]), _ratio(cells[0], cells[2])]
         ratios += [_ratio(cells[0], c, "tokens_per_server_cpu_s") for c in cells[1:]]
         lines.append(
-            f"| {key[0]} {256 if key[0] == 'stream' else 64} tok | {key[1]} | {' | '.join(tps)} | "
+            f"| {key[0]} {256 if key[0].startswith('stream') else 64} tok | {key[1]} | {' | '.join(tps)} | "
             + " | ".join("–" if x is None else f"{x:.2f}×" for x in ratios)
             + " |"
         )
     out = lines + [""] + detail + [""]
     for run in results.get("runs", []):
-        if run["scenario"] == "healthz":
+        if run["scenario"].startswith("healthz"):
             ports = list(run.get("healthz_ms", {}).values())
             api, health = (ports + [None, None])[:2]
+            load = HEALTHZ_LOADS.get(run["scenario"], "{} streams run").format(run["concurrency"])
             out.append(
-                f"- `/healthz` while {run['concurrency']} streams run: API port p50/p99 "
+                f"- `/healthz` while {load}: API port p50/p99 "
                 f"{_ms(api, 'p50', 'p99')} ms, health port {_ms(health, 'p50', 'p99')} ms "
                 f"({run.get('healthz_errors', 0)} probe errors; stream TTFT p99 "
                 f"{_ms(run['ttft_ms'], 'p99')} ms)."

@@ -40,11 +40,17 @@ MODES: dict[str, dict[str, Any]] = {
     "full": {
         "stream": (1, 16, 128, 1024),
         "plain": (1, 16, 128, 1024),
+        # The same clients keeping their connection open between requests (the runs above open
+        # one per request, as most clients and every load balancer health check do).
+        "stream-keepalive": (16, 128),
+        "plain-keepalive": (16, 128),
         "warmup_s": 2.0,
         "ramp_s": 2.0,
         "window_s": 8.0,
         "drain_s": 3.0,
         "healthz_streams": 1000,
+        "healthz_json": 50,
+        "healthz_burst": 500,
         "healthz_window_s": 6.0,
         "hold": {"target": 10_000, "ramp_s": 10.0, "hold_s": 10.0},
         "micro": {"requests": 40, "repeats": 5},
@@ -52,11 +58,15 @@ MODES: dict[str, dict[str, Any]] = {
     "quick": {
         "stream": (1, 128),
         "plain": (16,),
+        "stream-keepalive": (128,),
+        "plain-keepalive": (16,),
         "warmup_s": 0.5,
         "ramp_s": 0.5,
         "window_s": 2.0,
         "drain_s": 1.0,
         "healthz_streams": 1000,
+        "healthz_json": 50,
+        "healthz_burst": 500,
         "healthz_window_s": 2.0,
         "hold": {"target": 2_000, "ramp_s": 3.0, "hold_s": 3.0},
         "micro": {"requests": 10, "repeats": 3},
@@ -86,7 +96,9 @@ def wait_quiet(max_s: float, busy_cores: float = 0.1) -> float:
             return busy
 
 
-def _load(srv: servers.Server, mode: dict, stream: bool, conc: int) -> dict[str, Any]:
+def _load(
+    srv: servers.Server, mode: dict, stream: bool, conc: int, keepalive: bool = False
+) -> dict[str, Any]:
     max_tokens = 256 if stream else 64
     if mode.get("wait_quiet_s"):
         wait_quiet(mode["wait_quiet_s"])
@@ -100,6 +112,7 @@ def _load(srv: servers.Server, mode: dict, stream: bool, conc: int) -> dict[str,
         ramp_s=mode["ramp_s"],
         duration_s=mode["window_s"],
         drain_s=mode["drain_s"],
+        keepalive=keepalive,
         server_pids=srv.serving_pids(),
         server_cores=servers.cores()[0],
     )
@@ -108,20 +121,25 @@ def _load(srv: servers.Server, mode: dict, stream: bool, conc: int) -> dict[str,
     return result
 
 
-def _healthz(srv: servers.Server, mode: dict) -> dict[str, Any]:
-    """Probe ``/healthz`` on both ports while ``healthz_streams`` long streams run (none ends)."""
+def _healthz(
+    srv: servers.Server, mode: dict, conc: int, stream: bool = True, burst: bool = False
+) -> dict[str, Any]:
+    """Probe ``/healthz`` on both ports, one probe at a time each every 20 ms, while ``conc``
+    clients run: long streams (none ends), closed-loop 64-token JSON requests, or, with ``burst``,
+    ``conc`` long streams that all arrive at once (the window opens as they connect)."""
     if mode.get("wait_quiet_s"):
         wait_quiet(mode["wait_quiet_s"])
+    max_tokens = 4096 if stream else 64
     spec = LoadSpec(
         port=srv.port,
-        body=_body(True, 4096),
-        stream=True,
-        expect_tokens=4096,
-        concurrency=mode["healthz_streams"],
-        warmup_s=3.0,
-        ramp_s=2.0,
+        body=_body(stream, max_tokens),
+        stream=stream,
+        expect_tokens=max_tokens,
+        concurrency=conc,
+        warmup_s=0.0 if burst else 3.0,
+        ramp_s=0.0 if burst else 2.0,
         duration_s=mode["healthz_window_s"],
-        drain_s=0.0,
+        drain_s=0.0 if stream else mode["drain_s"],
         probe_ports=(srv.port, srv.health_port),
         server_pids=srv.serving_pids(),
         server_cores=servers.cores()[0],
@@ -135,21 +153,25 @@ def _family(name: str, mode: dict, logdir: Path, log) -> list[dict[str, Any]]:
     srv = servers.start(name, logdir, GREENSERVE_ENV if name == "greenserve" else None)
     runs = []
     try:
-        for stream, concs in ((True, mode["stream"]), (False, mode["plain"])):
-            for conc in concs:
-                result = _load(srv, mode, stream, conc)
-                runs.append({"server": name, "scenario": "stream" if stream else "plain", **result})
+        for scenario in ("stream", "plain", "stream-keepalive", "plain-keepalive"):
+            stream, keepalive = scenario.startswith("stream"), scenario.endswith("keepalive")
+            for conc in mode[scenario]:
+                result = _load(srv, mode, stream, conc, keepalive)
+                runs.append({"server": name, "scenario": scenario, **result})
                 log(
                     f"{name:10s} {runs[-1]['scenario']:6s} c={conc:<5d} "
                     f"{result['tokens_per_s']:>9.0f} tok/s  ttft p99 {result['ttft_ms']['p99']} ms  "
                     f"errors {result['errors']}  client busy {result['client_busy']}"
                 )
         if name == "greenserve" and mode["healthz_streams"]:
-            result = _healthz(srv, mode)
-            runs.append({"server": name, "scenario": "healthz", **result})
-            log(
-                f"{name:10s} healthz with {mode['healthz_streams']} streams: {result['healthz_ms']}"
-            )
+            for scenario, conc, kind in (
+                ("healthz", mode["healthz_streams"], {}),
+                ("healthz-json", mode["healthz_json"], {"stream": False}),
+                ("healthz-burst", mode["healthz_burst"], {"burst": True}),
+            ):
+                result = _healthz(srv, mode, conc, **kind)
+                runs.append({"server": name, "scenario": scenario, **result})
+                log(f"{name:10s} {scenario} c={conc}: {result['healthz_ms']}")
     finally:
         srv.stop()
     return runs

@@ -27,6 +27,19 @@ from model.sampling import SamplingParams, logprobs_of
 
 DEFAULT_SEQ = 54
 END = object()  # a Scheduler delivers it after a sequence's last Step
+# A Step's finish reason when its token completes the request's grammar (structured outputs): unlike
+# "stop", the token's text is part of the completion; the choice ends with finish_reason "stop".
+COMPLETE = "complete"
+
+
+class GrammarSource(Protocol):
+    """A compiled output constraint (``model.grammar.compile.Grammar``): one matcher per choice."""
+
+    kind: str
+
+    def matcher(self) -> Any:
+        """Return a fresh ``model.grammar.matcher.TokenMatcher`` at the grammar's start."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +53,10 @@ class Step:
             or None when not requested.
         finish_reason: None, except on the last step of a stream the engine ends early:
             `"stop"` when `token_id` is an end-of-sequence or stop id (the consumer must not
-            add its text to the completion), `"length"` when the model's context is full. A
-            stream that simply runs out after `max_tokens` steps has no flagged step.
+            add its text to the completion), `"length"` when the model's context is full,
+            :data:`COMPLETE` when the token completes the request's grammar (its text is part of
+            the completion). A stream that simply runs out after `max_tokens` steps has no flagged
+            step.
     """
 
     token_id: int
@@ -65,6 +80,11 @@ class GenerationRequest:
         ignore_eos: Keep generating past the model's end-of-sequence ids (Llama engines).
         stop_ids: Extra token ids that end the choice with `finish_reason "stop"`, even with
             `ignore_eos` (Llama engines; the bigram has no EOS and ignores both fields).
+        grammar: the output constraint every token must keep to (structured outputs), or None.
+            The engine masks what it forbids before sampling (docs/ARCHITECTURE.md §6), allows EOS
+            only where it accepts (even with `ignore_eos`, an allowed EOS ends the choice), and ends
+            the stream with :data:`COMPLETE` once nothing more can follow; a matcher that fails
+            raises ``model.grammar.matcher.ConstraintError`` from the stream.
     """
 
     prompt_ids: tuple[int, ...]
@@ -75,6 +95,7 @@ class GenerationRequest:
     logprobs: int | None = None
     ignore_eos: bool = False
     stop_ids: frozenset[int] = frozenset()
+    grammar: GrammarSource | None = None
 
 
 class Engine(Protocol):
@@ -118,7 +139,9 @@ class ScheduledSequence(Protocol):
         handle: the caller's object given to :meth:`Scheduler.add`, returned with every result.
         cancelled: set by the caller (from any thread: one attribute write); the scheduler drops
             the sequence at its next step.
-        steps: new output the caller drains after each step: Steps, then :data:`END` once finished.
+        steps: new output the caller drains after each step: Steps, then :data:`END` once finished;
+            an exception instead of a Step (before ``END``) ends that sequence alone with an error
+            (its grammar's matcher failed: ``model.grammar.matcher.ConstraintError``).
     """
 
     handle: Any

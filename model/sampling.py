@@ -82,17 +82,23 @@ def greedy(logits: np.ndarray) -> int:
 
 
 def apply_penalties(
-    logits: np.ndarray, params: SamplingParams, counts: np.ndarray | None
+    logits: np.ndarray,
+    params: SamplingParams,
+    counts: np.ndarray | None,
+    allowed: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Add `logit_bias`, then subtract the presence and frequency penalties.
+    """Add `logit_bias`, subtract the presence and frequency penalties, and mask what a grammar forbids.
 
-    `z_j = logits_j + bias_j - presence_penalty * [counts_j > 0] - frequency_penalty * counts_j`.
+    `z_j = logits_j + bias_j - presence_penalty * [counts_j > 0] - frequency_penalty * counts_j`, and
+    `z_j = -inf` where `allowed_j` is False (structured outputs): a forbidden id is never chosen,
+    greedy or drawn, and the allowed ids keep the very values they would have had.
 
     Args:
         logits: `(vocab_size,)` float array; never modified.
         params: Sampling parameters.
         counts: `(vocab_size,)` int array of how often each id was generated so far in this
             choice (not the prompt), or None for "nothing generated yet".
+        allowed: `(vocab_size,)` bool mask of the ids a constraint allows (at least one), or None.
 
     Returns:
         `(vocab_size,)` float64 array. When there is nothing to apply and `logits` is already
@@ -105,7 +111,9 @@ def apply_penalties(
     """
     z = np.asarray(logits, dtype=np.float64)
     use_counts = counts is not None and params.has_penalties
-    if not params.logit_bias and not use_counts:
+    if allowed is not None:
+        z = np.where(allowed, z, -np.inf)  # a new array, so the bias below writes no caller's row
+    elif not params.logit_bias and not use_counts:
         return z
     z = z.copy() if z is logits else z
     n = z.shape[0]
@@ -211,6 +219,7 @@ def sample(
     params: SamplingParams,
     rng: UniformSource,
     counts: np.ndarray | None = None,
+    allowed: np.ndarray | None = None,
 ) -> int:
     """Choose the next token id: penalties, then greedy or a tempered, filtered inverse-CDF draw.
 
@@ -225,16 +234,17 @@ def sample(
         params: Sampling parameters.
         rng: The choice's generator (`PCG32`).
         counts: `(vocab_size,)` int counts of ids generated so far in this choice, or None.
+        allowed: `(vocab_size,)` bool mask of the ids a constraint allows (at least one), or None.
 
     Returns:
-        The chosen token id (never a NaN id).
+        The chosen token id (never a NaN id, never one `allowed` forbids).
 
     Raises:
         ValueError: If every logit is NaN, or a `logit_bias` id is outside the vocabulary.
 
     Source: docs/ARCHITECTURE.md §6 (the draw and its exactness rules) and the OpenAI parameter order.
     """
-    z = apply_penalties(logits, params, counts)
+    z = apply_penalties(logits, params, counts, allowed)
     if params.temperature == 0.0:
         return greedy(z)
     return _draw(draw_probs(z, params), rng.uniform())

@@ -107,6 +107,9 @@ class Observation(NamedTuple):
     ttft_s: float | None
     e2e_s: float | None
     queue_wait_s: float | None
+    constraint: str | None = None  # structured outputs: the constraint's kind
+    compile_s: float | None = None
+    mask_s: float | None = None
 
 
 def _observe_all(histogram: Any, values: list[float]) -> None:
@@ -145,3 +148,9 @@ def count_all(metrics: Metrics, batch: Sequence[Observation], gaps: BatchGaps) -
     _observe_all(metrics.queue_wait, [o.queue_wait_s for o in batch if o.queue_wait_s is not None])
     if any(gaps.counts):
         add_bucket_counts(metrics.itl, gaps.counts, gaps.sum_s)
+    for kind, n in Counter(o.constraint for o in batch if o.constraint is not None).items():
+        metrics.structured_requests.labels(kind=kind).inc(n)
+    _observe_all(
+        metrics.structured_compile, [o.compile_s for o in batch if o.compile_s is not None]
+    )
+    _observe_all(metrics.structured_mask, [o.mask_s for o in batch if o.mask_s is not None])

@@ -62,6 +62,10 @@ ITL_BUCKETS = (
     1.0,
 )
 E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Structured outputs: a grammar's wait (cache hit ~µs, typical compile ~1 ms, hostile ~1 s) and a
+# request's mask time summed over its tokens and choices.
+COMPILE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+MASK_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 QUEUE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
 SPAN_RESULTS = ("sent", "dropped", "failed")
 _QUANTILES = (0.5, 0.9, 0.99)
@@ -90,6 +94,11 @@ class Metrics:
             refreshed with each history heartbeat, ``STATS_FLUSH_S``).
         rate_limit_storage_errors: ``greenserve_rate_limit_storage_errors_total``, rate-limit
             storage failures (each one starts a cool-down served without limits).
+        structured_requests: ``greenserve_structured_requests_total{kind}``, requests with an output
+            constraint (structured outputs), refused ones included.
+        structured_compile: ``greenserve_structured_compile_seconds``, a constrained request's wait
+            for its grammar.
+        structured_mask: ``greenserve_structured_mask_seconds``, a constrained request's mask time.
     """
 
     requests: Counter
@@ -105,6 +114,9 @@ class Metrics:
     workers: Gauge
     workers_ready: Gauge
     rate_limit_storage_errors: Counter
+    structured_requests: Counter
+    structured_compile: Histogram
+    structured_mask: Histogram
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None) -> Metrics:
@@ -188,6 +200,26 @@ class Metrics:
             rate_limit_storage_errors=Counter(
                 "greenserve_rate_limit_storage_errors",
                 "Rate-limit storage failures; each starts a cool-down served without limits.",
+                registry=r,
+            ),
+            structured_requests=Counter(
+                "greenserve_structured_requests",
+                "Generation requests with an output constraint, by kind (json_schema, json_object, "
+                "regex, choice, grammar), refused ones included.",
+                ["kind"],
+                registry=r,
+            ),
+            structured_compile=Histogram(
+                "greenserve_structured_compile_seconds",
+                "Seconds a constrained request waited for its grammar (about 0 from the cache).",
+                buckets=COMPILE_BUCKETS,
+                registry=r,
+            ),
+            structured_mask=Histogram(
+                "greenserve_structured_mask_seconds",
+                "Seconds spent computing one constrained request's token masks, over its tokens "
+                "and choices.",
+                buckets=MASK_BUCKETS,
                 registry=r,
             ),
         )

@@ -166,6 +166,10 @@ def request_fields(
         "user_hash": record.user_hash,
         "ignored_fields": list(record.ignored_fields) or None,
     }
+    if record.constraint is not None:  # structured outputs: the kind, and what it cost
+        fields["constraint"] = record.constraint
+        fields["compile_s"] = _r(record.compile_s)
+        fields["mask_s"] = None if record.grammar is None else _r(record.grammar.mask_s)
     if record.prompt is not None:  # only with LOG_PROMPTS=1
         fields["prompt"] = record.prompt
         fields["texts"] = record.texts
@@ -321,6 +325,9 @@ class Observer:
             ttft_s=record.ttft_s,
             e2e_s=e2e_s,
             queue_wait_s=record.queue_wait_s,
+            constraint=record.constraint,
+            compile_s=record.compile_s,
+            mask_s=None if record.grammar is None else record.grammar.mask_s,
         )
 
     def set_load(self, running: int, queued: int) -> None:

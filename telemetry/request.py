@@ -12,7 +12,7 @@ Source: docs/ARCHITECTURE.md §10 (telemetry); §9 (end reasons).
 from __future__ import annotations
 
 from array import array
-from typing import Protocol
+from typing import Any, Protocol
 
 from telemetry.spans import Span
 
@@ -41,6 +41,9 @@ class FinishedRequest(Protocol):
         end_reason: why generation ended (docs/ARCHITECTURE.md §9), or None when it never generated.
         ignored_fields: the unknown top-level fields a generation request sent (names as its
             ``X-Ignored-Fields`` header lists them), ``()`` without any.
+        constraint: the kind of the request's output constraint (structured outputs), or None.
+        compile_s: seconds the request waited for its grammar, or None.
+        grammar: an object whose ``mask_s`` is the request's mask time in seconds, or None.
     """
 
     request_id: str
@@ -65,3 +68,6 @@ class FinishedRequest(Protocol):
     slot_at: float | None
     end_reason: str | None
     ignored_fields: tuple[str, ...]
+    constraint: str | None
+    compile_s: float | None
+    grammar: Any

@@ -160,14 +160,9 @@ def test_logprobs_without_top_logprobs_is_zero_alternatives() -> None:
             "'reasoning_effort' is not supported by this server.",
         ),
         (
-            {"response_format": {"type": "json_object"}},
-            "response_format",
-            "'response_format' of type 'json_object' is not supported by this server.",
-        ),
-        (
             {"response_format": {"type": "json_schema", "json_schema": {}}},
             "response_format",
-            "'response_format' of type 'json_schema' is not supported by this server.",
+            "'response_format.json_schema.schema' is required for type 'json_schema'.",
         ),
         (
             {"response_format": {"type": "xml"}},

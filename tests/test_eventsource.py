@@ -10,8 +10,8 @@ from werkzeug.datastructures import MultiDict
 
 from tests.sse import frames, sse_json
 from wsgi_app.api.errors import ApiError
+from wsgi_app.http.event_source import parse_last_event_id
 from wsgi_app.http.query import query_body
-from wsgi_app.http.routes.completions_get import parse_last_event_id
 from wsgi_app.wire.sse import EventIds
 
 SSE = {"Accept": "text/event-stream"}

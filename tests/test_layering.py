@@ -6,6 +6,7 @@ every module (function-level and ``TYPE_CHECKING`` imports included: a cycle dod
 is still a cycle), ``bench/`` included. ``wsgi_app`` reaches a model family only through the engine
 contract (``model.engine``, ``model.loader``) and the family-neutral helpers, and the protocols at the
 seams (the record telemetry reads, the scheduler the engine thread drives) match what they stand for.
+Inside ``wsgi_app``, the sub-packages import one way, and only ``http`` imports Flask or werkzeug.
 
 Source: docs/ARCHITECTURE.md §1 (layers), §5 (the engine contract), §10 (telemetry).
 """
@@ -39,6 +40,7 @@ MODEL_DOOR = frozenset(
         "model.chat_template",
         "model.pcg32",
         "model.files",
+        "model.grammar.compile",  # structured outputs: constraints, compiled grammars, their errors
     }
 )
 
@@ -207,6 +209,60 @@ def test_a_choice_is_what_the_encoder_reads():
     from wsgi_app.wire.encoder import EncodedChoice
 
     assert set(vars(EncodedChoice)["__annotations__"]) <= set(Choice.__slots__)
+
+
+# The sub-packages of wsgi_app by concern, and which of the others each may import (docs/ARCHITECTURE.md
+# §1): the wire types at the bottom, then the bytes, the transport and the generation; only ``http``
+# (the Flask side) may import them all. Of the launch modules beside them, the four below ``http``
+# import only the settings.
+SUB_PACKAGES = {
+    "api": set(),
+    "wire": {"api"},
+    "server": set(),
+    "generation": {"api", "wire", "server"},
+    "http": {"api", "wire", "server", "generation"},
+}
+FLASK_FREE = ("api", "wire", "server", "generation")
+
+
+def _sub_package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "wsgi_app" and len(parts) > 2 else None
+
+
+def test_the_sub_packages_import_one_way():
+    graph = import_graph()
+    crossings = set()
+    for name, deps in graph.items():
+        sub = _sub_package(name)
+        if sub is None:
+            continue
+        for dep in deps:
+            dep_sub = _sub_package(dep)
+            if dep.split(".")[0] != "wsgi_app" or dep_sub == sub:
+                continue
+            if dep_sub is None:  # a launch module beside the sub-packages
+                if sub in FLASK_FREE and dep != "wsgi_app.settings":
+                    crossings.add((name, dep))
+            elif dep_sub not in SUB_PACKAGES[sub]:
+                crossings.add((name, dep))
+    assert sorted(crossings) == []
+
+
+@pytest.mark.parametrize("sub", FLASK_FREE)
+def test_only_the_http_side_imports_flask(sub):
+    # Anywhere in a module's body (late and TYPE_CHECKING imports too), as the cycle check reads them.
+    found = []
+    for path in sorted((ROOT / "wsgi_app" / sub).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [(path.name, n) for n in names if n.split(".")[0] in ("flask", "werkzeug")]
+    assert found == []
 
 
 def _fields(cls: type) -> dict[str, str]:

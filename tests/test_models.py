@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from model.bigram.model import default_model_dir
-from wsgi_app.http.routes.models import model_id
+from wsgi_app.api.models import model_id
 
 
 def _card(model_dir: Path, name: str) -> dict:

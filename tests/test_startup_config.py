@@ -65,7 +65,8 @@ BAD = [
     ),
     (
         {"GREENSERVE_FAULTS": "bogus=1"},
-        "GREENSERVE_FAULTS: unknown key 'bogus' (known: slow_step_s, fail_at, oom_at, fatal)",
+        "GREENSERVE_FAULTS: unknown key 'bogus' (known: slow_step_s, fail_at, oom_at, "
+        "matcher_fail_at, fatal)",
     ),
     (
         {"GREENSERVE_FAULTS": "fail_at=x"},

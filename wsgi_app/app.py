@@ -116,7 +116,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     rt.after_answers = AfterAnswers(lambda: not rt.admission.tickets)
     # What a choice can generate before its deadline follows from this pace (Runtime.feasible_max_tokens).
     # Measured on a native thread: the steps take ~0.3 s (SmolLM2), which the hub must not stall for.
-    rt.decode_tokens_per_s = settings.decode_tokens_per_s or rt.offload(
+    rt.generation.decode_tokens_per_s = settings.decode_tokens_per_s or rt.offload(
         model.measure_decode_tokens_per_s, ()
     )
 

@@ -269,7 +269,7 @@ def _log_serving(worker, state):
     first bind is the API port, the second the health port)."""
     import logging
 
-    from wsgi_app.http.routes.models import model_card
+    from wsgi_app.api.models import model_card
 
     scheme = "https" if worker.cfg.is_ssl else "http"
     addresses = [_address(sock, scheme) for sock in worker.sockets]
@@ -305,15 +305,19 @@ def _announce_new_master() -> None:
 
 def post_worker_init(worker):
     """Chain the worker's SIGTERM handler so the app learns of the stop and can end its streams with
-    a final event before ``graceful_timeout`` runs out (gunicorn only flips ``worker.alive``); log
-    what the worker serves; then freeze the start-up objects out of the garbage collector's
-    generations."""
+    a final event before ``graceful_timeout`` runs out (gunicorn only flips ``worker.alive``); give
+    the worker the app's answers to health probes; log what the worker serves; then freeze the
+    start-up objects out of the garbage collector's generations."""
     import signal
 
     state = worker.wsgi.extensions["greenserve"]
     from wsgi_app.server.gunicorn_errors import install_json_errors
 
     install_json_errors(state.model_version)  # requests gunicorn cannot parse: JSON, not HTML
+    from wsgi_app.http.probes import AppProbes
+
+    # The worker answers plain health probes itself, with the app's answers (wsgi_app.server.probes).
+    worker.probes = AppProbes(state)
     if state.observer is not None:
         state.observer.flusher.start()  # history and the /stats heartbeat, from the first second
         # Finished requests are observed in batches on the event loop's next turn, off their path.

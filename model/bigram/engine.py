@@ -9,7 +9,14 @@ from typing import Protocol
 import numpy as np
 
 from model.bigram.rowcache import DrawTable, RowCache, has_fixed_rows
-from model.engine import GenerationRequest, Step, check_prompt, check_request, make_step
+from model.engine import (
+    COMPLETE,
+    GenerationRequest,
+    Step,
+    check_prompt,
+    check_request,
+    make_step,
+)
 from model.pcg32 import PCG32, UNIFORM_BATCH
 from model.sampling import logprobs_of, sample
 
@@ -64,6 +71,9 @@ class BigramEngine:
 
     def _steps(self, req: GenerationRequest, rng: PCG32) -> Iterator[Step]:
         """Yield the steps of an already-validated request."""
+        if req.grammar is not None:
+            yield from self._constrained_steps(req, rng)
+            return
         logits_of = self.model.logits
         pick = self._picker(req, rng)
         plain = self._plain_steps if req.logprobs is None else None
@@ -75,6 +85,31 @@ class BigramEngine:
                 if plain is not None
                 else make_step(token_id, logits_of(prev), req.logprobs)
             )
+            prev = token_id
+
+    def _constrained_steps(self, req: GenerationRequest, rng: PCG32) -> Iterator[Step]:
+        """Yield the steps of a request with a grammar: its mask computed here, in the caller's
+        greenlet, before each token, and applied by ``sample()`` (docs/ARCHITECTURE.md §6).
+
+        The byte vocabulary has no EOS: the choice ends when the grammar is complete
+        (:data:`~model.engine.COMPLETE`) or after ``max_tokens``.
+
+        Raises:
+            ConstraintError: the grammar's matcher failed (``model.grammar.matcher``).
+        """
+        logits_of, params = self.model.logits, req.params
+        matcher = req.grammar.matcher()
+        counts = np.zeros(self.model.vocab_size, np.int64) if params.has_penalties else None
+        prev = req.prompt_ids[-1]
+        for _ in range(req.max_tokens):
+            logits = logits_of(prev)
+            token_id = sample(logits, params, rng, counts, matcher.allowed())
+            if counts is not None:
+                counts[token_id] += 1
+            reason = COMPLETE if matcher.consume(token_id) else None
+            yield make_step(token_id, logits, req.logprobs, reason)
+            if reason is not None:
+                return
             prev = token_id
 
     def _picker(self, req: GenerationRequest, rng: PCG32) -> Callable[[int], int]:

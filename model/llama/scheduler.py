@@ -29,7 +29,16 @@ from typing import Any
 
 import numpy as np
 
-from model.engine import END, GenerationRequest, Step, check_prompt, check_request, make_step
+from model.engine import (
+    COMPLETE,
+    END,
+    GenerationRequest,
+    Step,
+    check_prompt,
+    check_request,
+    make_step,
+)
+from model.grammar.matcher import ConstraintError, TokenMatcher, allowed_rows
 from model.llama.kv_cache import KVCache, KVPool
 from model.llama.model import Llama
 from model.pcg32 import PCG32
@@ -61,6 +70,8 @@ class Sequence:
     cancelled: bool = False
     done: bool = False
     steps: list[Any] = field(default_factory=list)
+    matcher: TokenMatcher | None = None  # the request's grammar state (structured outputs)
+    allowed: np.ndarray | None = None  # this step's mask from the grammar, (vocab_size,) bool
 
 
 class BatchScheduler:
@@ -146,7 +157,9 @@ class BatchScheduler:
         """
         if len(self.live) >= self.max_batch:
             raise ValueError(f"batch full ({self.max_batch} sequences)")
-        stop_ids = req.stop_ids if req.ignore_eos else self.eos_ids | req.stop_ids
+        # With a grammar, EOS is allowed only where it accepts, and then it ends the choice.
+        ignore_eos = req.ignore_eos and req.grammar is None
+        stop_ids = req.stop_ids if ignore_eos else self.eos_ids | req.stop_ids
         n_tokens = min(req.max_tokens, self.context_length - len(req.prompt_ids))
         seq = Sequence(req, handle, frozenset(stop_ids), n_tokens, PCG32(req.seed, req.seq))
         if n_tokens <= 0:
@@ -157,6 +170,8 @@ class BatchScheduler:
             seq.cache = self.pool.take(len(req.prompt_ids) + n_tokens - 1)
             if req.params.has_penalties:
                 seq.counts = np.zeros(self.model.vocab_size, np.int64)
+            if req.grammar is not None:
+                seq.matcher = req.grammar.matcher()
             self.live.append(seq)
         return seq
 
@@ -199,9 +214,12 @@ class BatchScheduler:
         logits = self.model.forward(
             chunks, [s.cache for s in chosen + decoding], self.batch_invariant
         )
-        touched: list[Sequence] = []
-        for seq, span, row in zip(chosen, spans, logits, strict=False):
+        for seq, span in zip(chosen, spans, strict=True):
             seq.prefilled += len(span)
+        emitting = [s for s in chosen if s.prefilled == len(s.req.prompt_ids)] + decoding
+        _masks(emitting)
+        touched: list[Sequence] = []
+        for seq, row in zip(chosen, logits, strict=False):
             if seq.prefilled == len(seq.req.prompt_ids):
                 self._emit(seq, row)
                 touched.append(seq)
@@ -230,7 +248,19 @@ class BatchScheduler:
 
     def _emit(self, seq: Sequence, logits: np.ndarray) -> None:
         req = seq.req
-        token_id = sample(logits, req.params, seq.rng, seq.counts)
+        try:
+            allowed = None if seq.matcher is None else seq.matcher.check(seq.allowed)
+            token_id = sample(logits, req.params, seq.rng, seq.counts, allowed)
+            complete = (
+                seq.matcher is not None
+                and token_id not in seq.stop_ids
+                and seq.matcher.consume(token_id)
+            )
+        except (
+            ConstraintError
+        ) as exc:  # this choice's grammar failed: it alone ends, with the error
+            self._finish(seq, exc)
+            return
         if seq.counts is not None:
             seq.counts[token_id] += 1
         seq.produced += 1
@@ -238,14 +268,22 @@ class BatchScheduler:
         reason = None
         if token_id in seq.stop_ids:
             reason = "stop"
+        elif complete:
+            reason = COMPLETE
         elif last and seq.n_tokens < req.max_tokens:
             reason = "length"
         seq.steps.append(make_step(token_id, logits, req.logprobs, reason))
         seq.last_token = token_id
         if reason is not None or last:
-            seq.done = True
-            seq.steps.append(END)
-            self._drop_cache(seq)  # its KV pages go now, even while the caller keeps the sequence
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence, error: Exception | None = None) -> None:
+        """End ``seq``: deliver ``error`` (if any) then ``END``, and free its KV pages now."""
+        if error is not None:
+            seq.steps.append(error)
+        seq.done = True
+        seq.steps.append(END)
+        self._drop_cache(seq)  # its KV pages go now, even while the caller keeps the sequence
 
     def _drop_cache(self, seq: Sequence) -> None:
         if seq.cache is not None:
@@ -253,8 +291,24 @@ class BatchScheduler:
             seq.cache = None
 
 
+def _masks(seqs: list[Sequence]) -> None:
+    """Set ``seq.allowed`` for every constrained sequence of a step, in one llguidance call."""
+    constrained = [s for s in seqs if s.matcher is not None]
+    if constrained:
+        rows = allowed_rows([s.matcher for s in constrained])
+        for seq, row in zip(constrained, rows, strict=True):
+            seq.allowed = row
+
+
 def steps_of(seq: Sequence) -> list[Step]:
-    """Drain and return ``seq``'s pending Steps (without the ``END`` marker)."""
-    out = [s for s in seq.steps if s is not END]
+    """Drain and return ``seq``'s pending Steps (without the ``END`` marker).
+
+    Raises:
+        ConstraintError: the sequence's grammar failed (a step delivers a Step or the error).
+    """
+    items = [s for s in seq.steps if s is not END]
     seq.steps.clear()
-    return out
+    for item in items:
+        if isinstance(item, Exception):
+            raise item
+    return items

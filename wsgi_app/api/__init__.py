@@ -1,6 +1,7 @@
 """OpenAI wire types and validation: one module per endpoint plus the fields they share (no Flask).
 
-``completions`` (``/v1/completions``), ``chat`` (``/v1/chat/completions``), ``messages`` (a chat
+``completions`` (``/v1/completions``), ``chat`` (``/v1/chat/completions``), ``models`` (the
+``model`` object of ``/v1/models``), ``messages`` (a chat
 request's messages, as the template sees them), ``table`` (each endpoint's one list of fields: known,
 refused, carried by a GET query; unknown ones ignored and named), ``fields`` (strict JSON, the typed
 readers, the model, sampling, seed and stream fields both share), ``errors`` (``ApiError`` and the

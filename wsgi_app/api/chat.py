@@ -5,8 +5,8 @@ so a :class:`ChatRequest` carries the same values, and :func:`completion_request
 chat template has made the prompt, into the :class:`~wsgi_app.api.completions.CompletionRequest` the
 generation pipeline already serves. An unknown top-level field is ignored, as on the legacy endpoint
 (the answer names it in ``X-Ignored-Fields``); documented OpenAI fields this server does not implement
-(tools, audio, JSON output...) and other servers' constraint fields are a 400 saying so, never
-silently ignored. ``null`` means absent.
+(tools, audio...) are a 400 saying so, never silently ignored; an output constraint in any spelling is
+read by ``wsgi_app.api.structured``. ``null`` means absent.
 
 Source: OpenAI API reference, "Chat Completions" (create).
 """
@@ -31,6 +31,7 @@ from wsgi_app.api.fields import (
     unsupported,
 )
 from wsgi_app.api.messages import parse_messages
+from wsgi_app.api.structured import STRUCTURED_FIELDS, RequestConstraint, parse_constraint
 from wsgi_app.api.table import BOOLEAN, JSON, NUMBER, SHARED_FIELDS, Field, FieldTable
 
 MAX_TOP_LOGPROBS = 20
@@ -47,7 +48,7 @@ FIELDS = FieldTable(
         Field("max_completion_tokens", NUMBER),
         Field("logprobs", BOOLEAN),
         Field("top_logprobs", NUMBER),
-        Field("response_format"),
+        *STRUCTURED_FIELDS,  # response_format and the other spellings of an output constraint
         Field("modalities"),
         Field("store"),
         Field("service_tier"),
@@ -112,6 +113,7 @@ class ChatRequest:
     ignore_eos: bool = False
     user: str | None = None
     ignored_fields: tuple[str, ...] = ()
+    constraint: RequestConstraint | None = None
 
 
 def parse_chat_request(
@@ -163,6 +165,7 @@ def parse_chat_request(
         ignore_eos=stream.ignore_eos,
         user=body.get("user"),
         ignored_fields=ignored,
+        constraint=parse_constraint(body),
     )
 
 
@@ -246,6 +249,7 @@ def completion_request(
         include_usage=chat.include_usage,
         ignore_eos=chat.ignore_eos,
         ignored_fields=chat.ignored_fields,
+        constraint=chat.constraint,
     )
 
 
@@ -275,19 +279,8 @@ def _logprob_budget(chat: ChatRequest, max_tokens: int, budget: int) -> int:
 
 
 def _check_options(body: dict[str, Any]) -> None:
-    """Accept the output options that mean "plain text, not stored"; refuse the others by name."""
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-            raise invalid(
-                "'response_format' must be an object with a string 'type'.", "response_format"
-            )
-        if fmt["type"] in ("json_object", "json_schema"):
-            raise unsupported("response_format", f"'response_format' of type '{fmt['type']}'")
-        if fmt["type"] != "text":
-            raise invalid(
-                f"Invalid 'response_format.type': {quote_name(fmt['type'])!r}.", "response_format"
-            )
+    """Accept the output options that mean "text, not stored"; refuse the others by name
+    (``response_format`` is read by ``wsgi_app.api.structured``)."""
     modalities = body.get("modalities")
     if modalities is not None:
         if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):

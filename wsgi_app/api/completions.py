@@ -29,6 +29,7 @@ from wsgi_app.api.fields import (
     stop_strings,
     unsupported,
 )
+from wsgi_app.api.structured import STRUCTURED_FIELDS, RequestConstraint, parse_constraint
 from wsgi_app.api.table import BOOLEAN, NUMBER, SHARED_FIELDS, TEXT, Field, FieldTable
 
 MAX_TOKENS_LIMIT = 4096
@@ -45,6 +46,7 @@ FIELDS = FieldTable(
         Field("logprobs", NUMBER),
         Field("echo", BOOLEAN),
         Field("best_of", unsupported=True),  # 1 is accepted: it changes nothing
+        *STRUCTURED_FIELDS,  # response_format is an extension here
     )
 )
 
@@ -89,6 +91,9 @@ class CompletionRequest:
         more_prompts: the prompts after the first of a batch (OpenAI's list of prompts).
         ignored_fields: the unknown top-level fields the request sent, sorted, as the
             ``X-Ignored-Fields`` header lists them (``wsgi_app.api.fields.shown_names``).
+        constraint: the output constraint (structured outputs, ``wsgi_app.api.structured``), or None.
+        grammar: ``constraint`` compiled (``model.grammar.compile.RequestGrammar``), set once
+            compiled (``wsgi_app.generation.grammars``); None without a constraint.
     """
 
     model: str
@@ -107,6 +112,8 @@ class CompletionRequest:
     prompt_tail: bytes = b""
     more_prompts: tuple[Prompt, ...] = ()
     ignored_fields: tuple[str, ...] = ()
+    constraint: RequestConstraint | None = None
+    grammar: Any = None
 
     def prompts(self) -> tuple[Prompt, ...]:
         """Return every prompt of the request, in order (prompt ``p`` has choices ``p*n .. p*n+n-1``)."""
@@ -191,7 +198,7 @@ def parse_completion_request(
 
     Raises:
         ApiError: 400 naming the first invalid field in ``param``; another server's constraint
-            field (``wsgi_app.api.fields.CONSTRAINT_FIELDS``) first of all.
+            field (``wsgi_app.api.table.CONSTRAINT_FIELDS``) first of all.
     """
     ignored = FIELDS.check(body)
     model = parse_model(body)
@@ -255,6 +262,7 @@ def parse_completion_request(
         include_usage=stream.include_usage,
         ignore_eos=stream.ignore_eos,
         ignored_fields=ignored,
+        constraint=parse_constraint(body),
     )
 
 

@@ -90,19 +90,11 @@ class FieldTable:
         return tuple(f.name for f in self.fields if f.query == kind)
 
 
-# Other servers' fields that constrain the output (vLLM's guided decoding, llama.cpp's top-level
-# json_schema and grammar, Ollama's format): ignoring one would answer unconstrained text to a client
-# that asked for JSON, so a non-null value is a 400 naming it. A field leaves this list once a table
-# knows it (the structured-output fields map them).
-CONSTRAINT_FIELDS = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "json_schema",
-    "grammar",
-    "format",
-)
+# Other servers' fields that constrain the output and that no table knows: ignoring one would answer
+# unconstrained text to a client that asked for JSON, so a non-null value is a 400 naming it. vLLM's
+# guided_* and llama.cpp's top-level json_schema and grammar left this list: the endpoint tables hold
+# them and wsgi_app.api.structured enforces them. Ollama's format stays (its native API, not ours).
+CONSTRAINT_FIELDS = ("format",)
 MAX_SHOWN_NAMES = 32
 MAX_SHOWN_NAME_CHARS = 64
 # RFC 9110 token characters less "%" (the escape), "+" (the overflow mark) and "'" (the empty name).

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from model.engine import Step
+from model.engine import COMPLETE, Step
 from model.stop import StopMatcher
 from model.tokenizer import ByteTokenizer
 from model.utf8 import Utf8Decoder
@@ -131,7 +131,8 @@ class Choice:
             self.close()
         elif last:
             out += self._matcher.flush()
-            self.finish_reason = ended or "length"
+            # A token that completes the grammar (structured outputs) is text, and a stop.
+            self.finish_reason = "stop" if ended == COMPLETE else ended or "length"
             self.close()
         self.parts.append(out)
         return out

@@ -104,6 +104,7 @@ class Completion:
                     seq=54 + i,
                     logprobs=req.logprobs,
                     ignore_eos=req.ignore_eos,
+                    grammar=req.grammar,
                 )
                 choice = Choice(
                     len(self.choices),

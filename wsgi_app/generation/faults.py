@@ -2,12 +2,15 @@
 
 The spec is a comma-separated list of ``key=value``: ``slow_step_s=0.05`` (sleep before every token,
 cooperatively), ``fail_at=3`` (raise ``RuntimeError`` before token 3, counted from 1), ``oom_at=3`` (raise
-``MemoryError`` before token 3), ``fatal=1`` (an injected failure also marks the engine untrustworthy).
+``MemoryError`` before token 3), ``fatal=1`` (an injected failure also marks the engine untrustworthy),
+``matcher_fail_at=3`` (a constrained choice's grammar matcher is fed a token it forbids at token 3, so
+llguidance enters its error state: the engine's own error path for structured outputs).
 Never set it in production.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ class Faults:
     fail_at: int = 0
     oom_at: int = 0
     fatal: bool = False
+    matcher_fail_at: int = 0
 
     @classmethod
     def parse(cls, spec: str) -> Faults:
@@ -49,7 +53,12 @@ class Faults:
 
 
 # The numeric keys of a spec and their types; each must be finite and at least 0.
-_NUMBERS: dict[str, type[int] | type[float]] = {"slow_step_s": float, "fail_at": int, "oom_at": int}
+_NUMBERS: dict[str, type[int] | type[float]] = {
+    "slow_step_s": float,
+    "fail_at": int,
+    "oom_at": int,
+    "matcher_fail_at": int,
+}
 
 
 def _number(key: str, raw: str) -> int | float:
@@ -72,6 +81,20 @@ class EngineFailure(RuntimeError):
         self.fatal = fatal
 
 
+class _FaultyGrammar:
+    """A request's grammar whose matchers fail at token ``matcher_fail_at``."""
+
+    def __init__(self, grammar: Any, faults: Faults) -> None:
+        self._grammar = grammar
+        self._fail_at = faults.matcher_fail_at
+        self.kind = grammar.kind
+
+    def matcher(self) -> Any:
+        matcher = self._grammar.matcher()
+        matcher.fault_at = self._fail_at
+        return matcher
+
+
 class FaultyEngine:
     """Wrap an engine and inject :class:`Faults` into every token stream."""
 
@@ -84,6 +107,8 @@ class FaultyEngine:
 
     def stream(self, req: GenerationRequest) -> Iterator[Step | None]:
         """Return the wrapped engine's stream with the faults applied (see module docstring)."""
+        if self._faults.matcher_fail_at and req.grammar is not None:
+            req = dataclasses.replace(req, grammar=_FaultyGrammar(req.grammar, self._faults))
         return self._faulty(self._engine.stream(req))
 
     def score(

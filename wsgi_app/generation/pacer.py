@@ -16,13 +16,15 @@ import gevent
 
 from wsgi_app.api.errors import timeout_error, unavailable
 from wsgi_app.generation.hubturn import HubTurn
-from wsgi_app.generation.record import DEADLINE, SHUTDOWN, RequestRecord
+from wsgi_app.generation.record import RequestRecord
 from wsgi_app.server.connection import peer_closed
+from wsgi_app.server.end_reason import DEADLINE, SHUTDOWN
 
 if typing.TYPE_CHECKING:
     import socket
 
-    from wsgi_app.http.runtime import Runtime
+    from wsgi_app.generation.admission import Admission
+    from wsgi_app.generation.context import StopClock
 
 # The bigram engine runs inline in the request's greenlet: give the hub a turn at least this often, so
 # one fast stream never holds the other connections (and /healthz) for more than about a millisecond.
@@ -52,23 +54,32 @@ class ClientGone(Exception):
 
 
 class Pacer:
-    """The pacer of one request. Called after every generated token: stamps TTFT, enforces the
+    """The pacer of one request. Called after every generated token: stamps its time, enforces the
     request's deadline and the shutdown deadline, and yields the gevent hub a turn
     (:class:`~wsgi_app.generation.hubturn.HubTurn`: pending I/O and new requests first) once this greenlet has
     run for its slice (:func:`hub_slice`: ``HUB_SLICE_S``, less when many streams run). Every
-    token's ``perf_counter`` is appended to ``record.token_times`` (8 bytes a token); the
+    token's ``perf_counter`` is appended to ``record.token_times`` (8 bytes a token); TTFT and the
     inter-token statistics are computed from it once, when the request ends.
 
     The common path costs one ``perf_counter`` read, one array append and three comparisons.
     :meth:`tick` is for an engine tick (no token yet), :meth:`pause` for a break between slices of a
     long piece of work that is not a token (scoring or encoding a huge prompt).
 
+    Args:
+        record: the request's record (its token times; its ``end_reason`` when a deadline ends it).
+        deadline: ``perf_counter`` time at which the request times out, seconds.
+        stop: the worker's stop clock.
+        admission: the worker's slots (their number in use sizes the slice).
+        timeout_s: ``REQUEST_TIMEOUT_S``, for the 504's message.
+
     Raises:
         ApiError: 504 ``timeout`` past the deadline; 503 ``unavailable`` when the worker is stopping.
     """
 
     __slots__ = (
-        "_rt",
+        "_stop",
+        "_admission",
+        "_timeout_s",
         "_record",
         "_times",
         "deadline",
@@ -79,13 +90,22 @@ class Pacer:
         "_peer_seen",
     )
 
-    def __init__(self, rt: Runtime, record: RequestRecord, deadline: float) -> None:
-        self._rt = rt
+    def __init__(
+        self,
+        record: RequestRecord,
+        deadline: float,
+        stop: StopClock,
+        admission: Admission,
+        timeout_s: float,
+    ) -> None:
+        self._stop = stop
+        self._admission = admission
+        self._timeout_s = timeout_s
         self._record = record
         self._times = record.token_times
         self.deadline = deadline
         self._since = time.perf_counter()
-        self._slice = hub_slice(rt.admission.busy)
+        self._slice = hub_slice(admission.busy)
         self._turn = HubTurn()
         # A non-streamed answer writes nothing until its end: its view sets ``peer`` so that a client
         # that left is noticed (every PEER_CHECK_S) rather than generated for in vain.
@@ -93,23 +113,27 @@ class Pacer:
         self._peer_seen = self._since
 
     @staticmethod
-    def make(rt: Runtime, record: RequestRecord, deadline: float) -> Pacer:
-        """Return a :class:`Pacer`, or a :class:`DebugPacer` when ``LOG_LEVEL=debug``."""
+    def make(
+        record: RequestRecord,
+        deadline: float,
+        stop: StopClock,
+        admission: Admission,
+        timeout_s: float,
+    ) -> Pacer:
+        """Return a :class:`Pacer`, or a :class:`DebugPacer` when ``LOG_LEVEL=debug`` (the
+        arguments are the :class:`Pacer`'s)."""
         cls = DebugPacer if step_log.isEnabledFor(logging.DEBUG) else Pacer
-        return cls(rt, record, deadline)
+        return cls(record, deadline, stop, admission, timeout_s)
 
     def __call__(self) -> None:
         now = time.perf_counter()
-        times = self._times
-        if not times:
-            self._record.ttft_s = now - self._record.started
-        times.append(now)
-        if now >= self.deadline or self._rt.stop_at is not None:
+        self._times.append(now)
+        if now >= self.deadline or self._stop.stop_at is not None:
             self.check(now)
         if now - self._since >= self._slice:
             self._turn()
             self._since = time.perf_counter()
-            self._slice = hub_slice(self._rt.admission.busy)
+            self._slice = hub_slice(self._admission.busy)
             if self.peer is not None:
                 self._check_peer(self._since)
 
@@ -130,22 +154,21 @@ class Pacer:
         if now - self._peer_seen >= PEER_CHECK_S:
             self._peer_seen = now
             if peer_closed(self.peer):
-                raise ClientGone()
+                raise ClientGone("client disconnected while generating")
 
     def check(self, now: float) -> None:
         """Raise if the request's deadline or the worker's stop time has passed at ``now``, and
         record that as the request's ``end_reason`` (``deadline``, ``shutdown``)."""
         if now >= self.deadline:
             self._record.end(DEADLINE)
-            raise timeout_error(self._rt.settings.request_timeout_s)
-        stop_at = self._rt.stop_at
-        if stop_at is not None and now >= stop_at:
+            raise timeout_error(self._timeout_s)
+        if self._stop.passed(now):
             self._record.end(SHUTDOWN)
             raise unavailable("Server is shutting down; generation was ended early.")
 
     def time_left_s(self, now: float) -> float:
         """Seconds from ``now`` until :meth:`check` raises (the deadline or the worker's stop time)."""
-        stop_at = self._rt.stop_at
+        stop_at = self._stop.stop_at
         return (self.deadline if stop_at is None else min(self.deadline, stop_at)) - now
 
 

@@ -1,8 +1,10 @@
 """What the server learns about one request while answering it: the one per-request state.
 
-Made before routing (``wsgi_app.http.lifecycle``), filled in as the request goes (admission and
-settling in ``wsgi_app.generation.start`` and ``wsgi_app.http.stream_body``, token times in
-``wsgi_app.generation.pacer``, a failure in ``wsgi_app.http.error_handlers``), and read once when the
+Made before routing (``wsgi_app.http.lifecycle``, which also notes its status and a server error),
+filled in as the request goes: the client's key digest (``wsgi_app.http.auth``), whether its rate
+limit counted it (``wsgi_app.http.ratelimit``), the chat's hashed ``user`` (``routes/chat.py``), and
+everything of its generation by the generation itself (``wsgi_app.generation.lifetime``: admission,
+failures, settling; ``wsgi_app.generation.pacer``: token times, deadlines). Read once when the
 response is closed (``wsgi_app.http.lifecycle.finish``, ``telemetry.observer``).
 This module imports nothing of the app, so every layer may import it.
 """
@@ -12,18 +14,9 @@ from __future__ import annotations
 import time
 from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 from telemetry.spans import Span
-
-# Why a generation ended (``RequestRecord.end_reason``; docs/ARCHITECTURE.md §9). The client's doing:
-# CLIENT_LEFT (it closed the connection), SEND_TIMEOUT (it stopped reading for ``SEND_TIMEOUT_S``).
-# The server's: DEADLINE (``REQUEST_TIMEOUT_S``), SHUTDOWN (the worker stopping), ENGINE_ERROR (any
-# other failure). A normal end: FINISHED (every choice ran to ``max_tokens``), STOP (at least one
-# choice ended at a stop string or the end-of-generation token).
-FINISHED, STOP = "finished", "stop"
-CLIENT_LEFT, SEND_TIMEOUT = "client_left", "send_timeout"
-DEADLINE, SHUTDOWN, ENGINE_ERROR = "deadline", "shutdown", "engine_error"
-END_REASONS = (FINISHED, STOP, CLIENT_LEFT, SEND_TIMEOUT, DEADLINE, SHUTDOWN, ENGINE_ERROR)
 
 
 @dataclass(slots=True)
@@ -49,10 +42,15 @@ class RequestRecord:
         token_times: ``perf_counter`` of every generated token (all choices), ``array('d')``, seconds.
         queue_wait_s: seconds from admission to a slot (or to leaving the queue), None if never queued.
         slot_at: ``perf_counter`` when the slot was granted, or None.
-        end_reason: why generation ended, one of :data:`END_REASONS`, set once by :meth:`end`; None
-            for a request that never generated (refused, invalid, not a generation route).
+        end_reason: why generation ended, one of ``wsgi_app.server.end_reason.END_REASONS``, set
+            once by :meth:`end`; None for a request that never generated (refused, invalid, not a
+            generation route).
         ignored_fields: the unknown top-level fields of a generation request, sorted, as its
             ``X-Ignored-Fields`` header lists them (``wsgi_app.api.fields.shown_names``).
+        api_key_digest: the digest of the API key the request was authenticated with
+            (``wsgi_app.http.client_identity.key_digest``: its rate-limit bucket), or None.
+        rate_limit_counted: True when the request counts against its client's rate limit (an API
+            route while the limiter's storage answers).
     """
 
     request_id: str
@@ -77,14 +75,19 @@ class RequestRecord:
     queue_wait_s: float | None = None
     slot_at: float | None = None
     end_reason: str | None = None
+    constraint: str | None = None
+    compile_s: float | None = None
+    grammar: Any = None
     ignored_fields: tuple[str, ...] = ()
+    api_key_digest: str | None = None
+    rate_limit_counted: bool = False
 
     def end(self, reason: str) -> bool:
         """Record why generation ended, unless a reason is recorded already (the first one to know
         wins: a deadline that raised is not then overwritten by the close that follows it).
 
         Args:
-            reason: one of :data:`END_REASONS`.
+            reason: one of ``wsgi_app.server.end_reason.END_REASONS``.
 
         Returns:
             True when ``reason`` was recorded.

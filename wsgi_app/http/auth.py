@@ -121,4 +121,4 @@ def install(app: Flask, api_keys: Sequence[str], failures: AuthFailures | None =
             if failures is not None:
                 failures.failed(address)
             raise invalid_key()
-        g.api_key_digest = key_digest(key)  # the client identity (wsgi_app.clients)
+        g.record.api_key_digest = key_digest(key)  # the client identity (client_identity.py)

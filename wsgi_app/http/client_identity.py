@@ -102,12 +102,14 @@ def key_digest(api_key: str) -> str:
 def client_identity() -> str:
     """Return the current request's client identity (call inside a request).
 
-    ``key:<digest>`` for a request authenticated with an API key (``wsgi_app.http.auth`` stores the digest in
-    ``g.api_key_digest``), else ``addr:<client address>`` (see :func:`forwarded_client`). A bearer token
-    sent while API keys are off is ignored: an unchecked token would let a client choose its own
-    rate-limit bucket. The identity holds no secret, but still hash it (salted) before logging it.
+    ``key:<digest>`` for a request authenticated with an API key (``wsgi_app.http.auth`` notes the
+    digest on the request's record, ``RequestRecord.api_key_digest``), else ``addr:<client address>``
+    (see :func:`forwarded_client`). A bearer token sent while API keys are off is ignored: an
+    unchecked token would let a client choose its own rate-limit bucket. The identity holds no
+    secret, but still hash it (salted) before logging it.
     """
-    digest = g.get("api_key_digest")
+    record = g.get("record")
+    digest = record.api_key_digest if record is not None else None
     if digest:
         return f"key:{digest}"
     return f"addr:{client_address()}"

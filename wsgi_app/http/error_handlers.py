@@ -8,11 +8,12 @@ Source: OpenAI API reference, "Error codes".
 
 from __future__ import annotations
 
-from flask import Flask, Response, g
+from flask import Flask, Response
 from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
 from wsgi_app.api.errors import ApiError, error_body, invalid, json_bytes
+from wsgi_app.http.lifecycle import note_server_error
 
 
 def json_response(obj: object, status: int = 200) -> Response:
@@ -52,7 +53,7 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(ApiError)
     def _api_error(err: ApiError) -> Response:
-        _note_server_error(err)
+        note_server_error(err)
         return error_response(err)
 
     @app.errorhandler(HTTPException)
@@ -73,12 +74,5 @@ def register_error_handlers(app: Flask) -> None:
     def _unexpected(exc: Exception) -> Response:
         app.logger.exception("unhandled error: %s", exc)
         err = ApiError(500, "Internal server error.", type="server_error", code="engine_error")
-        _note_server_error(err)
+        note_server_error(err)
         return error_response(err)
-
-
-def _note_server_error(err: ApiError) -> None:
-    # A 5xx says why in the request's log line and span (a 4xx's status and param say enough).
-    record = g.get("record")
-    if record is not None and err.status >= 500 and record.error is None:
-        record.error = err.message

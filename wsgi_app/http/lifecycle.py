@@ -1,4 +1,5 @@
-"""One record per request: request id, server span, timings; finished when the response is closed.
+"""One record per request: request id, server span, timings, who asks (hashed), a server error's
+reason; finished when the response is closed.
 
 The record is made before routing and finished from the response's ``call_on_close`` callback, which
 gunicorn triggers after the last byte (or after a failed write), so a stream's span and log line carry
@@ -22,6 +23,7 @@ from telemetry.logs import client_hash
 from telemetry.observer import Observer, log_request
 from telemetry.otlp import NullExporter, SpanExporter
 from telemetry.spans import start_server_span
+from wsgi_app.api.errors import ApiError
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.http.client_identity import client_address
 from wsgi_app.http.runtime import runtime
@@ -89,6 +91,21 @@ def _headers(response: Response) -> Response:
 
     response.call_on_close(closed)
     return response
+
+
+def note_user(record: RequestRecord, salt: str, user: str | None) -> None:
+    """Note the request's ``user`` on ``record`` as its salted hash (``telemetry.logs.client_hash``,
+    as the client's address): an end-user id is personal data, only its hash is logged."""
+    if user is not None:
+        record.user_hash = client_hash(salt, user)
+
+
+def note_server_error(err: ApiError) -> None:
+    """Note why the current request failed on its record, for a 5xx answered before any byte (a
+    4xx's status and ``param`` say enough); a reason noted earlier stays."""
+    record: RequestRecord | None = g.get("record")
+    if record is not None and err.status >= 500 and record.error is None:
+        record.error = err.message
 
 
 def finish(

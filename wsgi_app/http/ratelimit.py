@@ -124,12 +124,14 @@ class ClientRateLimits:
         counted = request.path.startswith(API_PREFIX) and request.method != "OPTIONS"
         if counted and time.monotonic() < self._down_until:
             counted = False  # the storage failed moments ago: serve unchecked
-        g.rate_limit_counted = counted
+        record = g.get("record")  # made by wsgi_app.http.lifecycle, whose hook runs first
+        if record is not None:
+            record.rate_limit_counted = counted
         return not counted
 
     def _check_counted(self) -> None:
         # A counted request that passed without a current limit had its storage error swallowed.
-        if g.get("rate_limit_counted") and self.limiter.current_limit is None:
+        if _counted() and self.limiter.current_limit is None:
             self._storage_failed()
 
     def _storage_failed(self) -> None:
@@ -146,13 +148,13 @@ class ClientRateLimits:
 
     def _window(self) -> tuple[int, int, float] | None:
         """(limit, remaining, reset at in Unix seconds) of this request's bucket, or None."""
-        current = self.limiter.current_limit if g.get("rate_limit_counted") else None
+        current = self.limiter.current_limit if _counted() else None
         if current is None:
             return None
         try:
             reset_at, remaining = current.window  # one storage call, cached on ``current``
         except Exception:  # noqa: BLE001 - any storage failure: no headers, still an answer
-            g.rate_limit_counted = False
+            g.record.rate_limit_counted = False
             self._storage_failed()
             return None
         return current.limit.amount, remaining, reset_at
@@ -181,6 +183,12 @@ class ClientRateLimits:
                 headers={"Retry-After": str(retry_after_s(reset_at, now))},
             )
         )
+
+
+def _counted() -> bool:
+    """True when the current request counts against its client's limit (``RequestRecord``)."""
+    record = g.get("record")
+    return record is not None and record.rate_limit_counted
 
 
 def install(app: Flask, rt: Runtime) -> ClientRateLimits | None:

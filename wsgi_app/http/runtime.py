@@ -6,14 +6,12 @@ by the app factory in the worker (after gevent's patching), never in the gunicor
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import gevent
 from flask import current_app
 from gevent.threadpool import ThreadPool
 
@@ -22,6 +20,7 @@ from model.loader import LoadedModel
 from model.tokenizer import ByteTokenizer
 from telemetry.observer import Observer
 from wsgi_app.generation.admission import Admission
+from wsgi_app.generation.context import GenerationContext
 from wsgi_app.server.worker import END_STREAMS_S
 from wsgi_app.settings import Settings
 
@@ -29,9 +28,6 @@ EXTENSION = "greenserve"
 RENDER_THREADS = 2
 # Prompts longer than this (characters) are tokenized on the render pool, not on the hub.
 INLINE_ENCODE_CHARS = 4096
-# The share of REQUEST_TIMEOUT_S that decoding at the measured best pace may fill: a request needing
-# more cannot finish in time (a served token also costs sampling, scheduling and shared steps).
-DEADLINE_HEADROOM = 0.75
 T = TypeVar("T")
 DRAIN_FILE = "greenserve-drained"  # in PROMETHEUS_MULTIPROC_DIR: see Runtime.drain_path
 
@@ -51,8 +47,6 @@ class Runtime:
         started_at: Unix time the worker became ready, in seconds.
         stopping: SIGTERM happened: ``/ready`` answers 503.
         drained_here: the server was drained with no shared directory to say so (single process).
-        engine_ok: False once the engine failed in a way that leaves it untrustworthy.
-        stop_at: ``perf_counter`` time by which in-flight streams must end (set on SIGTERM), or None.
         rate_limit_storage_errors: times the rate-limit storage (Redis) could not be reached; the
             limiter fails open, so requests are served unchecked meanwhile.
         observer: the request observer (logs, metrics, history), or None.
@@ -62,10 +56,13 @@ class Runtime:
             :meth:`offload`), made on first use.
         after_answers: told when a generation request's answer is written, to give the freed heap
             back once the worker is idle (``wsgi_app.server.heap.AfterAnswers``), or None.
-        decode_tokens_per_s: the best decode pace of one sequence, tokens per second
-            (``DECODE_TOKENS_PER_S``, else measured at start; ``math.inf`` for the bigram).
         health_port: the port of the health socket (gunicorn's second bind), or None; set by
             ``gunicorn_config.post_worker_init``.
+        grammars: the structured-output compiler (``wsgi_app.generation.grammars``), made on
+            first use.
+        generation: what every generation runs with (``settings``, ``model``, ``engine``,
+            ``admission`` and ``model_version`` above, the stop clock, the engine's health): the
+            Flask-free part, which the answer path hands to ``wsgi_app.generation``.
     """
 
     settings: Settings
@@ -77,28 +74,34 @@ class Runtime:
     started_at: float = field(default_factory=time.time)
     stopping: bool = False
     drained_here: bool = False
-    engine_ok: bool = True
-    stop_at: float | None = None
     rate_limit_storage_errors: int = 0
     observer: Observer | None = None
     chat_template: Any = None
     render_pool: Any = field(default=None, repr=False)
     after_answers: Any = field(default=None, repr=False)
-    decode_tokens_per_s: float = math.inf
     health_port: int | None = None
+    grammars: Any = field(default=None, repr=False)
+    generation: GenerationContext = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.generation = GenerationContext(
+            self.settings, self.model, self.engine, self.admission, self.model_version
+        )
+
+    @property
+    def engine_ok(self) -> bool:
+        """False once the engine failed in a way that leaves it untrustworthy."""
+        return self.generation.engine_ok
 
     @property
     def feasible_max_tokens(self) -> int | None:
-        """Return the most tokens a choice can generate before ``REQUEST_TIMEOUT_S``, or None.
+        """Return the most tokens a choice can generate before its deadline (``GenerationContext``)."""
+        return self.generation.feasible_max_tokens
 
-        ``DEADLINE_HEADROOM`` of the deadline at the best decode pace (the rest is left for the
-        prompt, sampling and the neighbours a step is shared with). None when nothing bounds it
-        (the bigram).
-        """
-        if math.isinf(self.decode_tokens_per_s):
-            return None
-        budget_s = self.settings.request_timeout_s * DEADLINE_HEADROOM
-        return max(1, int(self.decode_tokens_per_s * budget_s))
+    @property
+    def stop_at(self) -> float | None:
+        """``perf_counter`` time by which in-flight streams must end (set on SIGTERM), or None."""
+        return self.generation.stop.stop_at
 
     @property
     def parse_limits(self) -> dict[str, Any]:
@@ -194,9 +197,7 @@ class Runtime:
         if self.stop_at is not None:
             return
         self.stopping = True
-        stop_in_s = max(0.0, grace_s - END_STREAMS_S)
-        self.stop_at = time.perf_counter() + stop_in_s
-        gevent.spawn_later(stop_in_s, self.admission.wake_queued)
+        self.generation.stop_in(max(0.0, grace_s - END_STREAMS_S))
 
     def worker_state(self) -> dict[str, Any]:
         """Return this worker's state for ``/stats`` (written with every history heartbeat)."""

@@ -1,14 +1,17 @@
 """The client's connection as the generating code sees it: tuned for streaming, and checked for a
 client that left.
 
-Source: POSIX ``recv(MSG_PEEK | MSG_DONTWAIT)`` (a zero-byte read is the peer's FIN); RFC 9293 (TCP).
+Source: POSIX ``recv(MSG_PEEK | MSG_DONTWAIT)`` (a zero-byte read is the peer's FIN); Linux ``tcp(7)``
+``TCP_INFO`` (the connection's state); RFC 9293 (TCP).
 """
 
 from __future__ import annotations
 
 import socket
 
-from wsgi_app.server.worker import StreamSocket
+from wsgi_app.server.stream_socket import StreamSocket
+
+TCP_CLOSE = 7  # include/net/tcp_states.h
 
 
 def tune_socket(sock: socket.socket | None, send_timeout_s: float) -> None:
@@ -50,6 +53,32 @@ def peer_closed(sock: socket.socket | None) -> bool:
         return False
     except OSError:
         return True
+
+
+def peer_reset(sock: socket.socket | None) -> bool:
+    """True when the client's connection is known gone: reset or failed, never a mere end of file.
+
+    A client that half-closed (``SHUT_WR``) after its request has sent all it will, and may still
+    read: its FIN is no reason to end a stream (:func:`peer_closed` says only that a FIN came). A
+    client that closed for good is found out by the next write, which its kernel answers with a
+    reset; a stream that waits writes heartbeats for that. Never consumes data.
+
+    Args:
+        sock: the connection's socket (gunicorn's ``environ["gunicorn.socket"]``), or None.
+
+    Source: RFC 9293 §3.6 (closing a connection: a half-closed side may still receive); RFC 9112
+    §9.6 (a client may half-close after sending its request).
+    """
+    if sock is None:
+        return False
+    try:
+        # Linux ``TCP_INFO``: its first byte is the connection's state. A half-closed peer leaves it
+        # in CLOSE_WAIT; a reset moves it to CLOSE (an end of file read before hides the reset
+        # from recv()).
+        state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+    except (OSError, AttributeError):  # not TCP, or closed: nothing known
+        return False
+    return state == TCP_CLOSE
 
 
 def close_after_response(sock: socket.socket | None) -> None:

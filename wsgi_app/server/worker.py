@@ -1,18 +1,13 @@
-"""gunicorn's gevent worker, with the writes of a stream made cheap and bounded by progress.
+"""gunicorn's gevent worker: cheap, progress-bounded writes, bounded request heads, health probes
+answered before the app, and a graceful stop that always leaves time for the exit hooks.
 
-A token event is ~150 bytes and the kernel almost always takes it whole, yet gevent's
-``socket.sendall`` pays for a general path every time: a ``getsockopt(SO_SNDBUF)`` system call to size
-its slices, a deadline, a memoryview and three Python frames. On the streamed hot path that was about a
-tenth of the worker's CPU. :class:`StreamSocket` tries one non-blocking ``send`` first.
-
-When the kernel's buffer is full the rest waits for the socket to drain, and the send timeout
-(``SEND_TIMEOUT_S``, set per request by the app) bounds a wait *without progress* (the kernel's send
-queue did not shrink: ``SIOCOUTQ``), not the whole write: a slow reader that keeps reading is never
-cut, one that stops is cut after that long (:class:`SendTimeout`). The timeout is for writes only,
-so reading the next request on a keep-alive connection is not affected by it.
-
-Requests are parsed by ``wsgi_app.server.request_head`` (the head bounded in bytes and time, ``Host``
-required, idle keep-alive connections waited on only while the worker runs).
+Every plain TCP connection is a :class:`~wsgi_app.server.stream_socket.StreamSocket` (one
+non-blocking ``send`` first; the send timeout bounds a write without progress), accepted straight
+into one (:class:`_Server`). Requests are parsed by ``wsgi_app.server.request_head`` (the head
+bounded in bytes and time, ``Host`` required, idle keep-alive connections waited on only while the
+worker runs). A plain health probe is answered by the worker from the app's registered answers
+(``wsgi_app.server.probes``), and a new connection that opens with a whole probe head is served from
+the accept itself, ahead of the set-up of every connection accepted before it.
 
 On SIGTERM, as nginx does: idle keep-alive connections are closed at once, requests in flight are
 answered ``Connection: close``; ``END_STREAMS_S`` before ``graceful_timeout`` ends the app ends its
@@ -28,18 +23,15 @@ and gunicorn only, never Flask.
 
 from __future__ import annotations
 
-import fcntl
 import socket
-import struct
-import termios
 import time
 import weakref
 from functools import partial
 from typing import Any
 
 import gevent
-from gevent import GreenletExit
-from gevent import socket as gsocket
+from gevent import Greenlet, GreenletExit
+from gevent.baseserver import _handle_and_close_when_done
 from gevent.event import Event
 from gevent.pool import Pool
 from gevent.server import StreamServer
@@ -47,13 +39,12 @@ from gunicorn import util
 from gunicorn.sock import ssl_context
 from gunicorn.workers import ggevent
 
-from wsgi_app.generation.record import SEND_TIMEOUT, SHUTDOWN
+from wsgi_app.server import probes
+from wsgi_app.server.end_reason import SHUTDOWN
 from wsgi_app.server.request_head import HeadLimits, HeadTimeout, install
+from wsgi_app.server.stream_socket import SendTimeout, StreamSocket
 from wsgi_app.settings import ServerSettings
 
-# How often a blocked write looks at the kernel's send queue for progress, seconds: a reader that
-# stops is cut at most this long after ``SEND_TIMEOUT_S``.
-PROGRESS_CHECK_S = 0.25
 # The end of a graceful stop, in seconds before ``graceful_timeout`` ends, in order. Streams are told
 # to end (their pacer raises 503 ``unavailable``: a final error event, ``[DONE]``) first, early enough
 # that a stream waiting on an engine tick (0.25 s) or in the queue gets there before the cut and the
@@ -69,118 +60,17 @@ LINGER_S = 1.0
 LINGER_MAX_BYTES = 1 << 20
 
 
-class SendTimeout(TimeoutError):
-    """A write made no progress for the connection's send timeout: the client stopped reading."""
-
-
-class StreamSocket(gsocket.socket):
-    """A gevent TCP socket whose ``sendall`` tries one plain non-blocking ``send`` first.
-
-    Attributes:
-        send_timeout_s: the longest a write may wait for the peer to take more bytes, seconds; None
-            falls back to gevent's ``sendall`` and the socket's own timeout.
-        stalled: True once a write was cut by ``send_timeout_s``.
-        end_reason: who ended the connection's request, when the server did: ``"send_timeout"``
-            (its reader stopped), ``"shutdown"`` (the worker stopping cut or ended it), else None.
-        blocked: True while a write waits for the peer.
-        idle: True while the connection waits for a request to start.
-        request: the request being answered (gunicorn's ``Request``), or None.
-        http: True when the connection speaks HTTP/1.x (gunicorn's ``protocol`` is ``http``, not
-            ``uwsgi``), so gunicorn frames a body of unknown length as chunks on HTTP/1.1.
-    """
-
-    __slots__ = ("send_timeout_s", "stalled", "end_reason", "blocked", "idle", "request", "http")
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.send_timeout_s: float | None = None
-        self.stalled = False
-        self.end_reason: str | None = None
-        self.blocked = False
-        self.idle = False
-        self.request: Any = None
-        self.http = True
-
-    def close_after_response(self) -> None:
-        """Answer the current request with ``Connection: close`` and close the connection after it
-        (when its headers are still unsent; otherwise just close after it)."""
-        if self.request is not None:
-            self.request.force_close()
-
-    def sendall(self, data: Any, flags: int = 0) -> None:
-        """Send all of ``data`` (a bytes-like object), cooperatively when the kernel is full.
-
-        Raises:
-            SendTimeout: the peer took nothing for ``send_timeout_s`` seconds.
-            OSError: the connection failed (reset, broken pipe), as ``socket.sendall``.
-        """
-        try:
-            sent = self._sock.send(data, flags)  # the real socket is non-blocking under gevent
-        except BlockingIOError:
-            sent = 0
-        if sent < len(data):
-            self._send_rest(memoryview(data).cast("B")[sent:], flags)
-
-    def _send_rest(self, view: memoryview, flags: int) -> None:
-        timeout = self.send_timeout_s
-        if timeout is None:
-            super().sendall(view, flags)
-            return
-        # One bound, counted from the last progress seen: a wait is cut into slices, and each slice
-        # looks at the send queue. Restarting a whole timeout after a wait that saw progress (the
-        # queue shrank at its very start, say) would let a reader that stopped hold on for twice it.
-        check_s = min(PROGRESS_CHECK_S, timeout)
-        self.blocked = True
-        try:
-            queued = _queued_bytes(self)
-            progress_at = time.monotonic()
-            while view:
-                left = progress_at + timeout - time.monotonic()
-                if left <= 0:
-                    self.stalled = True
-                    if self.end_reason is None:  # not if the worker cut it first
-                        self.end_reason = SEND_TIMEOUT
-                    raise _timeout_exc(timeout)
-                try:
-                    gsocket.wait_write(self.fileno(), min(check_s, left), _timeout_exc(timeout))
-                except SendTimeout:
-                    # The kernel reports a socket writable only once a third of its (autotuned, up
-                    # to megabytes) buffer is free: a slow reader can take bytes all along and
-                    # still never get there within the timeout. Progress is what counts.
-                    now_queued = _queued_bytes(self)
-                    if 0 <= now_queued < queued:
-                        progress_at = time.monotonic()
-                    queued = now_queued
-                    continue
-                try:
-                    view = view[self._sock.send(view, flags) :]
-                except BlockingIOError:  # woken, but another writer got there first
-                    continue
-                # The kernel took bytes: the peer made room.
-                progress_at = time.monotonic()
-                queued = _queued_bytes(self)
-        finally:
-            self.blocked = False
-
-
-def _queued_bytes(sock: StreamSocket) -> int:
-    """Bytes in the socket's send queue not yet taken by the peer (Linux ``SIOCOUTQ``); -1 where
-    the system does not tell, which counts as no progress."""
-    try:
-        raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
-    except (OSError, AttributeError):
-        return -1
-    return struct.unpack("i", raw)[0]
-
-
-def _timeout_exc(timeout_s: float) -> SendTimeout:
-    return SendTimeout(f"the client read nothing for {timeout_s:g} s")
-
-
 class _Server(StreamServer):
     """gevent's ``StreamServer`` accepting each plain TCP connection straight into a
     :class:`StreamSocket` (gevent's own makes a socket object that would then be re-made, a few
-    percent of a short request's cost)."""
+    percent of a short request's cost), and serving a new connection that opens with a whole probe
+    head at once, from the accept (``wsgi_app.server.probes``).
+
+    Attributes:
+        probing: returns True while the worker answers probes itself (an app registered them).
+    """
+
+    probing: Any = staticmethod(lambda: False)
 
     def do_read(self) -> tuple[StreamSocket, Any] | None:
         """Accept one connection; None when there was none after all (as gevent's)."""
@@ -192,6 +82,33 @@ class _Server(StreamServer):
                 return None
             raise
         return StreamSocket(listener.family, listener.type, listener.proto, fileno=fd), address
+
+    def do_handle(self, *args: Any) -> None:
+        """Serve an accepted connection: in a new greenlet started at the hub's next turn (gevent's
+        way), or, when its first bytes are already a whole probe head, in one switched to now.
+
+        A spawned greenlet runs after every callback queued before it, which under a burst of new
+        connections is the set-up of each of them (~1 ms apiece): a probe served so never waits
+        for those. It runs until it blocks, then the hub goes on accepting.
+        """
+        sock = args[0]
+        if type(sock) is not StreamSocket or not self.probing() or not _probe_waiting(sock):
+            super().do_handle(*args)
+            return
+        greenlet = Greenlet(_handle_and_close_when_done, self._handle, self.do_close, args)
+        if self.pool is not None:
+            self.pool.add(greenlet)  # counted as a connection, as a spawned one is
+        greenlet.switch()
+
+
+def _probe_waiting(sock: StreamSocket) -> bool:
+    """True when the bytes waiting on a new connection are a whole probe head (a non-blocking peek)."""
+    try:
+        return probes.plain_probe_head(
+            sock._sock.recv(probes.PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        )
+    except OSError:  # nothing yet (BlockingIOError), or the connection failed
+        return False
 
 
 class GeventWorker(ggevent.GeventWorker):
@@ -207,6 +124,9 @@ class GeventWorker(ggevent.GeventWorker):
         self.stop_requested = Event()
         self.exit_by: float | None = None  # monotonic time the exit hooks must be done by
         self.header_timeout_s = ServerSettings.header_timeout_s
+        # The app's answers to health probes, registered at start (``gunicorn_config``), or None:
+        # probes then go to the app like any request.
+        self.probes: probes.ProbeResponder | None = None
 
     def init_process(self) -> None:
         """Bound the request parser (``MAX_HEADER_BYTES``, ``HEADER_TIMEOUT_S``), then run."""
@@ -235,13 +155,21 @@ class GeventWorker(ggevent.GeventWorker):
             self.connections.add(client)
         super().handle(listener, client, addr)
 
-    def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> None:
-        """Serve one request; a reader cut by the send timeout closes the connection quietly (the
-        app logs the request), where gunicorn would log a socket-error traceback."""
+    @property
+    def _http(self) -> bool:
+        return getattr(self.cfg, "protocol", "http") == "http"
+
+    def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> bool:
+        """Serve one request: a plain health probe from the worker (``wsgi_app.server.probes``),
+        anything else through the app. A reader cut by the send timeout closes the connection
+        quietly (the app logs the request), where gunicorn would log a socket-error traceback."""
         if isinstance(sock, StreamSocket):
             sock.request = req
         try:
-            super().handle_request(listener_name, req, sock, addr)
+            responder = self.probes
+            if responder is not None and self._http and probes.plain_probe(req):
+                return probes.answer(self, responder, req, sock, addr)
+            return super().handle_request(listener_name, req, sock, addr)
         except SendTimeout as exc:
             raise StopIteration(str(exc)) from None  # gunicorn's "close this connection"
         finally:
@@ -322,6 +250,12 @@ class GeventWorker(ggevent.GeventWorker):
             )
             if self.cfg.workers > 1:
                 server.max_accept = 1
+            else:
+                # The whole backlog in one go: a probe behind a burst of new connections is reached
+                # in one accept pass, not after one pass (and every set-up it spawned) per 100.
+                server.max_accept = max(server.max_accept, self.worker_connections)
+            if not ssl_args:
+                server.probing = lambda: self.probes is not None
             server.start()
             servers.append(server)
         while self.alive:

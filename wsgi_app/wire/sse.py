@@ -43,7 +43,7 @@ def comment(text: str) -> bytes:
 class Framing:
     """Frame the events of a POST stream: ``: ok`` first, then bare ``data:`` events and ``[DONE]``.
 
-    The GET stream swaps in :class:`EventIds`; ``Completion`` and ``StreamBody`` ask their framing for
+    The GET stream swaps in :class:`EventIds`; ``Completion`` and ``Generation`` ask their framing for
     every event, so one streaming loop serves both.
 
     Attributes:

@@ -2,8 +2,8 @@
 
 Both validate the request (``wsgi_app.api.chat``), render the conversation with the worker's
 chat template (``wsgi_app.http.chat``) and hand the resulting completion request to the pipeline every
-generation goes through (admission, slots, deadlines, streaming: ``wsgi_app.http.answer`` and
-``routes.completions_get``), answering in the chat wire format (``wsgi_app.wire.chat``).
+generation goes through (admission, slots, deadlines, streaming: ``wsgi_app.http.answer``), answering
+in the chat wire format (``wsgi_app.wire.chat``).
 
 The ``GET`` form takes the body's fields as query parameters, as ``GET /v1/completions`` does:
 ``messages`` is one parameter holding the JSON list of messages, ``include_usage=true`` stands for
@@ -19,14 +19,14 @@ from typing import Any
 
 from flask import Blueprint, Response, g, request
 
-from telemetry.logs import client_hash
 from wsgi_app.api.chat import ChatRequest, parse_chat_request
 from wsgi_app.api.completions import CompletionRequest
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.http.answer import answer, json_body
 from wsgi_app.http.chat import chat_completion_request
+from wsgi_app.http.event_source import check_event_source
+from wsgi_app.http.lifecycle import note_user
 from wsgi_app.http.query import chat_query_body
-from wsgi_app.http.routes.completions_get import check_event_source, event_stream
 from wsgi_app.http.runtime import Runtime, runtime
 from wsgi_app.wire.chat import CHAT_COMPLETION
 
@@ -63,7 +63,7 @@ def stream_chat_completion() -> Response:
     body = chat_query_body(request.args)
     record: RequestRecord = g.record
     req = _completion_request(rt, record, body)
-    return event_stream(rt, req, record, body, CHAT_COMPLETION)
+    return answer(rt, req, record, CHAT_COMPLETION, query=body)
 
 
 def _completion_request(
@@ -82,8 +82,7 @@ def _completion_request(
         max_n=settings.max_n,
         max_messages=settings.max_chat_messages,
     )
-    if chat.user is not None:  # an end-user id is personal data: only its salted hash is logged
-        record.user_hash = client_hash(settings.client_hash_salt, chat.user)
+    note_user(record, settings.client_hash_salt, chat.user)
     return chat_completion_request(
         chat,
         rt.chat_template,

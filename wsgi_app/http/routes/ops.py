@@ -1,6 +1,9 @@
 """Operational endpoints: liveness, readiness, and the loopback-only debug views.
 
-Served on both the API port and the health port, so probes never queue behind API traffic.
+Served on both the API port and the health port, so probes never queue behind API traffic. A plain
+``GET``/``HEAD`` of ``/healthz``, ``/health`` or ``/ready`` is answered by the worker before the app,
+with the same bytes (``wsgi_app.server.probes``, ``wsgi_app.http.probes``); these routes answer the rest
+(a probe with a body or an ``Origin``, or under another worker class).
 """
 
 from __future__ import annotations

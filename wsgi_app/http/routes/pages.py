@@ -24,7 +24,7 @@ from flask import Blueprint, Response, render_template, request
 
 from wsgi_app.api.completions import MAX_TOKENS_LIMIT
 from wsgi_app.api.errors import ApiError
-from wsgi_app.http.routes.models import model_card
+from wsgi_app.api.models import model_card
 from wsgi_app.http.runtime import runtime
 
 # The templates stay package data of wsgi_app itself (beside the assets), not of this subpackage.

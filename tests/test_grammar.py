@@ -1,0 +1,103 @@
+"""model/grammar: the tokenizer bridge, compiled grammars and their cache, the mask in sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from model.grammar.compile import (
+    MAX_CONSTRAINT_BYTES,
+    Constraint,
+    ConstraintError,
+    GrammarCompiler,
+)
+from model.loader import load_model
+from model.pcg32 import PCG32
+from model.sampling import SamplingParams, sample
+from model.tokenizer import ByteTokenizer
+from tests.llamafiles import convert_stories
+
+
+@pytest.fixture(scope="module")
+def stories(tmp_path_factory):
+    return load_model(convert_stories(tmp_path_factory.mktemp("stories") / "model"))
+
+
+def test_special_tokens_are_never_text_and_eos_only_where_the_grammar_accepts(stories):
+    tok = stories.tokenizer
+    grammar, _ = GrammarCompiler(tok).compile(Constraint("regex", "[a-z<>/]+"))
+    m = grammar.matcher()
+    specials = sorted(tok.special_tokens.values())  # <unk>, <s>, </s>: their names are "<...>"
+    row = m.allowed()
+    assert not row[specials].any()  # "<s>" is no text, though the regex allows "<", "s" and ">"
+    assert row[tok.token_bytes.index(b"s")]
+    assert not m.consume(tok.token_bytes.index(b"s"))
+    row = m.allowed()
+    assert row[sorted(tok.eos_ids)].all() and not row[tok.special_tokens["<unk>"]]
+
+
+def test_a_complete_grammar_says_so_and_then_allows_nothing_of_the_model():
+    grammar, _ = GrammarCompiler(ByteTokenizer()).compile(Constraint("choice", ("ab",)))
+    m = grammar.matcher()
+    assert not m.consume(ord("a"))
+    assert m.consume(ord("b"))  # nothing can follow "ab"
+    with pytest.raises(ConstraintError):
+        m.allowed()  # only the byte bridge's end marker, which the model cannot produce
+
+
+def test_json_is_compact():
+    grammar, _ = GrammarCompiler(ByteTokenizer()).compile(Constraint("json_object"))
+    m = grammar.matcher()
+    assert np.flatnonzero(m.allowed()).tolist() == [ord("{")]
+    m.consume(ord("{"))
+    allowed = set(np.flatnonzero(m.allowed()).tolist())
+    assert allowed == {ord('"'), ord("}")}  # no whitespace
+
+
+def test_the_cache_is_keyed_by_canonical_json_and_bounded():
+    compiler = GrammarCompiler(ByteTokenizer(), cache_size=2)
+    a = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    first, hit = compiler.compile(Constraint("json_schema", a))
+    assert not hit
+    same, hit = compiler.compile(
+        Constraint("json_schema", {"properties": {"x": {"type": "integer"}}, "type": "object"})
+    )
+    assert hit and same is first
+    compiler.compile(Constraint("regex", "a"))
+    compiler.compile(Constraint("regex", "b"))
+    assert compiler.cached(Constraint("json_schema", a)) is None  # least recently used went first
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        Constraint("json_schema", {"type": "array", "uniqueItems": True}),
+        Constraint("json_schema", {"$ref": "#/$defs/x"}),
+        Constraint("regex", "(["),
+        Constraint("grammar", "start: missing_rule"),
+        Constraint("grammar", "root ::= ("),
+        Constraint("choice", ()),
+        Constraint("regex", "a" * (MAX_CONSTRAINT_BYTES + 1)),
+    ],
+)
+def test_what_cannot_be_enforced_is_refused(constraint):
+    with pytest.raises(ConstraintError) as info:
+        GrammarCompiler(ByteTokenizer()).compile(constraint)
+    assert "\n" not in str(info.value) and len(str(info.value)) <= 300
+
+
+@pytest.mark.parametrize("temperature, top_k", [(0.0, 0), (0.8, 0), (1.3, 40)])
+def test_the_mask_only_removes_ids(temperature, top_k):
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal(512).astype(np.float32) * 3
+    params = SamplingParams(temperature=temperature, top_k=top_k, logit_bias=((7, 5.0),))
+    everything = np.ones(512, bool)
+    # Allowing every id changes no bit: the same ids from the same uniforms.
+    a, b = PCG32(1, 54), PCG32(1, 54)
+    assert [sample(logits, params, a) for _ in range(50)] == [
+        sample(logits, params, b, None, everything) for _ in range(50)
+    ]
+    allowed = np.zeros(512, bool)
+    allowed[[3, 100, 400]] = True
+    draws = {sample(logits, params, PCG32(s, 54), None, allowed) for s in range(200)}
+    assert draws <= {3, 100, 400}

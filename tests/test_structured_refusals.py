@@ -1,0 +1,196 @@
+"""Structured outputs fail closed: what cannot be enforced exactly is a 400 naming its field before any
+byte, never a 200 with unconstrained text; a matcher that fails mid-stream ends that stream with an
+error event (or a 500 answer) and frees its slot, and its neighbours carry on."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from tests.llamafiles import convert_stories
+from tests.server import GunicornServer, concurrently
+from tests.sse import sse_events
+
+OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+HUGE = {"enum": [f"value-{i:06d}" for i in range(6000)]}  # ~80 KB of canonical JSON
+
+
+def _rf(schema):
+    return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+
+
+REFUSALS = [
+    (
+        {"response_format": _rf({"type": "string", "pattern": "(["})},
+        "response_format",
+        "regex parse error",
+    ),
+    ({"response_format": _rf({"$ref": "#/$defs/missing"})}, "response_format", "does not exist"),
+    (
+        {"response_format": _rf({"type": "array", "uniqueItems": True})},
+        "response_format",
+        "uniqueItems",
+    ),
+    ({"response_format": _rf({"type": "strin"})}, "response_format", "Invalid type"),
+    ({"response_format": _rf(HUGE)}, "response_format", "over the limit"),
+    ({"response_format": _rf(5)}, "response_format", "must be a JSON Schema object"),
+    ({"response_format": "json"}, "response_format", "must be an object"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "is required"),
+    (
+        {"response_format": {"type": "json_schema", "schema": OBJ, "json_schema": {"schema": OBJ}}},
+        "response_format",
+        "schema twice",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": OBJ, "nme": "x"}}},
+        "response_format.json_schema.nme",
+        "Unrecognized",
+    ),
+    (
+        {"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}},
+        "structured_outputs.json",
+        "uniqueItems",
+    ),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "not valid JSON"),
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs.regex", "cannot be enforced"),
+    (
+        {"structured_outputs": {"grammar": "start: nope"}},
+        "structured_outputs.grammar",
+        "cannot be enforced",
+    ),
+    ({"structured_outputs": {"choice": "a"}}, "structured_outputs.choice", "list of"),
+    ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice[1]", "non-empty"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+    (
+        {"structured_outputs": {"structural_tag": "x"}},
+        "structured_outputs.structural_tag",
+        "not supported",
+    ),
+    ({"structured_outputs": ["regex"]}, "structured_outputs", "must be an object"),
+    ({"guided_json": 5}, "guided_json", "must be a JSON Schema object"),
+    ({"guided_regex": ""}, "guided_regex", "non-empty string"),
+    ({"guided_grammar": "root ::= ("}, "guided_grammar", "cannot be enforced"),
+    (
+        {"json_schema": {"type": "object", "properties": {"d": {"$ref": "#/nowhere"}}}},
+        "json_schema",
+        "cannot be enforced",
+    ),
+    ({"grammar": 7}, "grammar", "non-empty string"),
+    (
+        {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
+        "guided_regex",
+        "one output constraint",
+    ),
+    (
+        {"structured_outputs": {"regex": "a"}, "json_schema": OBJ},
+        "json_schema",
+        "one output constraint",
+    ),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("fields, param, words", REFUSALS)
+def test_refusals_name_the_param(default_server, path, fields, param, words):
+    body = {"model": "m", "max_tokens": 8, **fields}
+    body.update(
+        {"prompt": "x"}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "x"}]}
+    )
+    status, _, raw = default_server.post(path, body)
+    assert status == 400, raw
+    err = json.loads(raw)["error"]
+    assert (err["type"], err["param"]) == ("invalid_request_error", param), err
+    assert words in err["message"], err["message"]
+    assert "\n" not in err["message"] and len(err["message"]) < 400
+
+
+def test_refusals_leave_the_worker_serving(default_server):
+    for fields, _, _ in REFUSALS[:5]:
+        default_server.complete({"model": "m", "prompt": "x", "max_tokens": 4, **fields})
+    assert default_server.wait_idle()["slots"]["busy"] == 0
+    status, _, raw = default_server.complete({"model": "m", "prompt": "x", "max_tokens": 3})
+    assert status == 200
+
+
+def test_llama_cpp_schema_place_is_enforced_not_ignored(default_server):
+    schema = {
+        "type": "object",
+        "properties": {"k": {"enum": ["on", "off"]}},
+        "required": ["k"],
+        "additionalProperties": False,
+    }
+    for rf in (
+        {"type": "json_schema", "schema": schema},
+        {"type": "json_object", "schema": schema},
+    ):
+        status, _, raw = default_server.post(
+            "/v1/chat/completions",
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 30,
+                "response_format": rf,
+            },
+        )
+        choice = json.loads(raw)["choices"][0]
+        assert status == 200 and choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_event_source_get_takes_no_constraint(default_server, path):
+    query = "model=m&prompt=x" if path == "/v1/completions" else "model=m&messages=%5B%5D"
+    for field in ("response_format", "structured_outputs", "guided_regex"):
+        status, _, raw = default_server.get(
+            f"{path}?{query}&{field}=x", headers={"Accept": "text/event-stream"}
+        )
+        err = json.loads(raw)["error"]
+        assert (status, err["param"]) == (400, field)
+        assert "POST" in err["message"]
+
+
+@pytest.fixture(scope="module", params=["bigram", "stories260K"])
+def faulty(request, tmp_path_factory):
+    env = {"GREENSERVE_FAULTS": "matcher_fail_at=3"}
+    if request.param == "stories260K":
+        env["MODEL_DIR"] = str(convert_stories(tmp_path_factory.mktemp("stories") / "model"))
+    with GunicornServer(tmp_path_factory.mktemp("faulty-" + request.param), env) as srv:
+        yield srv
+
+
+def test_matcher_fault_mid_stream_is_an_error_event_and_frees_the_slot(faulty):
+    constrained = {
+        "model": "m",
+        "prompt": "x",
+        "max_tokens": 20,
+        "temperature": 0,
+        "structured_outputs": {"regex": "[a-z ]+"},
+    }
+
+    def run(i: int):
+        body = (
+            {**constrained, "stream": True}
+            if i == 0
+            else {"model": "m", "prompt": "x", "max_tokens": 20, "stream": True}
+        )
+        return faulty.complete(body)
+
+    (status, _, raw), (free_status, _, free) = concurrently(run, 2)
+    payloads = sse_events(raw)
+    assert status == 200
+    assert [json.loads(p)["choices"][0]["finish_reason"] for p in payloads[:2]] == [None, None]
+    assert json.loads(payloads[2])["error"]["code"] == "engine_error"
+    assert payloads[3:] == [b"[DONE]"]
+    # The neighbour without a constraint was not harmed.
+    assert free_status == 200 and sse_events(free)[-1] == b"[DONE]"
+    assert all("error" not in json.loads(p) for p in sse_events(free)[:-1])
+    status, _, raw = faulty.complete(constrained)
+    assert status == 500 and json.loads(raw)["error"]["code"] == "engine_error"
+    faulty.wait_idle()
+    assert faulty.get("/ready")[0] == 200
+    assert "ConstraintError" in faulty.log_text()

@@ -1,0 +1,234 @@
+"""Structured outputs on the wire: every spelling of an output constraint, read into one (no Flask here).
+
+Both generation endpoints take an output constraint in the forms clients send:
+
+- OpenAI's ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}`` (any JSON
+  object), ``{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``;
+  llama.cpp's ``{"type": "json_schema" | "json_object", "schema": {...}}`` is the same schema, never
+  ignored. On ``/v1/completions`` it is an extension.
+- vLLM's ``structured_outputs``: exactly one of ``json`` (a schema, or its JSON text), ``regex``,
+  ``choice`` (a list of strings), ``grammar`` (Lark as llguidance reads it, or GBNF), ``json_object``.
+- vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, and
+  llama.cpp's top-level ``json_schema`` and ``grammar`` (GBNF), mapped onto the same.
+
+The result is a :class:`RequestConstraint`: the :class:`~model.grammar.compile.Constraint` and the
+``param`` a refusal names. Two constraints in one request, a malformed one, or one the grammar
+compiler refuses later (``wsgi_app.generation.grammars``) are a 400 naming that param, before any byte.
+``strict: false`` is accepted and the schema enforced all the same: we never answer with text the
+schema does not allow.
+
+Source: OpenAI API reference, "Chat Completions" ``response_format`` and the "Structured Outputs" guide;
+vLLM docs, "Structured Outputs"; llama.cpp server README (``json_schema``, ``grammar``,
+``response_format``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from model.grammar.compile import MAX_CHOICES, Constraint
+from wsgi_app.api.errors import invalid, quote_name
+from wsgi_app.api.fields import loads_strict
+from wsgi_app.api.table import Field
+
+# Every top-level field that carries an output constraint (each endpoint's field table holds them, so
+# wsgi_app.api.table no longer refuses the other servers' spellings among them).
+STRUCTURED_FIELD_NAMES = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "json_schema",
+    "grammar",
+)
+STRUCTURED_FIELDS = tuple(Field(name) for name in STRUCTURED_FIELD_NAMES)  # POST bodies only
+# structured_outputs' constraint keys, and the options that ask for what we always do.
+_SO_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+_SO_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestConstraint:
+    """A request's output constraint and the field it came from.
+
+    Attributes:
+        constraint: what to compile (its ``kind`` names it in logs and metrics).
+        param: the ``param`` a refusal names (``response_format``, ``structured_outputs.json``...).
+    """
+
+    constraint: Constraint
+    param: str
+
+
+def parse_constraint(body: dict[str, Any]) -> RequestConstraint | None:
+    """Return the body's one output constraint, or None when it has none (or ``type: text``).
+
+    Raises:
+        ApiError: 400 naming the field: a malformed constraint, or two of them in one request.
+    """
+    found: list[RequestConstraint] = []
+    for name in STRUCTURED_FIELD_NAMES:
+        value = body.get(name)
+        if value is None:
+            continue
+        rc = _READERS[name](value, name)
+        if rc is None:
+            continue
+        if found:
+            raise invalid(
+                f"A request takes one output constraint; '{found[0].param}' and '{rc.param}' are "
+                "both given.",
+                rc.param,
+            )
+        found.append(rc)
+    return found[0] if found else None
+
+
+def _schema(value: Any, param: str) -> Constraint:
+    """A JSON Schema: an object, or (vLLM) its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = loads_strict(value)
+        except ValueError as exc:
+            raise invalid(f"'{param}' is not valid JSON: {exc}.", param) from None
+    if isinstance(value, bool) and value:  # JSON Schema's `true`: any JSON value
+        value = {}
+    if not isinstance(value, dict):
+        raise invalid(f"'{param}' must be a JSON Schema object.", param)
+    return Constraint("json_schema", value)
+
+
+def _text(value: Any, param: str, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise invalid(f"'{param}' must be a non-empty string ({what}).", param)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(f"'{param}' contains a lone surrogate code point.", param) from None
+    return value
+
+
+def _choice(value: Any, param: str) -> Constraint:
+    if not isinstance(value, list) or not value or len(value) > MAX_CHOICES:
+        raise invalid(f"'{param}' must be a list of 1..{MAX_CHOICES} strings.", param)
+    return Constraint(
+        "choice", tuple(_text(s, f"{param}[{i}]", "a choice") for i, s in enumerate(value))
+    )
+
+
+def _response_format(value: Any, param: str) -> RequestConstraint | None:
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise invalid(f"'{param}' must be an object with a string 'type'.", param)
+    kind = value["type"]
+    allowed = {"text": ("type",), "json_object": ("type", "schema")}.get(
+        kind, ("type", "json_schema", "schema")
+    )
+    if kind not in ("text", "json_object", "json_schema"):
+        raise invalid(f"Invalid '{param}.type': {quote_name(kind)!r}.", param)
+    for key in value:
+        if key not in allowed:
+            at = f"{param}.{quote_name(key)}"
+            raise invalid(f"Unrecognized request argument supplied: {at}", at)
+    if kind == "text":
+        return None
+    outer = value.get("schema")  # llama.cpp's place for the schema
+    inner = _json_schema_object(value.get("json_schema"), f"{param}.json_schema")
+    if outer is not None and inner is not None:
+        raise invalid(
+            f"'{param}' gives a schema twice ('schema' and 'json_schema.schema'); send one.", param
+        )
+    if kind == "json_object" and outer is None:
+        return RequestConstraint(Constraint("json_object"), param)
+    schema = outer if outer is not None else inner
+    if schema is None:
+        raise invalid(f"'{param}.json_schema.schema' is required for type 'json_schema'.", param)
+    return RequestConstraint(_schema(schema, param), param)
+
+
+def _json_schema_object(value: Any, param: str) -> Any:
+    """Check OpenAI's ``json_schema`` object and return its ``schema`` (None when absent)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid(f"'{param}' must be an object.", param)
+    for key in value:
+        if key not in ("name", "schema", "strict", "description"):
+            at = f"{param}.{quote_name(key)}"
+            raise invalid(f"Unrecognized request argument supplied: {at}", at)
+    name = value.get("name")
+    if name is not None and (not isinstance(name, str) or not _NAME.fullmatch(name)):
+        raise invalid(
+            f"'{param}.name' must be 1..64 characters of a-z, A-Z, 0-9, '_' and '-'.",
+            f"{param}.name",
+        )
+    strict = value.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise invalid(f"'{param}.strict' must be a boolean.", f"{param}.strict")
+    description = value.get("description")
+    if description is not None and not isinstance(description, str):
+        raise invalid(f"'{param}.description' must be a string.", f"{param}.description")
+    return value.get("schema")
+
+
+def _structured_outputs(value: Any, param: str) -> RequestConstraint:
+    if not isinstance(value, dict):
+        raise invalid(f"'{param}' must be an object.", param)
+    kinds = []
+    for key, item in value.items():
+        at = f"{param}.{quote_name(key)}"
+        if key in _SO_OPTIONS:  # we never fall back and always write compact JSON
+            if item is not None and not isinstance(item, bool):
+                raise invalid(f"'{at}' must be a boolean.", at)
+        elif key == "json_object":
+            if item is not None and not isinstance(item, bool):
+                raise invalid(f"'{at}' must be a boolean.", at)
+            if item:
+                kinds.append(key)
+        elif key in _SO_KINDS:
+            if item is not None:
+                kinds.append(key)
+        else:
+            raise invalid(f"'{at}' is not supported by this server.", at)
+    if len(kinds) != 1:
+        raise invalid(
+            f"'{param}' must hold exactly one of 'json', 'regex', 'choice', 'grammar' or "
+            f"'json_object'; got {len(kinds)}.",
+            param,
+        )
+    key = kinds[0]
+    at = f"{param}.{key}"
+    if key == "json_object":
+        return RequestConstraint(Constraint("json_object"), at)
+    return RequestConstraint(_KIND_READERS[key](value[key], at), at)
+
+
+def _grammar(value: Any, param: str) -> Constraint:
+    return Constraint("grammar", _text(value, param, "a Lark or GBNF grammar"))
+
+
+def _regex(value: Any, param: str) -> Constraint:
+    return Constraint("regex", _text(value, param, "a regular expression"))
+
+
+_KIND_READERS = {"json": _schema, "regex": _regex, "choice": _choice, "grammar": _grammar}
+
+
+def _plain(read: Any) -> Any:
+    return lambda value, name: RequestConstraint(read(value, name), name)
+
+
+_READERS = {
+    "response_format": _response_format,
+    "structured_outputs": _structured_outputs,
+    "guided_json": _plain(_schema),
+    "guided_regex": _plain(_regex),
+    "guided_choice": _plain(_choice),
+    "guided_grammar": _plain(_grammar),
+    "json_schema": _plain(_schema),
+    "grammar": _plain(_grammar),
+}

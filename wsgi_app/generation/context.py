@@ -1,0 +1,94 @@
+"""What every generation of one worker runs with: the settings, the model and its engine, admission,
+the stop clock and the engine's health (no Flask).
+
+One :class:`GenerationContext` per worker, held by the Flask side's ``wsgi_app.http.runtime.Runtime``
+(``Runtime.generation``) and handed to :func:`wsgi_app.generation.lifetime.admit`; a request's
+pacer keeps only the parts it reads on every token (the :class:`StopClock` and the admission).
+
+Source: docs/ARCHITECTURE.md §9 (admission and stream lifetime).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import gevent
+
+from model.engine import Engine
+from model.loader import LoadedModel
+from wsgi_app.generation.admission import Admission
+from wsgi_app.settings import Settings
+
+# The share of REQUEST_TIMEOUT_S that decoding at the measured best pace may fill: a request needing
+# more cannot finish in time (a served token also costs sampling, scheduling and shared steps).
+DEADLINE_HEADROOM = 0.75
+
+
+class StopClock:
+    """When this worker's generations must end: unset until the worker is told to stop (SIGTERM).
+
+    Attributes:
+        stop_at: ``perf_counter`` time by which in-flight streams must end, in seconds, or None
+            while the worker is not stopping.
+    """
+
+    __slots__ = ("stop_at",)
+
+    def __init__(self) -> None:
+        self.stop_at: float | None = None
+
+    def passed(self, now: float) -> bool:
+        """True when the stop time is set and ``now`` (a ``perf_counter`` time) is at or past it."""
+        stop_at = self.stop_at
+        return stop_at is not None and now >= stop_at
+
+
+@dataclass(slots=True)
+class GenerationContext:
+    """What one worker's generations run with.
+
+    Attributes:
+        settings: the frozen settings.
+        model: the loaded model and its tokenizer.
+        engine: the token-stream engine over it (``model.engine.Engine``).
+        admission: the worker's slots and queue.
+        model_version: the ``X-Model-Version`` value, the chat answers' ``system_fingerprint``.
+        stop: when in-flight generations must end.
+        engine_ok: False once the engine failed in a way that leaves it untrustworthy (readiness
+            turns off).
+        decode_tokens_per_s: the best decode pace of one sequence, tokens per second
+            (``DECODE_TOKENS_PER_S``, else measured at worker start; ``math.inf`` for the bigram).
+    """
+
+    settings: Settings
+    model: LoadedModel
+    engine: Engine
+    admission: Admission
+    model_version: str
+    stop: StopClock = field(default_factory=StopClock)
+    engine_ok: bool = True
+    decode_tokens_per_s: float = math.inf
+
+    @property
+    def feasible_max_tokens(self) -> int | None:
+        """Return the most tokens a choice can generate before ``REQUEST_TIMEOUT_S``, or None.
+
+        ``DEADLINE_HEADROOM`` of the deadline at the best decode pace (the rest is left for the
+        prompt, sampling and the neighbours a step is shared with). None when nothing bounds it
+        (the bigram).
+        """
+        if math.isinf(self.decode_tokens_per_s):
+            return None
+        budget_s = self.settings.request_timeout_s * DEADLINE_HEADROOM
+        return max(1, int(self.decode_tokens_per_s * budget_s))
+
+    def stop_in(self, stop_in_s: float) -> None:
+        """Set the stop time ``stop_in_s`` seconds from now (once: a second call changes nothing),
+        and wake the queued requests then, so that they end at it rather than at their next
+        heartbeat."""
+        if self.stop.stop_at is not None:
+            return
+        self.stop.stop_at = time.perf_counter() + stop_in_s
+        gevent.spawn_later(stop_in_s, self.admission.wake_queued)
