@@ -166,6 +166,12 @@ class Scheduler(Protocol):
         """True when no sequence needs work."""
         ...
 
+    @property
+    def speculated(self) -> tuple[int, int]:
+        """Tokens drafted (and verified) and drafted tokens accepted so far; (0, 0) when the
+        scheduler does not speculate."""
+        ...
+
     def validate(self, req: GenerationRequest) -> PCG32:
         """Check ``req`` before anything is queued; return its seeded generator.
 

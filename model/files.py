@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,6 +50,48 @@ class TensorEntry:
     end: int
 
 
+def file_kind(mode: int) -> str:
+    """Return what a ``st_mode`` names, in words: ``"a FIFO"``, ``"a directory"``, ``"a socket"``..."""
+    kinds = (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    return next((word for test, word in kinds if test(mode)), "not a regular file")
+
+
+def open_regular(path: str | os.PathLike):
+    """Open a file for binary reading, refusing anything but a regular file without blocking.
+
+    Opening a FIFO for reading waits for a writer, and reading a device may never end; the file is
+    opened non-blocking, checked with ``fstat`` (no window for a swap between check and open), then
+    switched back to blocking reads.
+
+    Args:
+        path: The file.
+
+    Returns:
+        The open binary file object (the caller closes it).
+
+    Raises:
+        ValueError: If ``path`` is not a regular file (names what it is).
+        OSError: If it cannot be opened.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{path}: not a regular file ({file_kind(mode)})")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class _DuplicateKeyError(Exception):
     """Signal a repeated key in one JSON object of the header (json.loads would keep the last)."""
 
@@ -61,7 +104,8 @@ def read_json_object(path: Path) -> dict[str, Any]:
             message names the file.
     """
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        with open_regular(path) as f:
+            obj = json.loads(f.read().decode("utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: cannot read: {exc}") from exc
     except json.JSONDecodeError as exc:
@@ -82,8 +126,9 @@ def file_sha256(path: str | os.PathLike) -> str:
 
     Raises:
         OSError: If the file cannot be read.
+        ValueError: If it is not a regular file (a FIFO would block the hash for ever).
     """
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
@@ -101,8 +146,8 @@ def read_safetensors_head(path: str | os.PathLike) -> tuple[bytes, int]:
         ValueError: If the file cannot be read, or ``N`` runs past the end of the file.
     """
     try:
-        size = os.stat(path).st_size
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(_LENGTH_BYTES)
             if len(head) == _LENGTH_BYTES:
                 (n,) = struct.unpack("<Q", head)

@@ -23,8 +23,12 @@ Source: GGUF specification, "tokenizer.chat_template"; Hugging Face transformers
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import math
 import os
+import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -33,7 +37,7 @@ from model.bigram.engine import BigramEngine
 from model.bigram.model import Bigram, default_model_dir
 from model.chat_template import ChatTemplate
 from model.engine import Engine, Family, Scheduler
-from model.files import CONFIG_NAME, file_sha256, read_json_object
+from model.files import CONFIG_NAME, file_kind, file_sha256, read_json_object
 from model.llama.config import token_id_field, token_ids_field
 from model.llama.engine import LlamaEngine
 from model.llama.gguf import GGUF_SUFFIX, read_gguf
@@ -41,8 +45,9 @@ from model.llama.gguf_cache import default_cache_dir, load_or_build
 from model.llama.gguf_tokenizer import tokenizer_from_gguf
 from model.llama.kv_cache import bytes_per_token, reservation_bytes
 from model.llama.kv_cache import can_ever_fit as can_ever_fit  # the contract's, for admission
-from model.llama.model import Llama, check_tensors
+from model.llama.model import Llama
 from model.llama.scheduler import BatchScheduler
+from model.llama.tensors import check_tensors
 from model.tokenizer import ByteTokenizer, HFTokenizer
 
 TOKENIZER_NAME = "tokenizer.json"
@@ -96,6 +101,27 @@ class LoadedModel:
     bos_token: str = ""
     eos_token: str = ""
 
+    def measure_decode_tokens_per_s(self, repeats: int = 3) -> float:
+        """Measure how many tokens per second one sequence decodes at best on this process.
+
+        The best of ``repeats`` one-token decode steps on a fresh cache (after one warm-up step):
+        what an idle worker reaches for a short context, before sampling and scheduling. The
+        bigram has no such bound (a token costs microseconds): ``math.inf``.
+
+        Returns:
+            Tokens per second, > 0 (``math.inf`` for the bigram).
+        """
+        if not isinstance(self.model, Llama):
+            return math.inf
+        cache = self.model.new_cache(repeats + 1)
+        self.model.decode([0], [cache])  # warm-up: first touch of the mapped weights
+        best = math.inf
+        for _ in range(repeats):
+            t = time.perf_counter()
+            self.model.decode([0], [cache])
+            best = min(best, time.perf_counter() - t)
+        return 1.0 / max(best, 1e-9)
+
     def chat_template(self, source: str | None = None) -> ChatTemplate:
         """Return the chat template to serve: ``source`` (a ``CHAT_TEMPLATE`` file's text) if given,
         else the model's own, else :meth:`ChatTemplate.default` (with its stop string).
@@ -139,7 +165,9 @@ class LoadedModel:
             return LlamaEngine(self.model, self.tokenizer.eos_ids)
         return BigramEngine(self.model)
 
-    def make_scheduler(self, max_batch: int, batch_invariant: bool = True) -> Scheduler:
+    def make_scheduler(
+        self, max_batch: int, batch_invariant: bool = True, speculative_tokens: int = 0
+    ) -> Scheduler:
         """Return a continuous-batching scheduler over this model, for a family that is not
         :attr:`Family.inline` (the server drives it on its engine thread).
 
@@ -147,6 +175,8 @@ class LoadedModel:
             max_batch: most sequences generating at once (slots x ``MAX_N``).
             batch_invariant: decode each sequence to the same bits whatever the batch
                 (``BATCH_INVARIANT``).
+            speculative_tokens: most tokens a sequence drafts per step (``SPECULATIVE_TOKENS``;
+                0: off). The answers are the same either way.
 
         Raises:
             ValueError: the family runs inline (the bigram has no scheduler).
@@ -154,7 +184,11 @@ class LoadedModel:
         if not isinstance(self.model, Llama):
             raise ValueError(f"the {self.engine_kind} family runs inline: it has no scheduler")
         return BatchScheduler(
-            self.model, self.tokenizer.eos_ids, max_batch, batch_invariant=batch_invariant
+            self.model,
+            self.tokenizer.eos_ids,
+            max_batch,
+            batch_invariant=batch_invariant,
+            speculative_tokens=speculative_tokens,
         )
 
 
@@ -281,24 +315,65 @@ def gguf_file(model_dir: str | os.PathLike) -> Path | None:
         The ``.gguf`` file, or None when ``model_dir`` is a model directory (``config.json``).
 
     Raises:
-        ValueError: If ``model_dir`` does not exist (a dangling symlink says where it points), or
-            a directory without ``config.json`` holds several ``.gguf`` files.
+        ValueError: If ``model_dir`` does not exist (a dangling symlink says where it points, a
+            symlink loop shows the loop), is neither a directory nor a regular file (a FIFO, a
+            device), is a file not named ``.gguf``, or a directory without ``config.json`` holds
+            several ``.gguf`` files or none.
     """
     path = Path(model_dir)
-    if not path.exists():
-        if path.is_symlink():
-            target = os.readlink(path)
-            raise ValueError(f"{path}: does not exist (a symlink to {target}, which is missing)")
-        raise ValueError(f"{path}: does not exist")
-    if path.suffix.lower() == GGUF_SUFFIX and not path.is_dir():
-        return path
-    if not path.is_dir() or (path / CONFIG_NAME).exists():
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise ValueError(_missing(path, exc)) from None
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+        # Reading a FIFO or a device would wait for ever (or read garbage): refused at once.
+        raise ValueError(
+            f"{path}: is {file_kind(mode)}, not a model directory or a {GGUF_SUFFIX} file"
+        )
+    if stat.S_ISREG(mode):
+        if path.suffix.lower() == GGUF_SUFFIX:
+            return path
+        raise ValueError(
+            f"{path}: is a file but not a {GGUF_SUFFIX} file; "
+            f"name a model directory (with {CONFIG_NAME}) or a {GGUF_SUFFIX} file"
+        )
+    if (path / CONFIG_NAME).exists():
         return None
-    found = sorted(p for p in path.iterdir() if p.suffix.lower() == GGUF_SUFFIX and p.is_file())
+    entries = list(path.iterdir())
+    found = sorted(p for p in entries if p.suffix.lower() == GGUF_SUFFIX and p.is_file())
     if len(found) > 1:
         names = ", ".join(p.name for p in found)
         raise ValueError(f"{path}: holds {len(found)} .gguf files ({names}); name one of them")
-    return found[0] if found else None
+    if not found:
+        what = "is an empty directory:" if not entries else f"holds {len(entries)} entries but"
+        raise ValueError(
+            f"{path}: {what} no {CONFIG_NAME} and no {GGUF_SUFFIX} file: not a model directory"
+        )
+    return found[0]
+
+
+def _missing(path: Path, exc: OSError) -> str:
+    """Say why ``path`` cannot be found: missing, a dangling symlink, a symlink loop, no access."""
+    if exc.errno == errno.ELOOP:
+        return f"{path}: is a symlink loop ({_symlink_chain(path)}): it never reaches a file"
+    if path.is_symlink():
+        target = os.readlink(path)
+        return f"{path}: does not exist (a symlink to {target}, which is missing)"
+    if isinstance(exc, FileNotFoundError):
+        return f"{path}: does not exist"
+    return f"{path}: cannot be read: {exc.strerror or exc}"
+
+
+def _symlink_chain(path: Path, most: int = 8) -> str:
+    """Return ``a -> b -> a``: the first links of a symlink chain, for a loop's message."""
+    chain, seen, current = [str(path)], {str(path)}, path
+    while current.is_symlink() and len(chain) <= most:
+        current = current.parent / os.readlink(current)
+        chain.append(str(current))
+        if str(current) in seen:
+            break
+        seen.add(str(current))
+    return " -> ".join(chain)
 
 
 def _load_gguf(path: Path, cache_dir: Path) -> LoadedModel:

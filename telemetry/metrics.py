@@ -99,6 +99,10 @@ class Metrics:
         structured_compile: ``greenserve_structured_compile_seconds``, a constrained request's wait
             for its grammar.
         structured_mask: ``greenserve_structured_mask_seconds``, a constrained request's mask time.
+        spec_draft_tokens: ``greenserve_spec_decode_draft_tokens_total``, tokens drafted by
+            speculative decoding and verified.
+        spec_accepted_tokens: ``greenserve_spec_decode_accepted_tokens_total``, drafted tokens
+            accepted (each one a token generated without a pass of its own).
     """
 
     requests: Counter
@@ -117,6 +121,8 @@ class Metrics:
     structured_requests: Counter
     structured_compile: Histogram
     structured_mask: Histogram
+    spec_draft_tokens: Counter
+    spec_accepted_tokens: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None) -> Metrics:
@@ -222,6 +228,16 @@ class Metrics:
                 buckets=MASK_BUCKETS,
                 registry=r,
             ),
+            spec_draft_tokens=Counter(
+                "greenserve_spec_decode_draft_tokens",
+                "Tokens drafted by speculative decoding and verified.",
+                registry=r,
+            ),
+            spec_accepted_tokens=Counter(
+                "greenserve_spec_decode_accepted_tokens",
+                "Drafted tokens accepted by speculative decoding.",
+                registry=r,
+            ),
         )
         for result in SPAN_RESULTS:  # present from the start, at 0
             m.spans.labels(result=result)
@@ -289,6 +305,14 @@ class Metrics:
     def set_ready(self, ready: bool) -> None:
         """Set whether this worker is ready for traffic (what its ``/ready`` answers)."""
         self.workers_ready.set(1 if ready else 0)
+
+    def count_speculative(self, drafted: int, accepted: int) -> None:
+        """Count ``drafted`` tokens verified by speculative decoding, ``accepted`` of them kept.
+
+        Called on the engine's thread (``prometheus_client`` counters are thread-safe).
+        """
+        self.spec_draft_tokens.inc(drafted)
+        self.spec_accepted_tokens.inc(accepted)
 
     def on_span_result(self, kind: str, n: int) -> None:
         """Count ``n`` spans with result ``kind`` (the ``SpanExporter.on_result`` hook)."""

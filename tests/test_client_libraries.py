@@ -191,7 +191,7 @@ def test_readme_inline_curl_event_source_line(default_server):
 
 
 def test_readme_openai_example(default_server):
-    code = readme_block("python", "from openai import OpenAI")
+    code = readme_block("python", "client.completions.create(")
     run = subprocess.run(
         [sys.executable, "-c", code.replace(README_URL, default_server.url)],
         capture_output=True,

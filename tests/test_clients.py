@@ -36,7 +36,25 @@ from wsgi_app.settings import Settings
     ],
 )
 def test_forwarded_client(remote, xff, trusted, expected):
-    assert forwarded_client(remote, xff, trusted) == expected
+    assert forwarded_client(remote, xff, trusted, ("10.0.0.0/8", "::1")) == expected
+
+
+@pytest.mark.parametrize(
+    ("remote", "xff", "trusted", "allowed", "expected"),
+    [
+        # A peer that is not a proxy of ours: the header is its own invention, ignored.
+        ("203.0.113.5", "1.2.3.4", 1, ("127.0.0.1", "::1"), "203.0.113.5"),
+        ("10.0.0.9", "1.2.3.4", 1, ("127.0.0.1", "::1"), "10.0.0.9"),  # the default: loopback only
+        ("10.0.0.9", "1.2.3.4", 1, ("10.0.0.0/24",), "1.2.3.4"),  # a CIDR network
+        ("::ffff:10.0.0.9", "1.2.3.4", 1, ("10.0.0.0/24",), "::ffff:a00:9"),  # v6 is not v4
+        ("203.0.113.5", "1.2.3.4", 1, ("*",), "1.2.3.4"),  # "*": any peer (gunicorn's meaning)
+        # Two hops: the inner proxy's entry must be a proxy of ours too, else it is the client.
+        ("10.0.0.9", "6.6.6.6, 1.2.3.4, 10.0.0.8", 2, ("10.0.0.0/24",), "1.2.3.4"),
+        ("10.0.0.9", "6.6.6.6, 1.2.3.4, 198.51.100.1", 2, ("10.0.0.0/24",), "198.51.100.1"),
+    ],
+)
+def test_forwarded_for_only_from_allowed_peers(remote, xff, trusted, allowed, expected):
+    assert forwarded_client(remote, xff, trusted, allowed) == expected
 
 
 def test_key_digest_is_a_sha256_prefix():

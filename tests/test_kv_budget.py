@@ -117,9 +117,34 @@ def test_request_that_can_never_fit_is_400(budget_server):
     assert error["param"] == "max_tokens"
     assert error["type"] == "invalid_request_error"
     assert error["message"] == (
-        "This request may hold 1.2 MiB of KV cache (n x (prompt tokens + max_tokens)), more than "
-        "this server's budget of 1.0 MiB per worker. Reduce 'max_tokens', the prompt or 'n'."
+        "This request may hold 1.2 MiB of KV cache (n x (prompt tokens + max_tokens), summed over "
+        "its prompts), more than this server's budget of 1.0 MiB per worker. Reduce 'max_tokens', "
+        "the prompts or 'n'."
     )
     status, _, body = srv.complete({**stream_body(500, n=2), "stream": True})
     assert status == 400 and json.loads(body)["error"]["param"] == "max_tokens"
     assert state(srv)["kv_cache_bytes"]["reserved"] == 0
+
+
+def test_every_prompt_of_a_batch_is_reserved(budget_server):
+    srv = budget_server
+    # Two prompts of 3 tokens, n 1, max_tokens 500: 2 x 503 x 1,280 = 1,287,680 bytes > 1 MiB,
+    # although each prompt alone (643,840) would fit.
+    batch = {**stream_body(500), "prompt": [PROMPT, PROMPT], "stream": False}
+    status, _, body = srv.complete(batch)
+    assert status == 400, body
+    error = json.loads(body)["error"]
+    assert error["param"] == "max_tokens"
+    assert error["message"].startswith("This request may hold 1.2 MiB of KV cache")
+    # Three prompts (of 3, 2 and 1 tokens) x n 2 that fit: each prompt's n choices reserved.
+    prompts = [PROMPT, PROMPT[:2], PROMPT[:1]]
+    reader = EventReader(srv.port, {**stream_body(100, n=2), "prompt": prompts})
+    assert reader.open().status == 200
+    assert reader.next_frame() == b": ok\n"
+    assert reader.next_frame().startswith(b"data: {")
+    reserved = state(srv)["kv_cache_bytes"]["reserved"]
+    assert reserved == 2 * ((3 + 100) + (2 + 100) + (1 + 100)) * STORY_TOKEN_BYTES
+    reader.close()
+    wait_until(
+        lambda: state(srv)["kv_cache_bytes"]["reserved"] == 0, what="the reservation to be returned"
+    )

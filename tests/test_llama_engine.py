@@ -137,6 +137,10 @@ class CountingModel:
         self.calls += 1
         return self._model.forward(*args)
 
+    def step(self, *args):  # the scheduler's pass (prompt chunks and decode chunks)
+        self.calls += 1
+        return self._model.step(*args)
+
 
 def test_no_work_before_next_and_none_after_close(model: Llama) -> None:
     counting = CountingModel(model)

@@ -18,7 +18,8 @@ from telemetry.observer import build_observer
 from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app.generation.admission import Admission
 from wsgi_app.generation.faults import Faults, FaultyEngine
-from wsgi_app.http import auth, cors, lifecycle, ratelimit
+from wsgi_app.http import auth, cors, lifecycle, origin_guard, ratelimit
+from wsgi_app.http.auth_failures import AuthFailures
 from wsgi_app.http.chat import serving_template
 from wsgi_app.http.error_handlers import register_error_handlers
 from wsgi_app.http.routes import (
@@ -36,16 +37,24 @@ from wsgi_app.server.heap import AfterAnswers
 from wsgi_app.settings import Settings
 
 
-def make_engine(model: LoadedModel, settings: Settings) -> Engine:
+def make_engine(
+    model: LoadedModel, settings: Settings, on_speculated: Callable[[int, int], None] | None = None
+) -> Engine:
     """Return the engine for ``model``: an inline family (the bigram) runs in each request's
     greenlet; a batched one (a Llama) runs on one native thread per worker with continuous batching
-    (up to ``MAX_SLOTS`` requests of ``MAX_N`` choices each)."""
+    (up to ``MAX_SLOTS`` requests of ``MAX_N`` choices each), drafting up to ``SPECULATIVE_TOKENS``
+    (its drafted and accepted token counts go to ``on_speculated``)."""
     if not model.family.inline:
         from wsgi_app.generation.engine_thread import ThreadedEngine
 
         slots, _ = model.family.limits(settings.max_slots, settings.max_queue)
         batch = slots * settings.max_n
-        return ThreadedEngine(model.make_scheduler(batch, batch_invariant=settings.batch_invariant))
+        scheduler = model.make_scheduler(
+            batch,
+            batch_invariant=settings.batch_invariant,
+            speculative_tokens=settings.speculative_tokens,
+        )
+        return ThreadedEngine(scheduler, on_speculated=on_speculated)
     return model.make_engine()
 
 
@@ -94,7 +103,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     # "/v1//completions" is a 404 in the JSON shape, not an HTML redirect built from the Host header.
     app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    engine = make_engine(model, settings)
+    engine = make_engine(model, settings, observer.metrics.count_speculative)
     if settings.faults:
         engine = FaultyEngine(engine, Faults.parse(settings.faults))
     app.extensions[EXTENSION] = Runtime(
@@ -113,6 +122,11 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     )
     rt = app.extensions[EXTENSION]
     rt.after_answers = AfterAnswers(lambda: not rt.admission.tickets)
+    # What a choice can generate before its deadline follows from this pace (Runtime.feasible_max_tokens).
+    # Measured on a native thread: the steps take ~0.3 s (SmolLM2), which the hub must not stall for.
+    rt.generation.decode_tokens_per_s = settings.decode_tokens_per_s or rt.offload(
+        model.measure_decode_tokens_per_s, ()
+    )
 
     def heartbeat_state() -> dict:
         state = rt.worker_state()
@@ -127,8 +141,15 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     app.after_request(_options_no_content)
     # CORS preflights are answered before keys and limits: browsers send them without credentials.
     cors.install(app, settings.cors_origins)
+    # Before keys and limits too: a web page of another origin makes the server do nothing.
+    origin_guard.install(app, settings.cors_origins)
     # Keys before limits: a request is authenticated (or refused) before it counts against a bucket.
-    auth.install(app, settings.api_keys)
+    failures = None
+    if settings.api_keys:
+        failures = AuthFailures(
+            settings.auth_failure_limit, settings.rate_limit_storage_uri, settings.client_hash_salt
+        )
+    auth.install(app, settings.api_keys, failures)
     ratelimit.install(app, app.extensions[EXTENSION])
     app.register_blueprint(completions.bp)
     app.register_blueprint(completions_get.bp)

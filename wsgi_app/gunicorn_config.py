@@ -256,6 +256,14 @@ def _address(sock, scheme):
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
+def _health_port(worker):
+    """Return the port of the health socket (the second bind), or None (no second TCP bind)."""
+    if len(worker.sockets) < 2:
+        return None
+    name = worker.sockets[1].getsockname()
+    return name[1] if isinstance(name, tuple) else None
+
+
 def _log_serving(worker, state):
     """Log one line saying which model this worker serves, and which address is which port (the
     first bind is the API port, the second the health port)."""
@@ -323,6 +331,7 @@ def post_worker_init(worker):
         gunicorn_handler(sig, frame)
 
     signal.signal(signal.SIGTERM, handle_exit)
+    state.health_port = _health_port(worker)
     _log_serving(worker, state)
     _announce_new_master()
     # Everything loaded so far (modules, Flask, numpy, the model) lives as long as the worker: move it

@@ -44,15 +44,19 @@ def _http_url(name: str, raw: str) -> str:
     return raw
 
 
-def parse_rate_limit(text: str) -> list[RateLimitItem]:
-    """Parse ``RATE_LIMIT`` (``"600/minute"``, ``"10/second;600/hour"``) with ``limits``.
+def parse_rate_limit(text: str, name: str = "RATE_LIMIT") -> list[RateLimitItem]:
+    """Parse a rate-limit setting (``"600/minute"``, ``"10/second;600/hour"``) with ``limits``.
+
+    Args:
+        text: the setting's value.
+        name: the setting, for the message (``RATE_LIMIT``, ``AUTH_FAILURE_LIMIT``).
 
     Raises:
-        ValueError: the text is not a rate-limit string (the message names ``RATE_LIMIT``).
+        ValueError: the text is not a rate-limit string (the message names ``name``).
     """
     from limits import parse_many  # imported only when a limit is set (limits pulls in asyncio)
 
-    message = f"RATE_LIMIT must look like '600/minute', got {text!r}"
+    message = f"{name} must look like '600/minute', got {text!r}"
     try:
         items = parse_many(text)
     except ValueError as exc:

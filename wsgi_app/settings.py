@@ -118,6 +118,30 @@ def _rate_limit(env: Mapping[str, str], storage_uri: str) -> str:
     return text
 
 
+def _forwarded_allow_ips(env: Mapping[str, str], default: tuple[str, ...]) -> tuple[str, ...]:
+    raw = env.get("FORWARDED_ALLOW_IPS", "")
+    entries = tuple(e.strip() for e in raw.split(",") if e.strip()) or default
+    if "*" in entries:
+        return ("*",)
+    for entry in entries:
+        try:
+            ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            raise ValueError(
+                "FORWARDED_ALLOW_IPS must list IP addresses or CIDR networks (or be '*'), "
+                f"got {entry!r}"
+            ) from None
+    return entries
+
+
+def _auth_failure_limit(env: Mapping[str, str], storage_uri: str, keys: tuple[str, ...]) -> str:
+    text = _str(env, "AUTH_FAILURE_LIMIT", Settings.auth_failure_limit)
+    if keys:  # counted only when API keys are on
+        parse_rate_limit(text, "AUTH_FAILURE_LIMIT")
+        check_rate_limit_storage(storage_uri)
+    return text
+
+
 @dataclass(frozen=True)
 class Settings:
     """Immutable server settings (docs/ARCHITECTURE.md §11).
@@ -132,12 +156,19 @@ class Settings:
             request reserves n x (prompt + max_tokens) tokens of its model's cache).
         batch_invariant: decode every sequence to the same bits whatever the batch (``1``), or let
             batches of 16+ sequences run one GEMM per product (``0``: faster, last bits load-dependent).
+        speculative_tokens: most tokens a Llama sequence drafts per step by prompt lookup
+            (``SPECULATIVE_TOKENS``, ``model.llama.speculative``); 0 turns speculation off. The
+            answers are the same bits either way (with ``batch_invariant``).
         max_body_bytes: largest request body accepted, in bytes (413 beyond).
         max_prompt_tokens: largest prompt, in tokens (bytes for the bigram).
         max_n: largest ``n`` (choices per request).
         max_logprob_entries: a request's budget of ``logprobs`` entries: choices × (``max_tokens`` +
             echoed prompt tokens) × (``logprobs`` + 1), checked before admission (400 beyond).
         request_timeout_s: per-request deadline, in seconds.
+        decode_tokens_per_s: the decode pace one sequence is assumed to reach at best, tokens per
+            second (``DECODE_TOKENS_PER_S``); None: measured by each worker at start. A request
+            whose ``max_tokens`` could not finish within ``request_timeout_s`` at this pace is
+            refused up front (``Runtime.feasible_max_tokens``).
         heartbeat_s: SSE ``: ping`` interval while nothing else is written, in seconds.
         send_timeout_s: how long a blocked write may wait on a stalled reader, in seconds.
         log_level: Python logging level name.
@@ -148,7 +179,12 @@ class Settings:
         rate_limit: per-client limit on the API routes, e.g. ``600/minute``; empty when off.
         rate_limit_storage_uri: where the limiter counts: ``memory://`` (per worker) or ``redis://…``.
         trusted_proxies: how many ``X-Forwarded-For`` hops (from the right) to trust; 0 ignores it.
+        forwarded_allow_ips: the peers whose ``X-Forwarded-For`` is believed (``FORWARDED_ALLOW_IPS``,
+            gunicorn's setting and default): addresses and CIDR networks, or ``("*",)`` for any.
         api_keys: accepted API keys; empty when authentication is off.
+        auth_failure_limit: how many wrong API keys a client address may send (a flask-limiter string,
+            ``AUTH_FAILURE_LIMIT``), counted in ``rate_limit_storage_uri``; past it, every request of
+            that address carrying a key is a 429 until the window passes.
         cors_origins: origins allowed cross-origin access (``scheme://host[:port]`` or ``*``); empty
             when CORS is off.
         slow_request_s: requests taking longer than this log their timeline, in seconds.
@@ -176,11 +212,13 @@ class Settings:
     max_queue: int | None = None
     kv_cache_budget_mb: int = 1024
     batch_invariant: bool = True
+    speculative_tokens: int = 7
     max_body_bytes: int = 1_048_576
     max_prompt_tokens: int = 32_768
     max_n: int = 8
     max_logprob_entries: int = 262_144
     request_timeout_s: float = 60.0
+    decode_tokens_per_s: float | None = None
     heartbeat_s: float = 15.0
     send_timeout_s: float = 30.0
     log_level: str = "info"
@@ -192,7 +230,9 @@ class Settings:
     # Secrets (a Redis password in the URI, the keys) stay out of reprs and so out of logs.
     rate_limit_storage_uri: str = field(default="memory://", repr=False)
     trusted_proxies: int = 0
+    forwarded_allow_ips: tuple[str, ...] = ("127.0.0.1", "::1")
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    auth_failure_limit: str = "20/minute"
     cors_origins: tuple[str, ...] = ()
     slow_request_s: float = 10.0
     stats_db: str = field(default_factory=lambda: default_stats_db())
@@ -223,6 +263,7 @@ class Settings:
             max_queue=_int(env, "MAX_QUEUE", d["max_queue"], 0, 1_000_000),
             kv_cache_budget_mb=_int(env, "KV_CACHE_BUDGET_MB", d["kv_cache_budget_mb"], 1, 1 << 24),
             batch_invariant=_int(env, "BATCH_INVARIANT", int(d["batch_invariant"]), 0, 1) == 1,
+            speculative_tokens=_int(env, "SPECULATIVE_TOKENS", d["speculative_tokens"], 0, 64),
             max_body_bytes=_int(env, "MAX_BODY_BYTES", d["max_body_bytes"], 1024, 1 << 30),
             max_prompt_tokens=_int(env, "MAX_PROMPT_TOKENS", d["max_prompt_tokens"], 1, 1 << 24),
             max_n=_int(env, "MAX_N", d["max_n"], 1, 128),
@@ -231,6 +272,9 @@ class Settings:
             ),
             request_timeout_s=_float(
                 env, "REQUEST_TIMEOUT_S", d["request_timeout_s"], 0.001, 86_400.0
+            ),
+            decode_tokens_per_s=_float(
+                env, "DECODE_TOKENS_PER_S", d["decode_tokens_per_s"], 0.001, 1e9
             ),
             heartbeat_s=_float(env, "HEARTBEAT_S", d["heartbeat_s"], 0.01, 3_600.0),
             send_timeout_s=_float(env, "SEND_TIMEOUT_S", d["send_timeout_s"], 0.01, 3_600.0),
@@ -242,7 +286,9 @@ class Settings:
             rate_limit=_rate_limit(env, storage_uri),
             rate_limit_storage_uri=storage_uri,
             trusted_proxies=_int(env, "TRUSTED_PROXIES", d["trusted_proxies"], 0, 32),
+            forwarded_allow_ips=_forwarded_allow_ips(env, d["forwarded_allow_ips"]),
             api_keys=_api_keys(env),
+            auth_failure_limit=_auth_failure_limit(env, storage_uri, _api_keys(env)),
             cors_origins=_cors_origins(env),
             slow_request_s=_float(env, "SLOW_REQUEST_S", d["slow_request_s"], 0.0, 86_400.0),
             stats_db=_str(env, "STATS_DB", default_stats_db(env)),

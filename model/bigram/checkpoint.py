@@ -19,6 +19,7 @@ from model.files import (
     CONFIG_NAME,
     DTYPE_BYTES,
     check_safetensors_header,
+    open_regular,
     read_json_object,
 )
 
@@ -96,7 +97,8 @@ def load_bigram_file(path: str | os.PathLike) -> tuple[np.ndarray, str]:
     """
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open_regular(path) as f:
+            data = f.read()
     except OSError as exc:
         raise ValueError(f"{path}: cannot read weights: {exc}") from exc
     check_safetensors_header(data, path, len(data), F32_ONLY, {BIGRAM_TENSOR: BIGRAM_SHAPE})

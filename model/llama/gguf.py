@@ -33,7 +33,7 @@ from gguf import GGMLQuantizationType
 from model.llama.config import LlamaConfig
 from model.llama.gguf_reader import open_reader, read_metadata
 from model.llama.llama2c import permute_rotary
-from model.llama.model import tensor_shapes
+from model.llama.tensors import tensor_shapes
 
 GGUF_SUFFIX = ".gguf"
 ARCHITECTURE = "llama"

@@ -9,6 +9,20 @@ The file is written atomically: in a build directory of its own beside the final
 loaded), flushed with ``fsync``, then renamed over the final name, then the directory is synced.
 A crash mid-write leaves at most a build directory, which the next build removes. Builders racing
 for the same file serialise on an advisory lock file; the loser finds the finished file and maps it.
+The file is written read-only (mode 0444): nothing is meant to change it in place.
+
+Its metadata carries a SHA-256 of its tensors (:func:`tensors_digest`: names, shapes and bytes), so
+a file whose bytes changed after it was written (a flipped or zeroed block under a valid header) is
+caught when it is mapped, not served: a damaged file (digest, truncation, header) is rebuilt from the
+GGUF with one warning saying why, or, when its directory cannot be written, the weights are
+dequantized in memory for this process with a warning. Checking costs one pass over the file
+(SmolLM2-135M, 538 MB: ~0.25 s on two cores, the tensors hashed in parallel), paid once per file per
+process tree: a process that verified a file remembers its identity (device, inode, size, mtime,
+ctime), and the gunicorn workers it forks inherit that, so they map without hashing again.
+
+A running server maps the file: truncating or rewriting it in place under the server makes its
+workers die of SIGBUS on the next read of a lost page (a rebuild renames a new file over the name,
+which is safe: mapped pages of the old inode stay valid).
 
 Source: the safetensors format (huggingface/safetensors README); POSIX ``rename(2)`` atomicity;
 the XDG Base Directory Specification (``$XDG_CACHE_HOME``, default ``~/.cache``).
@@ -17,10 +31,13 @@ the XDG Base Directory Specification (``$XDG_CACHE_HOME``, default ``~/.cache``)
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +48,20 @@ from model.llama.weights import map_safetensors
 # Bump when the cached tensors change meaning (names, layout, permutation): old files are ignored.
 # Version 2: ``build`` refuses NaN and infinite weights, so a file of this version holds only
 # finite ones; a version-1 file (written unchecked) is rebuilt, and checked, instead of mapped.
+# A file written before content digests (no ``content_sha256`` in its metadata) is rebuilt once.
 FORMAT_VERSION = 2
+_DIGEST_KEY = "content_sha256"
 CACHE_DIR_ENV = "GREENSERVE_CACHE_DIR"
 APP_NAME = "greenserve"
 _SUBDIR = "gguf"
 # Each build writes in a directory of this prefix; one left behind is a crashed build's.
 BUILD_PREFIX = ".build-"
+# Threads hashing tensors while a file is checked (hashlib releases the GIL on large buffers).
+_HASH_THREADS = 4
+# Cache files this process (or the master it was forked from) checked: path -> file identity.
+# A process-wide memo, not app state: it is what lets the workers skip the master's hashing.
+_verified: dict[str, tuple[int, ...]] = {}
+_log = logging.getLogger("greenserve.model")
 
 
 def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -71,7 +96,12 @@ def load_or_build(
     sha256: str,
     build: Callable[[], dict[str, np.ndarray]],
 ) -> tuple[dict[str, np.ndarray], Path]:
-    """Map the cached tensors of a GGUF, building the cache file first when it is missing.
+    """Map the cached tensors of a GGUF, building the cache file first when it is missing or damaged.
+
+    A file that is present but damaged (truncated, bad header, other metadata, or tensors whose
+    digest is not the one recorded when it was written) is rebuilt with one warning naming why;
+    when the directory cannot be written, the tensors are built in memory (private to this
+    process) with a warning instead.
 
     Args:
         cache_dir: The cache directory (created when missing).
@@ -79,43 +109,124 @@ def load_or_build(
         build: Returns the float32 tensors (called only when no valid cache file exists).
 
     Returns:
-        ``(tensors, path)``: name -> read-only float32 array mapped from the cache file, and
-        that file.
+        ``(tensors, path)``: name -> read-only float32 array mapped from the cache file (or
+        built in memory, see above), and that file.
 
     Raises:
-        ValueError: If the cache file cannot be written or read back (names the file).
+        ValueError: If no cache file exists and none can be written, or the file just written
+            cannot be read back (names the file and why).
     """
     path = cache_path(cache_dir, sha256)
-    tensors = _try_map(path, sha256)
+    tensors, damage = _try_map(path, sha256)
     if tensors is not None:
         return tensors, path
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_name(path.name + ".lock"), "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            tensors = _try_map(path, sha256)  # another process may have built it meanwhile
+            tensors, _ = _try_map(path, sha256)  # another process may have rebuilt it meanwhile
             if tensors is None:
                 _remove_stale_builds(path.parent)
                 _write_atomically(path, build(), sha256)
-                tensors = _try_map(path, sha256)
+                if damage is not None:  # one line, once the outcome is known
+                    _log.warning(
+                        "%s: weights cache damaged (%s); rebuilt it from the GGUF",
+                        path,
+                        damage,
+                        extra={"weights_cache": str(path), "damage": damage},
+                    )
+                tensors, damage = _try_map(path, sha256)
     except OSError as exc:
-        raise ValueError(f"{path}: cannot write the weights cache: {exc}") from exc
+        if damage is None:
+            raise ValueError(
+                f"{path}: cannot write the weights cache in {path.parent}: "
+                f"{exc.strerror or exc} (set GREENSERVE_CACHE_DIR to a writable directory)"
+            ) from exc
+        # A damaged file that cannot be replaced is never mapped: this process dequantizes.
+        _log.warning(
+            "%s: weights cache damaged (%s) and cannot be rebuilt (%s: %s); "
+            "dequantizing in memory, each worker its own copy",
+            path,
+            damage,
+            path.parent,
+            exc.strerror or exc,
+            extra={"weights_cache": str(path), "damage": damage},
+        )
+        return _read_only(build()), path
     if tensors is None:
-        raise ValueError(f"{path}: the weights cache file just written cannot be read back")
+        raise ValueError(
+            f"{path}: the weights cache file just written cannot be read back ({damage})"
+        )
     return tensors, path
 
 
-def _try_map(path: Path, sha256: str) -> dict[str, np.ndarray] | None:
-    """Map the cache file, or return None when it is absent or not a complete, matching file."""
-    if not path.is_file():
-        return None
-    try:
-        tensors = map_safetensors(path)
-    except (ValueError, OSError):
-        return None  # a damaged file is rebuilt, never served
-    if _metadata(path) != _expected_metadata(sha256):
-        return None
+def tensors_digest(tensors: Mapping[str, np.ndarray]) -> str:
+    """Return the SHA-256 (lower-case hex) of tensors: names, dtypes, shapes and bytes.
+
+    Each tensor is hashed on its own (in parallel threads), then the per-tensor digests in name
+    order, so the result does not depend on how a file lays the tensors out.
+
+    Args:
+        tensors: Name -> C-contiguous array (any dtype, any shape).
+
+    Returns:
+        64 lower-case hex digits.
+    """
+
+    def one(name: str) -> bytes:
+        array = tensors[name]
+        h = hashlib.sha256(f"{name}\0{array.dtype.str}\0{array.shape}\0".encode())
+        h.update(memoryview(np.ascontiguousarray(array)).cast("B"))
+        return h.digest()
+
+    names = sorted(tensors)
+    with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:
+        digests = list(pool.map(one, names))
+    return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+def _read_only(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Mark in-memory tensors read-only, as mapped ones are."""
+    for array in tensors.values():
+        array.flags.writeable = False
     return tensors
+
+
+def _identity(path: Path) -> tuple[int, ...]:
+    """Return what names one version of a file: device, inode, size, mtime and ctime (ns)."""
+    st = path.stat()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _try_map(path: Path, sha256: str) -> tuple[dict[str, np.ndarray] | None, str | None]:
+    """Map the cache file if it is complete and matches; else say why not.
+
+    Returns:
+        ``(tensors, None)`` for a good file; ``(None, None)`` when there is no file;
+        ``(None, why)`` for a damaged one (``why`` in a few words, for the log).
+    """
+    if not path.exists():
+        return None, None
+    if not path.is_file():
+        return None, "not a regular file"
+    try:
+        identity = _identity(path)
+        tensors = map_safetensors(path)
+    except (ValueError, OSError) as exc:
+        return None, f"unreadable: {exc}"  # truncated or a bad header: rebuilt, never served
+    metadata = _metadata(path) or {}
+    expected = _expected_metadata(sha256)
+    recorded = metadata.pop(_DIGEST_KEY, None)
+    if metadata != expected:
+        return None, f"metadata {metadata} is not {expected}"
+    if recorded is None:
+        return None, "no content digest recorded"
+    if _verified.get(str(path)) != identity:
+        actual = tensors_digest(tensors)
+        if actual != recorded:
+            return None, f"content digest {actual[:16]}… is not the recorded {recorded[:16]}…"
+        _verified[str(path)] = identity
+    return tensors, None
 
 
 def _metadata(path: Path) -> dict[str, str] | None:
@@ -146,11 +257,14 @@ def _write_atomically(path: Path, tensors: dict[str, np.ndarray], sha256: str) -
     """
     build_dir = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{BUILD_PREFIX}{path.name}."))
     tmp = build_dir / path.name
+    metadata = {**_expected_metadata(sha256), _DIGEST_KEY: tensors_digest(tensors)}
     try:
-        safetensors.numpy.save_file(tensors, str(tmp), metadata=_expected_metadata(sha256))
+        safetensors.numpy.save_file(tensors, str(tmp), metadata=metadata)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # workers may run as another user than the builder
+        # Read-only for everyone (workers may run as another user than the builder): the file
+        # is mapped by running servers and must never be changed in place.
+        os.chmod(tmp, 0o444)
         os.replace(tmp, path)
     finally:
         shutil.rmtree(build_dir, ignore_errors=True)

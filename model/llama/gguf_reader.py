@@ -11,6 +11,7 @@ Source: the GGUF specification (ggml-org/ggml ``docs/gguf.md``: ``gguf_metadata_
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 MAX_ARRAY_LEN = 1 << 20
 # ggml's GGML_MAX_DIMS: a tensor has at most four dimensions.
 MAX_TENSOR_DIMS = 4
+# ggml counts a tensor's elements in an int64: a shape whose product reaches 2**63 overflows it.
+_MAX_ELEMENTS = 1 << 63
 
 
 def open_reader(path: Path) -> GGUFReader:
@@ -113,10 +116,17 @@ class _CheckedReader(GGUFReader):
                 _, name, _, dims, raw_type, offset = field.parts
                 qtype = GGMLQuantizationType(int(raw_type[0]))
                 block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
-                end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_bytes // block
+                shape = [int(d) for d in dims]
+                count = math.prod(shape)  # Python ints: numpy's product would wrap at 2**64
+                end = start_offs + int(offset[0]) + count * type_bytes // block
                 label = bytes(name).decode("utf-8", "replace")
             except Exception:  # let the reader itself report what it does not understand
                 break
+            if count >= _MAX_ELEMENTS:
+                raise ValueError(
+                    f"{self.data.filename}: tensor {label!r}: shape {shape} holds {count} "
+                    "elements, which overflows a 64-bit size (a corrupt or forged header)"
+                )
             if end > size:
                 raise ValueError(
                     f"{self.data.filename}: tensor {label!r}: data ends at byte {end} but the "

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
@@ -25,88 +24,10 @@ from model.llama.config import LlamaConfig
 from model.llama.kv_cache import KVCache
 from model.llama.matmul import matmul_t
 from model.llama.ops import apply_rope, rmsnorm, silu
+from model.llama.tensors import LayerWeights, check_tensors, layer_weights, tensor_shapes
 from model.llama.weights import load_weights
 
-# Buffers some checkpoints carry that the forward pass recomputes instead.
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class LayerWeights:
-    """One transformer block's read-only float32 weights (``[out, in]`` matrices).
-
-    Attributes:
-        rms_att: ``(dim,)`` RMSNorm weight before attention (``input_layernorm``).
-        wq: ``(n_heads * head_dim, dim)`` query projection.
-        wk: ``(n_kv_heads * head_dim, dim)`` key projection.
-        wv: ``(n_kv_heads * head_dim, dim)`` value projection.
-        wo: ``(dim, n_heads * head_dim)`` attention output projection.
-        rms_ffn: ``(dim,)`` RMSNorm weight before the MLP (``post_attention_layernorm``).
-        w1: ``(hidden_dim, dim)`` SwiGLU gate (``gate_proj``).
-        w2: ``(dim, hidden_dim)`` SwiGLU down projection (``down_proj``).
-        w3: ``(hidden_dim, dim)`` SwiGLU up projection (``up_proj``).
-    """
-
-    rms_att: np.ndarray
-    wq: np.ndarray
-    wk: np.ndarray
-    wv: np.ndarray
-    wo: np.ndarray
-    rms_ffn: np.ndarray
-    w1: np.ndarray
-    w2: np.ndarray
-    w3: np.ndarray
-
-
-def tensor_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Return every tensor a Hugging Face Llama checkpoint must hold, with its shape.
-
-    ``lm_head.weight`` is included only when the head is not tied to the embedding.
-    """
-    c = config
-    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.dim)}
-    for i in range(c.n_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (c.dim,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_dim, c.dim)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_dim, c.dim)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_dim, c.dim)
-        shapes[p + "self_attn.o_proj.weight"] = (c.dim, q_dim)
-        shapes[p + "post_attention_layernorm.weight"] = (c.dim,)
-        shapes[p + "mlp.gate_proj.weight"] = (c.hidden_dim, c.dim)
-        shapes[p + "mlp.down_proj.weight"] = (c.dim, c.hidden_dim)
-        shapes[p + "mlp.up_proj.weight"] = (c.hidden_dim, c.dim)
-    shapes["model.norm.weight"] = (c.dim,)
-    if not c.tie_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.dim)
-    return shapes
-
-
-def check_tensors(
-    tensors: dict[str, np.ndarray], config: LlamaConfig, where: str
-) -> dict[str, np.ndarray]:
-    """Check names and shapes against the config; return exactly the tensors the model uses.
-
-    Raises:
-        ValueError: Naming the first missing tensor, a tensor with the wrong shape, or a
-            tensor the architecture does not have (``lm_head.weight`` is tolerated and unused
-            when the head is tied).
-    """
-    shapes = tensor_shapes(config)
-    for name, shape in shapes.items():
-        if name not in tensors:
-            raise ValueError(f"{where}: missing tensor {name!r}")
-        if tensors[name].shape != shape:
-            raise ValueError(
-                f"{where}: tensor {name!r} has shape {list(tensors[name].shape)}, "
-                f"expected {list(shape)}"
-            )
-    for name in tensors:
-        tolerated = name.endswith(_IGNORED_SUFFIXES) or name == "lm_head.weight"
-        if name not in shapes and not tolerated:
-            raise ValueError(f"{where}: unexpected tensor {name!r} (not part of a Llama model)")
-    return {name: tensors[name] for name in shapes}
+__all__ = ["Llama", "LayerWeights", "check_tensors", "tensor_shapes"]
 
 
 class Llama:
@@ -129,7 +50,9 @@ class Llama:
         """
         self.config = config
         self.tok_embeddings = tensors["model.embed_tokens.weight"]
-        self.layers = tuple(_layer(tensors, f"model.layers.{i}.") for i in range(config.n_layers))
+        self.layers = tuple(
+            layer_weights(tensors, f"model.layers.{i}.") for i in range(config.n_layers)
+        )
         self.rms_final = tensors["model.norm.weight"]
         self.wcls = self.tok_embeddings if config.tie_embeddings else tensors["lm_head.weight"]
         # inv_freq_j = theta^(-2j / head_dim), rounded to float32 as both references keep it.
@@ -298,10 +221,59 @@ class Llama:
         x, ends = self._hidden(chunks, caches, batch_invariant)
         return self._head(np.ascontiguousarray(x[ends - 1]), batch_invariant)
 
+    def step(
+        self,
+        prompts: Sequence[Sequence[int]],
+        prompt_caches: Sequence[KVCache],
+        decodes: Sequence[Sequence[int]],
+        decode_caches: Sequence[KVCache],
+        batch_invariant: bool = True,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Run one scheduling step: prompt chunks, and decode chunks whose every row is a decode.
+
+        A decode chunk is a decoding sequence's newest token, optionally followed by tokens drafted
+        after it (:mod:`model.llama.speculative`): its row ``i`` takes position
+        ``cache.length + i`` and is computed with the arithmetic of a one-token decode at that
+        position (:class:`~model.llama.attend.StepAttention`), so its logits are the bits
+        :meth:`decode` would give once the tokens before it had been decoded one by one. The
+        cache's ``length`` advances by every chunk's size; a caller that rejects drafted rows
+        takes them back (the keys and values past ``length`` are never read).
+
+        Args:
+            prompts: Prompt chunks (one or more tokens each), as :meth:`forward`.
+            prompt_caches: One distinct cache per prompt chunk.
+            decodes: Decode chunks (one or more tokens each).
+            decode_caches: One distinct cache per decode chunk.
+            batch_invariant: As :meth:`forward`.
+
+        Returns:
+            ``(len(prompts), vocab_size)`` float32 logits after each prompt chunk's last token, and
+            ``(R, vocab_size)`` float32 logits after every row of the decode chunks, in order
+            (``R`` is their total size).
+
+        Raises:
+            ValueError: As :meth:`forward`.
+        """
+        verify = [False] * len(prompts) + [True] * len(decodes)
+        x, ends = self._hidden(
+            [*prompts, *decodes], [*prompt_caches, *decode_caches], batch_invariant, verify
+        )
+        p = len(prompts)
+        first_decode_row = int(ends[p - 1]) if p else 0
+        rows = np.concatenate([ends[:p] - 1, np.arange(first_decode_row, int(ends[-1]))])
+        logits = self._head(np.ascontiguousarray(x[rows]), batch_invariant)
+        return logits[:p], logits[p:]
+
     def _hidden(
-        self, chunks: Sequence[Sequence[int]], caches: Sequence[KVCache], batch_invariant: bool
+        self,
+        chunks: Sequence[Sequence[int]],
+        caches: Sequence[KVCache],
+        batch_invariant: bool,
+        verify: Sequence[bool] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Run the blocks over the chunks' tokens, concatenated.
+
+        ``verify`` marks the chunks whose rows are decode rows (see :meth:`step`).
 
         Returns:
             The ``(T, dim)`` hidden states and ``(len(chunks),)`` int64 end rows of the chunks.
@@ -319,7 +291,7 @@ class Llama:
         x = self.tok_embeddings[np.concatenate(ids)]  # (T, dim)
         positions = [s + np.arange(n) for s, n in zip(starts, sizes, strict=True)]
         cos, sin = self._rope(np.concatenate(positions))
-        attend = StepAttention(caches, sizes, ends)
+        attend = StepAttention(caches, sizes, ends, verify)
         for layer_index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin, batch_invariant)
             x = self._block_tail(layer, x, attend(layer_index, q, k, v), batch_invariant)
@@ -393,18 +365,3 @@ class Llama:
             raise ValueError(
                 f"KV cache full: {cache.length} + {n_new} tokens exceed {cache.capacity}"
             )
-
-
-def _layer(tensors: dict[str, np.ndarray], prefix: str) -> LayerWeights:
-    """Collect one block's tensors."""
-    return LayerWeights(
-        rms_att=tensors[prefix + "input_layernorm.weight"],
-        wq=tensors[prefix + "self_attn.q_proj.weight"],
-        wk=tensors[prefix + "self_attn.k_proj.weight"],
-        wv=tensors[prefix + "self_attn.v_proj.weight"],
-        wo=tensors[prefix + "self_attn.o_proj.weight"],
-        rms_ffn=tensors[prefix + "post_attention_layernorm.weight"],
-        w1=tensors[prefix + "mlp.gate_proj.weight"],
-        w2=tensors[prefix + "mlp.down_proj.weight"],
-        w3=tensors[prefix + "mlp.up_proj.weight"],
-    )

@@ -62,7 +62,15 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]  # (n, half) -> (n, 1, half), broadcast over heads
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    # each half written in place: the same roundings (product, product, then the sum) as
+    # concatenating the two expressions, without their temporaries and the copy
+    out = np.empty_like(x)
+    lo, hi = out[..., :half], out[..., half:]
+    np.multiply(x1, c, out=lo)
+    lo -= x2 * s
+    np.multiply(x2, c, out=hi)
+    hi += x1 * s
+    return out
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
@@ -117,8 +125,20 @@ def attention_chunk(group: int, head_dim: int, block: int) -> int:
     return block * max(1, min(1200 // group, 1_000_000 // (group * head_dim)) // block)
 
 
+def unseen_positions(lengths: np.ndarray, block: int) -> np.ndarray:
+    """Return the ``(n, rows)`` bool mask of the positions each sequence does not see in
+    :func:`decode_attention` (``rows``: the longest length rounded up to whole ``block``s)."""
+    rows = -(-int(lengths.max()) // block) * block
+    return np.arange(rows)[None, :] >= lengths[:, None]
+
+
 def decode_attention(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: np.ndarray, block: int
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    lengths: np.ndarray,
+    block: int,
+    unseen: np.ndarray | None = None,
 ) -> np.ndarray:
     """Attention of one new query per sequence over that sequence's keys, for many sequences at once.
 
@@ -136,6 +156,8 @@ def decode_attention(
         v: ``(n, n_kv_heads, rows, head_dim)`` float32 values, likewise.
         lengths: ``(n,)`` int: positions each sequence sees (its newest included), at least 1.
         block: Positions per block (the padding unit).
+        unseen: :func:`unseen_positions` of ``lengths`` when the caller has it (the same for every
+            layer of a pass), else computed here.
 
     Returns:
         ``(n, n_heads * head_dim)`` float32, heads concatenated in order.
@@ -158,7 +180,8 @@ def decode_attention(
         for c0 in range(0, rows, chunk):
             keys = k[:, :, c0 : c0 + chunk].swapaxes(-1, -2)  # (n, Hkv, hd, chunk)
             np.matmul(qg, keys, out=scores[..., c0 : c0 + chunk])
-    unseen = np.arange(rows)[None, :] >= lengths[:, None]  # (n, rows)
+    if unseen is None:
+        unseen = unseen_positions(lengths, block)  # (n, rows)
     np.copyto(scores, -np.inf, where=unseen[:, None, None, :])
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)

@@ -23,6 +23,7 @@ Source: docs/ARCHITECTURE.md §5; Yu et al., "Orca" (OSDI 2022) for iteration-le
 
 from __future__ import annotations
 
+import time
 from collections import abc
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ from model.engine import (
 from model.grammar.matcher import ConstraintError, TokenMatcher, allowed_rows
 from model.llama.kv_cache import KVCache, KVPool
 from model.llama.model import Llama
+from model.llama.speculative import SpecState, Speculator, accept
 from model.pcg32 import PCG32
 from model.sampling import sample
 
@@ -72,6 +74,7 @@ class Sequence:
     steps: list[Any] = field(default_factory=list)
     matcher: TokenMatcher | None = None  # the request's grammar state (structured outputs)
     allowed: np.ndarray | None = None  # this step's mask from the grammar, (vocab_size,) bool
+    spec: SpecState | None = None  # drafting state, when the scheduler speculates
 
 
 class BatchScheduler:
@@ -86,6 +89,9 @@ class BatchScheduler:
             first; at least one chunk).
         batch_invariant: decode each sequence to the same bits whatever the batch
             (``BATCH_INVARIANT``; see :meth:`model.llama.model.Llama.decode`).
+        speculative_tokens: most tokens a decoding sequence drafts per step
+            (``SPECULATIVE_TOKENS``, :mod:`model.llama.speculative`); 0 turns speculation off. It
+            changes how many tokens a step yields, never which.
     """
 
     def __init__(
@@ -96,6 +102,7 @@ class BatchScheduler:
         prefill_chunk: int = 128,
         batch_invariant: bool = True,
         prefill_budget: int = 256,
+        speculative_tokens: int = 0,
     ) -> None:
         self.model = model
         self.eos_ids = frozenset(eos_ids)
@@ -104,6 +111,7 @@ class BatchScheduler:
         self.batch_invariant = batch_invariant
         self.prefill_budget = prefill_budget
         self.live: list[Sequence] = []
+        self.speculator = Speculator(speculative_tokens)
         c = model.config
         self.pool = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, c.max_seq_len)
 
@@ -172,6 +180,8 @@ class BatchScheduler:
                 seq.counts = np.zeros(self.model.vocab_size, np.int64)
             if req.grammar is not None:
                 seq.matcher = req.grammar.matcher()
+            if self.speculator.max_tokens:
+                seq.spec = SpecState(req.prompt_ids)
             self.live.append(seq)
         return seq
 
@@ -194,6 +204,11 @@ class BatchScheduler:
         """True when no sequence needs work."""
         return not self.live
 
+    @property
+    def speculated(self) -> tuple[int, int]:
+        """Tokens drafted (and verified) and drafted tokens accepted so far."""
+        return self.speculator.drafted, self.speculator.accepted
+
     def step(self) -> list[Sequence]:
         """Run one scheduling step; return the sequences that produced output.
 
@@ -210,24 +225,47 @@ class BatchScheduler:
         )
         if not decoding and not chosen:
             return []
-        chunks = spans + [[s.last_token] for s in decoding]
-        logits = self.model.forward(
-            chunks, [s.cache for s in chosen + decoding], self.batch_invariant
+        drafts = self._drafts(decoding, sum(len(span) for span in spans))
+        t0 = time.perf_counter()
+        prompt_logits, decode_logits = self.model.step(
+            spans,
+            [s.cache for s in chosen],
+            [[s.last_token, *draft] for s, draft in zip(decoding, drafts, strict=True)],
+            [s.cache for s in decoding],
+            self.batch_invariant,
         )
+        if not chosen:  # a pure decode step: what its rows cost, for the drafts' plan
+            self.speculator.observe(len(decode_logits), time.perf_counter() - t0)
         for seq, span in zip(chosen, spans, strict=True):
             seq.prefilled += len(span)
-        emitting = [s for s in chosen if s.prefilled == len(s.req.prompt_ids)] + decoding
-        _masks(emitting)
+        # The first row of every constrained sequence of the step gets its mask in one call; a
+        # verify chunk's later rows get theirs one by one, after the tokens before them (_emit).
+        _masks([s for s in chosen if s.prefilled == len(s.req.prompt_ids)] + decoding)
         touched: list[Sequence] = []
-        for seq, row in zip(chosen, logits, strict=False):
+        for seq, row in zip(chosen, prompt_logits, strict=True):
             if seq.prefilled == len(seq.req.prompt_ids):
                 self._emit(seq, row)
                 touched.append(seq)
-        for seq, row in zip(decoding, logits[len(chosen) :], strict=True):
-            self._emit(seq, row)
+        row = 0
+        for seq, draft in zip(decoding, drafts, strict=True):
+            rows = decode_logits[row : row + 1 + len(draft)]
+            row += len(rows)
+            if draft:
+                n_accepted = accept(seq, draft, rows, self._emit)
+                self.speculator.record(seq.spec, len(draft), n_accepted)
+            else:
+                self._emit(seq, rows[0])
             touched.append(seq)
         self.live = [s for s in self.live if not s.done]
         return touched
+
+    def _drafts(self, decoding: list[Sequence], prompt_rows: int) -> list[list[int]]:
+        """Return each decoding sequence's drafted tokens for this step (see :class:`Speculator`)."""
+        if not self.speculator.max_tokens or not decoding:
+            return [[] for _ in decoding]
+        budgets = [s.n_tokens - s.produced - 1 for s in decoding]  # the last token is never fed
+        states = [s.spec for s in decoding]
+        return self.speculator.plan(states, budgets, prompt_rows + len(decoding))  # type: ignore[arg-type]
 
     def _prefill_spans(
         self, prefilling: list[Sequence]
@@ -249,7 +287,12 @@ class BatchScheduler:
     def _emit(self, seq: Sequence, logits: np.ndarray) -> None:
         req = seq.req
         try:
-            allowed = None if seq.matcher is None else seq.matcher.check(seq.allowed)
+            allowed = None
+            if seq.matcher is not None:
+                # The step's batched mask serves its first row; a verify chunk's later rows follow
+                # the tokens emitted before them, so each asks the matcher anew.
+                mask, seq.allowed = seq.allowed, None
+                allowed = seq.matcher.allowed() if mask is None else seq.matcher.check(mask)
             token_id = sample(logits, req.params, seq.rng, seq.counts, allowed)
             complete = (
                 seq.matcher is not None
@@ -274,6 +317,8 @@ class BatchScheduler:
             reason = "length"
         seq.steps.append(make_step(token_id, logits, req.logprobs, reason))
         seq.last_token = token_id
+        if seq.spec is not None:
+            seq.spec.drafter.push(token_id)
         if reason is not None or last:
             self._finish(seq)
 

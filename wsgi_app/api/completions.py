@@ -141,6 +141,13 @@ def _prompt(value: Any, max_prompt_tokens: int, tokenizer: TextTokenizer, where:
         check_unicode(value, "prompt")
         if not value:
             raise invalid(f"'{where}' must not be empty.", "prompt")
+        if isinstance(tokenizer, ByteTokenizer):
+            # One token a byte: the length decides before a million-int list is built.
+            n_bytes = len(value.encode("utf-8"))
+            if n_bytes > max_prompt_tokens:
+                raise invalid(
+                    f"'{where}' is {n_bytes} tokens; the limit is {max_prompt_tokens}.", "prompt"
+                )
         ids = tuple(tokenizer.encode(value))
         text = value
     elif isinstance(value, list) and value and all(is_int(t) for t in value):

@@ -91,6 +91,7 @@ def integer_field(
     if value is None:
         return default
     if not is_int(value):
+        _refuse_overflow(value, name, f"an integer in {lo}..{hi}")
         raise invalid(f"'{name}' must be an integer, got {type(value).__name__}.", name)
     if not lo <= value <= hi:
         raise invalid(f"'{name}' must be in {lo}..{hi}, got {value}.", name)
@@ -102,10 +103,25 @@ def number_field(body: dict[str, Any], name: str, default: float, lo: float, hi:
     if value is None:
         return default
     if not is_number(value):
+        _refuse_overflow(value, name, f"a number in {lo:g}..{hi:g}")
         raise invalid(f"'{name}' must be a number, got {type(value).__name__}.", name)
     if not lo <= value <= hi:
         raise invalid(f"'{name}' must be in {lo:g}..{hi:g}, got {value}.", name)
     return float(value)
+
+
+def _refuse_overflow(value: Any, name: str, wanted: str) -> None:
+    """Name the fault of a JSON number too large for a double (``1e400`` parses to infinity).
+
+    Raises:
+        ApiError: 400 naming ``name`` when ``value`` is an infinite float.
+    """
+    if isinstance(value, float) and math.isinf(value):
+        raise invalid(
+            f"'{name}' must be {wanted}, got a number too large to represent "
+            "(it overflows a 64-bit float).",
+            name,
+        )
 
 
 def boolean_field(body: dict[str, Any], name: str) -> bool:

@@ -145,8 +145,9 @@ class Admission:
         if not can_ever_fit(kv_bytes, self.kv_budget_bytes):
             raise invalid(
                 f"This request may hold {_mib(kv_bytes)} MiB of KV cache (n x (prompt tokens + "
-                f"max_tokens)), more than this server's budget of {_mib(self.kv_budget_bytes)} MiB "
-                "per worker. Reduce 'max_tokens', the prompt or 'n'.",
+                "max_tokens), summed over its prompts), more than this server's budget of "
+                f"{_mib(self.kv_budget_bytes)} MiB per worker. Reduce 'max_tokens', the prompts "
+                "or 'n'.",
                 "max_tokens",
             )
         ticket = Ticket(self, request_id, deadline, kv_bytes)

@@ -10,6 +10,7 @@ Source: docs/ARCHITECTURE.md §9 (admission and stream lifetime).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +20,10 @@ from model.engine import Engine
 from model.loader import LoadedModel
 from wsgi_app.generation.admission import Admission
 from wsgi_app.settings import Settings
+
+# The share of REQUEST_TIMEOUT_S that decoding at the measured best pace may fill: a request needing
+# more cannot finish in time (a served token also costs sampling, scheduling and shared steps).
+DEADLINE_HEADROOM = 0.75
 
 
 class StopClock:
@@ -53,6 +58,8 @@ class GenerationContext:
         stop: when in-flight generations must end.
         engine_ok: False once the engine failed in a way that leaves it untrustworthy (readiness
             turns off).
+        decode_tokens_per_s: the best decode pace of one sequence, tokens per second
+            (``DECODE_TOKENS_PER_S``, else measured at worker start; ``math.inf`` for the bigram).
     """
 
     settings: Settings
@@ -62,6 +69,20 @@ class GenerationContext:
     model_version: str
     stop: StopClock = field(default_factory=StopClock)
     engine_ok: bool = True
+    decode_tokens_per_s: float = math.inf
+
+    @property
+    def feasible_max_tokens(self) -> int | None:
+        """Return the most tokens a choice can generate before ``REQUEST_TIMEOUT_S``, or None.
+
+        ``DEADLINE_HEADROOM`` of the deadline at the best decode pace (the rest is left for the
+        prompt, sampling and the neighbours a step is shared with). None when nothing bounds it
+        (the bigram).
+        """
+        if math.isinf(self.decode_tokens_per_s):
+            return None
+        budget_s = self.settings.request_timeout_s * DEADLINE_HEADROOM
+        return max(1, int(self.decode_tokens_per_s * budget_s))
 
     def stop_in(self, stop_in_s: float) -> None:
         """Set the stop time ``stop_in_s`` seconds from now (once: a second call changes nothing),

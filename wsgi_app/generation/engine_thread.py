@@ -59,6 +59,8 @@ class ThreadedEngine:
         on_idle: called on the engine thread each time the last sequence leaves; by default it
             returns the freed C heap to the system (rate-limited, see :mod:`wsgi_app.server.heap`), so
             an idle worker does not keep a burst's memory.
+        on_speculated: called on the engine thread after a step that verified drafted tokens, with
+            how many were drafted and how many accepted (the metrics' counters).
     """
 
     def __init__(
@@ -67,8 +69,11 @@ class ThreadedEngine:
         tick_s: float = 0.25,
         idle_s: float = 1.0,
         on_idle: Callable[[], Any] | None = None,
+        on_speculated: Callable[[int, int], None] | None = None,
     ) -> None:
         self._scheduler = scheduler
+        self._on_speculated = on_speculated
+        self._speculated = (0, 0)  # the speculator's counts last reported
         self._on_idle = HeapTrimmer() if on_idle is None else on_idle
         self._pending_trim = False
         self.tick_s = tick_s
@@ -184,6 +189,14 @@ class ThreadedEngine:
                     self._outbox.append((seq.handle, item))
                 seq.steps.clear()
             self._watcher.send()
+            self._report_speculation()
+
+    def _report_speculation(self) -> None:
+        now = self._scheduler.speculated
+        if self._on_speculated is None or now == self._speculated:
+            return
+        (drafted, accepted), self._speculated = self._speculated, now
+        self._on_speculated(now[0] - drafted, now[1] - accepted)
 
     def _post(self, stream: _Stream, item: Any) -> None:
         self._outbox.append((stream, item))

@@ -22,7 +22,7 @@ import time
 from collections.abc import Generator, Iterator
 
 from wsgi_app.api.completions import CompletionRequest
-from wsgi_app.api.errors import ApiError, error_body, unavailable
+from wsgi_app.api.errors import ApiError, error_body, invalid, unavailable
 from wsgi_app.generation.admission import Ticket
 from wsgi_app.generation.completion import Completion
 from wsgi_app.generation.context import GenerationContext
@@ -58,6 +58,28 @@ def engine_error(ctx: GenerationContext, exc: BaseException) -> ApiError:
         ctx.engine_ok = False
     return ApiError(
         500, f"Generation failed: {type(exc).__name__}.", type="server_error", code="engine_error"
+    )
+
+
+def _refuse_infeasible(ctx: GenerationContext, max_tokens: int) -> None:
+    """Refuse a request whose ``max_tokens`` cannot be generated before its deadline.
+
+    Even at the worker's best decode pace (measured at start, ``DECODE_TOKENS_PER_S``) such a
+    request would run until ``REQUEST_TIMEOUT_S`` and end in a 504 (or a stream's error event)
+    after a minute of work; it is a 400 before any instead.
+
+    Raises:
+        ApiError: 400 naming ``max_tokens``, with the pace and the most that fits.
+    """
+    most = ctx.feasible_max_tokens
+    if most is None or max_tokens <= most:
+        return
+    raise invalid(
+        f"'max_tokens' {max_tokens} cannot finish within this server's deadline of "
+        f"{ctx.settings.request_timeout_s:g} s (REQUEST_TIMEOUT_S): a choice decodes at most "
+        f"~{ctx.decode_tokens_per_s:.1f} tokens/s here, so at most {most} tokens fit. "
+        "Lower 'max_tokens' (or ask the operator to raise REQUEST_TIMEOUT_S).",
+        "max_tokens",
     )
 
 
@@ -103,7 +125,11 @@ def admit(
     if ctx.stop.passed(time.perf_counter()):
         raise unavailable("Server is shutting down.")
     deadline = record.started + settings.request_timeout_s
-    kv_bytes = ctx.model.kv_reservation_bytes(len(req.prompt_ids), req.max_tokens, req.n)
+    _refuse_infeasible(ctx, req.max_tokens)
+    # Every prompt of a batch runs its n choices at once: the reservation is their sum.
+    kv_bytes = sum(
+        ctx.model.kv_reservation_bytes(len(p.ids), req.max_tokens, req.n) for p in req.prompts()
+    )
     ticket = ctx.admission.admit(record.request_id, deadline, kv_bytes)
     tune_socket(sock, settings.send_timeout_s)
     pacer = Pacer.make(record, deadline, ctx.stop, ctx.admission, settings.request_timeout_s)

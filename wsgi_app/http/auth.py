@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from flask import Flask, g, request
 
 from wsgi_app.api.errors import ApiError
-from wsgi_app.http.client_identity import key_digest
+from wsgi_app.http.auth_failures import AuthFailures
+from wsgi_app.http.client_identity import client_address, key_digest
 
 API_PREFIX = "/v1/"
 STREAM_PATHS = ("/v1/completions", "/v1/chat/completions")  # the EventSource streams
@@ -88,13 +89,19 @@ def presented_key() -> str | None:
     return token
 
 
-def install(app: Flask, api_keys: Sequence[str]) -> None:
+def install(app: Flask, api_keys: Sequence[str], failures: AuthFailures | None = None) -> None:
     """Guard the API routes of ``app`` with ``api_keys``; do nothing when there are none.
 
     Register this before the rate limiter, so a request is known (or refused) before it is counted.
 
+    Args:
+        app: the app.
+        api_keys: the accepted keys (``API_KEYS``).
+        failures: where wrong keys are counted per address (``AUTH_FAILURE_LIMIT``), or None.
+
     Raises:
-        ApiError: (from the hook) 401 ``invalid_api_key`` for a missing or wrong key.
+        ApiError: (from the hook) 401 ``invalid_api_key`` for a missing or wrong key; 429
+            ``too_many_auth_failures`` for a key from an address past ``AUTH_FAILURE_LIMIT``.
     """
     if not api_keys:
         return
@@ -107,6 +114,11 @@ def install(app: Flask, api_keys: Sequence[str]) -> None:
         key = presented_key()
         if key is None:
             raise missing_key()
+        address = client_address() if failures is not None else ""
+        if failures is not None:
+            failures.check(address)  # before the key: a right guess past the budget is refused too
         if not key_matches(key, digests):
+            if failures is not None:
+                failures.failed(address)
             raise invalid_key()
         g.record.api_key_digest = key_digest(key)  # the client identity (client_identity.py)

@@ -25,7 +25,7 @@ from telemetry.otlp import NullExporter, SpanExporter
 from telemetry.spans import start_server_span
 from wsgi_app.api.errors import ApiError
 from wsgi_app.generation.record import RequestRecord
-from wsgi_app.http.client_identity import forwarded_client
+from wsgi_app.http.client_identity import client_address
 from wsgi_app.http.runtime import runtime
 
 # A client cut for not reading is the client's doing, not a failure: a warning, not an error.
@@ -58,9 +58,7 @@ def _begin() -> None:
     if rule:
         span.attributes["http.route"] = rule
     settings = runtime().settings
-    peer = forwarded_client(
-        request.remote_addr, request.headers.get("X-Forwarded-For"), settings.trusted_proxies
-    )
+    peer = client_address()
     g.record = RequestRecord(
         request_id=rid,
         span=span,

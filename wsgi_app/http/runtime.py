@@ -17,6 +17,7 @@ from gevent.threadpool import ThreadPool
 
 from model.engine import Engine
 from model.loader import LoadedModel
+from model.tokenizer import ByteTokenizer
 from telemetry.observer import Observer
 from wsgi_app.generation.admission import Admission
 from wsgi_app.generation.context import GenerationContext
@@ -25,6 +26,8 @@ from wsgi_app.settings import Settings
 
 EXTENSION = "greenserve"
 RENDER_THREADS = 2
+# Prompts longer than this (characters) are tokenized on the render pool, not on the hub.
+INLINE_ENCODE_CHARS = 4096
 T = TypeVar("T")
 DRAIN_FILE = "greenserve-drained"  # in PROMETHEUS_MULTIPROC_DIR: see Runtime.drain_path
 
@@ -53,6 +56,8 @@ class Runtime:
             :meth:`offload`), made on first use.
         after_answers: told when a generation request's answer is written, to give the freed heap
             back once the worker is idle (``wsgi_app.server.heap.AfterAnswers``), or None.
+        health_port: the port of the health socket (gunicorn's second bind), or None; set by
+            ``gunicorn_config.post_worker_init``.
         grammars: the structured-output compiler (``wsgi_app.generation.grammars``), made on
             first use.
         generation: what every generation runs with (``settings``, ``model``, ``engine``,
@@ -74,6 +79,7 @@ class Runtime:
     chat_template: Any = None
     render_pool: Any = field(default=None, repr=False)
     after_answers: Any = field(default=None, repr=False)
+    health_port: int | None = None
     grammars: Any = field(default=None, repr=False)
     generation: GenerationContext = field(init=False, repr=False)
 
@@ -88,6 +94,11 @@ class Runtime:
         return self.generation.engine_ok
 
     @property
+    def feasible_max_tokens(self) -> int | None:
+        """Return the most tokens a choice can generate before its deadline (``GenerationContext``)."""
+        return self.generation.feasible_max_tokens
+
+    @property
     def stop_at(self) -> float | None:
         """``perf_counter`` time by which in-flight streams must end (set on SIGTERM), or None."""
         return self.generation.stop.stop_at
@@ -99,9 +110,20 @@ class Runtime:
             "max_prompt_tokens": self.settings.max_prompt_tokens,
             "max_n": self.settings.max_n,
             "max_logprob_entries": self.settings.max_logprob_entries,
-            "tokenizer": self.model.tokenizer,
+            "tokenizer": self.prompt_tokenizer,
             "context_length": self.model.context_length,
         }
+
+    @property
+    def prompt_tokenizer(self) -> Any:
+        """The model's tokenizer for request prompts: long texts are encoded on :attr:`render_pool`.
+
+        The byte tokenizer is returned as is (a prompt's byte length is its token count).
+        """
+        tokenizer = self.model.tokenizer
+        if isinstance(tokenizer, ByteTokenizer):
+            return tokenizer
+        return OffloadedTokenizer(tokenizer, self.offload)
 
     def offload(self, func: Callable[..., T], args: Sequence[Any]) -> T:
         """Run ``func(*args)`` on a native thread of :attr:`render_pool`; return its result.
@@ -194,3 +216,33 @@ class Runtime:
 def runtime() -> Runtime:
     """Return the current app's :class:`Runtime`."""
     return current_app.extensions[EXTENSION]
+
+
+class OffloadedTokenizer:
+    """A tokenizer whose ``encode`` of a long text runs on the worker's render pool, off the hub.
+
+    A 1 MB prompt takes the ``tokenizers`` library 0.6–1.2 s; on the hub it would stall every other
+    connection of the worker for that long. Texts of up to :data:`INLINE_ENCODE_CHARS` characters
+    (microseconds of work) are encoded in place. Everything else is the wrapped tokenizer's.
+
+    Args:
+        tokenizer: the model's tokenizer (``model.tokenizer.HFTokenizer``).
+        offload: :meth:`Runtime.offload`.
+    """
+
+    def __init__(self, tokenizer: Any, offload: Callable[..., Any]) -> None:
+        self._tokenizer = tokenizer
+        self._offload = offload
+
+    def encode(self, text: str, special: bool = False, *, bos: bool = True) -> list[int]:
+        """Return the wrapped tokenizer's ``encode(text, special, bos=bos)``, long texts off the hub.
+
+        Raises:
+            UnicodeEncodeError: as the wrapped tokenizer.
+        """
+        if len(text) <= INLINE_ENCODE_CHARS:
+            return self._tokenizer.encode(text, special, bos=bos)
+        return self._offload(lambda: self._tokenizer.encode(text, special, bos=bos), ())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
