@@ -175,7 +175,7 @@ BAD = [
     ({"messages": HELLO}, "model"),
     ({"model": "m"}, "messages"),
     ({"model": "m", "messages": []}, "messages"),
-    ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
     (
         {"model": "m", "messages": [*HELLO, *HELLO, {"role": "user", "content": [{"type": "a"}]}]},
@@ -185,7 +185,7 @@ BAD = [
         {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         "messages[0].content[0].type",
     ),
-    ({"model": "m", "messages": HELLO, "tools": [{"type": "function"}]}, "tools"),
+    ({"model": "m", "messages": HELLO, "tools": [{"type": "function"}]}, "tools[0].function"),
     (
         {"model": "m", "messages": HELLO, "response_format": {"type": "json_schema"}},
         "response_format",

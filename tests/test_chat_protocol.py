@@ -140,18 +140,23 @@ def test_logprobs_without_top_logprobs_is_zero_alternatives() -> None:
 @pytest.mark.parametrize(
     ("fields", "param", "message"),
     [
-        ({"tools": []}, "tools", "'tools' is not supported by this server."),
-        ({"tool_choice": "none"}, "tool_choice", "'tool_choice' is not supported by this server."),
-        ({"functions": []}, "functions", "'functions' is not supported by this server."),
+        ({"tools": []}, "tools", "'tools' must be a non-empty list."),
+        (
+            {"tool_choice": "none"},
+            "tool_choice",
+            "'tool_choice' is only allowed when 'tools' are given.",
+        ),
+        ({"functions": []}, "functions", "'functions' must be a non-empty list."),
         (
             {"function_call": "auto"},
             "function_call",
-            "'function_call' is not supported by this server.",
+            "'function_call' goes with 'functions'; this request sends 'tools' (use "
+            "'tool_choice').",
         ),
         (
-            {"parallel_tool_calls": False},
+            {"parallel_tool_calls": 1},
             "parallel_tool_calls",
-            "'parallel_tool_calls' is not supported by this server.",
+            "'parallel_tool_calls' must be a boolean.",
         ),
         ({"audio": {"voice": "alloy"}}, "audio", "'audio' is not supported by this server."),
         (
@@ -203,14 +208,14 @@ def test_logprobs_without_top_logprobs_is_zero_alternatives() -> None:
         ),
         (
             {"messages": [{"role": "tool", "content": "1", "tool_call_id": "x"}]},
-            "messages[0].role",
-            "The 'tool' role is not supported by this server.",
+            "messages[0].tool_call_id",
+            "'messages[0].tool_call_id' 'x' matches no tool call of an earlier assistant message.",
         ),
         (
             {"messages": [{"role": "bot", "content": "Hi"}]},
             "messages[0].role",
             "Invalid value for 'messages[0].role': 'bot'; expected one of "
-            "'system', 'developer', 'user', 'assistant'.",
+            "'system', 'developer', 'user', 'assistant', 'tool'.",
         ),
         (
             {"messages": [{"role": "user"}]},
@@ -250,7 +255,7 @@ def test_logprobs_without_top_logprobs_is_zero_alternatives() -> None:
         (
             {"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]},
             "messages[0].tool_calls",
-            "'messages[0].tool_calls' is not supported by this server.",
+            "'messages[0].tool_calls' must be a non-empty list.",
         ),
         (
             {

@@ -5,7 +5,7 @@ so a :class:`ChatRequest` carries the same values, and :func:`completion_request
 chat template has made the prompt, into the :class:`~wsgi_app.api.completions.CompletionRequest` the
 generation pipeline already serves. An unknown top-level field is ignored, as on the legacy endpoint
 (the answer names it in ``X-Ignored-Fields``); documented OpenAI fields this server does not implement
-(tools, audio...) are a 400 saying so, never silently ignored; an output constraint in any spelling is
+(audio...) are a 400 saying so, never silently ignored; an output constraint in any spelling is
 read by ``wsgi_app.api.structured``. ``null`` means absent.
 
 Source: OpenAI API reference, "Chat Completions" (create).
@@ -33,9 +33,14 @@ from wsgi_app.api.fields import (
 from wsgi_app.api.messages import parse_messages
 from wsgi_app.api.structured import STRUCTURED_FIELDS, RequestConstraint, parse_constraint
 from wsgi_app.api.table import BOOLEAN, JSON, NUMBER, SHARED_FIELDS, Field, FieldTable
+from wsgi_app.api.tools import ToolRequest, parse_tools
 
 MAX_TOP_LOGPROBS = 20
 MAX_CHAT_MESSAGES = 1024  # the MAX_CHAT_MESSAGES setting's default
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+# Tool calls are read and validated (wsgi_app.api.tools, wsgi_app.api.messages) but not yet generated:
+# a request that sends tools, or tool-call history, is a 400 once it is known to be well formed.
+TOOL_CALLS_GENERATED = False
 
 # The request fields of OpenAI's Chat Completions (and the shared extensions); anything else is ignored
 # (and named in X-Ignored-Fields). The documented fields this server does not implement are a 400 for
@@ -54,14 +59,10 @@ FIELDS = FieldTable(
         Field("service_tier"),
         Field("prompt_cache_key"),
         Field("safety_identifier"),
+        *(Field(name) for name in TOOL_FIELDS),  # read by wsgi_app.api.tools
         *(
             Field(name, unsupported=True)
             for name in (
-                "tools",
-                "tool_choice",
-                "functions",
-                "function_call",
-                "parallel_tool_calls",
                 "audio",
                 "prediction",
                 "web_search_options",
@@ -97,10 +98,13 @@ class ChatRequest:
         user: the client's end-user id, or None (log it hashed).
         ignored_fields: the unknown top-level fields the request sent, as ``X-Ignored-Fields``
             lists them.
+        constraint: the output constraint (``response_format`` and the other spellings of
+            ``wsgi_app.api.structured``), or None.
+        tools: the functions the model may call and how (``wsgi_app.api.tools``), or None.
     """
 
     model: str
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     max_tokens: int | None
     max_tokens_param: str
     sampling: SamplingParams
@@ -114,6 +118,7 @@ class ChatRequest:
     user: str | None = None
     ignored_fields: tuple[str, ...] = ()
     constraint: RequestConstraint | None = None
+    tools: ToolRequest | None = None
 
 
 def parse_chat_request(
@@ -143,6 +148,9 @@ def parse_chat_request(
     _check_options(body)
     model = parse_model(body)
     messages = parse_messages(body.get("messages"), max_messages)
+    tools = parse_tools(body)
+    if not TOOL_CALLS_GENERATED:
+        _refuse_tool_calls(tools, messages)
     max_tokens, max_tokens_param = _max_tokens(body)
     fields = parse_sampling_fields(body, vocab_size, max_n)
     logprobs = boolean_field(body, "logprobs")
@@ -166,6 +174,7 @@ def parse_chat_request(
         user=body.get("user"),
         ignored_fields=ignored,
         constraint=parse_constraint(body),
+        tools=tools,
     )
 
 
@@ -276,6 +285,22 @@ def _logprob_budget(chat: ChatRequest, max_tokens: int, budget: int) -> int:
             "top_logprobs",
         )
     return max_tokens
+
+
+def _refuse_tool_calls(tools: ToolRequest | None, messages: tuple[dict[str, Any], ...]) -> None:
+    """Refuse well-formed tools and tool-call history while calls are not generated.
+
+    Raises:
+        ApiError: 400 naming ``tools``/``functions``, or the first message that holds tool calls
+            or a tool result.
+    """
+    if tools is not None:
+        raise unsupported(tools.param)
+    for i, message in enumerate(messages):
+        if message.get("tool_calls"):
+            raise unsupported(f"messages[{i}].tool_calls", "Tool-call history")
+        if message["role"] == "tool":
+            raise unsupported(f"messages[{i}].role", "The 'tool' role")
 
 
 def _check_options(body: dict[str, Any]) -> None:

@@ -4,7 +4,14 @@ A message is ``{"role", "content"}`` with the role mapped (``developer`` is ``sy
 content parts joined; its ``name``, and an assistant's ``reasoning_content``/``reasoning``, are
 passed on for the template (transformers passes the message dict on; the template renders them only
 if it reads them). An unknown key inside a message is a 400 naming it, down to the part; the
-documented keys this server does not implement (tool calls, audio, image parts) are a 400 saying so.
+documented keys this server does not implement (audio, image parts) are a 400 saying so.
+
+Tool-call history (issue 27): an assistant message may carry ``tool_calls`` (its ``content`` then null
+or text) and a ``tool`` message answers one by ``tool_call_id``; the legacy ``function_call`` and
+``function`` role map onto the same. The template gets transformers' shapes: ``tool_calls`` as
+``[{"id", "type": "function", "function": {"name", "arguments": {...}}}]`` (arguments decoded from
+their JSON string when they are an object) and ``{"role": "tool", "tool_call_id", "content"}``.
+A ``tool_call_id`` that matches no earlier call is a 400 naming it.
 
 Source: OpenAI API reference, "Chat Completions" (the message objects); Hugging Face transformers,
 "Chat templates".
@@ -12,12 +19,22 @@ Source: OpenAI API reference, "Chat Completions" (the message objects); Hugging 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from wsgi_app.api.errors import invalid, quote_name
 from wsgi_app.api.fields import check_unicode, unsupported
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "function": "tool",  # the legacy function result
+}
+TOOL_FIELDS = frozenset({"role", "content", "tool_call_id"})
+FUNCTION_FIELDS = frozenset({"role", "content", "name"})
 MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 # Reasoning models' clients send their answers' reasoning back in assistant turns (vLLM's
 # reasoning_content, OpenRouter's and Ollama's reasoning).
@@ -35,7 +52,7 @@ TEMPLATE_FIELDS = ("name", *REASONING_FIELDS)
 UNSUPPORTED_PARTS = frozenset({"image_url", "input_audio", "file", "refusal"})
 
 
-def parse_messages(value: Any, max_messages: int) -> tuple[dict[str, str], ...]:
+def parse_messages(value: Any, max_messages: int) -> tuple[dict[str, Any], ...]:
     """Validate a request's ``messages`` into the template's messages (see the module docstring).
 
     Args:
@@ -44,7 +61,7 @@ def parse_messages(value: Any, max_messages: int) -> tuple[dict[str, str], ...]:
 
     Raises:
         ApiError: 400 naming ``messages`` or the message's field at fault
-            (``messages[2].content[0].type``).
+            (``messages[2].content[0].type``, ``messages[3].tool_call_id``).
     """
     if value is None:
         raise invalid("'messages' is required.", "messages")
@@ -58,37 +75,46 @@ def parse_messages(value: Any, max_messages: int) -> tuple[dict[str, str], ...]:
             "(MAX_CHAT_MESSAGES).",
             "messages",
         )
-    return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(value))
+    calls: dict[str, str] = {}  # tool_call id -> function name, of the calls so far
+    return tuple(_message(m, f"messages[{i}]", calls) for i, m in enumerate(value))
 
 
-def _message(message: Any, where: str) -> dict[str, str]:
+def _message(message: Any, where: str, calls: dict[str, str]) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise invalid(f"'{where}' must be an object.", where)
     role = message.get("role")
     if not isinstance(role, str):
         raise invalid(f"'{where}.role' is required and must be a string.", f"{where}.role")
-    if role in ("tool", "function"):
-        raise unsupported(f"{where}.role", f"The '{role}' role")
     if role not in ROLES:
         raise invalid(
             f"Invalid value for '{where}.role': {quote_name(role)!r}; expected one of 'system', "
-            "'developer', 'user', 'assistant'.",
+            "'developer', 'user', 'assistant', 'tool'.",
             f"{where}.role",
         )
+    if role in ("tool", "function"):
+        return _tool_message(message, role, where, calls)
     allowed = ASSISTANT_FIELDS if role == "assistant" else MESSAGE_FIELDS
     for key in message:
         if key not in allowed:
             at = f"{where}.{quote_name(key)}"
             raise invalid(f"Unrecognized request argument supplied: {at}", at)
-    for key in ("tool_calls", "function_call", "audio"):
-        if message.get(key) is not None:
-            raise unsupported(f"{where}.{key}")
+    if message.get("audio") is not None:
+        raise unsupported(f"{where}.audio")
     for key in ("refusal", *TEMPLATE_FIELDS):
         if message.get(key) is not None:
             if not isinstance(message[key], str):
                 raise invalid(f"'{where}.{key}' must be a string.", f"{where}.{key}")
             check_unicode(message[key], f"{where}.{key}")
-    out = {"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")}
+    tool_calls = _tool_calls(message, where, calls) if role == "assistant" else None
+    content = message.get("content")
+    out: dict[str, Any] = {
+        "role": ROLES[role],
+        "content": None
+        if tool_calls and content is None
+        else _content(content, f"{where}.content"),
+    }
+    if tool_calls:
+        out["tool_calls"] = tool_calls
     for key in TEMPLATE_FIELDS:
         if message.get(key) is not None:
             out[key] = message[key]
@@ -129,3 +155,84 @@ def _content(content: Any, where: str) -> str:
         texts.append(text)
     # Several text parts are one message: joined by newlines, as vLLM does.
     return "\n".join(texts)
+
+
+def _tool_message(message: dict, role: str, where: str, calls: dict[str, str]) -> dict[str, Any]:
+    """A ``tool`` message (``tool_call_id``), or a legacy ``function`` one (``name``): the result
+    of an earlier call, as the template's ``{"role": "tool", "tool_call_id", "content"}``."""
+    allowed = TOOL_FIELDS if role == "tool" else FUNCTION_FIELDS
+    for key in message:
+        if key not in allowed:
+            at = f"{where}.{quote_name(key)}"
+            raise invalid(f"Unrecognized request argument supplied: {at}", at)
+    content = _content(message.get("content"), f"{where}.content")
+    if role == "function":
+        name = message.get("name")
+        if not isinstance(name, str) or name not in calls.values():
+            raise invalid(
+                f"'{where}.name' must name a function an earlier assistant message called.",
+                f"{where}.name",
+            )
+        call_id = next(i for i, n in reversed(calls.items()) if n == name)
+        return {"role": "tool", "tool_call_id": call_id, "name": name, "content": content}
+    call_id = message.get("tool_call_id")
+    at = f"{where}.tool_call_id"
+    if not isinstance(call_id, str):
+        raise invalid(f"'{at}' is required and must be a string.", at)
+    if call_id not in calls:
+        raise invalid(
+            f"'{at}' {quote_name(call_id)!r} matches no tool call of an earlier assistant message.",
+            at,
+        )
+    return {"role": "tool", "tool_call_id": call_id, "name": calls[call_id], "content": content}
+
+
+def _tool_calls(message: dict, where: str, calls: dict[str, str]) -> list[dict[str, Any]] | None:
+    """An assistant's ``tool_calls`` (or legacy ``function_call``) in transformers' shape; each id
+    is noted in ``calls`` (a legacy call gets the id ``call_<n>``)."""
+    value, legacy = message.get("tool_calls"), message.get("function_call")
+    if value is not None and legacy is not None:
+        raise invalid(f"'{where}' sends 'tool_calls' and 'function_call'; send one.", where)
+    if legacy is not None:
+        value = [{"id": f"call_{len(calls)}", "type": "function", "function": legacy}]
+        at_of = lambda j: f"{where}.function_call"  # noqa: E731
+    elif value is None:
+        return None
+    else:
+        if not isinstance(value, list) or not value:
+            raise invalid(f"'{where}.tool_calls' must be a non-empty list.", f"{where}.tool_calls")
+        at_of = lambda j: f"{where}.tool_calls[{j}]"  # noqa: E731
+    out = []
+    for j, call in enumerate(value):
+        at = at_of(j)
+        if not isinstance(call, dict):
+            raise invalid(f"'{at}' must be an object.", at)
+        call_id, function = call.get("id"), call.get("function")
+        if not isinstance(call_id, str) or not call_id:
+            raise invalid(f"'{at}.id' is required and must be a string.", f"{at}.id")
+        if call.get("type", "function") != "function" or not isinstance(function, dict):
+            raise invalid(f"'{at}' must be a function call with a 'function' object.", at)
+        name, arguments = function.get("name"), function.get("arguments")
+        if not isinstance(name, str) or not name:
+            raise invalid(f"'{at}.function.name' must be a string.", f"{at}.function.name")
+        if not isinstance(arguments, str):
+            raise invalid(
+                f"'{at}.function.arguments' must be a string (JSON).", f"{at}.function.arguments"
+            )
+        check_unicode(arguments, f"{at}.function.arguments")
+        try:  # templates print a mapping with tojson; text that is not an object stays text
+            decoded = json.loads(arguments)
+        except ValueError:
+            decoded = None
+        calls[call_id] = name
+        out.append(
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": decoded if isinstance(decoded, dict) else arguments,
+                },
+            }
+        )
+    return out

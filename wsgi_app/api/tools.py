@@ -1,0 +1,229 @@
+"""Tool calls on the wire: ``tools``, ``tool_choice``, ``parallel_tool_calls`` and the legacy
+``functions`` / ``function_call``, read into one :class:`ToolRequest` (no Flask here).
+
+The legacy fields map onto the current ones: ``functions: [f]`` is ``tools: [{"type": "function",
+"function": f}]``, ``function_call`` is ``tool_choice`` (``{"name": n}`` naming one), and one call at
+most (the legacy answer holds one ``function_call``); :attr:`ToolRequest.legacy` asks for the legacy
+answer shape. Every refusal is a 400 naming the param, down to the tool
+(``tools[2].function.name``), before any byte. A ``parameters`` schema is checked for shape here and
+compiled later with the structured-output machinery (``wsgi_app.generation.grammars``), which refuses
+one llguidance cannot enforce, naming ``tools[i].function.parameters``.
+
+Source: OpenAI API reference, "Chat Completions" (create: ``tools``, ``tool_choice``,
+``parallel_tool_calls``, the deprecated ``functions`` and ``function_call``); the "Function calling"
+guide.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from wsgi_app.api.errors import invalid, quote_name
+
+MAX_TOOLS = 128  # OpenAI's documented limit on `tools`
+CHOICES = ("none", "auto", "required")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """One function the model may call.
+
+    Attributes:
+        name: 1..64 characters of ``a-z A-Z 0-9 _ -``, unique in the request.
+        description: what it does (for the prompt), or None.
+        parameters: the JSON Schema of its arguments (an object schema); ``{}`` when absent, as
+            OpenAI reads it (a function without parameters takes an empty object).
+        strict: the client's ``strict`` flag (the schema is enforced either way).
+    """
+
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+    strict: bool = False
+
+    def openai(self) -> dict[str, Any]:
+        """Return the tool as a chat template sees it: ``{"type": "function", "function": {...}}``."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRequest:
+    """A request's tools and how the model may call them.
+
+    Attributes:
+        tools: the functions, in request order (non-empty).
+        choice: ``"none"``, ``"auto"``, ``"required"``, or ``"named"`` (call :attr:`name`).
+        name: the one function a named choice forces, else None.
+        parallel: whether a block may hold more than one call (``parallel_tool_calls``).
+        legacy: the request used ``functions`` (answer with ``message.function_call``).
+        param: the field the tools came from (``tools`` or ``functions``), for refusals.
+    """
+
+    tools: tuple[Tool, ...]
+    choice: str = "auto"
+    name: str | None = None
+    parallel: bool = True
+    legacy: bool = False
+    param: str = "tools"
+
+    def callable_tools(self) -> tuple[Tool, ...]:
+        """Return the tools a call may name (the named one alone, or all; none for ``"none"``)."""
+        if self.choice == "none":
+            return ()
+        if self.name is not None:
+            return tuple(t for t in self.tools if t.name == self.name)
+        return self.tools
+
+    def finish_reason(self) -> str:
+        """Return the ``finish_reason`` of an answer that made calls: ``"function_call"`` (legacy),
+        ``"stop"`` for a named choice (as OpenAI answers it), else ``"tool_calls"``."""
+        if self.legacy:
+            return "function_call"
+        return "stop" if self.choice == "named" else "tool_calls"
+
+
+def parse_tools(body: dict[str, Any], max_tools: int = MAX_TOOLS) -> ToolRequest | None:
+    """Return the body's tools and tool choice, or None when it has no tools.
+
+    Args:
+        body: the decoded chat body.
+        max_tools: the most tools accepted (:data:`MAX_TOOLS`).
+
+    Raises:
+        ApiError: 400 naming the param: ``tools`` and ``functions`` both given; a malformed or
+            over-limit list (``tools``), a malformed tool (``tools[i]``, ``tools[i].function.name``,
+            ``tools[i].function.parameters``...), a duplicate name; a malformed ``tool_choice`` /
+            ``function_call``, one given without tools, or one naming an unknown function;
+            ``parallel_tool_calls`` not a boolean.
+    """
+    tools_value, functions_value = body.get("tools"), body.get("functions")
+    if tools_value is not None and functions_value is not None:
+        raise invalid("Send 'tools' or the deprecated 'functions', not both.", "functions")
+    legacy = functions_value is not None
+    param = "functions" if legacy else "tools"
+    choice_param = "function_call" if legacy else "tool_choice"
+    other_choice = "tool_choice" if legacy else "function_call"
+    if body.get(other_choice) is not None:
+        raise invalid(
+            f"'{other_choice}' goes with '{'tools' if legacy else 'functions'}'; this request "
+            f"sends '{param}' (use '{choice_param}').",
+            other_choice,
+        )
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls")
+    value = functions_value if legacy else tools_value
+    choice_value = body.get(choice_param)
+    if value is None:
+        if choice_value is not None:
+            raise invalid(
+                f"'{choice_param}' is only allowed when '{param}' are given.", choice_param
+            )
+        return None
+    if not isinstance(value, list) or not value:
+        raise invalid(f"'{param}' must be a non-empty list.", param)
+    if len(value) > max_tools:
+        raise invalid(
+            f"'{param}' holds {len(value)} tools; the limit is {max_tools} (MAX_TOOLS).", param
+        )
+    tools = tuple(_tool(v, f"{param}[{i}]", legacy) for i, v in enumerate(value))
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        if tool.name in seen:
+            at = f"{param}[{i}].name" if legacy else f"{param}[{i}].function.name"
+            raise invalid(
+                f"Duplicate function name {tool.name!r} ('{param}[{seen[tool.name]}]' has it too).",
+                at,
+            )
+        seen[tool.name] = i
+    choice, name = _choice(choice_value, choice_param, legacy, seen)
+    return ToolRequest(
+        tools=tools,
+        choice=choice,
+        name=name,
+        parallel=False if legacy else parallel is not False,
+        legacy=legacy,
+        param=param,
+    )
+
+
+def _tool(value: Any, where: str, legacy: bool) -> Tool:
+    if not isinstance(value, dict):
+        raise invalid(f"'{where}' must be an object.", where)
+    if legacy:
+        function, fwhere = value, where
+    else:
+        for key in value:
+            if key not in ("type", "function"):
+                at = f"{where}.{quote_name(key)}"
+                raise invalid(f"Unrecognized request argument supplied: {at}", at)
+        if value.get("type") != "function":
+            raise invalid(f"'{where}.type' must be 'function'.", f"{where}.type")
+        function, fwhere = value.get("function"), f"{where}.function"
+        if not isinstance(function, dict):
+            raise invalid(f"'{fwhere}' is required and must be an object.", fwhere)
+    for key in function:
+        if key not in _FUNCTION_KEYS:
+            at = f"{fwhere}.{quote_name(key)}"
+            raise invalid(f"Unrecognized request argument supplied: {at}", at)
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise invalid(
+            f"'{fwhere}.name' must be 1..64 characters of a-z, A-Z, 0-9, '_' and '-'.",
+            f"{fwhere}.name",
+        )
+    description = function.get("description")
+    if description is not None and not isinstance(description, str):
+        raise invalid(f"'{fwhere}.description' must be a string.", f"{fwhere}.description")
+    parameters = function.get("parameters")
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise invalid(
+            f"'{fwhere}.parameters' must be a JSON Schema object.", f"{fwhere}.parameters"
+        )
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise invalid(f"'{fwhere}.strict' must be a boolean.", f"{fwhere}.strict")
+    return Tool(name, description, parameters, bool(strict))
+
+
+def _choice(value: Any, param: str, legacy: bool, names: dict[str, int]) -> tuple[str, str | None]:
+    """Return (choice, named function or None) of a ``tool_choice`` / ``function_call``."""
+    if value is None:
+        return "auto", None
+    allowed = ("none", "auto") if legacy else CHOICES
+    if isinstance(value, str):
+        if value not in allowed:
+            raise invalid(
+                f"Invalid value for '{param}': {quote_name(value)!r}; expected one of "
+                f"{', '.join(repr(a) for a in allowed)} or an object naming a function.",
+                param,
+            )
+        return value, None
+    if not isinstance(value, dict):
+        raise invalid(f"'{param}' must be a string or an object naming a function.", param)
+    if legacy:
+        name, at = value.get("name"), f"{param}.name"
+    else:
+        if value.get("type") != "function" or not isinstance(value.get("function"), dict):
+            raise invalid(
+                f'\'{param}\' must be {{"type": "function", "function": {{"name": ...}}}}.',
+                param,
+            )
+        name, at = value["function"].get("name"), f"{param}.function.name"
+    if not isinstance(name, str):
+        raise invalid(f"'{at}' is required and must be a string.", at)
+    if name not in names:
+        raise invalid(
+            f"'{at}' names the function {quote_name(name)!r}, which is not among the tools.", param
+        )
+    return "named", name
