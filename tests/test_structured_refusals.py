@@ -89,6 +89,23 @@ REFUSALS = [
         "json_schema",
         "one output constraint",
     ),
+    # Constraints that compile but can never be met are refused when compiled (not a 500 later).
+    ({"guided_json": {"$ref": "#"}}, "guided_json", "can never be satisfied"),
+    ({"guided_regex": "[^\\x00-\\U0010FFFF]"}, "guided_regex", "can never be satisfied"),
+    ({"guided_grammar": "start: a\na: a"}, "guided_grammar", "can never be satisfied"),
+    ({"grammar": "root ::= x\nx ::= root"}, "grammar", "can never be satisfied"),
+    ({"response_format": _rf({"$ref": "#"})}, "response_format", "can never be satisfied"),
+    # A grammar never names special tokens or token ids: a constrained span is text.
+    ({"guided_grammar": 'start: <[1]> "x" <[2]> "y"'}, "guided_grammar", "special token"),
+    ({"guided_grammar": 'start: "ok" <|im_end|>'}, "guided_grammar", "special token"),
+    # A key that is no keyword enforced here (a typo, or one llguidance would skip) is refused.
+    ({"guided_json": {"type": "string", "maxLenght": 2}}, "guided_json", "'maxLenght' at #"),
+    (
+        {"response_format": _rf({"type": "object", "properties": {"a": {"foo": 1}}})},
+        "response_format",
+        "'foo' at #/properties/a",
+    ),
+    ({"guided_json": {"contentEncoding": "base64"}}, "guided_json", "'contentEncoding'"),
 ]
 
 

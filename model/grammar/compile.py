@@ -20,6 +20,7 @@ Outputs" guide (the request forms).
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -80,6 +81,11 @@ def grammar_text(constraint: Constraint) -> str:
     if len(constraint.key().encode("utf-8")) > MAX_CONSTRAINT_BYTES:
         raise ConstraintError(f"is over the limit of {MAX_CONSTRAINT_BYTES} bytes")
     if kind == "json_schema":
+        unknown = unknown_keyword(value)
+        if unknown is not None:
+            raise ConstraintError(
+                f"uses {unknown}, which is not a JSON Schema keyword enforced here"
+            )
         return llguidance.LLMatcher.grammar_from_json_schema(value, overrides=JSON_OPTIONS)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema(
@@ -98,8 +104,71 @@ def grammar_text(constraint: Constraint) -> str:
             lark = any_to_lark(value)
         except Exception as exc:  # noqa: BLE001 - the converter raises whatever it meets
             raise ConstraintError(f"cannot read the GBNF grammar: {exc}") from None
+        if _TOKEN_REF.search(_outside_literals(lark)):
+            raise ConstraintError(
+                "names a special token or a token id (<...>): a constrained span is text only"
+            )
         return llguidance.LLMatcher.grammar_from_lark(lark)
     raise ConstraintError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+
+
+# JSON Schema keywords a schema may use: what llguidance enforces, the annotations that constrain
+# nothing, and the ones llguidance itself refuses (so that its message names them). Any other key is
+# refused, so that a typo ("maxLenght") or a keyword llguidance would skip is never silently dropped.
+ENFORCED = frozenset(
+    "type properties required additionalProperties items prefixItems minItems maxItems enum const "
+    "anyOf oneOf allOf $ref $defs definitions pattern format minLength maxLength minimum maximum "
+    "exclusiveMinimum exclusiveMaximum multipleOf patternProperties minProperties maxProperties "
+    "x-guidance".split()
+)
+ANNOTATIONS = frozenset(
+    "title description $schema $id $comment $anchor examples default deprecated readOnly "
+    "writeOnly".split()
+)
+REFUSED_BY_LLGUIDANCE = frozenset(
+    "uniqueItems if then else not contains minContains maxContains propertyNames "
+    "dependentRequired dependentSchemas dependencies unevaluatedProperties unevaluatedItems "
+    "additionalItems".split()
+)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = (
+    "items additionalProperties not if then else contains propertyNames unevaluatedProperties "
+    "unevaluatedItems additionalItems".split()
+)
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_TOKEN_REF = re.compile(r"<\s*[\[|A-Za-z/]")
+
+
+def unknown_keyword(schema: Any, where: str = "#") -> str | None:
+    """Return ``'name' at <JSON pointer>`` for the first key of ``schema`` (or a subschema) that is
+    not a keyword of :data:`ENFORCED`, :data:`ANNOTATIONS` or :data:`REFUSED_BY_LLGUIDANCE`; None
+    when there is none. Values that are data (``enum``, ``const``, ``default``, ``examples``) and
+    property names are not keywords and are not looked into.
+
+    Source: JSON Schema 2020-12 Core and Validation (the keywords and where subschemas sit).
+    """
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key not in ENFORCED and key not in ANNOTATIONS and key not in REFUSED_BY_LLGUIDANCE:
+            return f"{key!r} at {where}"
+        found = None
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                found = found or unknown_keyword(sub, f"{where}/{key}/{name}")
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                found = found or unknown_keyword(sub, f"{where}/{key}/{i}")
+        elif key in _SCHEMA_ONE:
+            found = unknown_keyword(value, f"{where}/{key}")
+        if found is not None:
+            return found
+    return None
+
+
+def _outside_literals(lark: str) -> str:
+    """Return ``lark`` with its string and regex literals and its comments blanked out."""
+    return re.sub(r'"(?:[^"\\\n]|\\.)*"|/(?:[^/\\\n]|\\.)+/[a-z]*|//[^\n]*', " ", lark)
 
 
 def limits() -> llguidance.LLParserLimits:
@@ -223,6 +292,7 @@ class GrammarCompiler:
                 raise ConstraintError(template.get_error())
             sizes = (self._tokenizer.vocab_size, lltok.vocab_size)
             outcome = Grammar(constraint.kind, template, sizes, time.perf_counter() - start)
+            _check_satisfiable(outcome)
         except ValueError as exc:  # ConstraintError, or llguidance's for a value it cannot read
             outcome = ConstraintError(_short(str(exc)))
         with self._lock:
@@ -230,6 +300,24 @@ class GrammarCompiler:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return outcome
+
+
+def _check_satisfiable(grammar: Grammar) -> None:
+    """Compute ``grammar``'s first mask once, so a constraint that can never be met (a schema that
+    only refers to itself, a regex past llguidance's lexer limits) is refused when compiled, not
+    found while generating.
+
+    Raises:
+        ConstraintError: the first mask is an error or allows no token of the model.
+    """
+    probe = grammar.matcher()
+    try:
+        probe.allowed()
+    except ConstraintError:
+        why = probe.error()
+        if not why or "non-verbose" in why:  # errors are built without state (verbose_errors off)
+            why = "no output can match it"
+        raise ConstraintError(f"can never be satisfied: {why}") from None
 
 
 def _short(message: str, limit: int = 300) -> str:

@@ -78,6 +78,10 @@ class TokenMatcher:
         self.mask_s += time.perf_counter() - start
         return self.check(_rows(bitmask, self.vocab_size)[0])
 
+    def error(self) -> str:
+        """Return llguidance's error message (one line, no grammar state), or "" when none."""
+        return " ".join((self._m.get_error() or "").split())[:300] if self._m.is_error() else ""
+
     def check(self, row: np.ndarray) -> np.ndarray:
         """Return ``row`` (this matcher's allowed ids) once it is known to be usable.
 
