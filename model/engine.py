@@ -33,12 +33,15 @@ class Step:
             `"stop"` when `token_id` is an end-of-sequence or stop id (the consumer must not
             add its text to the completion), `"length"` when the model's context is full. A
             stream that simply runs out after `max_tokens` steps has no flagged step.
+        cached_tokens: On the first step of a choice of an engine with a prefix cache: the prompt
+            tokens whose KV came from the cache instead of being computed; None otherwise.
     """
 
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
     finish_reason: str | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,8 @@ class GenerationRequest:
         ignore_eos: Keep generating past the model's end-of-sequence ids (Llama engines).
         stop_ids: Extra token ids that end the choice with `finish_reason "stop"`, even with
             `ignore_eos` (Llama engines; the bigram has no EOS and ignores both fields).
+        cache_salt: Isolates prefix-cache reuse (the API key's digest and the request's
+            `cache_salt`): a choice reuses only blocks cached under the same salt.
     """
 
     prompt_ids: tuple[int, ...]
@@ -66,6 +71,7 @@ class GenerationRequest:
     logprobs: int | None = None
     ignore_eos: bool = False
     stop_ids: frozenset[int] = frozenset()
+    cache_salt: str = ""
 
 
 class Engine(Protocol):

@@ -18,13 +18,18 @@ A sequence's tokens never depend on its batch: ``Llama.forward`` gives each row 
 the other rows are (unless ``batch_invariant`` is turned off, which lets steps of few rows run one GEMV
 per row), and each sequence samples with its own PCG32.
 
+With a :class:`~model.llama.prefix_cache.PrefixCache` (whose blocks are ``prefill_chunk`` tokens, the
+chunk grid), a joining sequence starts from its longest cached block prefix and prefills only the rest,
+on the same grid, and a sequence whose prompt is all in publishes its whole prompt blocks: its tokens
+are the same bits as without the cache.
+
 Source: docs/ARCHITECTURE.md §5; Yu et al., "Orca" (OSDI 2022) for iteration-level scheduling.
 """
 
 from __future__ import annotations
 
 from collections import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -32,6 +37,7 @@ import numpy as np
 from model.engine import GenerationRequest, Step, check_prompt, check_request, make_step
 from model.llama.kv_cache import KVCache, KVPool
 from model.llama.model import Llama
+from model.llama.prefix_cache import PrefixCache, PrefixHit
 from model.pcg32 import PCG32
 from model.sampling import sample
 
@@ -63,6 +69,7 @@ class Sequence:
     cancelled: bool = False
     done: bool = False
     steps: list[Any] = field(default_factory=list)
+    prefix: PrefixHit | None = None  # what the prefix cache gave it (with a cache)
 
 
 class BatchScheduler:
@@ -77,6 +84,11 @@ class BatchScheduler:
             first; at least one chunk).
         batch_invariant: decode each sequence to the same bits whatever the batch
             (``BATCH_INVARIANT``; see :meth:`model.llama.model.Llama.decode`).
+        prefix_cache: the cache of whole prompt blocks, or None for none (``PREFIX_CACHE=0``);
+            its ``block_tokens`` must be ``prefill_chunk``.
+
+    Raises:
+        ValueError: the prefix cache's blocks are not ``prefill_chunk`` tokens.
     """
 
     def __init__(
@@ -87,7 +99,14 @@ class BatchScheduler:
         prefill_chunk: int = 128,
         batch_invariant: bool = True,
         prefill_budget: int = 256,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
+        if prefix_cache is not None and prefix_cache.block_tokens != prefill_chunk:
+            raise ValueError(
+                f"prefix cache blocks of {prefix_cache.block_tokens} tokens off the prefill chunk "
+                f"grid of {prefill_chunk}: a hit would change the answer's bits"
+            )
+        self.prefix_cache = prefix_cache
         self.model = model
         self.eos_ids = frozenset(eos_ids)
         self.max_batch = max_batch
@@ -156,7 +175,12 @@ class BatchScheduler:
             seq.steps.append(END)
         else:
             # The last generated token is never fed back, so the cache needs one slot less.
+            if self.prefix_cache is not None:
+                self.prefix_cache.trim()  # within the budget the reservations leave, first
             seq.cache = self.pool.take(len(req.prompt_ids) + n_tokens - 1)
+            if self.prefix_cache is not None:
+                seq.prefix = self.prefix_cache.restore(req.prompt_ids, req.cache_salt, seq.cache)
+                seq.prefilled = seq.prefix.cached_tokens
             if req.params.has_penalties:
                 seq.counts = np.zeros(self.model.vocab_size, np.int64)
             self.live.append(seq)
@@ -205,6 +229,8 @@ class BatchScheduler:
         for seq, span, row in zip(chosen, spans, logits, strict=False):
             seq.prefilled += len(span)
             if seq.prefilled == len(seq.req.prompt_ids):
+                if seq.prefix is not None:  # before _emit, which may free the lane
+                    self.prefix_cache.publish(seq.prefix, seq.cache)
                 self._emit(seq, row)
                 touched.append(seq)
         for seq, row in zip(decoding, logits[len(chosen) :], strict=True):
@@ -242,7 +268,10 @@ class BatchScheduler:
             reason = "stop"
         elif last and seq.n_tokens < req.max_tokens:
             reason = "length"
-        seq.steps.append(make_step(token_id, logits, req.logprobs, reason))
+        step = make_step(token_id, logits, req.logprobs, reason)
+        if seq.prefix is not None and seq.produced == 1:
+            step = replace(step, cached_tokens=seq.prefix.cached_tokens)
+        seq.steps.append(step)
         seq.last_token = token_id
         if reason is not None or last:
             seq.done = True
