@@ -90,6 +90,9 @@ class Metrics:
             refreshed with each history heartbeat, ``STATS_FLUSH_S``).
         rate_limit_storage_errors: ``greenserve_rate_limit_storage_errors_total``, rate-limit
             storage failures (each one starts a cool-down served without limits).
+        prefix_cache_hit_tokens, prefix_cache_miss_tokens, prefix_cache_evictions:
+            ``greenserve_prefix_cache_{hit_tokens,miss_tokens,evicted_blocks}_total``: prompt
+            tokens served by the prefix cache, computed, and cached blocks evicted (Llama).
     """
 
     requests: Counter
@@ -105,6 +108,9 @@ class Metrics:
     workers: Gauge
     workers_ready: Gauge
     rate_limit_storage_errors: Counter
+    prefix_cache_hit_tokens: Counter
+    prefix_cache_miss_tokens: Counter
+    prefix_cache_evictions: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None) -> Metrics:
@@ -188,6 +194,21 @@ class Metrics:
             rate_limit_storage_errors=Counter(
                 "greenserve_rate_limit_storage_errors",
                 "Rate-limit storage failures; each starts a cool-down served without limits.",
+                registry=r,
+            ),
+            prefix_cache_hit_tokens=Counter(
+                "greenserve_prefix_cache_hit_tokens",
+                "Prompt tokens served by the prefix cache.",
+                registry=r,
+            ),
+            prefix_cache_miss_tokens=Counter(
+                "greenserve_prefix_cache_miss_tokens",
+                "Prompt tokens computed (cache on).",
+                registry=r,
+            ),
+            prefix_cache_evictions=Counter(
+                "greenserve_prefix_cache_evicted_blocks",
+                "Cached prompt blocks evicted (LRU).",
                 registry=r,
             ),
         )

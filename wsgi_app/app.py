@@ -13,7 +13,8 @@ from typing import Any
 from flask import Flask, Response, request
 
 from model import __version__
-from model.llama.scheduler import BatchScheduler
+from model.llama.prefix_cache import PrefixCache
+from model.llama.scheduler import PREFILL_CHUNK, BatchScheduler
 from model.loader import LoadedModel, load_model
 from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app.generation.admission import Admission, default_limits
@@ -40,17 +41,22 @@ from wsgi_app.settings import Settings
 def make_engine(model: LoadedModel, settings: Settings) -> Any:
     """Return the engine for ``model``: the bigram runs inline in each request's greenlet; a Llama
     runs on one native thread per worker with continuous batching (up to ``MAX_SLOTS`` requests of
-    ``MAX_N`` choices each)."""
+    ``MAX_N`` choices each), with a prefix cache unless ``PREFIX_CACHE=0``."""
     if model.engine_kind == "llama":
         from wsgi_app.generation.engine_thread import ThreadedEngine
 
         slots, _ = default_limits(model.engine_kind, settings.max_slots, settings.max_queue)
         batch = slots * settings.max_n
+        prefix_cache = None
+        if settings.prefix_cache:
+            budget = settings.kv_cache_budget_mb << 20
+            prefix_cache = PrefixCache.for_model(model.model.config, PREFILL_CHUNK, budget)
         scheduler = BatchScheduler(
             model.model,
             model.tokenizer.eos_ids,
             batch,
             batch_invariant=settings.batch_invariant,
+            prefix_cache=prefix_cache,
         )
         return ThreadedEngine(scheduler)
     return model.make_engine()
@@ -95,6 +101,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     engine = make_engine(model, settings)
+    prefix_cache = getattr(engine, "prefix_cache", None)
     if settings.faults:
         engine = FaultyEngine(engine, Faults.parse(settings.faults))
     app.extensions[EXTENSION] = Runtime(
@@ -105,6 +112,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
             *default_limits(model.engine_kind, settings.max_slots, settings.max_queue),
             observer.set_load,
             kv_budget_bytes=settings.kv_cache_budget_mb << 20,
+            on_room=None if prefix_cache is None else prefix_cache.set_room,
         ),
         exporter=exporter,
         model_version=f"{model.checksum[:16]}+greenserve-{__version__}",
@@ -114,9 +122,22 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     rt = app.extensions[EXTENSION]
     rt.after_answers = AfterAnswers(lambda: not rt.admission.tickets)
 
+    prefix_seen = [0, 0, 0]
+
+    def sync_prefix_counters() -> None:
+        """Add what the engine thread counted since the last heartbeat to the metrics."""
+        m, c = observer.metrics, prefix_cache
+        counters = (m.prefix_cache_hit_tokens, m.prefix_cache_miss_tokens, m.prefix_cache_evictions)
+        for i, total in enumerate((c.hit_tokens, c.miss_tokens, c.evicted_blocks)):
+            if total > prefix_seen[i]:
+                counters[i].inc(total - prefix_seen[i])
+                prefix_seen[i] = total
+
     def heartbeat_state() -> dict:
         state = rt.worker_state()
         observer.metrics.set_ready(state["ready"])  # greenserve_workers_ready follows /ready
+        if prefix_cache is not None:
+            sync_prefix_counters()
         return state
 
     observer.flusher.worker_state = heartbeat_state

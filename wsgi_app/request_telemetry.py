@@ -165,6 +165,8 @@ def request_fields(
         "error": record.error,
         "user_hash": record.user_hash,
     }
+    if record.cached_tokens is not None:  # only for a model with a prefix cache
+        fields["cached_tokens"] = record.cached_tokens
     if record.prompt is not None:  # only with LOG_PROMPTS=1
         fields["prompt"] = record.prompt
         fields["texts"] = record.texts

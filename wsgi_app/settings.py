@@ -131,6 +131,8 @@ class Settings:
             request reserves n x (prompt + max_tokens) tokens of its model's cache).
         batch_invariant: decode every sequence to the same bits whatever the batch (``1``), or let
             batches of 16+ sequences run one GEMM per product (``0``: faster, last bits load-dependent).
+        prefix_cache: keep the KV of whole prompt blocks of a Llama model for reuse by later
+            prompts that start with them (``1``), within ``kv_cache_budget_mb``; ``0``: none.
         max_body_bytes: largest request body accepted, in bytes (413 beyond).
         max_prompt_tokens: largest prompt, in tokens (bytes for the bigram).
         max_n: largest ``n`` (choices per request).
@@ -175,6 +177,7 @@ class Settings:
     max_queue: int | None = None
     kv_cache_budget_mb: int = 1024
     batch_invariant: bool = True
+    prefix_cache: bool = True
     max_body_bytes: int = 1_048_576
     max_prompt_tokens: int = 32_768
     max_n: int = 8
@@ -222,6 +225,7 @@ class Settings:
             max_queue=_int(env, "MAX_QUEUE", d["max_queue"], 0, 1_000_000),
             kv_cache_budget_mb=_int(env, "KV_CACHE_BUDGET_MB", d["kv_cache_budget_mb"], 1, 1 << 24),
             batch_invariant=_int(env, "BATCH_INVARIANT", int(d["batch_invariant"]), 0, 1) == 1,
+            prefix_cache=_int(env, "PREFIX_CACHE", int(d["prefix_cache"]), 0, 1) == 1,
             max_body_bytes=_int(env, "MAX_BODY_BYTES", d["max_body_bytes"], 1024, 1 << 30),
             max_prompt_tokens=_int(env, "MAX_PROMPT_TOKENS", d["max_prompt_tokens"], 1, 1 << 24),
             max_n=_int(env, "MAX_N", d["max_n"], 1, 128),

@@ -40,10 +40,14 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from model.llama.kv_cache import FLOAT32_BYTES, KVCache
+
+if TYPE_CHECKING:
+    from model.llama.config import LlamaConfig
 
 _KEY_BYTES = 16  # blake2b digest size: 128 bits, no accidental collision among cached blocks
 
@@ -143,6 +147,11 @@ class PrefixCache:
         self.miss_tokens = 0
         self.evicted_blocks = 0
 
+    @classmethod
+    def for_model(cls, config: LlamaConfig, block_tokens: int, room_bytes: int) -> PrefixCache:
+        """Return an empty cache for a model of ``config`` (see the class for the arguments)."""
+        return cls(config.n_layers, config.n_kv_heads, config.head_dim, block_tokens, room_bytes)
+
     @property
     def blocks(self) -> int:
         """Blocks held."""
@@ -152,6 +161,10 @@ class PrefixCache:
     def nbytes(self) -> int:
         """Bytes the held blocks take (keys and values)."""
         return len(self._blocks) * self.block_bytes
+
+    def set_room(self, room_bytes: int) -> None:
+        """Set :attr:`room_bytes` (from any thread; the scheduler's thread evicts to it)."""
+        self.room_bytes = room_bytes
 
     def trim(self) -> int:
         """Evict least-recently-used blocks until the cache fits :attr:`room_bytes`; return how many."""

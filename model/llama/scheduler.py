@@ -42,6 +42,9 @@ from model.pcg32 import PCG32
 from model.sampling import sample
 
 END = object()  # delivered after a sequence's last Step
+PREFILL_CHUNK = (
+    128  # prompt tokens one sequence prefills per step: the chunk grid (and prefix block)
+)
 
 
 @dataclass(eq=False)
@@ -96,7 +99,7 @@ class BatchScheduler:
         model: Llama,
         eos_ids: frozenset[int],
         max_batch: int,
-        prefill_chunk: int = 128,
+        prefill_chunk: int = PREFILL_CHUNK,
         batch_invariant: bool = True,
         prefill_budget: int = 256,
         prefix_cache: PrefixCache | None = None,

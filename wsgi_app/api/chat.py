@@ -43,7 +43,7 @@ KNOWN_FIELDS = frozenset(
         "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
         "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
         "prediction", "web_search_options", "reasoning_effort", "verbosity",
-        "top_k", "min_p", "ignore_eos",
+        "top_k", "min_p", "ignore_eos", "cache_salt",
     }
 )  # fmt: skip
 # Documented OpenAI fields this server does not implement: any non-null value is a 400.
@@ -75,6 +75,7 @@ class ChatRequest:
         include_usage: with ``stream``, send a final usage chunk before ``[DONE]``.
         ignore_eos: keep generating past end-of-sequence (vLLM's extension).
         user: the client's end-user id, or None (log it hashed).
+        cache_salt: the request's ``cache_salt`` (vLLM's extension), "" without one.
     """
 
     model: str
@@ -90,6 +91,7 @@ class ChatRequest:
     include_usage: bool = False
     ignore_eos: bool = False
     user: str | None = None
+    cache_salt: str = ""
 
 
 def unsupported(name: str, what: str | None = None) -> ApiError:
@@ -145,6 +147,7 @@ def parse_chat_request(
         include_usage=stream.include_usage,
         ignore_eos=stream.ignore_eos,
         user=body.get("user"),
+        cache_salt=stream.cache_salt,
     )
 
 
@@ -227,6 +230,7 @@ def completion_request(
         stream=chat.stream,
         include_usage=chat.include_usage,
         ignore_eos=chat.ignore_eos,
+        cache_salt=chat.cache_salt,
     )
 
 

@@ -39,7 +39,7 @@ KNOWN_FIELDS = frozenset(
     {
         "model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "n", "stream",
         "stream_options", "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty",
-        "best_of", "logit_bias", "user", "seed", "top_k", "min_p", "ignore_eos",
+        "best_of", "logit_bias", "user", "seed", "top_k", "min_p", "ignore_eos", "cache_salt",
     }
 )  # fmt: skip
 
@@ -82,6 +82,7 @@ class CompletionRequest:
         ignore_eos: keep generating past the model's end-of-sequence token (vLLM's extension).
         prompt_tail: the first prompt's :attr:`Prompt.tail`.
         more_prompts: the prompts after the first of a batch (OpenAI's list of prompts).
+        cache_salt: the request's ``cache_salt`` (vLLM's extension), "" without one.
     """
 
     model: str
@@ -99,6 +100,7 @@ class CompletionRequest:
     ignore_eos: bool = False
     prompt_tail: bytes = b""
     more_prompts: tuple[Prompt, ...] = ()
+    cache_salt: str = ""
 
     def prompts(self) -> tuple[Prompt, ...]:
         """Return every prompt of the request, in order (prompt ``p`` has choices ``p*n .. p*n+n-1``)."""
@@ -238,6 +240,7 @@ def parse_completion_request(
         stream=stream.stream,
         include_usage=stream.include_usage,
         ignore_eos=stream.ignore_eos,
+        cache_salt=stream.cache_salt,
     )
 
 

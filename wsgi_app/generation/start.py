@@ -54,6 +54,7 @@ def admit(
     framing: Framing = PLAIN,
     wire: WireFormat = TEXT_COMPLETION,
     completion_id: str | None = None,
+    cache_salt: str = "",
 ) -> tuple[Completion, Ticket, Pacer]:
     """Take a place in the worker's slots or queue for ``req`` and set up its generation.
 
@@ -69,6 +70,7 @@ def admit(
         framing: the SSE framing of a streamed answer.
         wire: the wire format of the answer (``TEXT_COMPLETION``, the chat completion's).
         completion_id: the answer's id; None for a fresh random one.
+        cache_salt: the prefix-cache salt (``wsgi_app.http.auth.cache_salt``).
 
     Raises:
         ApiError: 400 when the request's KV cache could never fit the budget, 429 ``server_busy`` when
@@ -103,6 +105,7 @@ def admit(
             tokenizer=rt.model.tokenizer,
             wire=wire,
             fingerprint=rt.model_version,
+            cache_salt=cache_salt,
         )
     except BaseException:
         ticket.release()

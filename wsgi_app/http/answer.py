@@ -19,6 +19,7 @@ from wsgi_app.api.fields import decode_json_body
 from wsgi_app.generation.pacer import ClientGone
 from wsgi_app.generation.record import CLIENT_LEFT, ENGINE_ERROR, RequestRecord
 from wsgi_app.generation.start import admit, engine_error, random_seed
+from wsgi_app.http.auth import cache_salt
 from wsgi_app.http.body import read_body
 from wsgi_app.http.error_handlers import error_response
 from wsgi_app.http.runtime import Runtime
@@ -50,7 +51,8 @@ def answer(
     """
     seed = req.seed if req.seed is not None else random_seed()
     sock = request.environ.get("gunicorn.socket")
-    completion, ticket, pacer = admit(rt, req, record, seed, sock, wire=wire)
+    salt = cache_salt(req.cache_salt)
+    completion, ticket, pacer = admit(rt, req, record, seed, sock, wire=wire, cache_salt=salt)
     if req.stream:
         return EventStreamResponse(StreamBody(rt, completion, ticket, pacer, record, sock))
     try:

@@ -233,6 +233,7 @@ def settle(completion: Completion, ticket: Ticket, record: RequestRecord) -> Non
     completion.close()
     ticket.release()
     record.completion_tokens = completion.completion_tokens
+    record.cached_tokens = completion.cached_tokens
     reasons = record.finish_reasons = completion.finish_reasons()
     if reasons and None not in reasons:
         record.end(STOP if "stop" in reasons else FINISHED)

@@ -36,6 +36,7 @@ from wsgi_app.api.errors import invalid, quote_name
 from wsgi_app.api.fields import SEED_LIMIT
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.generation.start import admit, random_seed
+from wsgi_app.http.auth import cache_salt
 from wsgi_app.http.runtime import Runtime, runtime
 from wsgi_app.http.stream_body import STREAM_HEADERS, EventStreamResponse, StreamBody
 from wsgi_app.wire.encoder import TEXT_COMPLETION, WireFormat
@@ -287,6 +288,14 @@ def event_stream(
     sock = request.environ.get("gunicorn.socket")
     completion_id = stream_id(seed, body, wire.id_prefix)
     completion, ticket, pacer = admit(
-        rt, req, record, seed, sock, framing, wire, completion_id=completion_id
+        rt,
+        req,
+        record,
+        seed,
+        sock,
+        framing,
+        wire,
+        completion_id=completion_id,
+        cache_salt=cache_salt(req.cache_salt),
     )
     return EventStreamResponse(StreamBody(rt, completion, ticket, pacer, record, sock))
