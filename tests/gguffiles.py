@@ -27,6 +27,10 @@ from tests.server import ROOT
 
 # llama.cpp's reference outputs for the SmolLM2 file (../shared/data/smollm2, see its SOURCE.txt).
 SMOLLM2_DATA = STORIES_DIR.parent / "smollm2"
+SMOLLM2_SOURCE = (
+    "llama.cpp's own outputs for SmolLM2-135M-Instruct Q4_1 (llama-cpp-python 0.3.36, one thread, "
+    "greedy): golden token ids and text, teacher-forced top-5 ids, a full logits row"
+)
 SMOLLM2_FILES = (
     "llamacpp_golden.json",
     "llamacpp_teacher_forced.json",
@@ -191,7 +195,7 @@ def smollm2_data() -> Path:
 
 def smollm2_data_or_skip() -> Path:
     """Return the shared ``smollm2`` folder, or skip the test (fail it under CI) when it is absent."""
-    return shared_data_or_skip(SMOLLM2_DATA, SMOLLM2_FILES)
+    return shared_data_or_skip(SMOLLM2_DATA, SMOLLM2_FILES, SMOLLM2_SOURCE)
 
 
 def golden() -> dict:

@@ -28,6 +28,10 @@ STORIES_DIR = (
     / "stories260K"
 )
 STORIES_FILES = ("stories260K.bin", "tok512.bin", "expected_greedy.json")
+STORIES_SOURCE = (
+    "Karpathy's stories260K llama2.c checkpoint and tok512 tokenizer (the tinyllamas release, MIT), "
+    "with expected_greedy.json from llama2.c's run.c at temperature 0"
+)
 
 
 def tiny_reference() -> tuple[list[list[int]], np.ndarray]:
@@ -65,8 +69,9 @@ def write_tiny_llama(directory: Path) -> Path:
     return directory
 
 
-def shared_data_or_skip(folder: Path, names: tuple[str, ...]) -> Path:
-    """Return ``folder`` when it holds every file in ``names``; else skip the test.
+def shared_data_or_skip(folder: Path, names: tuple[str, ...], source: str) -> Path:
+    """Return ``folder`` when it holds every file in ``names``; else skip the test, saying where the
+    data comes from (``source``) and where it is looked for.
 
     Under ``CI`` the test fails instead: CI lays ``shared/`` beside the clone, so a skip there
     would hide a gap.
@@ -75,8 +80,9 @@ def shared_data_or_skip(folder: Path, names: tuple[str, ...]) -> Path:
     if not missing:
         return folder
     reason = (
-        f"shared data {folder} is absent (missing {', '.join(missing)}); "
-        "GREENSERVE_SHARED_DATA names the folder holding stories260K/ and smollm2/"
+        f"shared data {folder} is absent (missing {', '.join(missing)}): {source}; it is looked "
+        "for in ../shared/data beside the checkout, or in $GREENSERVE_SHARED_DATA (the folder "
+        "holding stories260K/ and smollm2/); its SOURCE.txt says how each file was made"
     )
     if os.environ.get("CI"):
         pytest.fail(reason)
@@ -85,7 +91,7 @@ def shared_data_or_skip(folder: Path, names: tuple[str, ...]) -> Path:
 
 def stories_or_skip() -> Path:
     """Return the shared stories260K folder, or skip the test when it is not there."""
-    return shared_data_or_skip(STORIES_DIR, STORIES_FILES)
+    return shared_data_or_skip(STORIES_DIR, STORIES_FILES, STORIES_SOURCE)
 
 
 def convert_stories(out: Path) -> Path:

@@ -92,3 +92,16 @@ def test_a_bad_flag_value_is_one_line(installed, elsewhere):
 
 # The packaged bigram's answer to "ROMEO:" with seed 1 (the same as from the checkout).
 SEEDED_ROMEO = " sen anove?\n****KI d  ly"
+
+
+def test_greenserve_train_help_names_the_installed_command(installed, elsewhere):
+    out = subprocess.run(
+        [str(installed / "greenserve-train"), "--help"],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: greenserve-train [-h] ARCH ...\n")
+    assert "python -m model.train" not in out.stdout

@@ -330,3 +330,14 @@ def test_held_lines_leave_in_one_write_in_order():
         "held-test.access after\n",
     ]
     assert logging_config("info")["handlers"]["stderr"]["class"] == "telemetry.logs.StderrHandler"
+
+
+def test_a_plain_options_is_logged_with_the_204_it_is_answered_with(logged):
+    # Not a CORS preflight (no Access-Control-Request-Method): Flask's automatic answer, made a 204.
+    status, headers, body = logged.request(
+        "OPTIONS", "/v1/completions", headers={"X-Request-Id": "log-options-1"}
+    )
+    assert (status, body) == (204, b"")
+    assert headers["allow"] == "GET, HEAD, OPTIONS, POST"
+    line = request_line(logged, "log-options-1")
+    assert (line["method"], line["status"]) == ("OPTIONS", 204)

