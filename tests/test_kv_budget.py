@@ -84,7 +84,7 @@ def test_second_request_waits_for_the_budget_until_the_first_ends(budget_server)
     assert first.next_frame() == b": ok\n"
     assert first.next_frame().startswith(b"data: {")
     s = state(srv)
-    assert s["kv_cache_bytes"] == {"reserved": first_bytes, "budget": 1 << 20}
+    assert s["kv_cache_bytes"] == {"reserved": first_bytes, "budget": 1 << 20, "cached": 0}
 
     small = EventReader(srv.port, stream_body(50))  # 68,480 more bytes: fits beside the first
     assert small.open().status == 200
@@ -129,3 +129,33 @@ def test_request_that_can_never_fit_is_400(budget_server):
     status, _, body = srv.complete({**stream_body(500, n=2), "stream": True})
     assert status == 400 and json.loads(body)["error"]["param"] == "max_tokens"
     assert state(srv)["kv_cache_bytes"]["reserved"] == 0
+
+
+def test_cached_prompt_blocks_are_given_up_before_a_request_would_wait(budget_server):
+    """Cached blocks fill what the reservations leave of the budget, and go (least recently used
+    first) as soon as a request needs the room: caching never makes a request wait."""
+    srv = budget_server
+    block = 128 * STORY_TOKEN_BYTES  # 163,840 bytes: a 128-token block
+    prompts = [[1] + [3 + (97 * i + 31 * t) % 500 for t in range(299)] for i in range(3)]
+    # Each reserves 301 tokens (385,280 bytes) and publishes its two whole blocks while it holds
+    # them: beside it there is room for four, so the third evicts the first's two.
+    for p in prompts:
+        status, _, raw = srv.complete({"model": "s", "prompt": p, "max_tokens": 1})
+        assert status == 200, raw
+    s = state(srv)
+    assert s["kv_cache_bytes"] == {"reserved": 0, "budget": 1 << 20, "cached": 4 * block}
+    assert s["prefix_cache"]["blocks"] == 4 and s["prefix_cache"]["evicted_blocks"] == 2
+
+    first = EventReader(srv.port, stream_body(500))  # 643,840 bytes: room for two blocks beside it
+    assert first.open().status == 200
+    assert first.next_frame() == b": ok\n"
+    assert first.next_frame().startswith(b"data: {")  # not queued behind the cached blocks
+    s = state(srv)
+    assert s["kv_cache_bytes"] == {"reserved": 643_840, "budget": 1 << 20, "cached": 2 * block}
+    assert s["prefix_cache"]["evicted_blocks"] == 4
+    first.close()
+    # The two most recently used blocks stayed: the last prompt's.
+    status, _, raw = srv.complete({"model": "s", "prompt": prompts[2], "max_tokens": 1})
+    assert json.loads(raw)["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
+    status, _, raw = srv.complete({"model": "s", "prompt": prompts[0], "max_tokens": 1})
+    assert json.loads(raw)["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
