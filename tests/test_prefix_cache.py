@@ -225,3 +225,28 @@ def test_metrics_and_the_log_line_count_hits_and_misses(on):
         what="the log line",
     )
     assert json.loads(logged[-1])["cached_tokens"] == 256
+
+
+def test_answers_hold_while_other_sequences_evict_and_reuse_blocks(
+    off, tmp_path_factory, stories_dir
+):
+    """A budget of 1 MiB holds a few blocks beside the running requests: rounds of concurrent
+    requests over shared and private prefixes keep evicting and reusing blocks, and every answer is
+    still the bits of the cache-off server."""
+    families = [[1] + [3 + (53 * f + 29 * t) % 509 for t in range(255)] for f in range(4)]
+    prompts = [fam + OTHER[1 + 7 * i : 40 + 7 * i] for i, fam in enumerate(families * 2)]
+    want = [answer(off, body(p, SAMPLINGS["seeded"])) for p in prompts]
+    with start(tmp_path_factory, stories_dir, "prefix-evict", KV_CACHE_BUDGET_MB="1") as srv:
+        hits = 0
+        for round_ in range(3):
+            order = [(i * 3 + round_) % len(prompts) for i in range(len(prompts))]
+            got = concurrently(
+                lambda i, order=order: answer(srv, body(prompts[order[i]], SAMPLINGS["seeded"])),
+                len(prompts),
+            )
+            for i, doc in zip(order, got, strict=True):
+                same_choices(doc, want[i])
+                hits += cached(doc)
+        state = srv.state()["prefix_cache"]
+        assert state["evicted_blocks"] > 0 and hits > 0, state
+        assert state["bytes"] <= 1 << 20
