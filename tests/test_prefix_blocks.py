@@ -1,0 +1,146 @@
+"""The prefix cache in-process: chained salted keys, least-recently-used leaves first, the room it is
+given, what is published (whole prompt blocks of prefills that completed) and that a hit is the cold
+run's bits, token ids included, on stories260K and on SmolLM2-135M's shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from model.engine import GenerationRequest
+from model.llama.model import Llama
+from model.llama.prefix_cache import PrefixCache, block_keys
+from model.llama.scheduler import BatchScheduler, steps_of
+from model.sampling import SamplingParams
+from tests.llamafiles import convert_stories
+from tests.test_batch_invariance import random_llama
+
+B = 128
+
+
+def test_keys_chain_the_whole_prefix_and_the_salt():
+    ids = list(range(3, 3 + 300))
+    keys = block_keys(ids, "", B)
+    assert len(keys) == 2 and len(set(keys)) == 2 and all(len(k) == 16 for k in keys)
+    assert block_keys(ids[:256] + [9] * 10, "", B) == keys  # only whole blocks count
+    changed = block_keys([4] + ids[1:], "", B)
+    assert changed[0] != keys[0] and changed[1] != keys[1]  # a block names everything before it
+    assert block_keys(ids, "tenant", B)[0] != keys[0]
+    assert block_keys(ids[:127], "", B) == ()
+
+
+@pytest.fixture(scope="module")
+def stories(tmp_path_factory) -> Llama:
+    return Llama.load(convert_stories(tmp_path_factory.mktemp("stories260K")))
+
+
+def request(prompt: list[int], seed: int = 7, **kw) -> GenerationRequest:
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    return GenerationRequest(tuple(prompt), 12, params, seed, logprobs=3, ignore_eos=True, **kw)
+
+
+def run(scheduler: BatchScheduler, reqs: list[GenerationRequest]) -> list[list]:
+    seqs = [scheduler.add(r, None) for r in reqs]
+    out: list[list] = [[] for _ in reqs]
+    while not scheduler.idle:
+        scheduler.step()
+        for steps, seq in zip(out, seqs, strict=True):
+            steps += steps_of(seq)
+    return out
+
+
+def bits(steps: list) -> list:
+    return [(s.token_id, s.logprob, s.top_logprobs, s.finish_reason) for s in steps]
+
+
+def new_cache(model: Llama, room: int = 1 << 30) -> PrefixCache:
+    return PrefixCache.for_model(model.config, B, room)
+
+
+def prompt_of(seed: int, n: int) -> list[int]:
+    return [1] + [int(t) for t in np.random.default_rng(seed).integers(3, 512, n - 1)]
+
+
+def test_a_cache_off_the_chunk_grid_is_refused(stories):
+    with pytest.raises(ValueError, match="grid"):
+        BatchScheduler(
+            stories, frozenset({2}), 4, prefill_chunk=64, prefix_cache=new_cache(stories)
+        )
+
+
+def test_least_recently_used_leaves_go_first_within_the_room(stories):
+    cache = new_cache(stories)
+    sched = BatchScheduler(stories, frozenset({2}), 4, prefix_cache=cache)
+    a, b = prompt_of(1, 400), prompt_of(2, 300)
+    run(sched, [request(a)])
+    run(sched, [request(b)])
+    assert cache.blocks == 5 and cache.nbytes == 5 * B * 1280
+    cache.set_room(4 * cache.block_bytes + 1)
+    assert cache.trim() == 1  # a's last block: the oldest leaf (a's first blocks are newer)
+    assert run(sched, [request(a)])[0][0].cached_tokens == 256
+    # a published its last block again, and the oldest leaf made room: b's last block
+    assert cache.blocks == 4 and cache.evicted_blocks == 2
+    cache.set_room(1 << 30)
+    assert run(sched, [request(b)])[0][0].cached_tokens == 128
+    cache.set_room(0)
+    assert cache.trim() == 5 and cache.blocks == 0 and cache.evicted_blocks == 7
+    cache.set_room(1 << 30)
+    assert run(sched, [request(b)])[0][0].cached_tokens == 0
+
+
+def test_publishing_keeps_only_what_fits_the_room(stories):
+    cache = new_cache(stories, room=2 * 163_840)
+    sched = BatchScheduler(stories, frozenset({2}), 4, prefix_cache=cache)
+    run(sched, [request(prompt_of(3, 500))])
+    assert cache.blocks == 2  # the first two of three whole blocks
+    assert run(sched, [request(prompt_of(3, 500))])[0][0].cached_tokens == 256
+
+
+def test_a_failed_or_cancelled_prefill_publishes_nothing(stories, monkeypatch):
+    cache = new_cache(stories)
+    sched = BatchScheduler(stories, frozenset({2}), 4, prefix_cache=cache)
+    seq = sched.add(request(prompt_of(4, 300)), None)
+    sched.step()  # the first chunk (of 128; the budget of 256 takes two, the prompt needs three)
+    seq.cancelled = True
+    sched.step()
+    assert cache.blocks == 0 and sched.idle
+    sched.add(request(prompt_of(5, 300)), None)
+    sched.step()
+
+    def broken(*args, **kw):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(stories, "forward", broken)
+    with pytest.raises(RuntimeError):
+        sched.step()
+    sched.abort()
+    assert cache.blocks == 0
+
+
+@pytest.mark.parametrize("model_name", ["stories260K", "smollm2-shaped"])
+def test_hits_alone_or_batched_are_the_cold_bits(model_name, stories):
+    model = stories if model_name == "stories260K" else random_llama(n_layers=2)
+    vocab = model.vocab_size
+    rng = np.random.default_rng(11)
+    base = [1] + [int(t) for t in rng.integers(3, vocab, 420)]
+    other = [int(t) for t in rng.integers(3, vocab, 200)]
+    prompts = [
+        base[:300],
+        base[:256],
+        base[:256] + other[:30],
+        base[:129],
+        base[:200] + other,
+        base[:90],
+    ]
+    cold = [run(BatchScheduler(model, frozenset(), 8), [request(p)])[0] for p in prompts]
+    cache = new_cache(model)
+    sched = BatchScheduler(model, frozenset(), 8, prefix_cache=cache)
+    for _ in range(2):  # the first pass fills the cache, the second hits it
+        for p, want in zip(prompts, cold, strict=True):
+            assert bits(run(sched, [request(p)])[0]) == bits(want)
+    batched = run(sched, [request(p) for p in prompts])
+    assert [b[0].cached_tokens for b in batched] == [256, 128, 256, 128, 384, 0]
+    for got, want in zip(batched, cold, strict=True):
+        assert bits(got) == bits(want)
+    salted = run(sched, [request(prompts[0], cache_salt="other tenant")])[0]
+    assert salted[0].cached_tokens == 0 and bits(salted) == bits(cold[0])
