@@ -1,13 +1,42 @@
-"""What one load run counts and measures, and its result object (see ``bench.loadgen``)."""
+"""What one load run counts and measures, and its result object (see ``bench.loadgen``).
+
+``bench.loadgen`` imports this module; what this one reads of the generator's connections and run
+description is spelled out as protocols (:class:`Answered`, :class:`RunShape`), so the two modules
+do not import each other.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from bench import procstat
 
-if TYPE_CHECKING:  # loadgen imports this module
-    from bench.loadgen import Conn, LoadSpec
+
+class Answered(Protocol):
+    """What :func:`account` reads of a finished request (``bench.loadgen.Conn``).
+
+    Attributes:
+        t0: ``perf_counter`` when the request was sent, seconds.
+        t_first: ``perf_counter`` of its first token event, or None.
+        t_head: ``perf_counter`` when its status line and headers were read, or None.
+        tokens: tokens the answer carried.
+    """
+
+    t0: float
+    t_first: float | None
+    t_head: float | None
+    tokens: int
+
+
+class RunShape(Protocol):
+    """What :func:`report` reads of the run's description (``bench.loadgen.LoadSpec``)."""
+
+    concurrency: int
+    stream: bool
+    expect_tokens: int
+    extra_events: int
+    spin: bool
+    probe_ports: tuple[int, ...]
 
 
 class Window:
@@ -40,7 +69,7 @@ class Results:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
 
-def account(conn: Conn, outcome: str, now: float, res: Results, w: Window) -> None:
+def account(conn: Answered, outcome: str, now: float, res: Results, w: Window) -> None:
     """Count a finished request: completions and tokens in the window, TTFT and latency of the
     requests that started in it; a failure only by its kind."""
     if outcome != "ok":
@@ -59,7 +88,7 @@ def account(conn: Conn, outcome: str, now: float, res: Results, w: Window) -> No
         res.latency.append(now - conn.t0)
 
 
-def report(spec: LoadSpec, res: Results, snap: dict[str, float], dropped: int) -> dict[str, Any]:
+def report(spec: RunShape, res: Results, snap: dict[str, float], dropped: int) -> dict[str, Any]:
     """Return the run's result object (rates per second of the window, latencies in ms).
 
     Raises:

@@ -4,13 +4,21 @@ A completion choice is a :class:`GenerationRequest`; an engine turns it into a s
 :class:`Step`, one per generated token, and scores prompts for ``echo``. Every family checks a
 request with :func:`check_request` before its first token and builds each Step with
 :func:`make_step`, so the rules and the log-probability report are the same for all of them.
+
+What the server needs to know of a family to serve it is a :class:`Family` (inline or batched on an
+engine thread, its default slot and queue limits); a batched family's continuous-batching scheduler is
+a :class:`Scheduler`, which the server's engine thread drives. ``model.loader.LoadedModel`` hands out
+all of it (with the tokenizer, the chat template and the KV-cache accounting), so the server imports
+no model family.
+
+Source: docs/ARCHITECTURE.md §5.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -18,6 +26,7 @@ from model.pcg32 import PCG32
 from model.sampling import SamplingParams, logprobs_of
 
 DEFAULT_SEQ = 54
+END = object()  # a Scheduler delivers it after a sequence's last Step
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +115,129 @@ class Engine(Protocol):
             ValueError: As :func:`check_prompt`.
         """
         ...
+
+
+class ScheduledSequence(Protocol):
+    """One choice inside a :class:`Scheduler`, as the thread that drives it sees it.
+
+    Attributes:
+        handle: the caller's object given to :meth:`Scheduler.add`, returned with every result.
+        cancelled: set by the caller (from any thread: one attribute write); the scheduler drops
+            the sequence at its next step.
+        steps: new output the caller drains after each step: Steps, then :data:`END` once finished.
+    """
+
+    handle: Any
+    cancelled: bool
+    steps: list[Any]
+
+
+class PrefixCacheView(Protocol):
+    """What the server sees of a scheduler's prefix cache (the Llama family's is
+    ``model.llama.prefix_cache.PrefixCache``): sizes and running totals, read from any thread, and the
+    room the KV budget leaves it, set from any thread."""
+
+    blocks: int  # cached blocks
+    nbytes: int  # their bytes
+    hit_tokens: int  # prompt tokens served from the cache since start
+    miss_tokens: int  # prompt tokens computed since start
+    evicted_blocks: int  # blocks evicted since start
+
+    def set_room(self, room_bytes: int) -> None:
+        """Let the cache hold at most ``room_bytes`` (the budget less the reservations)."""
+        ...
+
+    def state(self) -> dict[str, int]:
+        """Return blocks, bytes, room and the counters (for ``/debug/state``)."""
+        ...
+
+
+class Scheduler(Protocol):
+    """Continuous batching: advance every live sequence one token per :meth:`step`.
+
+    Single-threaded: one thread calls everything but :meth:`score` (which touches no sequence and
+    may run on another thread). The Llama family's is ``model.llama.scheduler.BatchScheduler``.
+    """
+
+    @property
+    def context_length(self) -> int:
+        """The most tokens (prompt + generated) one sequence may hold."""
+        ...
+
+    @property
+    def idle(self) -> bool:
+        """True when no sequence needs work."""
+        ...
+
+    @property
+    def prefix_cache(self) -> PrefixCacheView | None:
+        """The cache of prompt blocks reused across requests, or None without one."""
+        ...
+
+    def validate(self, req: GenerationRequest) -> PCG32:
+        """Check ``req`` before anything is queued; return its seeded generator.
+
+        Raises:
+            ValueError: As :func:`check_request`.
+        """
+        ...
+
+    def add(self, req: GenerationRequest, handle: Any) -> ScheduledSequence:
+        """Add a validated request; it starts at the next :meth:`step`.
+
+        Raises:
+            ValueError: As :meth:`validate`, or the batch is full.
+        """
+        ...
+
+    def prune(self) -> None:
+        """Drop the cancelled sequences now (they free their batch places and KV cache)."""
+        ...
+
+    def abort(self) -> Sequence[ScheduledSequence]:
+        """Drop every live sequence (after a failed step) and return them."""
+        ...
+
+    def step(self) -> Sequence[ScheduledSequence]:
+        """Run one step; return the sequences with new items in their ``steps``.
+
+        Raises:
+            Exception: Whatever the model raises; the caller fails the sequences still live.
+        """
+        ...
+
+    def score(
+        self, prompt_ids: Sequence[int], top_n: int, pause: Callable[[], None] | None = None
+    ) -> list[Step]:
+        """As :meth:`Engine.score`."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """How the server runs a model family.
+
+    Attributes:
+        name: ``"bigram"`` or ``"llama"`` (``LoadedModel.engine_kind``).
+        inline: True when the family's engine runs on the request's own greenlet (a step costs
+            microseconds: the bigram); False when its steps cost milliseconds of numpy and run
+            batched on one native engine thread per worker (``LoadedModel.make_scheduler``).
+        default_slots: concurrent generations per worker when ``MAX_SLOTS`` is unset.
+        default_queue: requests allowed to wait per worker when ``MAX_QUEUE`` is unset.
+    """
+
+    name: Literal["bigram", "llama"]
+    inline: bool
+    default_slots: int
+    default_queue: int
+
+    def limits(self, max_slots: int | None, max_queue: int | None) -> tuple[int, int]:
+        """Return ``(slots, queue)`` per worker: ``MAX_SLOTS`` and ``MAX_QUEUE`` when set (not
+        None), else this family's defaults."""
+        return (
+            self.default_slots if max_slots is None else max_slots,
+            self.default_queue if max_queue is None else max_queue,
+        )
 
 
 def check_prompt(

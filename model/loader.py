@@ -12,6 +12,12 @@ compiles it): a GGUF's ``tokenizer.chat_template``; a Hugging Face directory's
 ``tokenizer_config.json`` ``chat_template`` (a string, or a list of ``{"name", "template"}`` of which
 ``"default"`` is taken) or its ``chat_template.jinja`` file.
 
+With ``model.engine``, this module is the server's one door to the model families
+(docs/ARCHITECTURE.md §5): a :class:`LoadedModel` says how its family is served (:attr:`LoadedModel.family`,
+:meth:`LoadedModel.make_engine`, :meth:`LoadedModel.make_scheduler`), counts its KV cache
+(:meth:`LoadedModel.kv_reservation_bytes`, and :func:`can_ever_fit` for a budget), and carries its
+tokenizer and chat template; :func:`default_cache_dir` is where GGUF weights are cached.
+
 Source: GGUF specification, "tokenizer.chat_template"; Hugging Face transformers, "Chat templates".
 """
 
@@ -26,7 +32,7 @@ from typing import Literal
 from model.bigram.engine import BigramEngine
 from model.bigram.model import Bigram, default_model_dir
 from model.chat_template import ChatTemplate
-from model.engine import Engine
+from model.engine import Engine, Family, Scheduler
 from model.files import CONFIG_NAME, file_sha256, read_json_object
 from model.llama.config import token_id_field, token_ids_field
 from model.llama.engine import LlamaEngine
@@ -34,7 +40,10 @@ from model.llama.gguf import GGUF_SUFFIX, read_gguf
 from model.llama.gguf_cache import default_cache_dir, load_or_build
 from model.llama.gguf_tokenizer import tokenizer_from_gguf
 from model.llama.kv_cache import bytes_per_token, reservation_bytes
+from model.llama.kv_cache import can_ever_fit as can_ever_fit  # the contract's, for admission
 from model.llama.model import Llama, check_tensors
+from model.llama.prefix_cache import PrefixCache
+from model.llama.scheduler import PREFILL_CHUNK, BatchScheduler
 from model.tokenizer import ByteTokenizer, HFTokenizer
 
 TOKENIZER_NAME = "tokenizer.json"
@@ -42,6 +51,16 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
 GGUF_CHAT_TEMPLATE = "tokenizer.chat_template"
+
+# Default limits, sized to what a slot costs (docs/ARCHITECTURE.md §9). A bigram stream runs inline in
+# its greenlet and holds ~32 KiB (a generator, a record, a socket): 1024 of them cost ~32 MiB, and the
+# server's pacer keeps a round of all running streams near its HUB_ROUND_S, so slots are not what
+# limits it; WORKER_CONNECTIONS (1000) is reached first. A Llama slot is a row of every batched
+# decode step (up to MAX_N sequences): rows beyond what the step keeps busy only lengthen every
+# stream's inter-token time, so slots stay few and the rest wait in the queue.
+BIGRAM = Family("bigram", inline=True, default_slots=1024, default_queue=1024)
+LLAMA = Family("llama", inline=False, default_slots=64, default_queue=256)
+FAMILIES = {family.name: family for family in (BIGRAM, LLAMA)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,6 +110,17 @@ class LoadedModel:
         return ChatTemplate.from_source(source, self.bos_token, self.eos_token)
 
     @property
+    def family(self) -> Family:
+        """How this model's family is served: inline or batched, its default slots and queue."""
+        return FAMILIES[self.engine_kind]
+
+    @property
+    def packaged(self) -> bool:
+        """True for the default bigram shipped with the ``model`` package (``MODEL_DIR`` unset, or
+        naming that directory)."""
+        return Path(self.model_dir).resolve() == default_model_dir().resolve()
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes one token of one sequence takes (0 for the bigram, which has none)."""
         return bytes_per_token(self.model.config) if isinstance(self.model, Llama) else 0
@@ -109,6 +139,36 @@ class LoadedModel:
         if isinstance(self.model, Llama):
             return LlamaEngine(self.model, self.tokenizer.eos_ids)
         return BigramEngine(self.model)
+
+    def make_scheduler(
+        self, max_batch: int, batch_invariant: bool = True, prefix_cache_bytes: int | None = None
+    ) -> Scheduler:
+        """Return a continuous-batching scheduler over this model, for a family that is not
+        :attr:`Family.inline` (the server drives it on its engine thread).
+
+        Args:
+            max_batch: most sequences generating at once (slots x ``MAX_N``).
+            batch_invariant: decode each sequence to the same bits whatever the batch
+                (``BATCH_INVARIANT``).
+            prefix_cache_bytes: keep whole prompt blocks for reuse in at most this many bytes
+                (``PREFIX_CACHE=1``: the KV budget, less what the running requests reserve, see
+                :class:`model.llama.prefix_cache.PrefixCache`); None for no prefix cache.
+
+        Raises:
+            ValueError: the family runs inline (the bigram has no scheduler).
+        """
+        if not isinstance(self.model, Llama):
+            raise ValueError(f"the {self.engine_kind} family runs inline: it has no scheduler")
+        cache = None
+        if prefix_cache_bytes is not None:
+            cache = PrefixCache.for_model(self.model.config, PREFILL_CHUNK, prefix_cache_bytes)
+        return BatchScheduler(
+            self.model,
+            self.tokenizer.eos_ids,
+            max_batch,
+            batch_invariant=batch_invariant,
+            prefix_cache=cache,
+        )
 
 
 def load_model(

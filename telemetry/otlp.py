@@ -71,7 +71,7 @@ def encode_spans(
     *,
     service_name: str,
     scope_name: str = "greenserve",
-    scope_version: str = "0.1.0",
+    scope_version: str = "",
 ) -> dict[str, Any]:
     """Encode spans as one OTLP ``ExportTraceServiceRequest`` in the JSON mapping.
 
@@ -79,7 +79,8 @@ def encode_spans(
         spans: spans to send, all from this service and instrumentation scope.
         service_name: the ``service.name`` resource attribute.
         scope_name: instrumentation scope name.
-        scope_version: instrumentation scope version.
+        scope_version: instrumentation scope version (greenserve's ``model.__version__``, passed in
+            by the server: telemetry imports nothing of ``model`` or ``wsgi_app``).
 
     Returns:
         ``{"resourceSpans": [{"resource": ..., "scopeSpans": [{"scope": ..., "spans": [...]}]}]}``
@@ -178,6 +179,7 @@ class SpanExporter:
         initial_backoff_s: first retry delay in seconds, doubled per retry, jittered by ±20 %.
         max_backoff_s: retry delay cap in seconds (Retry-After may ask for longer).
         on_result: optional ``(kind, n)`` hook, e.g. for Prometheus counters.
+        scope_version: the instrumentation scope's version (the server's version).
 
     Source: OTLP specification, "OTLP/HTTP" (POST ``application/json``; retry only 429, 502, 503,
     504 and honour Retry-After; jittered exponential backoff).
@@ -197,11 +199,13 @@ class SpanExporter:
         initial_backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
         on_result: Callable[[str, int], None] | None = None,
+        scope_version: str = "",
     ) -> None:
         import requests  # deferred: see the module docstring
 
         self.endpoint = endpoint
         self.service_name = service_name
+        self.scope_version = scope_version
         self.max_queue = max(1, max_queue)
         self.max_batch = max(1, max_batch)
         self.schedule_delay_s = schedule_delay_s
@@ -355,7 +359,9 @@ class SpanExporter:
 
     def _send(self, batch: list[Span]) -> bool:
         """Post one batch, retrying within ``max_elapsed_s``; return True once accepted."""
-        payload = encode_spans(batch, service_name=self.service_name)
+        payload = encode_spans(
+            batch, service_name=self.service_name, scope_version=self.scope_version
+        )
         body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         deadline = time.monotonic() + self.max_elapsed_s
         exc = self._requests.exceptions

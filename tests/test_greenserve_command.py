@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.installed import import_paths, make_venv
+from model import __version__
+from tests.installed import ROOT, import_paths, make_venv
 from tests.server import GunicornServer
 from wsgi_app.cli import FLAGS
 
@@ -56,7 +57,7 @@ def test_installed_command_serves_the_default_model(server):
     assert answer["model"] == "bigram"
     assert answer["choices"][0]["text"] == SEEDED_ROMEO
     assert answer["usage"] == {"prompt_tokens": 6, "completion_tokens": 24, "total_tokens": 30}
-    assert headers["x-model-version"].endswith("+greenserve-0.1.0")
+    assert headers["x-model-version"].endswith(f"+greenserve-{__version__}")
     status, _, body = server.get("/metrics", port=server.health_port)
     assert (
         status == 200
@@ -74,6 +75,25 @@ def test_help_names_every_variable(installed, elsewhere):
     text = " ".join(out.stdout.split())
     for flag, env, _ in FLAGS:
         assert f"{flag} {env}" in text and f"[{env}]" in text, flag
+
+
+def test_one_version_everywhere(installed, elsewhere):
+    # model.__version__ is the one source: the wheel's metadata (pyproject's dynamic version) and
+    # `greenserve --version` say the same; X-Model-Version and the OTLP scope are checked where they
+    # are served (above; tests/test_tracing.py).
+    out = subprocess.run(
+        [str(installed / "greenserve"), "--version"], cwd=elsewhere, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"greenserve {__version__}\n"
+    code = "from importlib.metadata import version; print(version('greenserve'))"
+    meta = subprocess.run(
+        [str(installed / "python"), "-c", code], cwd=elsewhere, capture_output=True, text=True
+    )
+    assert meta.stdout.strip() == __version__, meta.stderr
+    # The OpenAPI document is served byte for byte, so it holds a copy: it must not drift.
+    document = json.loads((ROOT / "wsgi_app" / "openapi.json").read_text())
+    assert document["info"]["version"] == __version__
 
 
 def test_a_bad_flag_value_is_one_line(installed, elsewhere):

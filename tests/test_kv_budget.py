@@ -154,6 +154,7 @@ def test_cached_prompt_blocks_are_given_up_before_a_request_would_wait(budget_se
     assert s["kv_cache_bytes"] == {"reserved": 643_840, "budget": 1 << 20, "cached": 2 * block}
     assert s["prefix_cache"]["evicted_blocks"] == 4
     first.close()
+    wait_until(lambda: state(srv)["slots"]["busy"] == 0, what="the first request to end")
     # The two most recently used blocks stayed: the last prompt's.
     status, _, raw = srv.complete({"model": "s", "prompt": prompts[2], "max_tokens": 1})
     assert json.loads(raw)["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}

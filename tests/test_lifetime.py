@@ -11,10 +11,10 @@ import signal
 
 import pytest
 
+from model.loader import BIGRAM, LLAMA
 from tests.collector import FakeCollector
 from tests.server import GunicornServer, concurrently, wait_until
 from tests.sse import EventReader, sse_events
-from wsgi_app.generation.admission import default_limits
 
 SLOW = "slow_step_s=0.02"  # 50 tokens/s: long enough streams to disconnect from, short tests
 
@@ -332,8 +332,8 @@ def test_default_limits_follow_the_model(serve):
     s = srv.state()
     assert s["slots"] == {"busy": 0, "total": 1024}
     assert s["queue"] == {"waiting": 0, "max": 1024}
-    assert default_limits("llama", None, None) == (64, 256)
-    assert default_limits("bigram", 3, 0) == (3, 0)  # MAX_SLOTS and MAX_QUEUE win when set
+    assert LLAMA.limits(None, None) == (64, 256)
+    assert BIGRAM.limits(3, 0) == (3, 0)  # MAX_SLOTS and MAX_QUEUE win when set
 
 
 def test_drain_is_server_wide_survives_a_reload_and_is_undone(make_server):

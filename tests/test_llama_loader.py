@@ -15,7 +15,8 @@ from model.bigram.model import Bigram
 from model.files import file_sha256
 from model.llama.engine import LlamaEngine
 from model.llama.model import Llama
-from model.loader import load_model
+from model.llama.scheduler import BatchScheduler
+from model.loader import BIGRAM, LLAMA, load_model
 from model.tokenizer import ByteTokenizer, HFTokenizer
 from tests.llamafiles import tiny_reference, write_tiny_llama
 from tests.modelfiles import write_safetensors_raw, write_succ_model
@@ -53,6 +54,24 @@ def test_bigram_directories_load_as_before(tmp_path: Path) -> None:
     assert isinstance(default.make_engine(), BigramEngine)
     succ = load_model(write_succ_model(tmp_path / "succ"))
     assert succ.checksum == file_sha256(tmp_path / "succ" / "model.safetensors")
+
+
+def test_the_family_says_how_a_model_is_served(tmp_path: Path, tiny_dir: Path) -> None:
+    # What the server needs of a family comes through LoadedModel (docs/ARCHITECTURE.md §5).
+    default = load_model(None)
+    assert default.family is BIGRAM and default.family.inline and default.packaged
+    assert default.family.limits(None, None) == (1024, 1024)
+    with pytest.raises(ValueError, match="the bigram family runs inline: it has no scheduler"):
+        default.make_scheduler(8)
+    succ = load_model(write_succ_model(tmp_path / "succ"))
+    assert succ.family is BIGRAM and not succ.packaged
+    lm = load_model(tiny_dir)
+    assert lm.family is LLAMA and not lm.family.inline and not lm.packaged
+    assert lm.family.limits(None, 7) == (64, 7)
+    scheduler = lm.make_scheduler(8, batch_invariant=False)
+    assert isinstance(scheduler, BatchScheduler) and scheduler.context_length == 64
+    assert scheduler.max_batch == 8 and not scheduler.batch_invariant
+    assert scheduler.eos_ids == lm.tokenizer.eos_ids
 
 
 def test_llama_directory_loads_with_tokenizer_and_checksum(tiny_dir: Path) -> None:

@@ -15,9 +15,9 @@ import pytest
 from pythonjsonlogger.json import JsonFormatter as LibraryFormatter
 
 from telemetry.logs import JsonFormatter, StderrHandler, client_hash, held_lines, logging_config
+from telemetry.observer import finish_reason, is_failed, summarize
 from tests.server import GunicornServer, wait_until
 from tests.sse import sse_events
-from wsgi_app.request_telemetry import finish_reason, is_failed, summarize
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 SALT = "pepper"

@@ -66,7 +66,7 @@ def test_golden_encoding() -> None:
         status_code=2,
         status_message="engine failed",
     )
-    assert encode_spans([span], service_name="greenserve-test") == {
+    assert encode_spans([span], service_name="greenserve-test", scope_version="0.1.0") == {
         "resourceSpans": [
             {
                 "resource": {

@@ -9,12 +9,12 @@ from array import array
 import pytest
 from prometheus_client import CollectorRegistry
 
+from telemetry.batch import Observation, Quantiles, count_all, reduce_gaps
 from telemetry.metrics import Metrics
+from telemetry.observer import Observer, summarize
 from telemetry.spans import start_server_span
 from tests.test_metrics import _samples
 from wsgi_app.generation.record import RequestRecord
-from wsgi_app.request_telemetry import Observer, summarize
-from wsgi_app.telemetry_batch import Observation, Quantiles, count_all, reduce_gaps
 
 
 def _stamps(rng: random.Random, n: int) -> array:

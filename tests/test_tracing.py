@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from model import __version__
 from tests.collector import FakeCollector
 from tests.server import GunicornServer, wait_until
 
@@ -54,6 +55,9 @@ def test_span_joins_the_callers_trace(traced):
     payload = next(a.payload for a in collector.attempts() if "trace-child-1" in a.body.decode())
     resource = payload["resourceSpans"][0]["resource"]["attributes"]
     assert {"key": "service.name", "value": {"stringValue": "greenserve-test"}} in resource
+    # The instrumentation scope carries greenserve's one version (as X-Model-Version does).
+    scope = payload["resourceSpans"][0]["scopeSpans"][0]["scope"]
+    assert scope == {"name": "greenserve", "version": __version__}
 
 
 @pytest.mark.parametrize(

@@ -8,16 +8,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from flask import Flask, Response, request
 
 from model import __version__
-from model.llama.prefix_cache import PrefixCache
-from model.llama.scheduler import PREFILL_CHUNK, BatchScheduler
+from model.engine import Engine
 from model.loader import LoadedModel, load_model
+from telemetry.observer import build_observer
 from telemetry.otlp import NullExporter, SpanExporter
-from wsgi_app.generation.admission import Admission, default_limits
+from wsgi_app.generation.admission import Admission
 from wsgi_app.generation.faults import Faults, FaultyEngine
 from wsgi_app.http import auth, cors, lifecycle, ratelimit
 from wsgi_app.http.chat import serving_template
@@ -33,30 +32,23 @@ from wsgi_app.http.routes import (
     stats,
 )
 from wsgi_app.http.runtime import EXTENSION, Runtime
-from wsgi_app.request_telemetry import build_observer
 from wsgi_app.server.heap import AfterAnswers
 from wsgi_app.settings import Settings
 
 
-def make_engine(model: LoadedModel, settings: Settings) -> Any:
-    """Return the engine for ``model``: the bigram runs inline in each request's greenlet; a Llama
-    runs on one native thread per worker with continuous batching (up to ``MAX_SLOTS`` requests of
-    ``MAX_N`` choices each), with a prefix cache unless ``PREFIX_CACHE=0``."""
-    if model.engine_kind == "llama":
+def make_engine(model: LoadedModel, settings: Settings) -> Engine:
+    """Return the engine for ``model``: an inline family (the bigram) runs in each request's
+    greenlet; a batched one (a Llama) runs on one native thread per worker with continuous batching
+    (up to ``MAX_SLOTS`` requests of ``MAX_N`` choices each), with a prefix cache unless
+    ``PREFIX_CACHE=0``."""
+    if not model.family.inline:
         from wsgi_app.generation.engine_thread import ThreadedEngine
 
-        slots, _ = default_limits(model.engine_kind, settings.max_slots, settings.max_queue)
+        slots, _ = model.family.limits(settings.max_slots, settings.max_queue)
         batch = slots * settings.max_n
-        prefix_cache = None
-        if settings.prefix_cache:
-            budget = settings.kv_cache_budget_mb << 20
-            prefix_cache = PrefixCache.for_model(model.model.config, PREFILL_CHUNK, budget)
-        scheduler = BatchScheduler(
-            model.model,
-            model.tokenizer.eos_ids,
-            batch,
-            batch_invariant=settings.batch_invariant,
-            prefix_cache=prefix_cache,
+        cache_bytes = settings.kv_cache_budget_mb << 20 if settings.prefix_cache else None
+        scheduler = model.make_scheduler(
+            batch, batch_invariant=settings.batch_invariant, prefix_cache_bytes=cache_bytes
         )
         return ThreadedEngine(scheduler)
     return model.make_engine()
@@ -86,12 +78,19 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     logging.getLogger("greenserve").setLevel(settings.log_level.upper())
     model = load_model(settings.model_dir)
     chat_template = serving_template(model, settings)
-    observer = build_observer(settings, clock or time.time)
+    observer = build_observer(
+        clock or time.time,
+        stats_db=settings.stats_db,
+        slo_ttft_s=settings.slo_ttft_s,
+        stats_flush_s=settings.stats_flush_s,
+        slow_request_s=settings.slow_request_s,
+    )
     if settings.otlp_endpoint:
         exporter = SpanExporter(
             settings.otlp_endpoint,
             service_name=settings.service_name,
             on_result=observer.metrics.on_span_result,
+            scope_version=__version__,
         )
     else:
         exporter = NullExporter()
@@ -109,7 +108,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
         model=model,
         engine=engine,
         admission=Admission(
-            *default_limits(model.engine_kind, settings.max_slots, settings.max_queue),
+            *model.family.limits(settings.max_slots, settings.max_queue),
             observer.set_load,
             kv_budget_bytes=settings.kv_cache_budget_mb << 20,
             on_room=None if prefix_cache is None else prefix_cache.set_room,

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from model import __version__
+
 CONFIG = "python:wsgi_app.gunicorn_config"
 
 # (flag, environment variable, help): the settings an operator most often sets per host.
@@ -50,6 +52,7 @@ def parser() -> argparse.ArgumentParser:
             "(e.g. -- --pid /run/greenserve/gunicorn.pid)."
         ),
     )
+    p.add_argument("--version", action="version", version=f"greenserve {__version__}")
     for flag, env, text in FLAGS:
         p.add_argument(flag, metavar=env, help=f"{text} [{env}]")
     return p

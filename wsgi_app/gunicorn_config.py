@@ -87,7 +87,7 @@ class AppLogsRequests(Logger):
     with ``logconfig_dict`` set gunicorn would otherwise build (then drop) access fields every time."""
 
     def access(self, resp, req, environ, request_time):
-        """Do nothing: the request line is the app's (``wsgi_app.request_telemetry``)."""
+        """Do nothing: the request line is the app's (``telemetry.observer``)."""
 
 
 logger_class = AppLogsRequests
@@ -187,7 +187,7 @@ def _log_gguf_loading(path):
         return
     import logging
 
-    from model.llama.gguf_cache import default_cache_dir
+    from model.loader import default_cache_dir
 
     logging.getLogger("greenserve.start").info(
         "loading %s: hashing, float32 cache at %s",

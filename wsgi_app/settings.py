@@ -124,7 +124,7 @@ class Settings:
     Attributes:
         model_dir: model directory, or None for the packaged default model.
         max_slots: concurrent generations per worker; None: sized to the model
-            (``admission.default_limits``: 1024 for the bigram, 64 for a Llama).
+            (the model family's, ``model.engine.Family.limits``: 1024 for the bigram, 64 for a Llama).
         max_queue: requests allowed to wait for a slot, per worker; None: sized to the model
             (1024 for the bigram, 256 for a Llama).
         kv_cache_budget_mb: KV-cache MiB the running requests of a worker may reserve together (a

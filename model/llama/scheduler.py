@@ -34,17 +34,14 @@ from typing import Any
 
 import numpy as np
 
-from model.engine import GenerationRequest, Step, check_prompt, check_request, make_step
+from model.engine import END, GenerationRequest, Step, check_prompt, check_request, make_step
 from model.llama.kv_cache import KVCache, KVPool
 from model.llama.model import Llama
 from model.llama.prefix_cache import PrefixCache, PrefixHit
 from model.pcg32 import PCG32
 from model.sampling import sample
 
-END = object()  # delivered after a sequence's last Step
-PREFILL_CHUNK = (
-    128  # prompt tokens one sequence prefills per step: the chunk grid (and prefix block)
-)
+PREFILL_CHUNK = 128  # prompt tokens a sequence prefills per step: the chunk grid (and prefix block)
 
 
 @dataclass(eq=False)
@@ -109,7 +106,7 @@ class BatchScheduler:
                 f"prefix cache blocks of {prefix_cache.block_tokens} tokens off the prefill chunk "
                 f"grid of {prefill_chunk}: a hit would change the answer's bits"
             )
-        self.prefix_cache = prefix_cache
+        self._prefix_cache = prefix_cache
         self.model = model
         self.eos_ids = frozenset(eos_ids)
         self.max_batch = max_batch
@@ -119,6 +116,11 @@ class BatchScheduler:
         self.live: list[Sequence] = []
         c = model.config
         self.pool = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, c.max_seq_len)
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The cache of whole prompt blocks reused across sequences, or None."""
+        return self._prefix_cache
 
     @property
     def context_length(self) -> int:

@@ -6,9 +6,10 @@ waiter, so the queue is fair and nobody races for it. Every ticket is released e
 the request takes (finished, disconnected, timed out, failed, shut down).
 
 A request also reserves the KV-cache bytes its sequences may hold (``KV_CACHE_BUDGET_MB``, see
-:func:`model.llama.kv_cache.reservation_bytes`): it runs only when a slot and its bytes are both free,
+:meth:`model.loader.LoadedModel.kv_reservation_bytes`): it runs only when a slot and its bytes are both free,
 waits in the same queue otherwise (the oldest waiter first, so a large request is never starved by small
-ones), and one that could not fit even in an idle worker is a 400.
+ones), and one that could not fit even in an idle worker is a 400. The default slots and queue are the
+model family's (:meth:`model.engine.Family.limits`).
 
 Source: docs/ARCHITECTURE.md §9 (admission and stream lifetime).
 """
@@ -23,7 +24,7 @@ from typing import Any
 
 from gevent.event import Event
 
-from model.llama.kv_cache import can_ever_fit
+from model.loader import can_ever_fit
 from wsgi_app.api.errors import ApiError, invalid
 
 QUEUED, RUNNING, RELEASED = "queued", "running", "released"
@@ -92,36 +93,6 @@ class Ticket:
     def release(self) -> None:
         """Give the slot (or the queue place) back; idempotent."""
         self._admission._release(self)
-
-
-# Default limits, sized to what a slot costs (docs/ARCHITECTURE.md §9). A bigram stream runs inline in
-# its greenlet and holds ~32 KiB (a generator, a record, a socket): 1024 of them cost ~32 MiB, and the
-# pacer keeps a round of all running streams near HUB_ROUND_S (wsgi_app/generation/pacer.py), so slots are not
-# what limits it; WORKER_CONNECTIONS (1000) is reached first. A Llama slot is a row of every batched
-# decode step (up to MAX_N sequences): rows beyond what the step keeps busy only lengthen every
-# stream's inter-token time, so slots stay few and the rest wait in the queue.
-INLINE_SLOTS, INLINE_QUEUE = 1024, 1024
-BATCHED_SLOTS, BATCHED_QUEUE = 64, 256
-
-
-def default_limits(
-    engine_kind: str, max_slots: int | None, max_queue: int | None
-) -> tuple[int, int]:
-    """Return ``(slots, queue)`` per worker: ``MAX_SLOTS`` and ``MAX_QUEUE`` when set, else sized to
-    the model's engine.
-
-    Args:
-        engine_kind: ``"bigram"`` (inline) or ``"llama"`` (batched on the engine thread).
-        max_slots: ``MAX_SLOTS``, or None for the model's default.
-        max_queue: ``MAX_QUEUE``, or None for the model's default.
-    """
-    slots, queue = (
-        (BATCHED_SLOTS, BATCHED_QUEUE) if engine_kind == "llama" else (INLINE_SLOTS, INLINE_QUEUE)
-    )
-    return (
-        slots if max_slots is None else max_slots,
-        queue if max_queue is None else max_queue,
-    )
 
 
 class Admission:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from itertools import cycle
 from typing import Protocol
 
-from model.engine import GenerationRequest, Step
+from model.engine import Engine, GenerationRequest
 from model.tokenizer import TextTokenizer
 from model.utf8 import Utf8Decoder
 from wsgi_app.api.completions import CompletionRequest, Prompt
@@ -27,18 +27,6 @@ from wsgi_app.wire.sse import PING, PLAIN, Framing
 # How far ahead of its expected place a prompt token's text is looked for, in characters, where the
 # tokenizer changed the prompt's text (so the search stays linear in the prompt).
 _RESYNC_CHARS = 16
-
-
-class Engine(Protocol):
-    """What a completion needs of the model's engine."""
-
-    def stream(self, req: GenerationRequest) -> Iterator[Step | None]:
-        """Return the token stream of ``req``; None items are ticks (no token yet)."""
-
-    def score(
-        self, prompt_ids: tuple[int, ...], top_n: int, pause: Callable[[], None]
-    ) -> list[Step]:
-        """Return the logprobs of the prompt tokens (for ``echo``), calling ``pause`` between slices."""
 
 
 class Pacing(Protocol):

@@ -1,7 +1,7 @@
 """The batching engine's native thread, and the gevent-safe channel between it and the request greenlets.
 
 Transformer steps cost milliseconds of CPU; on the hub they would freeze every connection of the worker.
-So one thread per worker runs :class:`model.llama.scheduler.BatchScheduler` (numpy releases the GIL in its
+So one thread per worker runs the model's :class:`model.engine.Scheduler` (numpy releases the GIL in its
 matrix products), and greenlets talk to it through plain deques: a submission and a cancellation flag one
 way; Steps the other way, announced by a libev/libuv *async watcher*, the one gevent object that another
 native thread may signal. Greenlets never block the hub: they wait on a per-stream gevent Event that the
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import gevent
@@ -27,8 +27,7 @@ from gevent.event import Event
 from gevent.monkey import get_original
 from gevent.threadpool import ThreadPool
 
-from model.engine import GenerationRequest, Step
-from model.llama.scheduler import END, BatchScheduler, Sequence
+from model.engine import END, GenerationRequest, ScheduledSequence, Scheduler, Step
 from wsgi_app.server.heap import HeapTrimmer
 
 log = logging.getLogger("greenserve.engine")
@@ -46,14 +45,15 @@ class _Stream:
     def __init__(self) -> None:
         self.items: deque[Any] = deque()
         self.ready = Event()
-        self.seq: Sequence | None = None
+        self.seq: ScheduledSequence | None = None
 
 
 class ThreadedEngine:
     """Continuous batching on one native thread per worker.
 
     Args:
-        scheduler: the batch scheduler (owned by the engine thread from now on).
+        scheduler: the model's batch scheduler (``LoadedModel.make_scheduler``; owned by the engine
+            thread from now on).
         tick_s: longest a stream waits for its next token before yielding a ``None`` tick, seconds.
         idle_s: how long the idle thread sleeps between looks at its inbox when nobody rings, seconds.
         on_idle: called on the engine thread each time the last sequence leaves; by default it
@@ -63,7 +63,7 @@ class ThreadedEngine:
 
     def __init__(
         self,
-        scheduler: BatchScheduler,
+        scheduler: Scheduler,
         tick_s: float = 0.25,
         idle_s: float = 1.0,
         on_idle: Callable[[], Any] | None = None,
@@ -95,7 +95,7 @@ class ThreadedEngine:
     @property
     def context_length(self) -> int:
         """The most tokens (prompt + generated) one sequence may hold."""
-        return self._scheduler.model.config.max_seq_len
+        return self._scheduler.context_length
 
     def stream(self, req: GenerationRequest) -> Iterator[Step | None]:
         """Validate ``req`` now, then return a generator of its Steps (``None`` = still working).
@@ -133,7 +133,7 @@ class ThreadedEngine:
             self._ring()
 
     def score(
-        self, prompt_ids: tuple[int, ...], top_n: int, pause: Callable[[], None] | None = None
+        self, prompt_ids: Sequence[int], top_n: int, pause: Callable[[], None] | None = None
     ) -> list[Step]:
         """Score the prompt's tokens (for ``echo`` with ``logprobs``) on a native thread (the hub
         runs meanwhile, so ``pause`` is never needed)."""

@@ -9,13 +9,13 @@ Never set it in production.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import gevent
 
-from model.engine import GenerationRequest, Step
+from model.engine import Engine, GenerationRequest, Step
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class EngineFailure(RuntimeError):
 class FaultyEngine:
     """Wrap an engine and inject :class:`Faults` into every token stream."""
 
-    def __init__(self, engine: Any, faults: Faults) -> None:
+    def __init__(self, engine: Engine, faults: Faults) -> None:
         self._engine = engine
         self._faults = faults
 
@@ -85,6 +85,12 @@ class FaultyEngine:
     def stream(self, req: GenerationRequest) -> Iterator[Step | None]:
         """Return the wrapped engine's stream with the faults applied (see module docstring)."""
         return self._faulty(self._engine.stream(req))
+
+    def score(
+        self, prompt_ids: Sequence[int], top_n: int, pause: Callable[[], None] | None = None
+    ) -> list[Step]:
+        """Return the wrapped engine's scores (no faults: they are injected into streams only)."""
+        return self._engine.score(prompt_ids, top_n, pause)
 
     def _faulty(self, steps: Iterator[Step | None]) -> Iterator[Step | None]:
         f = self._faults

@@ -3,7 +3,7 @@
 Made before routing (``wsgi_app.http.lifecycle``), filled in as the request goes (admission and
 settling in ``wsgi_app.generation.start`` and ``wsgi_app.http.stream_body``, token times in
 ``wsgi_app.generation.pacer``, a failure in ``wsgi_app.http.error_handlers``), and read once when the
-response is closed (``wsgi_app.http.lifecycle.finish``, ``wsgi_app.request_telemetry``).
+response is closed (``wsgi_app.http.lifecycle.finish``, ``telemetry.observer``).
 This module imports nothing of the app, so every layer may import it.
 """
 

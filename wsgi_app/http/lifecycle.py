@@ -19,12 +19,12 @@ from flask import Flask, Response, g, request
 
 from telemetry import traceparent
 from telemetry.logs import client_hash
+from telemetry.observer import Observer, log_request
 from telemetry.otlp import NullExporter, SpanExporter
 from telemetry.spans import start_server_span
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.http.client_identity import forwarded_client
 from wsgi_app.http.runtime import runtime
-from wsgi_app.request_telemetry import Observer, log_request
 
 # A client cut for not reading is the client's doing, not a failure: a warning, not an error.
 stall_log = logging.getLogger("greenserve.access")
@@ -102,7 +102,7 @@ def finish(
     Args:
         record: the request's record.
         exporter: an object with ``export(span)`` that never blocks nor raises.
-        observer: a ``wsgi_app.request_telemetry.Observer`` (log line, metrics, history), or None to write the
+        observer: a ``telemetry.observer.Observer`` (log line, metrics, history), or None to write the
             log line only.
         sock: the connection (``wsgi_app.server.worker.StreamSocket``): one whose reader stopped reading
             (``SEND_TIMEOUT_S``) adds a warning line and a span attribute.

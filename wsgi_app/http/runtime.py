@@ -16,8 +16,10 @@ import gevent
 from flask import current_app
 from gevent.threadpool import ThreadPool
 
+from model.engine import Engine
+from model.loader import LoadedModel
+from telemetry.observer import Observer
 from wsgi_app.generation.admission import Admission
-from wsgi_app.request_telemetry import Observer
 from wsgi_app.server.worker import END_STREAMS_S
 from wsgi_app.settings import Settings
 
@@ -56,8 +58,8 @@ class Runtime:
     """
 
     settings: Settings
-    model: Any
-    engine: Any
+    model: LoadedModel
+    engine: Engine
     exporter: Any
     model_version: str
     admission: Admission

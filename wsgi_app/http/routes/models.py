@@ -18,7 +18,6 @@ from typing import Any
 
 from flask import Blueprint, Response
 
-from model.bigram.model import default_model_dir
 from model.files import CONFIG_NAME, read_json_object
 from model.loader import LoadedModel
 from wsgi_app.api.errors import ApiError
@@ -56,7 +55,6 @@ def model_card(model: LoadedModel) -> dict[str, Any]:
     ``quantization`` (an extension) is present for a GGUF model: its file type, e.g. ``Q4_1``.
     """
     directory = Path(model.model_dir)
-    packaged = directory.resolve() == Path(str(default_model_dir())).resolve()
     source = directory if model.name is not None else directory / CONFIG_NAME
     try:
         config = {} if model.name is not None else read_json_object(source)
@@ -64,7 +62,7 @@ def model_card(model: LoadedModel) -> dict[str, Any]:
     except (OSError, ValueError):  # the file went away after loading: the model still serves
         config, created = {}, 0
     card = {
-        "id": model.name or model_id(config, directory, packaged),
+        "id": model.name or model_id(config, directory, model.packaged),
         "object": "model",
         "created": created,
         "owned_by": OWNER,

@@ -6,7 +6,8 @@ greenlet), which only queues it: in a worker, the event loop's next turn observe
 finished meanwhile (``Observer.flush``). The per-token work during generation is one
 ``perf_counter`` append (``Pacer``); everything derived from the token times (inter-token gaps, their
 percentiles and histogram buckets) is computed then, with numpy, once per batch
-(``wsgi_app.telemetry_batch``).
+(``telemetry.batch``). The request is read through :class:`telemetry.request.FinishedRequest`, and the
+settings come as plain arguments (:func:`build_observer`): telemetry never imports the server.
 Nothing here raises into the request: a telemetry failure is logged and forgotten.
 
 Source: docs/ARCHITECTURE.md §10 (one JSON log line per request; slow requests log their timeline).
@@ -23,15 +24,14 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from telemetry.batch import BatchGaps, Observation, Quantiles, count_all, reduce_gaps
 from telemetry.flusher import Flusher
 from telemetry.history import HistoryStore
 from telemetry.logs import held_lines
 from telemetry.metrics import ITL_BUCKETS, Metrics
 from telemetry.recorder import HistoryRecorder
+from telemetry.request import FinishedRequest
 from telemetry.sketch import bin_counts
-from wsgi_app.generation.record import RequestRecord
-from wsgi_app.settings import Settings
-from wsgi_app.telemetry_batch import BatchGaps, Observation, Quantiles, count_all, reduce_gaps
 
 __all__ = [
     "API_ROUTES",
@@ -115,12 +115,12 @@ def summarize(token_times: Any) -> Gaps | None:
     )
 
 
-def is_failed(record: RequestRecord) -> bool:
+def is_failed(record: FinishedRequest) -> bool:
     """True for a 5xx, or an error after the first byte (not a client that went away: 499)."""
     return record.status >= 500 or (record.error is not None and record.status != 499)
 
 
-def finish_reason(record: RequestRecord) -> str:
+def finish_reason(record: FinishedRequest) -> str:
     """The request's finish reason label: ``error`` (failed), ``none`` (nothing generated, e.g. a 4xx),
     ``abort`` (a choice never finished: the client left), else the choices' reasons, sorted and
     comma-joined (``length``, ``stop``, ``length,stop``)."""
@@ -139,7 +139,7 @@ def _r(value: float | None) -> float | None:
 
 
 def request_fields(
-    record: RequestRecord, elapsed_s: float, gaps: Gaps | Quantiles | None
+    record: FinishedRequest, elapsed_s: float, gaps: Gaps | Quantiles | None
 ) -> dict[str, Any]:
     """Return the request log line's fields (see README, "Logs"); ``gaps`` gives the inter-token
     quantiles."""
@@ -173,7 +173,7 @@ def request_fields(
     return fields
 
 
-def timeline(record: RequestRecord, elapsed_s: float, gaps: Gaps | None) -> list[list[Any]]:
+def timeline(record: FinishedRequest, elapsed_s: float, gaps: Gaps | None) -> list[list[Any]]:
     """Return a slow request's events as ``[name, seconds since arrival]``, in order of time."""
     events: list[list[Any]] = [["arrived", 0.0]]
     if record.slot_at is not None:
@@ -187,7 +187,7 @@ def timeline(record: RequestRecord, elapsed_s: float, gaps: Gaps | None) -> list
 
 
 def log_request(
-    record: RequestRecord,
+    record: FinishedRequest,
     elapsed_s: float,
     gaps: Gaps | Quantiles | None = None,
     slow_s: float = 0.0,
@@ -239,11 +239,11 @@ class Observer:
         # Schedules a callable on the event loop's next turn (gevent's ``loop.run_callback``, set by
         # the worker); None observes each request at once.
         self.defer: Callable[[Callable[[], None]], Any] | None = None
-        self._pending: list[tuple[RequestRecord, float]] = []
+        self._pending: list[tuple[FinishedRequest, float]] = []
         self._load = self._load_written = (0, 0)  # (running, queued): the gauges start at 0
         self._load_scheduled = False
 
-    def request_done(self, record: RequestRecord, elapsed_s: float) -> None:
+    def request_done(self, record: FinishedRequest, elapsed_s: float) -> None:
         """Observe one finished request: at once, or with :attr:`defer` set, queued for
         :meth:`flush` on the event loop's next turn (with every other request finished meanwhile),
         off the request's greenlet. Never raises."""
@@ -294,7 +294,7 @@ class Observer:
         except Exception:
             access_log.exception("could not count %d requests", len(batch))
 
-    def _observation(self, record: RequestRecord, elapsed_s: float) -> Observation:
+    def _observation(self, record: FinishedRequest, elapsed_s: float) -> Observation:
         """Record the request in the history and return what the metrics count of it."""
         admitted = record.queue_wait_s is not None
         prompt_tokens = record.prompt_tokens if record.slot_at is not None else 0
@@ -354,23 +354,34 @@ class Observer:
         self.flusher.close()
 
 
-def build_observer(settings: Settings, clock: Callable[[], float]) -> Observer:
-    """Make a worker's observer from its settings: a fresh metrics registry, the history recorder and
-    the flusher over ``STATS_DB``.
+def build_observer(
+    clock: Callable[[], float],
+    *,
+    stats_db: str,
+    slo_ttft_s: float,
+    stats_flush_s: float,
+    slow_request_s: float,
+) -> Observer:
+    """Make a worker's observer: a fresh metrics registry, the history recorder and the flusher over
+    ``stats_db``.
 
     Args:
-        settings: the worker's ``Settings``.
         clock: Unix time in seconds (``time.time``; a fake in tests).
+        stats_db: ``STATS_DB``, the history database's path.
+        slo_ttft_s: ``SLO_TTFT_S``, the time-to-first-token objective the history counts against,
+            seconds.
+        stats_flush_s: ``STATS_FLUSH_S``, seconds between writes of the history.
+        slow_request_s: ``SLOW_REQUEST_S``; 0 turns the slow-request timeline off.
 
     Raises:
-        ValueError: ``STATS_DB`` cannot be opened or created (the message names it).
+        ValueError: ``stats_db`` cannot be opened or created (the message names it).
     """
     registry = CollectorRegistry()
     metrics = Metrics.create(registry)
     try:
-        store = HistoryStore(settings.stats_db)
+        store = HistoryStore(stats_db)
     except sqlite3.Error as exc:
-        raise ValueError(f"STATS_DB: cannot open {settings.stats_db!r}: {exc}") from exc
-    recorder = HistoryRecorder(clock, settings.slo_ttft_s)
-    flusher = Flusher(recorder, store, settings.stats_flush_s)
-    return Observer(registry, metrics, flusher, settings.slow_request_s)
+        raise ValueError(f"STATS_DB: cannot open {stats_db!r}: {exc}") from exc
+    recorder = HistoryRecorder(clock, slo_ttft_s)
+    flusher = Flusher(recorder, store, stats_flush_s)
+    return Observer(registry, metrics, flusher, slow_request_s)

@@ -1,6 +1,6 @@
 """The telemetry of many finished requests at once: their gap quantiles and their metric updates.
 
-``Observer.request_done`` (``wsgi_app.request_telemetry``) queues each finished request; the worker's
+``Observer.request_done`` (``telemetry.observer``) queues each finished request; the worker's
 event loop runs ``Observer.flush`` on its next turn, which reduces every request finished meanwhile
 here: one numpy pass over all their token stamps (instead of a dozen numpy calls per request), and one
 write per Prometheus series and bucket touched (instead of two per observation). Every value is the
@@ -50,7 +50,7 @@ class BatchGaps(NamedTuple):
 def reduce_gaps(stamps: Sequence[Any]) -> BatchGaps:
     """Reduce the per-token ``perf_counter`` stamps of many requests in one numpy pass.
 
-    Each request's quantiles equal ``request_telemetry.summarize``'s ``p50_s`` / ``p95_s`` exactly
+    Each request's quantiles equal ``telemetry.observer.summarize``'s ``p50_s`` / ``p95_s`` exactly
     (the same float operations, vectorised).
 
     Args:
