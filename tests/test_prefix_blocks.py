@@ -20,13 +20,15 @@ B = 128
 
 def test_keys_chain_the_whole_prefix_and_the_salt():
     ids = list(range(3, 3 + 300))
-    keys = block_keys(ids, "", B)
-    assert len(keys) == 2 and len(set(keys)) == 2 and all(len(k) == 16 for k in keys)
-    assert block_keys(ids[:256] + [9] * 10, "", B) == keys  # only whole blocks count
+    keys = block_keys(ids, "", B)  # two whole blocks, then the prompt end
+    assert len(keys) == 3 and len(set(keys)) == 3 and all(len(k) == 16 for k in keys)
+    other_end = block_keys(ids[:256] + [9] * 10, "", B)
+    assert other_end[:2] == keys[:2] and other_end[2] != keys[2]
     changed = block_keys([4] + ids[1:], "", B)
-    assert changed[0] != keys[0] and changed[1] != keys[1]  # a block names everything before it
+    assert all(c != k for c, k in zip(changed, keys, strict=True))  # a key names all before it
     assert block_keys(ids, "tenant", B)[0] != keys[0]
-    assert block_keys(ids[:127], "", B) == ()
+    assert len(block_keys(ids[:127], "", B)) == 1  # only an end
+    assert block_keys(ids[:256], "", B)[:2] == keys[:2]
 
 
 @pytest.fixture(scope="module")
@@ -74,16 +76,17 @@ def test_least_recently_used_leaves_go_first_within_the_room(stories):
     a, b = prompt_of(1, 400), prompt_of(2, 300)
     run(sched, [request(a)])
     run(sched, [request(b)])
-    assert cache.blocks == 5 and cache.nbytes == 5 * B * 1280
-    cache.set_room(4 * cache.block_bytes + 1)
-    assert cache.trim() == 1  # a's last block: the oldest leaf (a's first blocks are newer)
-    assert run(sched, [request(a)])[0][0].cached_tokens == 256
-    # a published its last block again, and the oldest leaf made room: b's last block
-    assert cache.blocks == 4 and cache.evicted_blocks == 2
+    assert (cache.blocks, cache.prompt_ends) == (5, 2)
+    assert cache.nbytes == (5 * B + 16 + 44) * 1280 + 2 * 512 * 4  # the ends: 16, 44 positions
+    cache.set_room(cache.nbytes - 1)
+    assert cache.trim() == 1  # a's end: the oldest leaf (a's blocks were touched after it)
+    assert run(sched, [request(a)])[0][0].cached_tokens == 384
+    # a's end is back, and the oldest leaf made room: b's end
+    assert (cache.prompt_ends, cache.evicted_blocks) == (1, 2)
     cache.set_room(1 << 30)
-    assert run(sched, [request(b)])[0][0].cached_tokens == 128
+    assert run(sched, [request(b)])[0][0].cached_tokens == 256
     cache.set_room(0)
-    assert cache.trim() == 5 and cache.blocks == 0 and cache.evicted_blocks == 7
+    assert cache.trim() == 7 and cache.blocks == 0 and cache.nbytes == 0
     cache.set_room(1 << 30)
     assert run(sched, [request(b)])[0][0].cached_tokens == 0
 
@@ -135,11 +138,13 @@ def test_hits_alone_or_batched_are_the_cold_bits(model_name, stories):
     cold = [run(BatchScheduler(model, frozenset(), 8), [request(p)])[0] for p in prompts]
     cache = new_cache(model)
     sched = BatchScheduler(model, frozenset(), 8, prefix_cache=cache)
-    for _ in range(2):  # the first pass fills the cache, the second hits it
-        for p, want in zip(prompts, cold, strict=True):
-            assert bits(run(sched, [request(p)])[0]) == bits(want)
+    # The first pass hits the whole blocks of the prompts before; the second, whole prompts.
+    for hits in ([0, 128, 256, 128, 128, 0], [len(p) for p in prompts]):
+        for p, want, hit in zip(prompts, cold, hits, strict=True):
+            got = run(sched, [request(p)])[0]
+            assert bits(got) == bits(want) and got[0].cached_tokens == hit
     batched = run(sched, [request(p) for p in prompts])
-    assert [b[0].cached_tokens for b in batched] == [256, 128, 256, 128, 384, 0]
+    assert [b[0].cached_tokens for b in batched] == [len(p) for p in prompts]
     for got, want in zip(batched, cold, strict=True):
         assert bits(got) == bits(want)
     salted = run(sched, [request(prompts[0], cache_salt="other tenant")])[0]

@@ -5,7 +5,8 @@ Every case runs on a server with the cache off (the reference) and one with it o
 (text, tokens, logprobs, top alternatives, finish reasons) are the same bytes, and only
 ``usage.prompt_tokens_details.cached_tokens`` tells the runs apart. Prompts are token ids; blocks are
 the 128-token prefill chunks, so a prompt of 300 tokens caches two blocks (256 tokens), and a prompt of
-exactly 256 reuses one block and computes its last one again (its last logits come only from that).
+exactly 256 reuses one block and computes its last one again (its last logits come only from that),
+until its own prompt end (its last partial chunk and its last logits) is cached: a repeat reuses it all.
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ BLOCK = 128
 _rng = np.random.default_rng(28)
 BASE = [1] + [int(t) for t in _rng.integers(3, 512, 480)]  # BOS, then ids of the 512-token vocab
 OTHER = [1] + [int(t) for t in _rng.integers(3, 512, 480)]
-# name -> (prompt ids, cached tokens on a warm server after the cold pass of every case in order)
+# name -> (prompt ids, tokens its first request reuses in this order: whole blocks of the earlier
+# prompts; a repeat reuses the whole prompt)
 CASES = {
-    "300 tokens": (BASE[:300], 256),
+    "300 tokens": (BASE[:300], 0),
     "256 tokens, whole blocks": (BASE[:256], 128),
     "256 + a new tail": (BASE[:256] + OTHER[1:40], 256),
-    "200 + a new tail": (BASE[:200] + OTHER[1:100], 256),
+    "200 + a new tail": (BASE[:200] + OTHER[1:100], 128),
     "one block and one token": (BASE[:129], 128),
     "short": (BASE[:60], 0),
-    "other 400": (OTHER[:400], 384),
+    "other 400": (OTHER[:400], 0),
 }
 SAMPLINGS = {
     "greedy": {"temperature": 0},
@@ -102,26 +104,32 @@ def test_cache_on_or_off_cold_warm_alone_or_batched_gives_the_same_bits(off, on)
     for name, s in cases:
         want[name, s] = answer(off, body(CASES[name][0], SAMPLINGS[s]))
         assert "prompt_tokens_details" not in want[name, s]["usage"]  # no cache: no details
-    # Cold, one at a time, in order: each case publishes its blocks for the next.
+    # One at a time, in order: each prompt's first request reuses the blocks of those before it,
+    # its second (the other sampling) the whole prompt.
     for name, s in cases:
         got = answer(on, body(CASES[name][0], SAMPLINGS[s]))
         same_choices(got, want[name, s])
-    # Warm: each prompt again, alone.
+        first = s == "greedy"
+        assert cached(got) == (CASES[name][1] if first else len(CASES[name][0])), name
+    # Again, alone: whole prompts from the cache.
     for name, s in cases:
         got = answer(on, body(CASES[name][0], SAMPLINGS[s]))
         same_choices(got, want[name, s])
-        assert cached(got) == CASES[name][1], name
+        assert cached(got) == len(CASES[name][0]), name
     # Warm and all at once: one batch of hits, of partial hits and of a miss.
     got = concurrently(
         lambda i: answer(on, body(CASES[cases[i][0]][0], SAMPLINGS[cases[i][1]])), len(cases)
     )
     for (name, s), doc in zip(cases, got, strict=True):
         same_choices(doc, want[name, s])
-        assert cached(doc) == CASES[name][1], name
+        assert cached(doc) == len(CASES[name][0]), name
     state = on.state()
-    # BASE's blocks 0 and 1, the second block of "200 + a new tail", OTHER's blocks 0, 1 and 2
-    assert state["prefix_cache"]["blocks"] == 6
-    assert state["kv_cache_bytes"]["cached"] == state["prefix_cache"]["bytes"] == 6 * BLOCK * 1280
+    # BASE's blocks 0 and 1, the second block of "200 + a new tail", OTHER's blocks 0, 1 and 2; one
+    # prompt end per prompt (its last partial chunk and its 512 float32 logits)
+    assert (state["prefix_cache"]["blocks"], state["prefix_cache"]["prompt_ends"]) == (6, 7)
+    tails = sum(len(p) % BLOCK for p, _ in CASES.values())
+    nbytes = (6 * BLOCK + tails) * 1280 + 7 * 512 * 4
+    assert state["kv_cache_bytes"]["cached"] == state["prefix_cache"]["bytes"] == nbytes
 
 
 def test_first_pass_of_a_batch_publishes_only_finished_prefills(off, tmp_path_factory, stories_dir):
@@ -135,10 +143,8 @@ def test_first_pass_of_a_batch_publishes_only_finished_prefills(off, tmp_path_fa
         )
         for doc, ref in zip(got, want, strict=True):
             same_choices(doc, ref)
-        assert (
-            answer(srv, body(BASE[:300] + [5], SAMPLINGS["seeded"]))["choices"]
-            == want[1]["choices"]
-        )
+        again = answer(srv, body(BASE[:300] + [5], SAMPLINGS["seeded"]))
+        assert again["choices"] == want[1]["choices"] and cached(again) == 301
 
 
 def last_usage(srv: GunicornServer, payload: dict) -> dict:
@@ -158,7 +164,7 @@ def test_stream_and_include_usage_report_cached_tokens(off, on):
         "prompt_tokens": 300,
         "completion_tokens": 24,
         "total_tokens": 324,
-        "prompt_tokens_details": {"cached_tokens": 256},
+        "prompt_tokens_details": {"cached_tokens": 300},
     }
     assert last_usage(off, payload) == {
         "prompt_tokens": 300,
@@ -174,7 +180,7 @@ def test_n_choices_and_a_list_of_prompts_count_each_prompt_once(off, on):
     payload = body(prompts, {**SAMPLINGS["seeded"], "n": 2})
     got, want = answer(on, payload), answer(off, payload)
     same_choices(got, want)
-    assert cached(got) == 256 + 384
+    assert cached(got) == 300 + 400
 
 
 def test_salts_isolate_api_keys_and_cache_salt(off, tmp_path_factory, stories_dir):
@@ -187,9 +193,9 @@ def test_salts_isolate_api_keys_and_cache_salt(off, tmp_path_factory, stories_di
         salted = body(prompt, SAMPLINGS["greedy"], cache_salt="team-1")
         assert cached(answer(srv, salted, a)) == 0  # another salt, same key
         got = answer(srv, body(prompt, SAMPLINGS["greedy"]), a)
-        assert cached(got) == 256
+        assert cached(got) == 300
         same_choices(got, want)
-        assert cached(answer(srv, salted, a)) == 256
+        assert cached(answer(srv, salted, a)) == 300
         assert cached(answer(srv, salted, b)) == 0
         status, _, raw = srv.complete({**salted, "cache_salt": ""}, headers=a)
         assert status == 400
@@ -204,7 +210,7 @@ def test_metrics_and_the_log_line_count_hits_and_misses(on):
     prompt = OTHER[:300]
     answer(on, body(prompt, SAMPLINGS["greedy"]))
     doc = answer(on, body(prompt, SAMPLINGS["greedy"]), {"X-Request-Id": "prefix-log"})
-    assert cached(doc) == 256
+    assert cached(doc) == 300
     hit = on.state()["prefix_cache"]["hit_tokens"]
 
     def metric(name: str) -> float:
@@ -224,7 +230,7 @@ def test_metrics_and_the_log_line_count_hits_and_misses(on):
         lambda: [x for x in on.log_text().splitlines() if '"request_id": "prefix-log"' in x],
         what="the log line",
     )
-    assert json.loads(logged[-1])["cached_tokens"] == 256
+    assert json.loads(logged[-1])["cached_tokens"] == 300
 
 
 def test_answers_hold_while_other_sequences_evict_and_reuse_blocks(

@@ -19,7 +19,8 @@ the other rows are (unless ``batch_invariant`` is turned off, which lets steps o
 per row), and each sequence samples with its own PCG32.
 
 With a :class:`~model.llama.prefix_cache.PrefixCache` (whose blocks are ``prefill_chunk`` tokens, the
-chunk grid), a joining sequence starts from its longest cached block prefix and prefills only the rest,
+chunk grid), a joining sequence starts from its longest cached block prefix and prefills only the rest
+(or, its whole prompt cached, draws its first token from the cold run's logits kept with it),
 on the same grid, and a sequence whose prompt is all in publishes its whole prompt blocks: its tokens
 are the same bits as without the cache.
 
@@ -220,22 +221,23 @@ class BatchScheduler:
             Exception: whatever the model raises; the caller fails the sequences still live.
         """
         self.prune()
-        decoding = [s for s in self.live if s.prefilled == len(s.req.prompt_ids)]
+        touched = self._emit_cached() if self._prefix_cache is not None else []
+        decoding = [s for s in self.live if s.produced and not s.done]
         chosen, spans = self._prefill_spans(
             [s for s in self.live if s.prefilled < len(s.req.prompt_ids)]
         )
         if not decoding and not chosen:
-            return []
+            self.live = [s for s in self.live if not s.done]
+            return touched
         chunks = spans + [[s.last_token] for s in decoding]
         logits = self.model.forward(
             chunks, [s.cache for s in chosen + decoding], self.batch_invariant
         )
-        touched: list[Sequence] = []
         for seq, span, row in zip(chosen, spans, logits, strict=False):
             seq.prefilled += len(span)
             if seq.prefilled == len(seq.req.prompt_ids):
                 if seq.prefix is not None:  # before _emit, which may free the lane
-                    self.prefix_cache.publish(seq.prefix, seq.cache)
+                    self._prefix_cache.publish(seq.prefix, seq.cache, row)
                 self._emit(seq, row)
                 touched.append(seq)
         for seq, row in zip(decoding, logits[len(chosen) :], strict=True):
@@ -243,6 +245,16 @@ class BatchScheduler:
             touched.append(seq)
         self.live = [s for s in self.live if not s.done]
         return touched
+
+    def _emit_cached(self) -> list[Sequence]:
+        """Emit the first token of the sequences whose whole prompt came from the prefix cache (from
+        the logits the cold run computed) and return them."""
+        ready = [
+            s for s in self.live if not s.produced and s.prefix and s.prefix.logits is not None
+        ]
+        for seq in ready:
+            self._emit(seq, seq.prefix.logits)
+        return ready
 
     def _prefill_spans(
         self, prefilling: list[Sequence]
