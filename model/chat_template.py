@@ -7,9 +7,11 @@ extension, a ``tojson`` filter without HTML escaping, the globals ``raise_except
 ``add_generation_prompt=True``. Renders are bounded in time and size (see ``model.chat_sandbox``).
 
 Message text never becomes a token of its own: :meth:`ChatTemplate.encode` renders the template
-around placeholders, so it knows which characters of the prompt are message contents; the text of an
-added token, special (``<|im_end|>``) or user-defined (``<think>``), is matched only in the template's
-own text, and a user who writes it gets those characters as text.
+around placeholders, so it knows which characters of the prompt are the client's (a message's
+``content``, and its ``name``, ``reasoning_content`` and ``reasoning`` when sent: the message dict is
+passed on as transformers passes it); the text of an added token, special (``<|im_end|>``) or
+user-defined (``<think>``), is matched only in the template's own text, and a user who writes it gets
+those characters as text.
 
 Source: Hugging Face transformers, "Chat templates" documentation and ``apply_chat_template``.
 """
@@ -46,6 +48,8 @@ DEFAULT_TEMPLATE = (
 )
 DEFAULT_STOP = "\nUser:"
 
+# The keys of a message whose values are the client's text (never the template's).
+CLIENT_TEXT_KEYS = ("content", "name", "reasoning_content", "reasoning")
 MAX_TEMPLATE_CHARS = 1 << 16
 MAX_PROMPT_CHARS = 1 << 22
 MAX_RENDER_S = 1.0
@@ -168,7 +172,9 @@ class ChatTemplate:
         """Return the prompt text for ``messages``, ending with the assistant's generation prompt.
 
         Args:
-            messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``.
+            messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``, each
+                possibly with ``name`` (and an assistant's ``reasoning_content``/``reasoning``)
+                strings, all passed to the template.
 
         Raises:
             TemplateError: the template called ``raise_exception`` (its message, verbatim), failed,
@@ -211,7 +217,7 @@ class ChatTemplate:
             return tokenizer.encode(text, special=False, bos=False)
         pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
         segments = self._segments(messages, text)
-        contents_clean = not any(pattern.search(m["content"]) for m in messages)
+        contents_clean = not any(pattern.search(t) for t in _client_texts(messages))
         if segments is None:
             # The contents cannot be located; safe only if no special text can come from them.
             if contents_clean:
@@ -264,20 +270,29 @@ class ChatTemplate:
             raise TemplateError(f"chat template failed: {exc}") from None
 
     def _segments(self, messages: Sequence[dict[str, str]], text: str) -> list[_Segment] | None:
-        """Split ``text`` into template text and message contents, or None if that cannot be verified.
+        """Split ``text`` into template text and the client's text, or None if that cannot be verified.
 
-        The template is rendered again with each content replaced by a placeholder that occurs
-        nowhere else; the placeholder render's template text must then reappear in ``text`` in order,
-        with each placeholder standing for its content, or the content with surrounding whitespace
-        trimmed (templates such as Llama 3's apply ``| trim``). The result joins back to ``text``.
+        The template is rendered again with each client text (:data:`CLIENT_TEXT_KEYS`) replaced by
+        a placeholder that occurs nowhere else; the placeholder render's template text must then
+        reappear in ``text`` in order, with each placeholder standing for its text, or the text with
+        surrounding whitespace trimmed (templates such as Llama 3's apply ``| trim``). The result
+        joins back to ``text``.
         """
-        haystack = self.source + "".join(m["content"] for m in messages)
+        texts = _client_texts(messages)
+        haystack = self.source + "".join(texts)
         while True:
             nonce = f"{secrets.randbelow(10**12):012d}"
             if nonce not in haystack:
                 break
         holder = re.compile("\ue000" + nonce + r"\.(\d+)\ue001")
-        placed = [dict(m, content=f"\ue000{nonce}.{i}\ue001") for i, m in enumerate(messages)]
+        placed, k = [], 0
+        for m in messages:
+            copy = dict(m)
+            for key in CLIENT_TEXT_KEYS:
+                if isinstance(m.get(key), str):
+                    copy[key] = f"\ue000{nonce}.{k}\ue001"
+                    k += 1
+            placed.append(copy)
         pieces = holder.split(self._render(placed))  # [text, index, text, index, ..., text]
         segments: list[_Segment] = []
         pos = 0
@@ -288,7 +303,7 @@ class ChatTemplate:
                 segments.append(_Segment(piece, False))
                 pos += len(piece)
                 continue
-            content = messages[int(piece)]["content"]
+            content = texts[int(piece)]
             after = pieces[k + 1]
             for candidate in dict.fromkeys(
                 (content, content.strip(), content.lstrip(), content.rstrip())
@@ -301,6 +316,12 @@ class ChatTemplate:
             else:
                 return None
         return segments if pos == len(text) else None
+
+
+def _client_texts(messages: Sequence[dict[str, str]]) -> list[str]:
+    """Return the client's texts of ``messages`` in the order :meth:`ChatTemplate._segments` numbers
+    them: message by message, in :data:`CLIENT_TEXT_KEYS` order."""
+    return [m[key] for m in messages for key in CLIENT_TEXT_KEYS if isinstance(m.get(key), str)]
 
 
 def _specials_only_in_template(segments: list[_Segment], pattern: re.Pattern[str]) -> bool:

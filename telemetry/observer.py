@@ -164,6 +164,7 @@ def request_fields(
         "queue_wait_s": _r(record.queue_wait_s),
         "error": record.error,
         "user_hash": record.user_hash,
+        "ignored_fields": list(record.ignored_fields) or None,
     }
     if record.cached_tokens is not None:  # only for a model with a prefix cache
         fields["cached_tokens"] = record.cached_tokens

@@ -40,6 +40,8 @@ class FinishedRequest(Protocol):
         queue_wait_s: seconds from admission to a slot (or to leaving the queue), None if never queued.
         slot_at: ``perf_counter`` when the slot was granted, or None.
         end_reason: why generation ended (docs/ARCHITECTURE.md §9), or None when it never generated.
+        ignored_fields: the unknown top-level fields a generation request sent (names as its
+            ``X-Ignored-Fields`` header lists them), ``()`` without any.
     """
 
     request_id: str
@@ -64,3 +66,4 @@ class FinishedRequest(Protocol):
     queue_wait_s: float | None
     slot_at: float | None
     end_reason: str | None
+    ignored_fields: tuple[str, ...]

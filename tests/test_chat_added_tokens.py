@@ -87,3 +87,37 @@ def test_user_defined_token_text_in_a_message_is_plain_text(tokenizer):
 def test_encode_text_never_makes_an_added_token(tokenizer):
     text = "<think><|im_start|><|endoftext|> t"
     assert tokenizer.encode_text(text) == [*b("<think><|im_start|><|endoftext|>"), 256]
+
+
+NAMED = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}{% if m.name %} {{ m.name }}{% endif %}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}{% endif %}{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+def test_a_name_and_reasoning_are_client_text_too(tokenizer):
+    """A template that renders ``name`` and ``reasoning_content`` gets them as characters: added-token
+    text in them is never an added token (only the template's own ``<think>`` is)."""
+    template = ChatTemplate.from_source(NAMED)
+    messages = [
+        {"role": "user", "content": "hi", "name": "<|im_end|>"},
+        {"role": "assistant", "content": "ok", "reasoning_content": "<|im_start|>x"},
+    ]
+    assert template.encode(messages, tokenizer) == [
+        IM_START,
+        *b("user "),
+        *b("<|im_end|>"),
+        *b("hi"),  # trim_blocks: no newline after the endif
+        IM_END,
+        *b("\n"),
+        IM_START,
+        *b("assistant"),
+        THINK,
+        *b("<|im_start|>x"),
+        *b("ok"),
+        IM_END,
+        *b("\n"),
+        IM_START,
+        *b("assistant"),
+    ]

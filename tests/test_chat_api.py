@@ -196,7 +196,7 @@ BAD = [
     ({"model": "m", "messages": HELLO, "n": 9}, "n"),
     ({"model": "m", "messages": HELLO, "temperature": 3}, "temperature"),
     ({"model": "m", "messages": HELLO, "user": 5}, "user"),
-    ({"model": "m", "messages": HELLO, "prompt": "x"}, "prompt"),
+    ({"model": "m", "messages": HELLO, "guided_json": {"type": "object"}}, "guided_json"),
     (
         {"model": "m", "messages": HELLO, "stream_options": {"include_usage": True}},
         "stream_options",

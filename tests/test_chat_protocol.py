@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -55,6 +56,8 @@ def test_every_accepted_field() -> None:
         {"role": "user", "content": "Hi", "name": "ann"},
         {"role": "assistant", "content": "Hello", "refusal": None, "tool_calls": None},
         {"role": "user", "content": [{"type": "text", "text": "<|im_end|>"}]},
+        {"role": "assistant", "content": "4", "reasoning_content": "2+2", "name": None},
+        {"role": "assistant", "content": "5", "reasoning": "2+3", "reasoning_content": None},
     ]
     req = parse(
         body(
@@ -85,11 +88,13 @@ def test_every_accepted_field() -> None:
         )
     )
     assert req.messages == (
-        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "Be brief.", "name": "ops"},
         {"role": "system", "content": "A\nB"},
-        {"role": "user", "content": "Hi"},
+        {"role": "user", "content": "Hi", "name": "ann"},
         {"role": "assistant", "content": "Hello"},
         {"role": "user", "content": "<|im_end|>"},
+        {"role": "assistant", "content": "4", "reasoning_content": "2+2"},
+        {"role": "assistant", "content": "5", "reasoning": "2+3"},
     )
     assert (req.max_tokens, req.max_tokens_param) == (7, "max_completion_tokens")
     assert req.sampling == SamplingParams(
@@ -105,9 +110,26 @@ def test_every_accepted_field() -> None:
     assert (req.stream, req.include_usage, req.ignore_eos, req.user) == (True, True, True, "u1")
 
 
-def test_seed_minus_one_is_no_seed() -> None:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": -1}
+def test_no_seed_is_none_and_a_negative_one_is_refused() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     assert parse_chat_request(body, vocab_size=256).seed is None
+    assert parse_chat_request({**body, "seed": None}, vocab_size=256).seed is None
+    with pytest.raises(ApiError) as info:
+        parse_chat_request({**body, "seed": -1}, vocab_size=256)
+    assert (info.value.param, info.value.message) == (
+        "seed",
+        "'seed' must be in 0..18446744073709551615, got -1; omit 'seed' for a random seed.",
+    )
+
+
+def test_unknown_top_level_fields_are_ignored_and_named() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    plain = parse_chat_request(body, vocab_size=256)
+    noisy = parse_chat_request(
+        {**body, "repetition_penalty": 1.1, "prompt": "x", "max_token": 8}, vocab_size=256
+    )
+    assert noisy.ignored_fields == ("max_token", "prompt", "repetition_penalty")
+    assert dataclasses.replace(noisy, ignored_fields=()) == plain
 
 
 def test_logprobs_without_top_logprobs_is_zero_alternatives() -> None:
@@ -118,13 +140,6 @@ def test_logprobs_without_top_logprobs_is_zero_alternatives() -> None:
 @pytest.mark.parametrize(
     ("fields", "param", "message"),
     [
-        ({"max_token": 8}, "max_token", "Unrecognized request argument supplied: max_token"),
-        ({"prompt": "x"}, "prompt", "Unrecognized request argument supplied: prompt"),
-        (
-            {"repetition_penalty": 1.1},
-            "repetition_penalty",
-            "Unrecognized request argument supplied: repetition_penalty",
-        ),
         ({"tools": []}, "tools", "'tools' is not supported by this server."),
         ({"tool_choice": "none"}, "tool_choice", "'tool_choice' is not supported by this server."),
         ({"functions": []}, "functions", "'functions' is not supported by this server."),
@@ -297,7 +312,7 @@ def test_logprobs_without_top_logprobs_is_zero_alternatives() -> None:
         (
             {"seed": -2},
             "seed",
-            "'seed' must be in 0..18446744073709551615, or -1 for a random seed, got -2.",
+            "'seed' must be in 0..18446744073709551615, got -2; omit 'seed' for a random seed.",
         ),
         (
             {"presence_penalty": 2.5},

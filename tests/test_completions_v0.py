@@ -146,3 +146,36 @@ def test_null_means_absent(succ_server):
         }
     )
     assert json.loads(body)["choices"][0]["text"] == "bcdefghijklmnopq"
+
+
+V0_EXAMPLES = [
+    {"model": "m", "prompt": "a", "max_tokens": 3, "temperature": 0, "seed": 1, "stream": False},
+    {"model": "m", "prompt": "ab", "max_tokens": 5, "temperature": 1, "seed": 7, "stream": False},
+    {"model": "m", "prompt": "a", "max_tokens": 2, "temperature": 0, "seed": 2, "stream": True},
+    {"model": "m", "prompt": "z", "max_tokens": 4, "temperature": 0.5, "seed": 9, "stream": True},
+]
+EXTRA = {"frobnicate": {"deep": [1, None]}, "n_predict": 3, "Mirostat": None, "ünï": "x", "": 0}
+
+
+def _without_id_and_time(body: bytes, stream: bool) -> list[bytes]:
+    """The answer's bytes with its random id and its ``created`` second blanked (one item per event
+    of a stream)."""
+    parts = [p for p in body.split(b"\n\n") if p] if stream else [body]
+    return [
+        re.sub(rb'"created":\d+', b'"created":0', re.sub(rb"cmpl-[0-9a-f]{24}", b"cmpl-", p))
+        for p in parts
+    ]
+
+
+def test_v0_examples_with_extra_keys_give_exactly_the_v0_answers(succ_server):
+    """The v0 contract: unknown fields are ignored; the answer is byte for byte the one without
+    them (id and time aside), and ``X-Ignored-Fields`` names them, sorted and percent-encoded."""
+    for body in V0_EXAMPLES:
+        status, headers, plain = succ_server.complete(body)
+        assert status == 200, plain
+        assert "x-ignored-fields" not in headers
+        status, headers, noisy = succ_server.complete({**EXTRA, **body})
+        assert status == 200, noisy
+        assert headers["x-ignored-fields"] == "'',Mirostat,frobnicate,n_predict,%C3%BCn%C3%AF"
+        stream = body["stream"]
+        assert _without_id_and_time(noisy, stream) == _without_id_and_time(plain, stream)

@@ -10,7 +10,8 @@ from werkzeug.datastructures import MultiDict
 
 from tests.sse import frames, sse_json
 from wsgi_app.api.errors import ApiError
-from wsgi_app.http.routes.completions_get import parse_last_event_id, query_body
+from wsgi_app.http.query import query_body
+from wsgi_app.http.routes.completions_get import parse_last_event_id
 from wsgi_app.wire.sse import EventIds
 
 SSE = {"Accept": "text/event-stream"}
@@ -46,17 +47,25 @@ def test_worked_example_frames(succ_server):
     assert {c["id"] for c in chunks} == {chunks[0]["id"]}
 
 
-def test_seed_minus_one_picks_a_seed_that_ids_report(succ_server):
-    _, _, body = succ_server.get(url({**GREEDY, "seed": -1}), headers=SSE)
+def test_no_seed_picks_a_seed_that_ids_report(succ_server):
+    _, _, body = succ_server.get(url(GREEDY), headers=SSE)
     ids = [f["id"] for f in frames(body) if "id" in f]
     seed = ids[0].split("-")[0]
     assert ids == [f"{seed}-0", f"{seed}-1", f"{seed}-2", f"{seed}-done"]
     assert 0 <= int(seed) < 2**64
-    # A reconnect sends the same URL (seed=-1) and the last id: it resumes that seed's stream.
-    _, _, body = succ_server.get(
-        url({**GREEDY, "seed": -1}), headers={**SSE, "Last-Event-ID": f"{seed}-1"}
-    )
+    # A reconnect sends the same URL (no seed) and the last id: it resumes that seed's stream.
+    _, _, body = succ_server.get(url(GREEDY), headers={**SSE, "Last-Event-ID": f"{seed}-1"})
     assert [f["id"] for f in frames(body) if "id" in f] == [f"{seed}-2", f"{seed}-done"]
+
+
+def test_a_negative_seed_in_the_query_is_a_400_saying_to_omit_it(succ_server):
+    status, _, body = succ_server.get(url({**GREEDY, "seed": -1}), headers=SSE)
+    assert status == 400
+    err = json.loads(body)["error"]
+    assert (err["param"], err["message"]) == (
+        "seed",
+        "'seed' must be in 0..18446744073709551615, got -1; omit 'seed' for a random seed.",
+    )
 
 
 def completion_ids(body: bytes) -> set[str]:
@@ -290,11 +299,20 @@ def test_query_body_converts_by_field_type():
     }
 
 
+@pytest.mark.parametrize("name", ["max_token", "_", "repetition_penalty"])
+def test_unknown_query_parameter_is_ignored_and_named(succ_server, name):
+    status, headers, body = succ_server.get(url({**GREEDY, "seed": 5, name: "8"}), headers=SSE)
+    assert status == 200, body
+    assert headers["x-ignored-fields"] == name
+    _, plain_headers, plain = succ_server.get(url({**GREEDY, "seed": 5}), headers=SSE)
+    assert "x-ignored-fields" not in plain_headers
+    texts = [json.loads(f["data"])["choices"] for f in frames(body)[1:-1]]
+    assert texts == [json.loads(f["data"])["choices"] for f in frames(plain)[1:-1]]
+
+
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("max_token", "Unrecognized request argument supplied: max_token"),
-        ("_", "Unrecognized request argument supplied: _"),
         (
             "logit_bias",
             "'logit_bias' cannot be sent on the EventSource stream; POST a JSON body to use it.",
@@ -305,7 +323,7 @@ def test_query_body_converts_by_field_type():
         ),
     ],
 )
-def test_unknown_or_post_only_query_parameter_is_400_naming_it(succ_server, name, message):
+def test_post_only_query_parameter_is_400_naming_it(succ_server, name, message):
     status, _, body = succ_server.get(url({**GREEDY, name: "8"}), headers=SSE)
     assert status == 400
     err = json.loads(body)["error"]

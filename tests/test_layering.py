@@ -188,6 +188,27 @@ def test_telemetry_imports_only_telemetry():
     assert sorted(outside) == []
 
 
+def test_wire_and_api_import_nothing_of_generation_http_or_server():
+    # wire/ is bytes and api/ wire types: the encoder reads a choice through its own protocol
+    # (wsgi_app.wire.encoder.EncodedChoice), and the error envelope lives in api/.
+    graph = import_graph()
+    reached = {
+        (name, dep)
+        for name, deps in graph.items()
+        if name.startswith(("wsgi_app.wire", "wsgi_app.api"))
+        for dep in deps
+        if dep.startswith(("wsgi_app.generation", "wsgi_app.http", "wsgi_app.server"))
+    }
+    assert sorted(reached) == []
+
+
+def test_a_choice_is_what_the_encoder_reads():
+    from wsgi_app.generation.choice import Choice
+    from wsgi_app.wire.encoder import EncodedChoice
+
+    assert set(vars(EncodedChoice)["__annotations__"]) <= set(Choice.__slots__)
+
+
 def _fields(cls: type) -> dict[str, str]:
     """A class's annotated attributes as ``{name: annotation source}`` (its own and its bases')."""
     out: dict[str, str] = {}

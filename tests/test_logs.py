@@ -48,6 +48,7 @@ REQUEST_FIELDS: dict[str, tuple[type, ...]] = {
     "end_reason": (str, type(None)),
     "queue_wait_s": (float, type(None)),
     "error": (str, type(None)),
+    "ignored_fields": (list, type(None)),
 }
 
 

@@ -13,6 +13,9 @@ from openapi_spec_validator import validate
 
 from tests.contract import Contract
 from tests.sse import events
+from wsgi_app.api.chat import FIELDS as CHAT_FIELDS
+from wsgi_app.api.completions import FIELDS as COMPLETION_FIELDS
+from wsgi_app.api.table import CONSTRAINT_FIELDS
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "wsgi_app" / "openapi.json"
 SSE = {"Accept": "text/event-stream"}
@@ -157,3 +160,23 @@ def test_drain_and_not_ready_validate(succ_dir, serve, contract):
     status, headers, raw = srv.post("/debug/drain", b"", headers={"X-Forwarded-For": "1.2.3.4"})
     contract.check("/debug/drain", "POST", status, headers, raw)
     assert status == 404
+
+
+@pytest.mark.parametrize(
+    ("schema", "path", "aliases"),
+    [
+        ("CompletionRequest", "/v1/completions", set()),
+        ("ChatCompletionRequest", "/v1/chat/completions", {"include_usage"}),
+    ],
+)
+def test_the_documented_fields_are_the_endpoints_field_table(schema, path, aliases):
+    """One source for each endpoint's fields (``wsgi_app.api.table``): the body schema lists the
+    table's fields and the refused constraint fields; the GET form's parameters are the fields the
+    table says a query carries (and the chat's ``include_usage``)."""
+    table = COMPLETION_FIELDS if path == "/v1/completions" else CHAT_FIELDS
+    doc = json.loads(DOC_PATH.read_text())
+    assert set(doc["components"]["schemas"][schema]["properties"]) == table.names | set(
+        CONSTRAINT_FIELDS
+    )
+    params = {p["name"] for p in doc["paths"][path]["get"]["parameters"] if p["in"] == "query"}
+    assert params == {f.name for f in table.fields if f.query} | aliases

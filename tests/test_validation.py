@@ -77,16 +77,15 @@ def test_malformed_body_is_400_with_null_param(succ_server, raw):
 
 
 @pytest.mark.parametrize("name", ["max_token", "temprature", "repetition_penalty", "messages"])
-def test_unknown_field_is_400_naming_it(succ_server, name):
-    """OpenAI's answer to a typo: a 400 naming the field, not a completion that ignored it."""
-    status, _, raw = succ_server.complete({**OK, name: 8})
-    assert status == 400
-    assert json.loads(raw)["error"] == {
-        "message": f"Unrecognized request argument supplied: {name}",
-        "type": "invalid_request_error",
-        "param": name,
-        "code": None,
-    }
+def test_unknown_field_is_ignored_and_named(succ_server, name):
+    """The v0 contract: an unknown field is ignored (the answer is the one without it) and named in
+    ``X-Ignored-Fields``."""
+    status, headers, raw = succ_server.complete({**OK, name: 8})
+    assert status == 200, raw
+    assert headers["x-ignored-fields"] == name
+    _, plain_headers, plain = succ_server.complete(OK)
+    assert "x-ignored-fields" not in plain_headers
+    assert json.loads(raw)["choices"] == json.loads(plain)["choices"]
 
 
 @pytest.mark.parametrize(
@@ -112,10 +111,24 @@ def test_seed_bounds_are_inclusive(succ_server):
         assert status == 200
 
 
-def test_seed_minus_one_means_a_random_seed(default_server):
-    """llama.cpp's and vLLM's "random seed": two requests with -1 get different seeds (a 64-token
-    text at temperature 1 from the bigram repeats with negligible probability)."""
-    body = {"model": "m", "prompt": "ROMEO:", "max_tokens": 64, "temperature": 1, "seed": -1}
+@pytest.mark.parametrize("seed", [-1, -2, -(2**63)])
+def test_a_negative_seed_is_a_400_saying_to_omit_it(succ_server, seed):
+    """The v0 contract's seed is non-negative: -1 (llama.cpp's and vLLM's "random") is refused too."""
+    status, _, raw = succ_server.complete({**OK, "seed": seed})
+    assert status == 400
+    assert json.loads(raw)["error"] == {
+        "message": f"'seed' must be in 0..18446744073709551615, got {seed}; omit 'seed' for a "
+        "random seed.",
+        "type": "invalid_request_error",
+        "param": "seed",
+        "code": None,
+    }
+
+
+def test_no_seed_means_a_random_seed(default_server):
+    """Two requests without a seed get different seeds (a 64-token text at temperature 1 from the
+    bigram repeats with negligible probability)."""
+    body = {"model": "m", "prompt": "ROMEO:", "max_tokens": 64, "temperature": 1}
     answers = []
     for _ in range(2):
         status, _, raw = default_server.complete(body)

@@ -3,9 +3,10 @@
 The sampling fields are parsed by the same functions as ``/v1/completions`` (``wsgi_app.api.completions``),
 so a :class:`ChatRequest` carries the same values, and :func:`completion_request` turns it, once the
 chat template has made the prompt, into the :class:`~wsgi_app.api.completions.CompletionRequest` the
-generation pipeline already serves. Unlike the legacy endpoint, an unknown field is a 400, as OpenAI
-answers it; documented OpenAI fields this server does not implement (tools, audio, JSON output...)
-are a 400 saying so, never silently ignored. ``null`` means absent.
+generation pipeline already serves. An unknown top-level field is ignored, as on the legacy endpoint
+(the answer names it in ``X-Ignored-Fields``); documented OpenAI fields this server does not implement
+(tools, audio, JSON output...) and other servers' constraint fields are a 400 saying so, never
+silently ignored. ``null`` means absent.
 
 Source: OpenAI API reference, "Chat Completions" (create).
 """
@@ -17,43 +18,59 @@ from typing import Any
 
 from model.sampling import SamplingParams
 from wsgi_app.api.completions import MAX_TOKENS_LIMIT, CompletionRequest
-from wsgi_app.api.errors import ApiError, invalid, quote_name
+from wsgi_app.api.errors import invalid, quote_name
 from wsgi_app.api.fields import (
-    _boolean,
-    _check_unicode,
-    _integer,
-    _stop,
+    boolean_field,
     build_sampling,
+    check_unicode,
+    integer_field,
     parse_model,
     parse_sampling_fields,
     parse_stream_fields,
-    reject_unknown,
+    stop_strings,
+    unsupported,
 )
+from wsgi_app.api.messages import parse_messages
+from wsgi_app.api.table import BOOLEAN, JSON, NUMBER, SHARED_FIELDS, Field, FieldTable
 
 MAX_TOP_LOGPROBS = 20
 MAX_CHAT_MESSAGES = 1024  # the MAX_CHAT_MESSAGES setting's default
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
-# The request fields accepted; extensions shared with /v1/completions: top_k, min_p, ignore_eos.
-KNOWN_FIELDS = frozenset(
-    {
-        "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
-        "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-        "top_logprobs", "stream", "stream_options", "user", "response_format", "modalities",
-        "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
-        "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
-        "prediction", "web_search_options", "reasoning_effort", "verbosity",
-        "top_k", "min_p", "ignore_eos", "cache_salt",
-    }
-)  # fmt: skip
-# Documented OpenAI fields this server does not implement: any non-null value is a 400.
-UNSUPPORTED_FIELDS = (
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
-    "prediction", "web_search_options", "reasoning_effort", "verbosity", "metadata",
-)  # fmt: skip
-MESSAGE_FIELDS = frozenset({"role", "content", "name"})
-ASSISTANT_FIELDS = MESSAGE_FIELDS | {"refusal", "tool_calls", "function_call", "audio"}
-UNSUPPORTED_PARTS = frozenset({"image_url", "input_audio", "file", "refusal"})
+# The request fields of OpenAI's Chat Completions (and the shared extensions); anything else is ignored
+# (and named in X-Ignored-Fields). The documented fields this server does not implement are a 400 for
+# any non-null value.
+FIELDS = FieldTable(
+    (
+        *SHARED_FIELDS,
+        Field("messages", JSON),
+        Field("max_tokens", NUMBER),
+        Field("max_completion_tokens", NUMBER),
+        Field("logprobs", BOOLEAN),
+        Field("top_logprobs", NUMBER),
+        Field("response_format"),
+        Field("modalities"),
+        Field("store"),
+        Field("service_tier"),
+        Field("prompt_cache_key"),
+        Field("safety_identifier"),
+        *(
+            Field(name, unsupported=True)
+            for name in (
+                "tools",
+                "tool_choice",
+                "functions",
+                "function_call",
+                "parallel_tool_calls",
+                "audio",
+                "prediction",
+                "web_search_options",
+                "reasoning_effort",
+                "verbosity",
+                "metadata",
+            )  # fmt: skip
+        ),
+    )
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +80,9 @@ class ChatRequest:
     Attributes:
         model: the requested model name, echoed in every answer.
         messages: ``({"role": "system"|"user"|"assistant", "content": str}, ...)``, non-empty;
-            ``developer`` is ``system``, content parts are joined with ``"\\n"``.
+            ``developer`` is ``system``, content parts are joined with ``"\\n"``; a message's
+            ``name`` (and an assistant's ``reasoning_content``/``reasoning``) when sent, as strings,
+            for the template.
         max_tokens: ``max_tokens`` or ``max_completion_tokens`` (1..4096), None when neither is given.
         max_tokens_param: which of the two the client sent (named by context-length errors).
         sampling: the sampling parameters, as on ``/v1/completions``.
@@ -76,6 +95,8 @@ class ChatRequest:
         ignore_eos: keep generating past end-of-sequence (vLLM's extension).
         user: the client's end-user id, or None (log it hashed).
         cache_salt: the request's ``cache_salt`` (vLLM's extension), "" without one.
+        ignored_fields: the unknown top-level fields the request sent, as ``X-Ignored-Fields``
+            lists them.
     """
 
     model: str
@@ -92,11 +113,7 @@ class ChatRequest:
     ignore_eos: bool = False
     user: str | None = None
     cache_salt: str = ""
-
-
-def unsupported(name: str, what: str | None = None) -> ApiError:
-    """Return the 400 for a documented OpenAI field (or value) this server does not implement."""
-    return invalid(f"{what or repr(name)} is not supported by this server.", name)
+    ignored_fields: tuple[str, ...] = ()
 
 
 def parse_chat_request(
@@ -115,21 +132,21 @@ def parse_chat_request(
         max_messages: the most messages accepted (``MAX_CHAT_MESSAGES``), checked before any is read.
 
     Raises:
-        ApiError: 400 naming the first invalid field in ``param``: an unknown field
-            (``Unrecognized request argument supplied: NAME``), an unsupported one, or a bad value,
-            down to the part (``messages[2].content[0].type``).
+        ApiError: 400 naming the first invalid field in ``param``: another server's constraint
+            field, an unsupported one, or a bad value, down to the part
+            (``messages[2].content[0].type``; an unknown key inside a message is still refused).
     """
-    reject_unknown(body, KNOWN_FIELDS)
-    for name in UNSUPPORTED_FIELDS:
+    ignored = FIELDS.check(body)
+    for name in FIELDS.unsupported:
         if body.get(name) is not None:
             raise unsupported(name)
     _check_options(body)
     model = parse_model(body)
-    messages = _messages(body.get("messages"), max_messages)
+    messages = parse_messages(body.get("messages"), max_messages)
     max_tokens, max_tokens_param = _max_tokens(body)
     fields = parse_sampling_fields(body, vocab_size, max_n)
-    logprobs = _boolean(body, "logprobs")
-    top_logprobs = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    logprobs = boolean_field(body, "logprobs")
+    top_logprobs = integer_field(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top_logprobs is not None and not logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
     stream = parse_stream_fields(body)
@@ -141,13 +158,14 @@ def parse_chat_request(
         sampling=build_sampling(fields, body, vocab_size),
         seed=fields.seed,
         n=fields.n,
-        stop=_stop(body.get("stop")),
+        stop=stop_strings(body.get("stop")),
         logprobs=(top_logprobs or 0) if logprobs else None,
         stream=stream.stream,
         include_usage=stream.include_usage,
         ignore_eos=stream.ignore_eos,
         user=body.get("user"),
         cache_salt=stream.cache_salt,
+        ignored_fields=ignored,
     )
 
 
@@ -231,6 +249,7 @@ def completion_request(
         include_usage=chat.include_usage,
         ignore_eos=chat.ignore_eos,
         cache_salt=chat.cache_salt,
+        ignored_fields=chat.ignored_fields,
     )
 
 
@@ -279,7 +298,7 @@ def _check_options(body: dict[str, Any]) -> None:
             raise invalid("'modalities' must be a list of strings.", "modalities")
         if any(m != "text" for m in modalities):
             raise unsupported("modalities", "Output modalities other than 'text'")
-    if body.get("store") is not None and _boolean(body, "store"):
+    if body.get("store") is not None and boolean_field(body, "store"):
         raise unsupported("store", "Storing completions ('store': true)")
     tier = body.get("service_tier")
     if tier is not None and (not isinstance(tier, str) or tier not in ("auto", "default")):
@@ -289,12 +308,12 @@ def _check_options(body: dict[str, Any]) -> None:
         if value is not None:
             if not isinstance(value, str):
                 raise invalid(f"'{name}' must be a string.", name)
-            _check_unicode(value, name)
+            check_unicode(value, name)
 
 
 def _max_tokens(body: dict[str, Any]) -> tuple[int | None, str]:
-    legacy = _integer(body, "max_tokens", None, 1, MAX_TOKENS_LIMIT)
-    current = _integer(body, "max_completion_tokens", None, 1, MAX_TOKENS_LIMIT)
+    legacy = integer_field(body, "max_tokens", None, 1, MAX_TOKENS_LIMIT)
+    current = integer_field(body, "max_completion_tokens", None, 1, MAX_TOKENS_LIMIT)
     if legacy is not None and current is not None and legacy != current:
         raise invalid(
             "'max_tokens' and 'max_completion_tokens' are both given with different values; "
@@ -304,83 +323,3 @@ def _max_tokens(body: dict[str, Any]) -> tuple[int | None, str]:
     if current is not None:
         return current, "max_completion_tokens"
     return legacy, "max_tokens"
-
-
-def _messages(value: Any, max_messages: int) -> tuple[dict[str, str], ...]:
-    if value is None:
-        raise invalid("'messages' is required.", "messages")
-    if not isinstance(value, list):
-        raise invalid("'messages' must be a list of message objects.", "messages")
-    if not value:
-        raise invalid("'messages' must not be empty.", "messages")
-    if len(value) > max_messages:  # before any is read or rendered
-        raise invalid(
-            f"'messages' holds {len(value)} messages; the limit is {max_messages} "
-            "(MAX_CHAT_MESSAGES).",
-            "messages",
-        )
-    return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(value))
-
-
-def _message(message: Any, where: str) -> dict[str, str]:
-    if not isinstance(message, dict):
-        raise invalid(f"'{where}' must be an object.", where)
-    role = message.get("role")
-    if not isinstance(role, str):
-        raise invalid(f"'{where}.role' is required and must be a string.", f"{where}.role")
-    if role in ("tool", "function"):
-        raise unsupported(f"{where}.role", f"The '{role}' role")
-    if role not in ROLES:
-        raise invalid(
-            f"Invalid value for '{where}.role': {quote_name(role)!r}; expected one of 'system', "
-            "'developer', 'user', 'assistant'.",
-            f"{where}.role",
-        )
-    allowed = ASSISTANT_FIELDS if role == "assistant" else MESSAGE_FIELDS
-    for key in message:
-        if key not in allowed:
-            at = f"{where}.{quote_name(key)}"
-            raise invalid(f"Unrecognized request argument supplied: {at}", at)
-    for key in ("tool_calls", "function_call", "audio"):
-        if message.get(key) is not None:
-            raise unsupported(f"{where}.{key}")
-    for key in ("name", "refusal"):
-        if message.get(key) is not None and not isinstance(message[key], str):
-            raise invalid(f"'{where}.{key}' must be a string.", f"{where}.{key}")
-    return {"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")}
-
-
-def _content(content: Any, where: str) -> str:
-    if content is None:
-        raise invalid(f"'{where}' is required.", where)
-    if isinstance(content, str):
-        _check_unicode(content, where)
-        return content
-    if not isinstance(content, list) or not content:
-        raise invalid(f"'{where}' must be a string or a non-empty list of content parts.", where)
-    texts = []
-    for j, part in enumerate(content):
-        at = f"{where}[{j}]"
-        if not isinstance(part, dict):
-            raise invalid(f"'{at}' must be an object.", at)
-        kind = part.get("type")
-        if not isinstance(kind, str):  # a list or object is unhashable: no set lookup before this
-            raise invalid(f"'{at}.type' is required and must be a string.", f"{at}.type")
-        if kind in UNSUPPORTED_PARTS:
-            raise unsupported(f"{at}.type", f"Content part type '{kind}'")
-        if kind != "text":
-            raise invalid(
-                f"Invalid value for '{at}.type': {quote_name(kind)!r}; expected 'text'.",
-                f"{at}.type",
-            )
-        for key in part:
-            if key not in ("type", "text"):
-                bad = f"{at}.{quote_name(key)}"
-                raise invalid(f"Unrecognized request argument supplied: {bad}", bad)
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise invalid(f"'{at}.text' must be a string.", f"{at}.text")
-        _check_unicode(text, f"{at}.text")
-        texts.append(text)
-    # Several text parts are one message: joined by newlines, as vLLM does.
-    return "\n".join(texts)

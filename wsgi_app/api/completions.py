@@ -1,9 +1,9 @@
 """OpenAI legacy Completions wire types and their validation (no Flask here).
 
 Precedence for every field: the request's value, else the OpenAI default. ``null`` means absent, booleans are
-not numbers, an unknown field is a 400 as OpenAI answers it ("Unrecognized request argument supplied"), the
-documented fields this server does not implement (``suffix``, ``best_of`` above 1) are a 400 saying so, and
-every violation is a 400 naming its ``param``.
+not numbers, an unknown field is ignored (the v0 contract; the answer names it in ``X-Ignored-Fields``),
+the documented fields this server does not implement (``suffix``, ``best_of`` above 1) and other servers'
+constraint fields are a 400 saying so, and every violation is a 400 naming its ``param``.
 
 Source: OpenAI API reference, "Completions" (legacy); docs/ARCHITECTURE.md §6 and §8.
 """
@@ -18,30 +18,35 @@ from model.tokenizer import ByteTokenizer, TextTokenizer
 from model.utf8 import Utf8Decoder
 from wsgi_app.api.errors import invalid
 from wsgi_app.api.fields import (
-    _boolean,
-    _check_unicode,
-    _integer,
-    _is_int,
-    _stop,
+    boolean_field,
     build_sampling,
+    check_unicode,
+    integer_field,
+    is_int,
     parse_model,
     parse_sampling_fields,
     parse_stream_fields,
-    reject_unknown,
+    stop_strings,
+    unsupported,
 )
+from wsgi_app.api.table import BOOLEAN, NUMBER, SHARED_FIELDS, TEXT, Field, FieldTable
 
 MAX_TOKENS_LIMIT = 4096
 MAX_LOGPROBS = 5
 
-# The request fields of OpenAI's legacy Completions, and the extensions shared with vLLM (top_k, min_p,
-# ignore_eos); anything else is refused by name.
-KNOWN_FIELDS = frozenset(
-    {
-        "model", "prompt", "suffix", "max_tokens", "temperature", "top_p", "n", "stream",
-        "stream_options", "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty",
-        "best_of", "logit_bias", "user", "seed", "top_k", "min_p", "ignore_eos", "cache_salt",
-    }
-)  # fmt: skip
+# The request fields of OpenAI's legacy Completions (and the shared extensions); anything else is ignored
+# (and named in the answer's X-Ignored-Fields), except another server's constraint field.
+FIELDS = FieldTable(
+    (
+        *SHARED_FIELDS,
+        Field("prompt", TEXT),
+        Field("suffix", unsupported=True),
+        Field("max_tokens", NUMBER),
+        Field("logprobs", NUMBER),
+        Field("echo", BOOLEAN),
+        Field("best_of", unsupported=True),  # 1 is accepted: it changes nothing
+    )
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +88,8 @@ class CompletionRequest:
         prompt_tail: the first prompt's :attr:`Prompt.tail`.
         more_prompts: the prompts after the first of a batch (OpenAI's list of prompts).
         cache_salt: the request's ``cache_salt`` (vLLM's extension), "" without one.
+        ignored_fields: the unknown top-level fields the request sent, sorted, as the
+            ``X-Ignored-Fields`` header lists them (``wsgi_app.api.fields.shown_names``).
     """
 
     model: str
@@ -101,6 +108,7 @@ class CompletionRequest:
     prompt_tail: bytes = b""
     more_prompts: tuple[Prompt, ...] = ()
     cache_salt: str = ""
+    ignored_fields: tuple[str, ...] = ()
 
     def prompts(self) -> tuple[Prompt, ...]:
         """Return every prompt of the request, in order (prompt ``p`` has choices ``p*n .. p*n+n-1``)."""
@@ -125,12 +133,12 @@ def _prompt(value: Any, max_prompt_tokens: int, tokenizer: TextTokenizer, where:
     vocab_size = tokenizer.vocab_size
     tail = b""
     if isinstance(value, str):
-        _check_unicode(value, "prompt")
+        check_unicode(value, "prompt")
         if not value:
             raise invalid(f"'{where}' must not be empty.", "prompt")
         ids = tuple(tokenizer.encode(value))
         text = value
-    elif isinstance(value, list) and value and all(_is_int(t) for t in value):
+    elif isinstance(value, list) and value and all(is_int(t) for t in value):
         bad = next((t for t in value if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise invalid(
@@ -177,9 +185,10 @@ def parse_completion_request(
         max_logprob_entries: the request's budget of ``logprobs`` entries (``MAX_LOGPROB_ENTRIES``).
 
     Raises:
-        ApiError: 400 naming the first invalid field in ``param``; an unknown field first of all.
+        ApiError: 400 naming the first invalid field in ``param``; another server's constraint
+            field (``wsgi_app.api.fields.CONSTRAINT_FIELDS``) first of all.
     """
-    reject_unknown(body, KNOWN_FIELDS)
+    ignored = FIELDS.check(body)
     model = parse_model(body)
     if "prompt" not in body or body["prompt"] is None:
         raise invalid("'prompt' is required.", "prompt")
@@ -197,13 +206,13 @@ def parse_completion_request(
         for i, v in enumerate(values)
     ]
 
-    for unsupported in ("suffix", "best_of"):
-        value = body.get(unsupported)
-        if value is not None and not (unsupported == "best_of" and value == 1 and _is_int(value)):
-            raise invalid(f"'{unsupported}' is not supported by this server.", unsupported)
+    for name in FIELDS.unsupported:
+        value = body.get(name)
+        if value is not None and not (name == "best_of" and value == 1 and is_int(value)):
+            raise unsupported(name)
 
-    echo = _boolean(body, "echo")
-    max_tokens = _integer(body, "max_tokens", 16, 0, MAX_TOKENS_LIMIT)
+    echo = boolean_field(body, "echo")
+    max_tokens = integer_field(body, "max_tokens", 16, 0, MAX_TOKENS_LIMIT)
     if max_tokens == 0 and not echo:
         raise invalid(
             "'max_tokens' must be at least 1 (0 is allowed only with 'echo').", "max_tokens"
@@ -215,7 +224,7 @@ def parse_completion_request(
             f"request makes at most MAX_N ({max_n}) choices (prompts × n).",
             "n",
         )
-    logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    logprobs = integer_field(body, "logprobs", None, 0, MAX_LOGPROBS)
     if logprobs is not None:
         _check_logprob_budget(prompts, fields.n, max_tokens, echo, logprobs, max_logprob_entries)
     stream = parse_stream_fields(body)
@@ -234,13 +243,14 @@ def parse_completion_request(
         sampling=build_sampling(fields, body, vocab_size),
         seed=fields.seed,
         n=fields.n,
-        stop=_stop(body.get("stop")),
+        stop=stop_strings(body.get("stop")),
         echo=echo,
         logprobs=logprobs,
         stream=stream.stream,
         include_usage=stream.include_usage,
         ignore_eos=stream.ignore_eos,
         cache_salt=stream.cache_salt,
+        ignored_fields=ignored,
     )
 
 

@@ -1,8 +1,9 @@
 """The request fields both generation endpoints share, read from a strict JSON body (no Flask here).
 
-Strict JSON (no NaN, no repeated key), unknown fields refused by name, and the sampling, seed and
-stream fields of OpenAI's Completions and Chat Completions parsed once for both: every violation is
-a 400 naming its ``param``.
+Strict JSON (no NaN, no repeated key), and the sampling, seed and stream fields of OpenAI's
+Completions and Chat Completions parsed once for both, with the typed readers every field uses:
+every violation is a 400 naming its ``param``. Which fields an endpoint has is its table's
+(``wsgi_app.api.table``).
 
 Source: OpenAI API reference, "Completions" and "Chat Completions"; RFC 8259 (JSON).
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.sampling import SamplingParams
-from wsgi_app.api.errors import invalid, quote_name
+from wsgi_app.api.errors import ApiError, invalid, quote_name
 
 MAX_MODEL_CHARS = 256
 MAX_STOP = 4
@@ -33,20 +34,6 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"duplicate key {quote_name(key)!r}")
         obj[key] = value
     return obj
-
-
-def reject_unknown(body: dict[str, Any], known: frozenset[str]) -> None:
-    """Refuse the first field of ``body`` that is not in ``known``, as OpenAI does.
-
-    Raises:
-        ApiError: 400 "Unrecognized request argument supplied: NAME" with ``param`` NAME.
-
-    Source: OpenAI API reference (the error its API answers for an unknown request field).
-    """
-    for name in body:
-        if name not in known:
-            shown = quote_name(name)
-            raise invalid(f"Unrecognized request argument supplied: {shown}", shown)
 
 
 def loads_strict(text: str) -> Any:
@@ -87,39 +74,41 @@ def decode_json_body(body: bytes) -> dict[str, Any]:
     return obj
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     if isinstance(value, bool):
         return False
-    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+    return is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
-def _integer(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
+def integer_field(
+    body: dict[str, Any], name: str, default: int | None, lo: int, hi: int
+) -> int | None:
     value = body.get(name)
     if value is None:
         return default
-    if not _is_int(value):
+    if not is_int(value):
         raise invalid(f"'{name}' must be an integer, got {type(value).__name__}.", name)
     if not lo <= value <= hi:
         raise invalid(f"'{name}' must be in {lo}..{hi}, got {value}.", name)
     return value
 
 
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+def number_field(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if not _is_number(value):
+    if not is_number(value):
         raise invalid(f"'{name}' must be a number, got {type(value).__name__}.", name)
     if not lo <= value <= hi:
         raise invalid(f"'{name}' must be in {lo:g}..{hi:g}, got {value}.", name)
     return float(value)
 
 
-def _boolean(body: dict[str, Any], name: str) -> bool:
+def boolean_field(body: dict[str, Any], name: str) -> bool:
     value = body.get(name)
     if value is None:
         return False
@@ -128,7 +117,7 @@ def _boolean(body: dict[str, Any], name: str) -> bool:
     return value
 
 
-def _check_unicode(text: str, name: str) -> None:
+def check_unicode(text: str, name: str) -> None:
     # JSON can carry lone surrogates ("\\ud800") that no UTF-8 answer could echo back.
     try:
         text.encode("utf-8")
@@ -136,7 +125,7 @@ def _check_unicode(text: str, name: str) -> None:
         raise invalid(f"'{name}' contains a lone surrogate code point.", name) from None
 
 
-def _stop(value: Any) -> tuple[str, ...]:
+def stop_strings(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     stops = [value] if isinstance(value, str) else value
@@ -147,7 +136,7 @@ def _stop(value: Any) -> tuple[str, ...]:
     if any(not s for s in stops):
         raise invalid("'stop' strings must not be empty.", "stop")
     for s in stops:
-        _check_unicode(s, "stop")
+        check_unicode(s, "stop")
     return tuple(stops)
 
 
@@ -166,7 +155,7 @@ def _logit_bias(value: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
                 f"'logit_bias' key {quote_name(key)!r} is not a token id in 0..{vocab_size - 1}.",
                 "logit_bias",
             )
-        if not _is_number(weight) or not -100 <= weight <= 100:
+        if not is_number(weight) or not -100 <= weight <= 100:
             raise invalid(
                 f"'logit_bias' value for {key} must be a number in -100..100.", "logit_bias"
             )
@@ -190,6 +179,11 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     return include
 
 
+def unsupported(name: str, what: str | None = None) -> ApiError:
+    """Return the 400 for a documented OpenAI field (or value) this server does not implement."""
+    return invalid(f"{what or repr(name)} is not supported by this server.", name)
+
+
 def parse_model(body: dict[str, Any]) -> str:
     """Return the request's ``model``: a non-empty string of at most 256 characters.
 
@@ -201,7 +195,7 @@ def parse_model(body: dict[str, Any]) -> str:
         raise invalid("'model' must be a non-empty string.", "model")
     if len(model) > MAX_MODEL_CHARS:  # echoed in every chunk: bound it
         raise invalid(f"'model' is at most {MAX_MODEL_CHARS} characters.", "model")
-    _check_unicode(model, "model")
+    check_unicode(model, "model")
     return model
 
 
@@ -226,34 +220,35 @@ def parse_sampling_fields(body: dict[str, Any], vocab_size: int, max_n: int) -> 
         ApiError: 400 naming the first invalid field, checked in that order.
     """
     return SamplingFields(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_integer(body, "top_k", 0, -1, vocab_size),
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        temperature=number_field(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=number_field(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=integer_field(body, "top_k", 0, -1, vocab_size),
+        min_p=number_field(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=number_field(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=number_field(body, "frequency_penalty", 0.0, -2.0, 2.0),
         seed=_seed(body),
-        n=_integer(body, "n", 1, 1, max_n),
+        n=integer_field(body, "n", 1, 1, max_n),
     )
 
 
 def _seed(body: dict[str, Any]) -> int | None:
-    """Return ``seed`` (0..2**64-1), or None when absent, ``null`` or ``-1``.
+    """Return ``seed`` (0..2**64-1), or None when absent or ``null`` (the server picks one).
 
-    ``-1`` is "pick a random seed" in llama.cpp and vLLM, and clients written for them send it; any
-    other negative seed is still a 400.
+    A negative seed is a 400, ``-1`` too (llama.cpp's and vLLM's "random"): the contract's seed is
+    non-negative, and the message says how to ask for a random one.
 
     Raises:
         ApiError: 400 with ``param`` ``seed``.
+
+    Source: DESIGN.md §3 and §5, the v0 contract ("``seed`` a non-negative integer").
     """
     value = body.get("seed")
-    if _is_int(value) and value == -1:
-        return None
-    if _is_int(value) and not 0 <= value < SEED_LIMIT:
+    if is_int(value) and not 0 <= value < SEED_LIMIT:
         raise invalid(
-            f"'seed' must be in 0..{SEED_LIMIT - 1}, or -1 for a random seed, got {value}.", "seed"
+            f"'seed' must be in 0..{SEED_LIMIT - 1}, got {value}; omit 'seed' for a random seed.",
+            "seed",
         )
-    return _integer(body, "seed", None, 0, SEED_LIMIT - 1)
+    return integer_field(body, "seed", None, 0, SEED_LIMIT - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,12 +268,12 @@ def parse_stream_fields(body: dict[str, Any]) -> StreamFields:
     Raises:
         ApiError: 400 naming the first invalid field.
     """
-    stream = _boolean(body, "stream")
+    stream = boolean_field(body, "stream")
     include_usage = _stream_options(body, stream)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid("'user' must be a string.", "user")
-    return StreamFields(stream, include_usage, _boolean(body, "ignore_eos"), _cache_salt(body))
+    return StreamFields(stream, include_usage, boolean_field(body, "ignore_eos"), _cache_salt(body))
 
 
 def _cache_salt(body: dict[str, Any]) -> str:

@@ -53,6 +53,8 @@ class RequestRecord:
         slot_at: ``perf_counter`` when the slot was granted, or None.
         end_reason: why generation ended, one of :data:`END_REASONS`, set once by :meth:`end`; None
             for a request that never generated (refused, invalid, not a generation route).
+        ignored_fields: the unknown top-level fields of a generation request, sorted, as its
+            ``X-Ignored-Fields`` header lists them (``wsgi_app.api.fields.shown_names``).
     """
 
     request_id: str
@@ -78,6 +80,7 @@ class RequestRecord:
     queue_wait_s: float | None = None
     slot_at: float | None = None
     end_reason: str | None = None
+    ignored_fields: tuple[str, ...] = ()
 
     def end(self, reason: str) -> bool:
         """Record why generation ended, unless a reason is recorded already (the first one to know

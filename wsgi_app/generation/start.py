@@ -79,6 +79,7 @@ def admit(
     settings = rt.settings
     record.prompt_tokens = req.prompt_tokens
     record.model = req.model
+    record.ignored_fields = req.ignored_fields
     if settings.log_prompts:
         record.prompt = req.prompt_text
     record.span.attributes["gen_ai.request.model"] = req.model

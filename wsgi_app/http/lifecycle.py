@@ -77,6 +77,8 @@ def _headers(response: Response) -> Response:
         response.headers["X-Request-Id"] = request_id_from(None)
         return response
     response.headers["X-Request-Id"] = record.request_id
+    if record.ignored_fields:  # the unknown fields a generation request sent (DESIGN.md §5)
+        response.headers["X-Ignored-Fields"] = ",".join(record.ignored_fields)
     record.status = response.status_code
     # Close callbacks run after the request context is gone: pass the exporter explicitly.
     exporter, observer, after_answers = rt.exporter, rt.observer, rt.after_answers

@@ -19,96 +19,32 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from model.tokenizer import TextTokenizer
-from wsgi_app.api.errors import json_bytes
-from wsgi_app.generation.choice import Choice
-from wsgi_app.wire.encoder import ChunkEncoder, WireFormat, _text_json
+from wsgi_app.wire.encoder import ChunkEncoder, EncodedChoice, WireFormat, text_json
 from wsgi_app.wire.logprobs import ChatLogprobs
 from wsgi_app.wire.sse import PLAIN, Framing
-
-
-@dataclass(frozen=True)
-class ChatWireFormat(WireFormat):
-    """The chat completion's objects: its own encoder and ``logprobs`` shape."""
-
-    def encoder(
-        self,
-        completion_id: str,
-        created: int,
-        model: str,
-        n: int,
-        include_usage: bool,
-        framing: Framing = PLAIN,
-        fingerprint: str | None = None,
-    ) -> ChunkEncoder:
-        """Return a :class:`ChatChunkEncoder`."""
-        return ChatChunkEncoder(
-            self, completion_id, created, model, n, include_usage, framing, fingerprint
-        )
-
-    def new_logprobs(self, tokenizer: TextTokenizer) -> ChatLogprobs:
-        """Return an empty :class:`ChatLogprobs`."""
-        return ChatLogprobs(tokenizer.token_str, tokenizer.token_bytes)
-
-
-CHAT_COMPLETION = ChatWireFormat(
-    answer_object="chat.completion",
-    chunk_object="chat.completion.chunk",
-    id_prefix="chatcmpl-",
-    chunk_text=b'"delta":{"content":',
-    answer_text=b'"message":{"role":"assistant","content":',
-    text_end=b',"refusal":null}',
-)
-
-
-def _head(completion_id: str, obj: str, created: int, model: str, fingerprint: str | None) -> bytes:
-    """``{"id":…,"object":…,"created":…,"model":…,"system_fingerprint":…`` without the closing brace."""
-    return json_bytes(
-        {
-            "id": completion_id,
-            "object": obj,
-            "created": created,
-            "model": model,
-            "system_fingerprint": fingerprint,
-        }
-    )[:-1]
 
 
 class ChatChunkEncoder(ChunkEncoder):
     """Build the bytes of one chat completion (see the module docstring for the events); the usage
     chunk and the non-streamed answer are the base class's, with this format's head and keys.
 
-    Args:
-        fmt: the wire format (:data:`CHAT_COMPLETION`).
-        completion_id: the id, the same in every chunk.
-        created: Unix time in seconds.
-        model: the request's ``model``, echoed.
-        n: the number of choices.
-        include_usage: every chunk carries ``"usage":null``.
-        framing: the SSE framing of the stream.
-        fingerprint: the model version (``system_fingerprint``).
+    Args: those of :class:`~wsgi_app.wire.encoder.ChunkEncoder`.
     """
 
-    __slots__ = ("_chunk_head", "_role", "_content", "_content_end", "_finish", "_sent")
+    __slots__ = ("_role", "_content", "_content_end", "_finish", "_sent")
 
     def __init__(
         self,
         fmt: WireFormat,
-        completion_id: str,
-        created: int,
-        model: str,
+        head: bytes,
+        answer_head: bytes,
         n: int,
         include_usage: bool,
         framing: Framing = PLAIN,
-        fingerprint: str | None = None,
     ) -> None:
-        self.fmt = fmt
-        self.framing = framing
-        self._plain = framing is PLAIN
-        head = _head(completion_id, fmt.chunk_object, created, model, fingerprint)
-        self._head = head
-        self._answer_head = _head(completion_id, fmt.answer_object, created, model, fingerprint)
-        usage_tail = b',"usage":null}' if include_usage else b"}"
-        choice = [head + b',"choices":[{"index":%d,' % i for i in range(n)]
+        super().__init__(fmt, head, answer_head, n, include_usage, framing)
+        usage_tail = self._usage_tail
+        choice = self._choice_heads
         self._role = [
             c
             + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
@@ -125,7 +61,7 @@ class ChatChunkEncoder(ChunkEncoder):
 
     def first_chunks(
         self,
-        choices: Sequence[Choice],
+        choices: Sequence[EncodedChoice],
         echo_texts: Sequence[str] | None,
         pause: Callable[[], None] | None = None,
     ) -> Iterator[bytes]:
@@ -135,7 +71,7 @@ class ChatChunkEncoder(ChunkEncoder):
 
     def chunk(
         self,
-        choice: Choice,
+        choice: EncodedChoice,
         text: str,
         lp_start: int = -1,
         pause: Callable[[], None] | None = None,
@@ -157,9 +93,31 @@ class ChatChunkEncoder(ChunkEncoder):
                 content = choice.logprobs.content_json(sent)
                 logprobs = b'{"content":' + content + b',"refusal":null}'
             mid, end = self._content_end
-            out = frame(b"".join((self._content[i], _text_json(text), mid, logprobs, end)))
+            out = frame(b"".join((self._content[i], text_json(text), mid, logprobs, end)))
         reason = choice.finish_reason
         if reason is not None:
             start, end = self._finish[i]
             out += frame(start + reason.encode() + end)
         return out
+
+
+@dataclass(frozen=True)
+class ChatWireFormat(WireFormat):
+    """The chat completion's objects: its own encoder and ``logprobs`` shape."""
+
+    encoder_type = ChatChunkEncoder
+
+    def new_logprobs(self, tokenizer: TextTokenizer) -> ChatLogprobs:
+        """Return an empty :class:`ChatLogprobs`."""
+        return ChatLogprobs(tokenizer.token_str, tokenizer.token_bytes)
+
+
+CHAT_COMPLETION = ChatWireFormat(
+    answer_object="chat.completion",
+    chunk_object="chat.completion.chunk",
+    id_prefix="chatcmpl-",
+    chunk_text=b'"delta":{"content":',
+    answer_text=b'"message":{"role":"assistant","content":',
+    text_end=b',"refusal":null}',
+    system_fingerprint=True,
+)

@@ -16,11 +16,11 @@ import json
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 from model.tokenizer import TextTokenizer
 from wsgi_app.api.errors import json_bytes
-from wsgi_app.generation.choice import Choice
-from wsgi_app.wire.logprobs import Logprobs
+from wsgi_app.wire.logprobs import ChatLogprobs, Logprobs
 from wsgi_app.wire.sse import PLAIN, Framing
 
 # A non-streamed answer up to this size is written in one piece (joining 1 MiB takes ~0.1 ms).
@@ -30,7 +30,7 @@ _TEXT_JSON: dict[str, bytes] = {}
 _TEXT_JSON_MAX = 4096
 
 
-def _text_json(text: str) -> bytes:
+def text_json(text: str) -> bytes:
     """Return ``json.dumps(text, ensure_ascii=False).encode()``, memoised for texts of up to two
     characters."""
     encoded = _TEXT_JSON.get(text)
@@ -39,6 +39,22 @@ def _text_json(text: str) -> bytes:
         if len(text) <= 2 and len(_TEXT_JSON) < _TEXT_JSON_MAX:
             _TEXT_JSON[text] = encoded
     return encoded
+
+
+class EncodedChoice(Protocol):
+    """What an encoder reads of one choice (``wsgi_app.generation.choice.Choice`` is one).
+
+    Attributes:
+        index: the choice's ``index`` on the wire.
+        finish_reason: ``"stop"``, ``"length"``, or None while it runs.
+        logprobs: its ``logprobs`` entries so far (the wire format's shape), or None without logprobs.
+        parts: its text so far, in pieces (the echoed prompt first).
+    """
+
+    index: int
+    finish_reason: str | None
+    logprobs: Logprobs | ChatLogprobs | None
+    parts: list[str]
 
 
 @dataclass(frozen=True)
@@ -55,7 +71,12 @@ class WireFormat:
         chunk_text: the bytes of a chunk's choice between ``"index":<i>,`` and its text's JSON string.
         answer_text: the same bytes in a non-streamed answer's choice.
         text_end: the bytes right after the text's JSON string (closing what the text key opened).
+        system_fingerprint: every object carries ``system_fingerprint`` (the model version) after
+            ``model``.
+        encoder_type: the :class:`ChunkEncoder` (sub)class that builds this format's events.
     """
+
+    encoder_type: ClassVar[type[ChunkEncoder]]
 
     answer_object: str
     chunk_object: str
@@ -63,6 +84,7 @@ class WireFormat:
     chunk_text: bytes
     answer_text: bytes
     text_end: bytes = b""
+    system_fingerprint: bool = False
 
     def new_id(self) -> str:
         """Return a fresh completion id: the prefix and 24 hex digits from the OS's randomness."""
@@ -78,9 +100,29 @@ class WireFormat:
         framing: Framing = PLAIN,
         fingerprint: str | None = None,
     ) -> ChunkEncoder:
-        """Return the encoder of one completion in this format (arguments: :class:`ChunkEncoder`;
-        ``fingerprint``, the model version, is for formats that carry ``system_fingerprint``)."""
-        return ChunkEncoder(self, completion_id, created, model, n, include_usage, framing)
+        """Return the encoder of one completion in this format.
+
+        Args:
+            completion_id: the id, the same in every chunk.
+            created: Unix time in seconds.
+            model: the request's ``model``, echoed.
+            n: the number of choices.
+            include_usage: every chunk carries ``"usage":null`` (``stream_options.include_usage``).
+            framing: the SSE framing of the stream (:data:`~wsgi_app.wire.sse.PLAIN` for POST streams).
+            fingerprint: the model version, for a format with :attr:`system_fingerprint`.
+        """
+        head = {
+            "id": completion_id,
+            "object": self.chunk_object,
+            "created": created,
+            "model": model,
+        }
+        if self.system_fingerprint:
+            head["system_fingerprint"] = fingerprint
+        chunk_head = json_bytes(head)[:-1]  # without the closing brace
+        head["object"] = self.answer_object
+        answer_head = json_bytes(head)[:-1]
+        return self.encoder_type(self, chunk_head, answer_head, n, include_usage, framing)
 
     def new_logprobs(self, tokenizer: TextTokenizer) -> Logprobs:
         """Return an empty ``logprobs`` object for one choice (the legacy shape here)."""
@@ -96,50 +138,53 @@ TEXT_COMPLETION = WireFormat(
 )
 
 
-def _head(completion_id: str, obj: str, created: int, model: str) -> bytes:
-    """``{"id":…,"object":…,"created":…,"model":…`` without the closing brace."""
-    head = {"id": completion_id, "object": obj, "created": created}
-    return json_bytes(head)[:-1] + b',"model":' + json_bytes(model)
-
-
 class ChunkEncoder:
     """Build the bytes of one completion: each streamed event, framed, and the non-streamed answer.
 
     Args:
         fmt: the wire format.
-        completion_id: the id, the same in every chunk.
-        created: Unix time in seconds.
-        model: the request's ``model``, echoed.
+        head: ``{"id":…,"object":…,"created":…,"model":…`` of a chunk, without the closing brace (and
+            ``"system_fingerprint":…`` for a format that carries it).
+        answer_head: the same for the non-streamed answer.
         n: the number of choices.
         include_usage: every chunk carries ``"usage":null`` (``stream_options.include_usage``).
         framing: the SSE framing of the stream (:data:`~wsgi_app.wire.sse.PLAIN` for POST streams).
     """
 
-    __slots__ = ("fmt", "framing", "_plain", "_head", "_answer_head", "_mids", "_tail", "_end")
+    __slots__ = (
+        "fmt",
+        "framing",
+        "_folded",
+        "_head",
+        "_answer_head",
+        "_choice_heads",
+        "_usage_tail",
+        "_mids",
+        "_tail",
+        "_end",
+    )
 
     def __init__(
         self,
         fmt: WireFormat,
-        completion_id: str,
-        created: int,
-        model: str,
+        head: bytes,
+        answer_head: bytes,
         n: int,
         include_usage: bool,
         framing: Framing = PLAIN,
     ) -> None:
         self.fmt = fmt
         self.framing = framing
-        self._plain = plain = framing is PLAIN
-        self._head = _head(completion_id, fmt.chunk_object, created, model)
-        self._answer_head = _head(completion_id, fmt.answer_object, created, model)
-        usage_tail = b',"usage":null}' if include_usage else b"}"
-        # A POST stream frames every event alike (data_event's bytes): the framing is folded into the
-        # constant bytes, so that a running chunk without logprobs is one join of three parts.
-        opening, closing = (b"data: ", b"\n\n") if plain else (b"", b"")
-        self._mids = [
-            opening + self._head + b',"choices":[{"index":%d,' % i + fmt.chunk_text
-            for i in range(n)
-        ]
+        self._head = head
+        self._answer_head = answer_head
+        self._usage_tail = usage_tail = b',"usage":null}' if include_usage else b"}"
+        self._choice_heads = [head + b',"choices":[{"index":%d,' % i for i in range(n)]
+        # A framing that frames every event alike is folded into the constant bytes, so that a
+        # running chunk without logprobs is one join of three parts.
+        fold = framing.fold
+        self._folded = fold is not None
+        opening, closing = fold or (b"", b"")
+        self._mids = [opening + h + fmt.chunk_text for h in self._choice_heads]
         self._tail = (
             fmt.text_end + b',"logprobs":null,"finish_reason":null}]' + usage_tail + closing
         )
@@ -147,7 +192,7 @@ class ChunkEncoder:
 
     def first_chunks(
         self,
-        choices: Sequence[Choice],
+        choices: Sequence[EncodedChoice],
         echo_texts: Sequence[str] | None,
         pause: Callable[[], None] | None = None,
     ) -> Iterator[bytes]:
@@ -160,7 +205,7 @@ class ChunkEncoder:
 
     def chunk(
         self,
-        choice: Choice,
+        choice: EncodedChoice,
         text: str,
         lp_start: int = -1,
         pause: Callable[[], None] | None = None,
@@ -175,7 +220,7 @@ class ChunkEncoder:
             pause: with ``lp_start`` 0, called between slices of the entries' encoding.
         """
         if choice.finish_reason is None and choice.logprobs is None:
-            event = b"".join((self._mids[choice.index], _text_json(text), self._tail))
+            event = b"".join((self._mids[choice.index], text_json(text), self._tail))
         else:
             logprobs = b"null"
             if choice.logprobs is not None:
@@ -189,7 +234,7 @@ class ChunkEncoder:
             event = b"".join(
                 (
                     self._mids[choice.index],
-                    _text_json(text),
+                    text_json(text),
                     logprobs_key,
                     logprobs,
                     b',"finish_reason":',
@@ -197,14 +242,14 @@ class ChunkEncoder:
                     closing,
                 )
             )
-        return event if self._plain else self.framing.frame(event)
+        return event if self._folded else self.framing.frame(event)
 
     def usage_chunk(self, usage: dict[str, object]) -> bytes:
         """Return the ``stream_options.include_usage`` event: no choices, the usage."""
         return self.framing.frame(self._head + b',"choices":[],"usage":' + json_bytes(usage) + b"}")
 
     def answer(
-        self, choices: Sequence[Choice], usage: dict[str, object], pause: Callable[[], None]
+        self, choices: Sequence[EncodedChoice], usage: dict[str, object], pause: Callable[[], None]
     ) -> list[bytes]:
         """Return the non-streamed answer as the byte strings that, joined, make its JSON: one for an
         answer up to ``JOIN_LIMIT_BYTES``, else its parts, which the server writes one by one (joining
@@ -235,3 +280,6 @@ class ChunkEncoder:
         parts += (b'],"usage":', json_bytes(usage), b"}")
         # One write for a usual answer (a dozen small writes cost ~0.1 ms of system calls).
         return [b"".join(parts)] if sum(map(len, parts)) <= JOIN_LIMIT_BYTES else parts
+
+
+WireFormat.encoder_type = ChunkEncoder

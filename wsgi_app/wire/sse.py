@@ -9,12 +9,15 @@ Source: WHATWG HTML Living Standard, §9.2 "Server-sent events" (event stream in
 
 from __future__ import annotations
 
-DONE = b"data: [DONE]\n\n"
+# The two ends of a data event: every SSE byte of a stream is written from this module's constants.
+DATA = b"data: "
+END = b"\n\n"
+DONE = DATA + b"[DONE]" + END
 # The first bytes of every stream: gunicorn sends the status line and headers only with the first body
 # chunk, so an immediate comment lets the client see the headers before the first token.
-OPEN = b": ok\n\n"
-PING = b": ping\n\n"
-QUEUED = b": queued\n\n"
+OPEN = b": ok" + END
+PING = b": ping" + END
+QUEUED = b": queued" + END
 
 
 def data_event(payload: bytes, event_id: str | None = None) -> bytes:
@@ -28,13 +31,13 @@ def data_event(payload: bytes, event_id: str | None = None) -> bytes:
         ``[id: <event_id>\\n]data: <payload>\\n\\n`` as bytes.
     """
     if event_id is None:
-        return b"data: " + payload + b"\n\n"
-    return b"id: " + event_id.encode() + b"\ndata: " + payload + b"\n\n"
+        return DATA + payload + END
+    return b"id: " + event_id.encode() + b"\n" + DATA + payload + END
 
 
 def comment(text: str) -> bytes:
     """Return an SSE comment line (ignored by clients; keeps proxies and disconnect detection alive)."""
-    return b": " + text.encode() + b"\n\n"
+    return b": " + text.encode() + END
 
 
 class Framing:
@@ -42,7 +45,14 @@ class Framing:
 
     The GET stream swaps in :class:`EventIds`; ``Completion`` and ``StreamBody`` ask their framing for
     every event, so one streaming loop serves both.
+
+    Attributes:
+        fold: ``(before, after)``, the bytes around every payload when each event is framed alike
+            (``data: `` and the blank line), so an encoder may fold them into its constant bytes; None
+            for a framing whose events differ (ids, dropped events): the encoder calls :meth:`frame`.
     """
+
+    fold: tuple[bytes, bytes] | None = (DATA, END)
 
     def opening(self) -> bytes:
         """Return the stream's first bytes (sent at once, so the headers leave before a token)."""
@@ -73,6 +83,8 @@ class EventIds(Framing):
     ``Last-Event-ID``); docs/ARCHITECTURE.md §8 (the ``EventSource`` stream).
     """
 
+    fold = None
+
     def __init__(self, seed: int, retry_ms: int, resume_after: int = -1) -> None:
         self.seed = seed
         self.retry_ms = retry_ms
@@ -81,7 +93,7 @@ class EventIds(Framing):
 
     def opening(self) -> bytes:
         """Return ``retry: <ms>``; a block with no ``data`` dispatches no event in the browser."""
-        return b"retry: %d\n\n" % self.retry_ms
+        return b"retry: %d" % self.retry_ms + END
 
     def frame(self, payload: bytes) -> bytes:
         """Number the event; return b"" for events the client already has."""

@@ -20,36 +20,19 @@ from typing import Any
 from flask import Blueprint, Response, g, request
 
 from telemetry.logs import client_hash
-from wsgi_app.api.chat import KNOWN_FIELDS as CHAT_FIELDS
 from wsgi_app.api.chat import ChatRequest, parse_chat_request
 from wsgi_app.api.completions import CompletionRequest
-from wsgi_app.api.errors import invalid
-from wsgi_app.api.fields import loads_strict
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.http.answer import answer, json_body
 from wsgi_app.http.chat import chat_completion_request
-from wsgi_app.http.routes.completions_get import check_event_source, event_stream, query_body
+from wsgi_app.http.query import chat_query_body
+from wsgi_app.http.routes.completions_get import check_event_source, event_stream
 from wsgi_app.http.runtime import Runtime, runtime
 from wsgi_app.wire.chat import CHAT_COMPLETION
 
 bp = Blueprint("chat", __name__)
 
 PATH = "/v1/chat/completions"
-GET_TEXT = ("model", "user")
-GET_NUMBERS = (
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "n",
-    "top_logprobs",
-)
-GET_BOOLEANS = ("logprobs", "ignore_eos", "include_usage")
 
 
 @bp.post(PATH)
@@ -77,26 +60,7 @@ def stream_chat_completion() -> Response:
     """
     rt = runtime()
     check_event_source(PATH)
-    body = query_body(
-        request.args,
-        GET_TEXT,
-        GET_NUMBERS,
-        GET_BOOLEANS,
-        extra=("messages",),
-        post_fields=CHAT_FIELDS,
-    )
-    raw = request.args.getlist("messages")
-    if len(raw) > 1:
-        raise invalid("Query parameter 'messages' is given more than once.", "messages")
-    if raw:
-        try:  # the same strict reader as a POST body: no NaN, no repeated key
-            body["messages"] = loads_strict(raw[0])
-        except ValueError as exc:
-            raise invalid(
-                f"Query parameter 'messages' must be a JSON list of messages: {exc}.", "messages"
-            ) from None
-    if body.pop("include_usage", False):
-        body["stream_options"] = {"include_usage": True}
+    body = chat_query_body(request.args)
     record: RequestRecord = g.record
     req = _completion_request(rt, record, body)
     return event_stream(rt, req, record, body, CHAT_COMPLETION)

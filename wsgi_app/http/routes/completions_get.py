@@ -1,18 +1,20 @@
 """``GET /v1/completions?…``: the stream for browsers' ``EventSource`` (docs/ARCHITECTURE.md §8).
 
 ``EventSource`` can only GET and cannot send headers (besides ``Last-Event-ID``), so the request is the
-query string: each parameter is converted by its field's type and then validated exactly like a POST
-body (``protocol.parse_completion_request``). The answer is always a stream, framed by
-:class:`~wsgi_app.wire.sse.EventIds`: ``retry:``, ``id: <seed>-<index>`` on every data event, ``[DONE]`` with
-``id: <seed>-done``. A reconnect sends ``Last-Event-ID``: the same seed regenerates the same stream, which
-resumes after that event, or the request gets a ``204`` (which stops the browser) when it names ``done``.
-The completion ``id`` is a hash of the seed and the request, so a resumed stream carries the same one.
+query string: ``wsgi_app.http.query`` converts each parameter by its field's type, and the result is
+validated exactly like a POST body (``wsgi_app.api.completions.parse_completion_request``). The
+answer is always a stream, framed by :class:`~wsgi_app.wire.sse.EventIds`: ``retry:``,
+``id: <seed>-<index>`` on every data event, ``[DONE]`` with ``id: <seed>-done``. A reconnect sends
+``Last-Event-ID``: the same seed regenerates the same stream, which resumes after that event, or the
+request gets a ``204`` (which stops the browser) when it names ``done``. The completion ``id`` is a
+hash of the seed and the request, so a resumed stream carries the same one.
 
 Query values: numbers as in JSON (``0.5``, ``1e-3``; not ``nan``, ``inf`` or ``0x1``), booleans as
 ``true``/``false``, ``stop`` repeatable (up to 4); an empty value for a number or boolean means "absent";
 every other parameter may appear once; names and values must be UTF-8 once percent-decoded (as a POST
-body must be). An unknown parameter is a 400 naming it, as an unknown body field is; the body fields a
-query cannot carry (``logit_bias``, ``stream_options``...) are a 400 saying to POST them. ``api_key`` is
+body must be). An unknown parameter is ignored and named in ``X-Ignored-Fields``, as an unknown body
+field is; the body fields a query cannot carry (``logit_bias``, ``stream_options``...) are a 400 saying
+to POST them. ``api_key`` is
 for the API-key check and is never logged (logs and spans carry the path, not the query).
 
 A GET without ``Accept: text/event-stream`` is a 400: JSON answers come from ``POST``.
@@ -26,17 +28,16 @@ import hashlib
 import json
 import re
 from typing import Any
-from urllib.parse import unquote_to_bytes
 
 from flask import Blueprint, Response, g, request
-from werkzeug.datastructures import MultiDict
 
-from wsgi_app.api.completions import KNOWN_FIELDS, CompletionRequest, parse_completion_request
-from wsgi_app.api.errors import invalid, quote_name
+from wsgi_app.api.completions import CompletionRequest, parse_completion_request
+from wsgi_app.api.errors import invalid
 from wsgi_app.api.fields import SEED_LIMIT
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.generation.start import admit, random_seed
 from wsgi_app.http.auth import cache_salt
+from wsgi_app.http.query import check_query_utf8, query_body
 from wsgi_app.http.runtime import Runtime, runtime
 from wsgi_app.http.stream_body import STREAM_HEADERS, EventStreamResponse, StreamBody
 from wsgi_app.wire.encoder import TEXT_COMPLETION, WireFormat
@@ -45,136 +46,7 @@ from wsgi_app.wire.sse import EventIds
 bp = Blueprint("eventsource", __name__)
 
 RETRY_MS = 3000  # EventSource's reconnection delay after a dropped stream, in milliseconds
-TEXT_PARAMS = ("model", "prompt", "user")
-NUMBER_PARAMS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "n",
-    "logprobs",
-)
-BOOLEAN_PARAMS = ("echo", "ignore_eos")
-LIST_PARAMS = ("stop",)
-AUTH_PARAMS = ("api_key",)  # read by wsgi_app.http.auth, not a request field
-_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _EVENT_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,10}|done)")
-
-
-def _number(name: str, raw: str) -> int | float:
-    if _JSON_NUMBER.fullmatch(raw):
-        try:
-            # int for integer literals, float otherwise: the types a JSON body would have
-            return json.loads(raw)
-        except ValueError:  # an integer past Python's digit limit
-            pass
-    raise invalid(f"Query parameter '{name}' must be a number, got {raw[:40]!r}.", name)
-
-
-def _boolean(name: str, raw: str) -> bool:
-    if raw not in ("true", "false"):
-        raise invalid(f"Query parameter '{name}' must be true or false, got {raw[:40]!r}.", name)
-    return raw == "true"
-
-
-def check_query_utf8(query: str) -> None:
-    """Refuse a query string whose names or values are not UTF-8 once percent-decoded.
-
-    werkzeug decodes ``request.args`` with replacement characters; a POST body that is not UTF-8 is a
-    400, so the same prompt sent as a query must be too, not generated from with U+FFFD in it.
-
-    Args:
-        query: the WSGI ``QUERY_STRING`` (the raw bytes decoded as Latin-1, PEP 3333).
-
-    Raises:
-        ApiError: 400 naming the parameter whose name or value does not decode.
-
-    Source: WHATWG URL Standard, "application/x-www-form-urlencoded parsing" (percent-decoded bytes,
-    then UTF-8); PEP 3333 for the Latin-1 environ strings.
-    """
-    for pair in query.split("&"):
-        name, _, value = pair.partition("=")
-        raw_name = _form_bytes(name)
-        try:
-            raw_name.decode("utf-8")
-            _form_bytes(value).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            param = raw_name.decode("utf-8", "replace")[:40]
-            raise invalid(
-                f"Query parameter '{param}' is not valid UTF-8 once percent-decoded: "
-                f"{exc.reason} at byte {exc.start}.",
-                param,
-            ) from None
-
-
-def _form_bytes(part: str) -> bytes:
-    # Latin-1 gives back the bytes the client sent (a server that broke PEP 3333 gets "?" instead).
-    return unquote_to_bytes(part.replace("+", " ").encode("latin-1", "replace"))
-
-
-def query_body(
-    args: MultiDict,
-    text: tuple[str, ...] = TEXT_PARAMS,
-    numbers: tuple[str, ...] = NUMBER_PARAMS,
-    booleans: tuple[str, ...] = BOOLEAN_PARAMS,
-    lists: tuple[str, ...] = LIST_PARAMS,
-    *,
-    extra: tuple[str, ...] = (),
-    post_fields: frozenset[str] = KNOWN_FIELDS,
-) -> dict[str, Any]:
-    """Convert a query string into the JSON body it stands for (``stream`` always true).
-
-    Args:
-        args: the parsed query string.
-        text, numbers, booleans, lists: the parameters of each kind (the completion's by default).
-        extra: further parameters the caller reads itself (the chat's ``messages``).
-        post_fields: the endpoint's body fields, for the 400 that tells to POST those the query
-            cannot carry.
-
-    Returns:
-        A dict for :func:`~wsgi_app.api.completions.parse_completion_request`.
-
-    Raises:
-        ApiError: 400 naming the parameter that is unknown, that only a POST body can carry, that
-            repeats, or that does not convert to its field's type.
-    """
-    for name in args:
-        if name in text or name in numbers or name in booleans or name in lists:
-            continue
-        if name in extra or name in AUTH_PARAMS:
-            continue
-        if name in post_fields:
-            raise invalid(
-                f"'{name}' cannot be sent on the EventSource stream; POST a JSON body to use it.",
-                name,
-            )
-        shown = quote_name(name)
-        raise invalid(f"Unrecognized request argument supplied: {shown}", shown)
-    body: dict[str, Any] = {"stream": True}
-    for name in (*text, *numbers, *booleans):
-        values = args.getlist(name)
-        if not values:
-            continue
-        if len(values) > 1:
-            raise invalid(f"Query parameter '{name}' is given more than once.", name)
-        raw = values[0]
-        if name in text:
-            body[name] = raw
-        elif raw == "":
-            continue  # an empty form field: absent, as JSON null is
-        elif name in numbers:
-            body[name] = _number(name, raw)
-        else:
-            body[name] = _boolean(name, raw)
-    for name in lists:
-        values = args.getlist(name)
-        if values:
-            body[name] = values
-    return body
 
 
 def parse_last_event_id(value: str | None) -> tuple[int, int | None] | None:
