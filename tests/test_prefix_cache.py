@@ -12,6 +12,7 @@ until its own prompt end (its last partial chunk and its last logits) is cached:
 from __future__ import annotations
 
 import json
+from urllib.parse import urlencode
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ import pytest
 from tests.llamafiles import convert_stories
 from tests.server import GunicornServer, concurrently, wait_until
 from tests.sse import events
+from wsgi_app.settings import Settings
 
 BLOCK = 128
 _rng = np.random.default_rng(28)
@@ -256,3 +258,24 @@ def test_answers_hold_while_other_sequences_evict_and_reuse_blocks(
         state = srv.state()["prefix_cache"]
         assert state["evicted_blocks"] > 0 and hits > 0, state
         assert state["bytes"] <= 1 << 20
+
+
+def test_the_setting_turns_the_cache_off_and_is_checked():
+    assert Settings.from_env({}).prefix_cache is True
+    assert Settings.from_env({"PREFIX_CACHE": "0"}).prefix_cache is False
+    with pytest.raises(ValueError, match="PREFIX_CACHE"):
+        Settings.from_env({"PREFIX_CACHE": "2"})
+
+
+def test_the_eventsource_stream_takes_cache_salt_from_its_query(on):
+    text = "Once upon a time, a little dog found a red ball in the park. " * 20
+    primed = answer(on, body(text, SAMPLINGS["greedy"], cache_salt="get-salt", max_tokens=2))
+    query = urlencode({"model": "s", "prompt": text, "max_tokens": 2, "temperature": 0})
+    sse = {"Accept": "text/event-stream"}
+    for salt, full in (("get-salt", True), ("another", False)):
+        path = f"/v1/completions?{query}&include_usage=true&cache_salt={salt}"
+        status, _, raw = on.get(path, headers=sse)
+        assert status == 200, raw
+        usage = json.loads([e["data"] for e in events(raw)][-2])["usage"]
+        want = primed["usage"]["prompt_tokens"] if full else 0
+        assert usage["prompt_tokens_details"] == {"cached_tokens": want}
