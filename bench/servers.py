@@ -111,7 +111,13 @@ class Server:
                 return
 
 
-def start(name: str, logdir: Path, env: dict[str, str] | None = None, workers: int = 1) -> Server:
+def start(
+    name: str,
+    logdir: Path,
+    env: dict[str, str] | None = None,
+    workers: int = 1,
+    ready_s: float = 30.0,
+) -> Server:
     """Start server ``name`` pinned to the server core; return once ``/healthz`` answers.
 
     Args:
@@ -119,6 +125,7 @@ def start(name: str, logdir: Path, env: dict[str, str] | None = None, workers: i
         logdir: where its log file goes.
         env: extra environment (greenserve settings such as ``MAX_SLOTS``).
         workers: greenserve's gunicorn workers (``WEB_CONCURRENCY``); the others have one.
+        ready_s: how long it may take to answer ``/healthz``, seconds (a GGUF is hashed at start).
 
     Raises:
         RuntimeError: the server exited or did not become ready within 30 s (with its log tail).
@@ -142,7 +149,7 @@ def start(name: str, logdir: Path, env: dict[str, str] | None = None, workers: i
         argv += ["--backlog", "2048"]
     else:
         raise ValueError(f"unknown server {name!r}; choose from {NAMES}")
-    return _launch(name, argv, full_env, port, health_port, logdir, env or {})
+    return _launch(name, argv, full_env, port, health_port, logdir, env or {}, ready_s=ready_s)
 
 
 def start_llamacpp(python: str, model: Path, alias: str, logdir: Path) -> Server:
@@ -176,6 +183,7 @@ def _launch(
     logdir: Path,
     env: dict[str, str],
     ready_path: str = "/healthz",
+    ready_s: float = 30.0,
 ) -> Server:
     """Run ``argv`` pinned to the server core; return once ``ready_path`` (and ``/healthz`` on
     ``health_port``) answer 200."""
@@ -195,7 +203,7 @@ def _launch(
             preexec_fn=_raise_nofile,
         )
     server = Server(name, port, health_port, proc, log_path, env)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + ready_s
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode}:\n{_tail(log_path)}")
@@ -203,7 +211,7 @@ def _launch(
             return server
         if time.monotonic() > deadline:
             server.stop()
-            raise RuntimeError(f"{name} not ready after 30 s:\n{_tail(log_path)}")
+            raise RuntimeError(f"{name} not ready after {ready_s:g} s:\n{_tail(log_path)}")
         time.sleep(0.1)
 
 
