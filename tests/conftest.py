@@ -1,5 +1,12 @@
-"""Shared fixtures: real gunicorn servers on the succ test model and on the packaged default model,
-and ``serve``, which starts servers for one test."""
+"""Shared fixtures: the test models, real gunicorn servers on them, and the server factories.
+
+Servers that several modules need with the same settings are session presets here (``succ_server``,
+``default_server``, ``smollm2_server``); a server with a module's own settings comes from
+``serve_module`` (one per module), one for a single test from ``serve``. Both factories give each
+server its own directory and stop it at teardown, and nothing else in the suite builds a
+``GunicornServer`` by hand unless it needs what the factories do not give (another launcher, a
+start that must fail, a restart on the same history database).
+"""
 
 from __future__ import annotations
 
@@ -9,15 +16,29 @@ from pathlib import Path
 
 import pytest
 
+from tests.collector import FakeCollector
 from tests.gguffiles import (  # noqa: F401 (session fixtures)
     gguf_cache_dir,
     smollm2,
     smollm2_data,
     smollm2_gguf,
+    smollm2_server,
 )
 from tests.installed import build_wheel
+from tests.llamafiles import convert_stories
 from tests.modelfiles import write_succ_model
 from tests.server import GunicornServer
+
+# A test that asks for one of these (directly or through another fixture) needs the SmolLM2 GGUF or
+# its llama.cpp reference outputs: it is marked ``gguf`` without saying so itself.
+GGUF_FIXTURES = frozenset({"smollm2_gguf", "smollm2_data"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that needs the SmolLM2 files ``gguf`` (``-m "not gguf"`` leaves them out)."""
+    for item in items:
+        if GGUF_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.gguf)
 
 
 @pytest.fixture(scope="session")
@@ -44,24 +65,53 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicor
         yield srv
 
 
-@pytest.fixture
-def serve(tmp_path: Path) -> Iterator[Callable[..., GunicornServer]]:
-    """Return ``serve(workers=1, health_port=True, args=(), **env)``: a started server, stopped at teardown.
+@pytest.fixture(scope="session")
+def stories_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """stories260K (the shared llama2.c checkpoint) converted once into a Hugging Face Llama folder;
+    skips (fails under CI) without the shared data."""
+    return convert_stories(tmp_path_factory.mktemp("stories260K"))
 
-    Each server gets its own directory under ``tmp_path`` (``server-0``, ``server-1``, ... in start
+
+Serve = Callable[..., GunicornServer]
+
+
+@contextlib.contextmanager
+def _servers(root: Path) -> Iterator[Serve]:
+    """Yield ``start(workers=1, health_port=True, args=(), **env)``; stop what it started on exit.
+
+    Each server gets its own directory under ``root`` (``server-0``, ``server-1``, ... in start
     order) for its log and history database.
     """
     with contextlib.ExitStack() as stack:
+        servers: list[GunicornServer] = []
 
         def start(
             *, workers: int = 1, health_port: bool = True, args: tuple[str, ...] = (), **env: str
         ) -> GunicornServer:
-            workdir = tmp_path / f"server-{len(servers)}"
+            workdir = root / f"server-{len(servers)}"
             srv = GunicornServer(workdir, env, workers=workers, health_port=health_port, args=args)
             servers.append(srv)
             return stack.enter_context(srv)
 
-        servers: list[GunicornServer] = []
+        yield start
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Serve]:
+    """Return ``serve(workers=1, health_port=True, args=(), **env)``: a started server (env: the
+    server's settings), stopped at the test's teardown."""
+    with _servers(tmp_path) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def serve_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    """``serve`` for a module's own server: stopped when the module's tests are done.
+
+    A fixture that needs something to outlive the server (a fake collector that receives its last
+    spans) asks for that fixture before ``serve_module``: pytest tears down in reverse order.
+    """
+    with _servers(tmp_path_factory.mktemp("module-servers")) as start:
         yield start
 
 
@@ -69,3 +119,11 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., GunicornServer]]:
 def greenserve_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project's wheel, built once (``pip wheel --no-deps .``, not editable)."""
     return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="module")
+def collector() -> Iterator[FakeCollector]:
+    """A fake OTLP collector for a module's server (``OTEL_EXPORTER_OTLP_ENDPOINT=collector.url``);
+    asked for before ``serve_module``, it outlives the server and so receives its last spans."""
+    with FakeCollector() as col:
+        yield col

@@ -13,7 +13,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import gguf
@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType
 
 from model.loader import LoadedModel, load_model
 from tests.llamafiles import STORIES_DIR, shared_data_or_skip
-from tests.server import ROOT
+from tests.server import ROOT, GunicornServer
 
 # llama.cpp's reference outputs for the SmolLM2 file (../shared/data/smollm2, see its SOURCE.txt).
 SMOLLM2_DATA = STORIES_DIR.parent / "smollm2"
@@ -182,6 +182,25 @@ def gguf_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2(smollm2_gguf: Path, gguf_cache_dir: Path) -> LoadedModel:
     """SmolLM2 loaded through ``load_model`` (its cache file built once per session)."""
     return load_model(smollm2_gguf, cache_dir=gguf_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(
+    smollm2_gguf: Path,
+    smollm2: LoadedModel,  # loading it first builds the weights cache that the server then maps
+    gguf_cache_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[GunicornServer]:
+    """One gunicorn (1 gevent worker, API + health ports) serving SmolLM2 from its GGUF."""
+    srv = GunicornServer(
+        tmp_path_factory.mktemp("smollm2-server"),
+        {"MODEL_DIR": str(smollm2_gguf), "GREENSERVE_CACHE_DIR": str(gguf_cache_dir)},
+    )
+    srv.start(timeout_s=120)  # mapping a 0.5 GB float32 cache takes a while on a busy machine
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="session")

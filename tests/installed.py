@@ -9,6 +9,7 @@ its ``bin/gunicorn`` script, which ``greenserve`` execs.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -19,7 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(cmd: list[str], cwd: Path | None = None) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240)
+    # Without PYTHONPATH: a checkout on it (a worktree's PYTHONPATH=$PWD) holds the greenserve.egg-info
+    # that building the wheel leaves there, and pip would take the wheel as installed already.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 

@@ -10,7 +10,6 @@ from urllib.parse import urlencode
 
 import pytest
 
-from tests.server import GunicornServer
 from tests.sse import events
 
 KEYS = ("key-one-0123456789", "key-two-abcdefghij")
@@ -34,13 +33,9 @@ INVALID = {
 
 
 @pytest.fixture(scope="module")
-def keyed(succ_dir, tmp_path_factory):
+def keyed(succ_dir, serve_module):
     """One gunicorn serving the succ model with ``API_KEYS`` set to two keys."""
-    with GunicornServer(
-        tmp_path_factory.mktemp("keyed"),
-        {"MODEL_DIR": str(succ_dir), "API_KEYS": ",".join(KEYS)},
-    ) as srv:
-        yield srv
+    return serve_module(MODEL_DIR=str(succ_dir), API_KEYS=",".join(KEYS))
 
 
 def bearer(key: str) -> dict[str, str]:

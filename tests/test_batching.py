@@ -3,6 +3,8 @@ joining mid-flight; the native-thread engine behind a gevent-safe channel."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gevent
 import numpy as np
 import pytest
@@ -11,7 +13,6 @@ from model.engine import GenerationRequest
 from model.llama.scheduler import BatchScheduler, steps_of
 from model.loader import LoadedModel, load_model
 from model.sampling import SamplingParams
-from tests.llamafiles import convert_stories
 from tests.server import wait_until
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -28,8 +29,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def stories(tmp_path_factory) -> LoadedModel:
-    return load_model(convert_stories(tmp_path_factory.mktemp("stories260K")))
+def stories(stories_dir: Path) -> LoadedModel:
+    return load_model(stories_dir)
 
 
 def request(stories: LoadedModel, i: int, max_tokens: int = 40, **kw) -> GenerationRequest:

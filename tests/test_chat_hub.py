@@ -15,22 +15,14 @@ import time
 import pytest
 
 from model.chat_template import MAX_RENDER_S
-from tests.server import GunicornServer, concurrently
+from tests.server import SLACK_S, concurrently
 
 PATH = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf, smollm2, gguf_cache_dir, tmp_path_factory):
-    # ``smollm2`` has built the cache file in gguf_cache_dir: the server maps it.
-    srv = GunicornServer(
-        tmp_path_factory.mktemp("chat-hub"),
-        {"MODEL_DIR": str(smollm2_gguf), "GREENSERVE_CACHE_DIR": str(gguf_cache_dir)},
-    ).start(timeout_s=120)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(smollm2_server):
+    return smollm2_server  # the session's SmolLM2 server (tests/conftest.py)
 
 
 def test_too_many_messages_is_a_400_before_rendering(server):
@@ -42,7 +34,7 @@ def test_too_many_messages_is_a_400_before_rendering(server):
     assert error["message"] == (
         "'messages' holds 30000 messages; the limit is 1024 (MAX_CHAT_MESSAGES)."
     )
-    assert time.perf_counter() - started < MAX_RENDER_S
+    assert time.perf_counter() - started < MAX_RENDER_S + SLACK_S
 
 
 def test_healthz_answers_while_heavy_chats_render(server):
@@ -78,6 +70,8 @@ def test_healthz_answers_while_heavy_chats_render(server):
         error = json.loads(raw)["error"]
         assert (status, error["param"]) == (400, "messages"), raw
         assert "tokens; the limit is 32768." in error["message"]
+    # Both ports kept answering while the renders ran, none held up by a render (each may run
+    # for MAX_RENDER_S; the render threads share the GIL with the hub, hence the slack).
     for port, seen in latencies.items():
         assert len(seen) >= 5, (port, seen)
-        assert max(seen) < MAX_RENDER_S, (port, seen)
+        assert max(seen) < MAX_RENDER_S + SLACK_S, (port, seen)

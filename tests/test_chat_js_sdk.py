@@ -37,6 +37,7 @@ MESSAGES = [
 REQUEST = {"model": "bigram", "messages": MESSAGES, "max_tokens": 40, "temperature": 0.9, "seed": 7}
 
 pytestmark = [
+    pytest.mark.browser,
     needs_chromium,
     pytest.mark.skipif(
         not ESBUILD.exists(), reason="tests/js has no node_modules: run `npm ci --prefix tests/js`"
@@ -109,10 +110,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 
 
 @pytest.fixture(scope="module")
-def server(site: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GunicornServer]:
-    env = {"CORS_ORIGINS": f"http://127.0.0.1:{site}", "API_KEYS": KEY}
-    with GunicornServer(tmp_path_factory.mktemp("sdk-server"), env) as srv:
-        yield srv
+def server(site: int, serve_module) -> GunicornServer:
+    return serve_module(CORS_ORIGINS=f"http://127.0.0.1:{site}", API_KEYS=KEY)
 
 
 @pytest.fixture(scope="module")

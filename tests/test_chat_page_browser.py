@@ -29,7 +29,7 @@ SLOW_STEP_S = 0.05
 MODEL = "bigram"
 PATH = "/v1/chat/completions"
 
-pytestmark = needs_chromium
+pytestmark = [pytest.mark.browser, needs_chromium]
 
 # Record every change of the answer being streamed (its length and the page's state at that moment),
 # from its first character on (the empty answer is added while connecting).
@@ -54,10 +54,8 @@ TURNS = """() => [...document.querySelectorAll("#conversation .turn")].map((t) =
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GunicornServer]:
-    env = {"GREENSERVE_FAULTS": f"slow_step_s={SLOW_STEP_S}", "API_KEYS": KEY}
-    with GunicornServer(tmp_path_factory.mktemp("chat-page"), env) as srv:
-        yield srv
+def server(serve_module) -> GunicornServer:
+    return serve_module(GREENSERVE_FAULTS=f"slow_step_s={SLOW_STEP_S}", API_KEYS=KEY)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import pytest
 
 from model.chat_template import ChatTemplate
 from tests.gguffiles import golden, teacher_forced
-from tests.server import GunicornServer
 from tests.sse import sse_json
 from wsgi_app.http.chat import serving_template
 from wsgi_app.settings import Settings
@@ -28,17 +27,8 @@ PATH = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf, smollm2, gguf_cache_dir, tmp_path_factory):
-    # ``smollm2`` has built the cache file in gguf_cache_dir: the server maps it.
-    srv = GunicornServer(
-        tmp_path_factory.mktemp("smollm2-chat"),
-        {"MODEL_DIR": str(smollm2_gguf), "GREENSERVE_CACHE_DIR": str(gguf_cache_dir)},
-        health_port=False,
-    ).start(timeout_s=120)  # the first start maps the weights cache
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(smollm2_server):
+    return smollm2_server  # the session's SmolLM2 server (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from model.chat_template import DEFAULT_STOP, ChatTemplate, TemplateError
 from model.tokenizer import ByteTokenizer, HFTokenizer, _byte_level_chars
 from tests.gguffiles import golden
 from tests.llamafiles import write_tiny_tokenizer
+from tests.server import SLACK_S
 
 # SmolLM2-135M-Instruct's tokenizer.chat_template, as its GGUF file carries it (Apache-2.0).
 CHATML = (
@@ -130,7 +131,7 @@ def test_runaway_templates_stop_quickly(source: str) -> None:
     start = time.perf_counter()
     with pytest.raises(TemplateError, match="chat template"):
         template.render(USER)
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 0.5 + SLACK_S  # its render budget
 
 
 @pytest.mark.parametrize(
@@ -162,15 +163,14 @@ def test_templates_cannot_build_huge_containers_or_wordwise_copies(source, messa
     template = ChatTemplate.from_source(source)
     tracemalloc.start()
     try:
-        start = time.perf_counter()
         with pytest.raises(TemplateError) as info:
             template.render(USER)
-        elapsed = time.perf_counter() - start
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+    # Refused by the size limit (its message), before building (the peak), so not by the time
+    # budget: no clock needed.
     assert str(info.value) == f"chat template: {message}"
-    assert elapsed < 1.0
     assert peak < 64 << 20, peak
 
 

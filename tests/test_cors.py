@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,16 +23,10 @@ SDK_HEADERS = "authorization,content-type,x-stainless-os,x-stainless-timeout"
 
 
 @pytest.fixture(scope="module")
-def cors_server(
-    succ_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GunicornServer]:
+def cors_server(succ_dir: Path, serve_module) -> GunicornServer:
     """The succ model with two allowed origins."""
-    with GunicornServer(
-        tmp_path_factory.mktemp("cors"),
-        {"MODEL_DIR": str(succ_dir), "CORS_ORIGINS": f"{ALLOWED}, https://b.example:8443/"},
-        health_port=False,
-    ) as srv:
-        yield srv
+    origins = f"{ALLOWED}, https://b.example:8443/"
+    return serve_module(MODEL_DIR=str(succ_dir), CORS_ORIGINS=origins, health_port=False)
 
 
 def cors_headers(headers: dict[str, str]) -> dict[str, str]:

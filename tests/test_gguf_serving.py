@@ -11,20 +11,13 @@ import json
 import pytest
 
 from tests.gguffiles import golden, teacher_forced
-from tests.server import GunicornServer
 
 NEAR_TIE = 0.5
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf, smollm2, gguf_cache_dir, tmp_path_factory):
-    # ``smollm2`` has built the cache file in gguf_cache_dir: the server maps it.
-    srv = GunicornServer(
-        tmp_path_factory.mktemp("smollm2-server"),
-        {"MODEL_DIR": str(smollm2_gguf), "GREENSERVE_CACHE_DIR": str(gguf_cache_dir)},
-    ).start(timeout_s=120)
-    yield srv
-    srv.stop()
+def server(smollm2_server):
+    return smollm2_server  # the session's SmolLM2 server (tests/conftest.py)
 
 
 def test_models_lists_the_file_stem(server, smollm2_gguf):

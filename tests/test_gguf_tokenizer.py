@@ -19,7 +19,7 @@ from model.llama.llama2c import BOS_ID, EOS_ID, SPECIAL_PIECES, read_checkpoint,
 from model.loader import load_model
 from model.tokenizer import decode_ids
 from tests.gguffiles import golden, teacher_forced, write_tiny_gguf
-from tests.llamafiles import convert_stories, stories_or_skip
+from tests.llamafiles import stories_or_skip
 
 
 def test_ids_equal_llama_cpp(smollm2_data, smollm2):
@@ -157,10 +157,10 @@ def write_stories_gguf(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stories_pair(tmp_path_factory):
+def stories_pair(stories_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stories-gguf")
     from_gguf = load_model(write_stories_gguf(tmp / "stories260K.gguf"), cache_dir=tmp / "cache")
-    return from_gguf, load_model(convert_stories(tmp / "llama2c"))
+    return from_gguf, load_model(stories_dir)
 
 
 SPM_TEXTS = [

@@ -15,17 +15,15 @@ import time
 
 import pytest
 
-from tests.server import GunicornServer, concurrently
+from tests.server import concurrently
 
 FIELD = b"a" * 8000  # under gunicorn's per-field limit (8190 bytes)
 
 
 @pytest.fixture(scope="module")
-def edge_server(succ_dir, tmp_path_factory):
+def edge_server(succ_dir, serve_module):
     """One worker on the succ model with a 2 s request deadline."""
-    env = {"MODEL_DIR": str(succ_dir), "REQUEST_TIMEOUT_S": "2"}
-    with GunicornServer(tmp_path_factory.mktemp("edges"), env) as srv:
-        yield srv
+    return serve_module(MODEL_DIR=str(succ_dir), REQUEST_TIMEOUT_S="2")
 
 
 class Answer:

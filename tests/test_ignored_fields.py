@@ -207,15 +207,11 @@ NAME_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def named_server(succ_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def named_server(succ_dir: Path, tmp_path_factory: pytest.TempPathFactory, serve_module):
     """The succ model with a chat template that prints names and ``reasoning_content``."""
-    workdir = tmp_path_factory.mktemp("named")
-    template = workdir / "template.jinja"
+    template = tmp_path_factory.mktemp("named") / "template.jinja"
     template.write_text(NAME_TEMPLATE)
-    with GunicornServer(
-        workdir, {"MODEL_DIR": str(succ_dir), "CHAT_TEMPLATE": str(template)}, health_port=False
-    ) as srv:
-        yield srv
+    return serve_module(MODEL_DIR=str(succ_dir), CHAT_TEMPLATE=str(template), health_port=False)
 
 
 def prompt_tokens(srv: GunicornServer, messages: list[dict]) -> int:

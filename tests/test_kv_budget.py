@@ -13,7 +13,6 @@ import pytest
 
 from model.llama.config import LlamaConfig
 from model.llama.kv_cache import bytes_per_token, can_ever_fit, reservation_bytes
-from tests.llamafiles import convert_stories
 from tests.server import GunicornServer, wait_until
 from tests.sse import EventReader
 
@@ -50,19 +49,14 @@ def state(srv: GunicornServer) -> dict:
 
 
 @pytest.fixture(scope="module")
-def budget_server(tmp_path_factory):
-    model_dir = convert_stories(tmp_path_factory.mktemp("stories260K"))
-    with GunicornServer(
-        tmp_path_factory.mktemp("kv-budget"),
-        {
-            "MODEL_DIR": str(model_dir),
-            "KV_CACHE_BUDGET_MB": "1",
-            "MAX_SLOTS": "4",
-            "HEARTBEAT_S": "0.2",
-            "GREENSERVE_FAULTS": "slow_step_s=0.02",
-        },
-    ) as srv:
-        yield srv
+def budget_server(stories_dir, serve_module):
+    return serve_module(
+        MODEL_DIR=str(stories_dir),
+        KV_CACHE_BUDGET_MB="1",
+        MAX_SLOTS="4",
+        HEARTBEAT_S="0.2",
+        GREENSERVE_FAULTS="slow_step_s=0.02",
+    )
 
 
 def stream_body(max_tokens: int, n: int = 1) -> dict:

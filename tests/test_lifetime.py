@@ -20,20 +20,18 @@ SLOW = "slow_step_s=0.02"  # 50 tokens/s: long enough streams to disconnect from
 
 
 @pytest.fixture(scope="module")
-def slow(succ_dir, tmp_path_factory):
+def slow(succ_dir, collector, serve_module):
     """A server with slow steps, 2 slots, a queue of 2, quick heartbeats, and a collector."""
-    with FakeCollector() as collector:
-        env = {
-            "MODEL_DIR": str(succ_dir),
-            "GREENSERVE_FAULTS": SLOW,
-            "MAX_SLOTS": "2",
-            "MAX_QUEUE": "2",
-            "HEARTBEAT_S": "0.2",
-            "SEND_TIMEOUT_S": "1",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
-        }
-        with GunicornServer(tmp_path_factory.mktemp("slow"), env) as srv:
-            yield srv, collector
+    srv = serve_module(
+        MODEL_DIR=str(succ_dir),
+        GREENSERVE_FAULTS=SLOW,
+        MAX_SLOTS="2",
+        MAX_QUEUE="2",
+        HEARTBEAT_S="0.2",
+        SEND_TIMEOUT_S="1",
+        OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+    )
+    return srv, collector
 
 
 def test_normal_end_frees_the_slot(slow):

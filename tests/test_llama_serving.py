@@ -9,14 +9,9 @@ import signal
 import pytest
 
 from tests.collector import FakeCollector
-from tests.llamafiles import convert_stories, expected_greedy
+from tests.llamafiles import expected_greedy
 from tests.server import HUB_MONITOR_ENV, GunicornServer, assert_hub_never_blocked, concurrently
 from tests.sse import EventReader, sse_events, sse_json
-
-
-@pytest.fixture(scope="module")
-def stories_dir(tmp_path_factory):
-    return convert_stories(tmp_path_factory.mktemp("stories260K"))
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,14 @@ from model.loader import LoadedModel, load_model
 from model.sampling import SamplingParams, greedy
 from model.tokenizer import decode_ids
 from model.utf8 import Utf8Decoder
-from tests.llamafiles import convert_stories, expected_greedy, stories_or_skip
+from tests.llamafiles import expected_greedy, stories_or_skip
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def stories(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_model(convert_stories(tmp_path_factory.mktemp("stories260K")))
+def stories(stories_dir: Path) -> LoadedModel:
+    return load_model(stories_dir)
 
 
 def runc_encode(text: str, pieces: list[bytes], scores: list[float]) -> list[int]:

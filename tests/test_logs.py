@@ -184,10 +184,10 @@ def check_types(line: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def logged(succ_dir, tmp_path_factory):
-    env = {"MODEL_DIR": str(succ_dir), "CLIENT_HASH_SALT": SALT, "GREENSERVE_FAULTS": "fail_at=40"}
-    with GunicornServer(tmp_path_factory.mktemp("logs"), env) as srv:
-        yield srv
+def logged(succ_dir, serve_module):
+    return serve_module(
+        MODEL_DIR=str(succ_dir), CLIENT_HASH_SALT=SALT, GREENSERVE_FAULTS="fail_at=40"
+    )
 
 
 def test_request_line_has_every_field_typed_and_no_prompt(logged):

@@ -166,10 +166,8 @@ def value(metrics: dict, family: str, sample: str | None = None, **labels: str) 
 
 
 @pytest.fixture(scope="module")
-def two_workers(succ_dir, tmp_path_factory):
-    env = {"MODEL_DIR": str(succ_dir), "GREENSERVE_FAULTS": "slow_step_s=0.001"}
-    with GunicornServer(tmp_path_factory.mktemp("metrics2"), env, workers=2) as srv:
-        yield srv
+def two_workers(succ_dir, serve_module):
+    return serve_module(MODEL_DIR=str(succ_dir), GREENSERVE_FAULTS="slow_step_s=0.001", workers=2)
 
 
 def test_forty_requests_over_two_workers_count_exactly(two_workers):

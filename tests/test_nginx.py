@@ -26,27 +26,22 @@ STEP_S = 0.2  # GREENSERVE_FAULTS slow step: each token takes at least this long
 
 @pytest.fixture(scope="module")
 def stack(
-    succ_dir, tmp_path_factory
+    succ_dir, collector, serve_module, tmp_path_factory
 ) -> Iterator[tuple[NginxServer, GunicornServer, FakeCollector]]:
     """nginx -> gunicorn (1 worker, slow steps, 3 requests/minute per client) -> a span collector."""
-    env = {
-        "MODEL_DIR": str(succ_dir),
-        "GREENSERVE_FAULTS": f"slow_step_s={STEP_S}",
-        "TRUSTED_PROXIES": "1",
-        "RATE_LIMIT": "3/minute",
-    }
+    srv = serve_module(
+        MODEL_DIR=str(succ_dir),
+        GREENSERVE_FAULTS=f"slow_step_s={STEP_S}",
+        TRUSTED_PROXIES="1",
+        RATE_LIMIT="3/minute",
+        OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+    )
     # NginxServer skips (or fails under CI) without nginx: the upstream stops then too.
-    with (
-        FakeCollector() as collector,
-        GunicornServer(
-            tmp_path_factory.mktemp("upstream"),
-            {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url},
-        ) as srv,
-        NginxServer(tmp_path_factory.mktemp("nginx"), srv.port) as nginx,
-    ):
+    with NginxServer(tmp_path_factory.mktemp("nginx"), srv.port) as nginx:
         yield nginx, srv, collector
 
 
+@pytest.mark.services
 def test_each_event_arrives_before_the_next_token(stack):
     nginx, srv, _ = stack
     reader = EventReader(
@@ -78,6 +73,7 @@ def test_each_event_arrives_before_the_next_token(stack):
     assert arrivals[-1] - arrivals[0] >= 2.5 * STEP_S
 
 
+@pytest.mark.services
 def test_client_address_reaches_the_limiter(stack):
     nginx, _, _ = stack
     body = json.dumps({"model": "m", "prompt": "a", "max_tokens": 1}).encode()
@@ -97,6 +93,7 @@ def test_client_address_reaches_the_limiter(stack):
     assert post("127.0.0.3") == (200, "2")
 
 
+@pytest.mark.services
 def test_disconnect_at_nginx_stops_generation(stack):
     nginx, srv, collector = stack
     reader = EventReader(
@@ -120,6 +117,7 @@ def test_disconnect_at_nginx_stops_generation(stack):
     assert status == 200
 
 
+@pytest.mark.services
 def test_debug_endpoints_are_not_reachable_through_nginx(stack):
     nginx, _, _ = stack
     status, _, body = nginx.request("GET", "/debug/state")

@@ -22,7 +22,7 @@ from tests.server import GunicornServer
 KEY = "demo-key-1"
 SLOW_STEP_S = 0.05
 
-pytestmark = needs_chromium
+pytestmark = [pytest.mark.browser, needs_chromium]
 
 # Record every change of the continuation's text (its length and the page's state at that moment).
 RECORD = """() => {
@@ -36,15 +36,13 @@ RECORD = """() => {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GunicornServer]:
-    env = {
-        "GREENSERVE_FAULTS": f"slow_step_s={SLOW_STEP_S}",
-        "API_KEYS": KEY,
-        "STATS_FLUSH_S": "0.2",
-        "SLO_TTFT_S": "0.5",
-    }
-    with GunicornServer(tmp_path_factory.mktemp("pages-browser"), env) as srv:
-        yield srv
+def server(serve_module) -> GunicornServer:
+    return serve_module(
+        GREENSERVE_FAULTS=f"slow_step_s={SLOW_STEP_S}",
+        API_KEYS=KEY,
+        STATS_FLUSH_S="0.2",
+        SLO_TTFT_S="0.5",
+    )
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,9 @@ PATH = b"aq\xc3\xa9!xyz"
 
 
 @pytest.fixture(scope="module")
-def path_server(tmp_path_factory):
+def path_server(tmp_path_factory, serve_module):
     model = write_model_dir(tmp_path_factory.mktemp("path-model"), path_weight(PATH))
-    with GunicornServer(tmp_path_factory.mktemp("path-server"), {"MODEL_DIR": str(model)}) as srv:
-        yield srv
+    return serve_module(MODEL_DIR=str(model))
 
 
 def plain(srv: GunicornServer, body: dict) -> dict:

@@ -33,11 +33,13 @@ def promtool(*args: str) -> str:
     return out
 
 
+@pytest.mark.services
 def test_rules_and_config_check():
     assert "SUCCESS: 22 rules found" in promtool("check", "rules", RULES.name)
     assert "is valid prometheus config file syntax" in promtool("check", "config", "prometheus.yml")
 
 
+@pytest.mark.services
 def test_rule_unit_tests_pass():
     assert "SUCCESS" in promtool("test", "rules", RULE_TESTS.name)
 

@@ -56,6 +56,7 @@ def make_server(succ_dir, serve):
     return make
 
 
+@pytest.mark.services
 def test_redis_limit_is_exact_across_two_workers(make_server, redis_server):
     redis_server.client(1).flushdb()
     srv = make_server(2, RATE_LIMIT="5/minute", RATE_LIMIT_STORAGE_URI=redis_server.url(1))
@@ -100,6 +101,7 @@ def test_memory_storage_counts_per_worker(make_server):
     assert {s for s, _, _ in burst(srv, 8)} == {429}
 
 
+@pytest.mark.services
 def test_redis_down_fails_open_and_recovers(make_server, tmp_path):
     with RedisServer(tmp_path / "redis") as redis:
         srv = make_server(1, RATE_LIMIT="2/minute", RATE_LIMIT_STORAGE_URI=redis.url(2))

@@ -20,8 +20,6 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from tests.server import GunicornServer
-
 MAX_EXAMPLES = 100  # per operation and phase; the run makes well over 500 requests
 SEED = 20260429
 
@@ -63,16 +61,17 @@ def schemathesis_cmd(url: str, reports: Path) -> list[str]:
     ]
 
 
-def test_schemathesis_finds_no_server_error_and_no_violation(tmp_path):
+def test_schemathesis_finds_no_server_error_and_no_violation(tmp_path, serve):
     reports = tmp_path / "reports"
-    with GunicornServer(tmp_path / "server", workers=2, health_port=False) as srv:
-        run = subprocess.run(
-            schemathesis_cmd(srv.url, reports),
-            capture_output=True,
-            text=True,
-            timeout=600,
-            cwd=tmp_path,
-        )
+    srv = serve(workers=2, health_port=False)
+    run = subprocess.run(
+        schemathesis_cmd(srv.url, reports),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    srv.stop()  # its log is complete before the checks below
     output = run.stdout[-8000:] + run.stderr[-4000:]
     (summary,) = reports.glob("*.json")
     (events,) = reports.glob("*.ndjson")

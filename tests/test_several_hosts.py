@@ -26,6 +26,8 @@ from openai import OpenAI
 from tests.server import GunicornServer, wait_until
 from tests.services import NginxServer, RedisServer
 
+pytestmark = pytest.mark.services
+
 LIMIT = 20  # requests per minute per client
 STEP_S = 0.1  # every token takes at least this long (GREENSERVE_FAULTS)
 STREAM_TOKENS = 40
@@ -138,7 +140,7 @@ def test_a_killed_host_fails_over(hosts, tmp_path):
     loaders = [threading.Thread(target=load, args=(w,)) for w in range(2)]
     for t in loaders:
         t.start()
-    time.sleep(0.5)
+    wait_until(lambda: len(log) >= 4, 30, "the load to be answered before the kill")
     os.killpg(doomed.proc.pid, signal.SIGKILL)
     doomed.proc.wait(timeout=10)
 
@@ -151,7 +153,11 @@ def test_a_killed_host_fails_over(hosts, tmp_path):
 
     wait_until(refused, what="the killed host's port to refuse connections")
     dead_at = time.monotonic()
-    time.sleep(1.5)
+    wait_until(  # the load goes on after the host died
+        lambda: sum(started >= dead_at for started, _, _ in log) >= 10,
+        30,
+        "10 requests sent after the host died to be answered",
+    )
     stop.set()
     for t in loaders + streams:
         t.join(30)

@@ -6,6 +6,7 @@ Source: RFC 9112 §9.6 (tear-down); gunicorn's ``graceful_timeout`` and ``worker
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import signal
@@ -13,10 +14,11 @@ import socket
 import time
 
 from tests.collector import FakeCollector
+from tests.server import wait_until
 
 
 def test_sigterm_closes_idle_keepalive_connections_and_flushes(serve, succ_dir):
-    with FakeCollector() as collector:
+    with FakeCollector() as collector, contextlib.ExitStack() as opened:
         srv = serve(
             MODEL_DIR=str(succ_dir),
             GREENSERVE_FAULTS="slow_step_s=0.02",
@@ -27,15 +29,20 @@ def test_sigterm_closes_idle_keepalive_connections_and_flushes(serve, succ_dir):
         idle = []
         for i in range(5):  # each answers one request, then idles on keep-alive
             conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+            opened.callback(conn.close)
             conn.request("GET", "/v1/models", headers={"X-Request-Id": f"idle-{i}"})
             resp = conn.getresponse()
             resp.read()
             assert resp.getheader("Connection") == "keep-alive"
             idle.append(conn)
         busy = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+        opened.callback(busy.close)
         body = {"model": "m", "prompt": "a", "max_tokens": 40, "temperature": 0}  # ~0.8 s
         busy.request("POST", "/v1/completions", json.dumps(body), {"X-Request-Id": "in-flight"})
-        time.sleep(0.2)  # the request is being generated (the client's pause is what is tested)
+        wait_until(  # SIGTERM comes while the request is being generated
+            lambda: (srv.in_flight("in-flight") or {}).get("tokens", 0) > 0,
+            what="the in-flight request to generate",
+        )
         srv.signal(signal.SIGTERM)
         stopped = time.monotonic()
         resp = busy.getresponse()
@@ -56,18 +63,26 @@ def test_sigterm_closes_connections_that_sent_nothing_and_ends_a_stalled_head_qu
     serve, succ_dir
 ):
     srv = serve(MODEL_DIR=str(succ_dir), GRACEFUL_TIMEOUT_S="3", HEADER_TIMEOUT_S="10")
-    silent = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(3)]
-    partial = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
-    partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
-    time.sleep(0.3)  # the worker has accepted them and waits for their requests
-    srv.signal(signal.SIGTERM)
-    stopped = time.monotonic()
-    for sock in silent:  # shut down at once, as an idle keep-alive connection: EOF, no answer
-        assert sock.recv(1) == b""
-        assert time.monotonic() - stopped < 1.0
-    # The stalled head is ended at the end of the grace period: closed, without a 500.
-    assert partial.recv(65536) == b""
-    assert srv.wait(10) == 0
-    log = srv.log_text()
-    assert "Worker exiting" in log
-    assert "Internal Server Error" not in log and "GreenletExit" not in log, srv.log_tail()
+    with contextlib.ExitStack() as opened:
+        silent = [
+            opened.enter_context(socket.create_connection(("127.0.0.1", srv.port), timeout=10))
+            for _ in range(3)
+        ]
+        partial = opened.enter_context(
+            socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        )
+        partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        # Accepted in order: once a later connection is answered, the worker has accepted these
+        # and waits for their requests.
+        assert srv.get("/healthz")[0] == 200
+        srv.signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        for sock in silent:  # shut down at once, as an idle keep-alive connection: EOF, no answer
+            assert sock.recv(1) == b""
+            assert time.monotonic() - stopped < 3.0 / 2  # not at the grace period's end
+        # The stalled head is ended at the end of the grace period: closed, without a 500.
+        assert partial.recv(65536) == b""
+        assert srv.wait(10) == 0
+        log = srv.log_text()
+        assert "Worker exiting" in log
+        assert "Internal Server Error" not in log and "GreenletExit" not in log, srv.log_tail()

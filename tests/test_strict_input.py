@@ -24,16 +24,9 @@ HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/j
 
 
 @pytest.fixture(scope="module")
-def small_server(
-    succ_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GunicornServer]:
+def small_server(succ_dir: Path, serve_module) -> GunicornServer:
     """The succ model with ``MAX_BODY_BYTES=2048``."""
-    with GunicornServer(
-        tmp_path_factory.mktemp("small-body"),
-        {"MODEL_DIR": str(succ_dir), "MAX_BODY_BYTES": str(LIMIT)},
-        health_port=False,
-    ) as srv:
-        yield srv
+    return serve_module(MODEL_DIR=str(succ_dir), MAX_BODY_BYTES=str(LIMIT), health_port=False)
 
 
 def chunked(body: bytes, size: int = 500) -> bytes:
@@ -51,10 +44,16 @@ def padded(size: int) -> bytes:
 
 
 class Exchange:
-    """One HTTP/1.1 exchange over a raw socket: the response, and whether the server then closed."""
+    """One HTTP/1.1 exchange over a raw socket: the response, and whether the server then closed.
+
+    Its socket is closed by :meth:`closed_by_server`, else at the end of the test (``opened``).
+    """
+
+    opened: list[socket.socket] = []
 
     def __init__(self, port: int, data: bytes, shut_write: bool = False) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        Exchange.opened.append(self.sock)
         self.sock.sendall(data)
         if shut_write:
             self.sock.shutdown(socket.SHUT_WR)
@@ -86,6 +85,14 @@ class Exchange:
             self.sock.close()
         assert self.rest + data == b"", data  # never a second, unsolicited response
         return True
+
+
+@pytest.fixture(autouse=True)
+def close_exchanges() -> Iterator[None]:
+    """Close every test's exchange sockets (an unclosed socket is a ResourceWarning: an error)."""
+    yield
+    while Exchange.opened:
+        Exchange.opened.pop().close()
 
 
 def error_of(ex: Exchange) -> dict:

@@ -59,6 +59,7 @@ def verify(unit_text: str, where: Path) -> str:
     return proc.stdout + proc.stderr + ("" if proc.returncode == 0 else f"exit {proc.returncode}")
 
 
+@pytest.mark.services
 def test_unit_verifies_clean(tmp_path):
     text = UNIT.read_text()
     assert text.count(EXEC_START) == 1

@@ -13,7 +13,6 @@ import random
 
 import pytest
 
-from tests.llamafiles import convert_stories
 from tests.server import GunicornServer
 from tests.sse import sse_json
 
@@ -23,12 +22,8 @@ CASES = 24
 
 
 @pytest.fixture(scope="module")
-def stories_server(tmp_path_factory):
-    model = convert_stories(tmp_path_factory.mktemp("stories260K"))
-    with GunicornServer(
-        tmp_path_factory.mktemp("stories-server"), {"MODEL_DIR": str(model)}
-    ) as srv:
-        yield srv
+def stories_server(stories_dir, serve_module):
+    return serve_module(MODEL_DIR=str(stories_dir))
 
 
 def random_prompts(seed: int) -> list[str | list[int]]:

@@ -60,19 +60,17 @@ def test_send_timeout_cuts_a_stopped_reader_one_timeout_after_its_last_read(serv
 
 
 @pytest.fixture(scope="module")
-def timed(succ_dir, tmp_path_factory):
+def timed(succ_dir, serve_module):
     """One worker, one slot, 50 tokens/s, and short, distinct timeouts."""
-    env = {
-        "MODEL_DIR": str(succ_dir),
-        "GREENSERVE_FAULTS": "slow_step_s=0.02",
-        "MAX_SLOTS": "1",
-        "HEADER_TIMEOUT_S": "2",
-        "KEEPALIVE_S": "3",
-        "HEARTBEAT_S": "2",
-        "REQUEST_TIMEOUT_S": "4",
-    }
-    with GunicornServer(tmp_path_factory.mktemp("timed"), env) as srv:
-        yield srv
+    return serve_module(
+        MODEL_DIR=str(succ_dir),
+        GREENSERVE_FAULTS="slow_step_s=0.02",
+        MAX_SLOTS="1",
+        HEADER_TIMEOUT_S="2",
+        KEEPALIVE_S="3",
+        HEARTBEAT_S="2",
+        REQUEST_TIMEOUT_S="4",
+    )
 
 
 def until_closed(sock: socket.socket) -> bytes:

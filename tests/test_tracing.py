@@ -10,21 +10,19 @@ import pytest
 
 from model import __version__
 from tests.collector import FakeCollector
-from tests.server import GunicornServer, wait_until
+from tests.server import wait_until
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 @pytest.fixture(scope="module")
-def traced(succ_dir, tmp_path_factory):
-    with FakeCollector() as collector:
-        env = {
-            "MODEL_DIR": str(succ_dir),
-            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url,
-            "OTEL_SERVICE_NAME": "greenserve-test",
-        }
-        with GunicornServer(tmp_path_factory.mktemp("traced"), env) as srv:
-            yield srv, collector
+def traced(succ_dir, collector, serve_module):
+    srv = serve_module(
+        MODEL_DIR=str(succ_dir),
+        OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
+        OTEL_SERVICE_NAME="greenserve-test",
+    )
+    return srv, collector
 
 
 def _attrs(span: dict) -> dict:
@@ -118,7 +116,7 @@ def test_dead_or_slow_collector_does_not_delay_answers(succ_dir, serve, mode):
             latencies.append(time.perf_counter() - started)
             assert status == 200 and json.loads(raw)["choices"][0]["text"] == "bcdefghi"
         # The exporter posts from its own greenlet: no answer waits for the 5 s collector.
-        assert max(latencies) < 1.0, latencies
+        assert max(latencies) < 5.0 / 2, latencies
 
 
 def test_lost_spans_are_logged_once_per_outage(succ_dir, serve):

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import pytest
 from tests.installed import installed_site, make_venv
 from tests.modelfiles import succ_weight, write_model_dir
 from tests.notify import NotifySocket
-from tests.server import GunicornServer
+from tests.server import GunicornServer, wait_until
 from tests.sse import sse_json
 
 STREAM_TOKENS = 8
@@ -111,7 +110,7 @@ def test_usr2_upgrade_serves_the_new_version_and_fails_nothing(layout):
         loaders = [threading.Thread(target=load, args=(s,)) for s in (True, False, True)]
         for t in loaders:
             t.start()
-        time.sleep(0.5)
+        wait_until(lambda: len(results) >= 3, 30, "the old version to answer the load")
 
         # 1. The new model: MODEL_DIR's symlink now names v2 (the old workers keep v1 mapped).
         swap_symlink(layout["model"], layout["models"] / "v2")
@@ -126,7 +125,11 @@ def test_usr2_upgrade_serves_the_new_version_and_fails_nothing(layout):
         # 4. The old master stops gracefully: its workers finish what they have started.
         os.kill(old_master, signal.SIGTERM)
         assert srv.wait(40) == 0
-        time.sleep(0.5)
+        wait_until(  # the load goes on: the new master's workers answer it
+            lambda: sum(version == new for _, version, _ in results) >= 3,
+            30,
+            "the new version to answer the load",
+        )
         stop.set()
         for t in loaders:
             t.join(30)

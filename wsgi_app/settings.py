@@ -13,6 +13,7 @@ import secrets
 import tempfile
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from wsgi_app.setting_checks import (
@@ -316,14 +317,14 @@ def usable_cpus() -> int:
     """Return the CPUs this container may really use: the cgroup CPU quota first, then the affinity
     mask (``WEB_CONCURRENCY`` 0 or unset starts one worker per CPU)."""
     try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]  # cgroup v2
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]  # cgroup v2
         if quota != "max":
             return max(1, -(-int(quota) // int(period)))
     except (OSError, ValueError):
         pass
     try:
-        quota = int(open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read())  # cgroup v1
-        period = int(open("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read())
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())  # cgroup v1
+        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
         if quota > 0 and period > 0:
             return max(1, -(-quota // period))
     except (OSError, ValueError):

@@ -6,8 +6,9 @@ it, werkzeug's ``get_data()`` stops reading at the limit and returns the truncat
 first ``MAX_BODY_BYTES`` bytes. Here the body is read from the server's own terminated stream (gunicorn
 de-chunks it and sets ``wsgi.input_terminated``) until its end or one byte past the limit.
 
-A malformed chunked body raises gunicorn's parse exception out of the read; ``errors.py`` answers it
-with a 400, and gunicorn then closes the connection (where the next request starts is unknown).
+A malformed chunked body raises gunicorn's parse exception out of the read;
+``wsgi_app/http/error_handlers.py`` answers it with a 400, and gunicorn then closes the connection
+(where the next request starts is unknown).
 
 Source: RFC 9112 §6.3 and §7.1 (message body length, chunked coding); RFC 9110 §15.5.14 (413).
 """
@@ -45,7 +46,8 @@ def read_body(environ: Mapping[str, Any], limit: int, timeout_s: float | None = 
             ``limit`` (the rest of the body is not read); 408 ``request_timeout`` when the body has
             not arrived within ``timeout_s`` (answered ``Connection: close``, and the connection
             closes).
-        gunicorn.http.errors.ParseException: a malformed chunked body (answered 400 by ``errors.py``).
+        gunicorn.http.errors.ParseException: a malformed chunked body (answered 400 by
+            ``error_handlers.py``).
     """
     if timeout_s is None:
         return _read(environ, limit)

@@ -111,7 +111,7 @@ def chat_completion_request(
         kv_budget_bytes: the worker's KV-cache budget (``KV_CACHE_BUDGET_MB``), bytes, or None:
             without ``max_tokens``, the default answer is capped so the request fits it.
         max_logprob_entries: the request's budget of ``logprobs`` entries
-            (``MAX_LOGPROB_ENTRIES``), or None (see ``chat_protocol.completion_request``).
+            (``MAX_LOGPROB_ENTRIES``), or None (see ``wsgi_app.api.chat.completion_request``).
 
     Raises:
         ApiError: 400 ``messages`` when the contents are longer than any acceptable prompt
