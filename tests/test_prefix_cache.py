@@ -62,7 +62,9 @@ def stories_dir(tmp_path_factory):
 
 def start(tmp_path_factory, stories_dir, name: str, **env: str) -> GunicornServer:
     settings = {"MODEL_DIR": str(stories_dir), "STATS_FLUSH_S": "0.1", **env}
-    return GunicornServer(tmp_path_factory.mktemp(name), settings, health_port=False).start()
+    return GunicornServer(
+        tmp_path_factory.mktemp(name), settings, health_port=False
+    )  # `with` starts it
 
 
 @pytest.fixture(scope="module")
