@@ -30,6 +30,7 @@ import argparse
 import http.client
 import json
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -244,8 +245,8 @@ def distinct(on: Client, off: Client, rounds: int = 2) -> dict:
             (("on", on), ("off", off)) if r % 2 == 0 else (("off", off), ("on", on))
         ):
             runs[name].append(workload(client, 10 * r + (name == "on")))
-    wall = {k: sorted(w for w, _ in v)[len(v) // 2] for k, v in runs.items()}
-    cpu = {k: sorted(c for _, c in v)[len(v) // 2] for k, v in runs.items()}
+    wall = {k: statistics.median(w for w, _ in v) for k, v in runs.items()}
+    cpu = {k: statistics.median(c for _, c in v) for k, v in runs.items()}
     return {
         "runs": runs,
         "wall_ratio": wall["on"] / wall["off"],
@@ -268,6 +269,7 @@ def render_md(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenarios", default="repeat,chat,chat-short,burst,distinct")
+    parser.add_argument("--rounds", type=int, default=2, help="distinct: runs per server")
     args = parser.parse_args()
     scenarios = args.scenarios.split(",")
     model_path = fetch("smollm2")
@@ -293,7 +295,7 @@ def main() -> None:
             elif name == "burst":
                 value = burst(on, off, mid_system)
             else:
-                value = distinct(on, off)
+                value = distinct(on, off, args.rounds)
             value["load"] = os.getloadavg()
             value["elapsed_s"] = time.perf_counter() - t0
             result["scenarios"][name] = value
