@@ -57,12 +57,15 @@ class Step:
             :data:`COMPLETE` when the token completes the request's grammar (its text is part of
             the completion). A stream that simply runs out after `max_tokens` steps has no flagged
             step.
+        cached_tokens: On the first step of a choice of an engine with a prefix cache: the prompt
+            tokens whose KV came from the cache instead of being computed; None otherwise.
     """
 
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
     finish_reason: str | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,8 @@ class GenerationRequest:
             only where it accepts (even with `ignore_eos`, an allowed EOS ends the choice), and ends
             the stream with :data:`COMPLETE` once nothing more can follow; a matcher that fails
             raises ``model.grammar.matcher.ConstraintError`` from the stream.
+        cache_salt: Isolates prefix-cache reuse (the API key's digest and the request's
+            `cache_salt`): a choice reuses only blocks cached under the same salt.
     """
 
     prompt_ids: tuple[int, ...]
@@ -96,6 +101,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     stop_ids: frozenset[int] = frozenset()
     grammar: GrammarSource | None = None
+    cache_salt: str = ""
 
 
 class Engine(Protocol):
@@ -149,6 +155,26 @@ class ScheduledSequence(Protocol):
     steps: list[Any]
 
 
+class PrefixCacheView(Protocol):
+    """What the server sees of a scheduler's prefix cache (the Llama family's is
+    ``model.llama.prefix_cache.PrefixCache``): sizes and running totals, read from any thread, and the
+    room the KV budget leaves it, set from any thread."""
+
+    blocks: int  # cached blocks
+    nbytes: int  # their bytes
+    hit_tokens: int  # prompt tokens served from the cache since start
+    miss_tokens: int  # prompt tokens computed since start
+    evicted_blocks: int  # blocks evicted since start
+
+    def set_room(self, room_bytes: int) -> None:
+        """Let the cache hold at most ``room_bytes`` (the budget less the reservations)."""
+        ...
+
+    def state(self) -> dict[str, int]:
+        """Return blocks, bytes, room and the counters (for ``/debug/state``)."""
+        ...
+
+
 class Scheduler(Protocol):
     """Continuous batching: advance every live sequence one token per :meth:`step`.
 
@@ -170,6 +196,11 @@ class Scheduler(Protocol):
     def speculated(self) -> tuple[int, int]:
         """Tokens drafted (and verified) and drafted tokens accepted so far; (0, 0) when the
         scheduler does not speculate."""
+        ...
+
+    @property
+    def prefix_cache(self) -> PrefixCacheView | None:
+        """The cache of prompt blocks reused across requests, or None without one."""
         ...
 
     def validate(self, req: GenerationRequest) -> PCG32:

@@ -46,7 +46,8 @@ from model.llama.gguf_tokenizer import tokenizer_from_gguf
 from model.llama.kv_cache import bytes_per_token, reservation_bytes
 from model.llama.kv_cache import can_ever_fit as can_ever_fit  # the contract's, for admission
 from model.llama.model import Llama
-from model.llama.scheduler import BatchScheduler
+from model.llama.prefix_cache import PrefixCache
+from model.llama.scheduler import PREFILL_CHUNK, BatchScheduler
 from model.llama.tensors import check_tensors
 from model.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -166,7 +167,11 @@ class LoadedModel:
         return BigramEngine(self.model)
 
     def make_scheduler(
-        self, max_batch: int, batch_invariant: bool = True, speculative_tokens: int = 0
+        self,
+        max_batch: int,
+        batch_invariant: bool = True,
+        speculative_tokens: int = 0,
+        prefix_cache_bytes: int | None = None,
     ) -> Scheduler:
         """Return a continuous-batching scheduler over this model, for a family that is not
         :attr:`Family.inline` (the server drives it on its engine thread).
@@ -177,18 +182,25 @@ class LoadedModel:
                 (``BATCH_INVARIANT``).
             speculative_tokens: most tokens a sequence drafts per step (``SPECULATIVE_TOKENS``;
                 0: off). The answers are the same either way.
+            prefix_cache_bytes: keep whole prompt blocks for reuse in at most this many bytes
+                (``PREFIX_CACHE=1``: the KV budget, less what the running requests reserve, see
+                :class:`model.llama.prefix_cache.PrefixCache`); None for no prefix cache.
 
         Raises:
             ValueError: the family runs inline (the bigram has no scheduler).
         """
         if not isinstance(self.model, Llama):
             raise ValueError(f"the {self.engine_kind} family runs inline: it has no scheduler")
+        cache = None
+        if prefix_cache_bytes is not None:
+            cache = PrefixCache.for_model(self.model.config, PREFILL_CHUNK, prefix_cache_bytes)
         return BatchScheduler(
             self.model,
             self.tokenizer.eos_ids,
             max_batch,
             batch_invariant=batch_invariant,
             speculative_tokens=speculative_tokens,
+            prefix_cache=cache,
         )
 
 

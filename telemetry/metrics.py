@@ -103,6 +103,9 @@ class Metrics:
             speculative decoding and verified.
         spec_accepted_tokens: ``greenserve_spec_decode_accepted_tokens_total``, drafted tokens
             accepted (each one a token generated without a pass of its own).
+        prefix_cache_hit_tokens, prefix_cache_miss_tokens, prefix_cache_evictions:
+            ``greenserve_prefix_cache_{hit_tokens,miss_tokens,evicted_blocks}_total``: prompt
+            tokens served by the prefix cache, computed, and cached blocks evicted (Llama).
     """
 
     requests: Counter
@@ -123,6 +126,9 @@ class Metrics:
     structured_mask: Histogram
     spec_draft_tokens: Counter
     spec_accepted_tokens: Counter
+    prefix_cache_hit_tokens: Counter
+    prefix_cache_miss_tokens: Counter
+    prefix_cache_evictions: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None) -> Metrics:
@@ -236,6 +242,21 @@ class Metrics:
             spec_accepted_tokens=Counter(
                 "greenserve_spec_decode_accepted_tokens",
                 "Drafted tokens accepted by speculative decoding.",
+                registry=r,
+            ),
+            prefix_cache_hit_tokens=Counter(
+                "greenserve_prefix_cache_hit_tokens",
+                "Prompt tokens served by the prefix cache.",
+                registry=r,
+            ),
+            prefix_cache_miss_tokens=Counter(
+                "greenserve_prefix_cache_miss_tokens",
+                "Prompt tokens computed (cache on).",
+                registry=r,
+            ),
+            prefix_cache_evictions=Counter(
+                "greenserve_prefix_cache_evicted_blocks",
+                "Cached prompt blocks evicted (LRU).",
                 registry=r,
             ),
         )

@@ -170,6 +170,8 @@ def request_fields(
         fields["constraint"] = record.constraint
         fields["compile_s"] = _r(record.compile_s)
         fields["mask_s"] = None if record.grammar is None else _r(record.grammar.mask_s)
+    if record.cached_tokens is not None:  # only for a model with a prefix cache
+        fields["cached_tokens"] = record.cached_tokens
     if record.prompt is not None:  # only with LOG_PROMPTS=1
         fields["prompt"] = record.prompt
         fields["texts"] = record.texts

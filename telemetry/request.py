@@ -26,6 +26,7 @@ class FinishedRequest(Protocol):
         started: ``perf_counter`` at arrival, in seconds.
         status: the HTTP status sent.
         prompt_tokens, completion_tokens: usage counts (tokens).
+        cached_tokens: prompt tokens served by a prefix cache, None for a model without one.
         finish_reasons: one per choice; None for a choice that never finished.
         error: message of a failure after the first byte, or None.
         ttft_s: seconds from arrival to the first generated token, or None.
@@ -52,6 +53,7 @@ class FinishedRequest(Protocol):
     status: int
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None
     finish_reasons: list[str | None]
     error: str | None
     ttft_s: float | None

@@ -51,4 +51,5 @@ def test_greedy_completion_is_llama_cpps_text_up_to_its_first_near_tie(
         "prompt_tokens": len(case["prompt_ids"]),
         "completion_tokens": stop,
         "total_tokens": len(case["prompt_ids"]) + stop,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }

@@ -78,7 +78,8 @@ def test_second_request_waits_for_the_budget_until_the_first_ends(budget_server)
     assert first.next_frame() == b": ok\n"
     assert first.next_frame().startswith(b"data: {")
     s = state(srv)
-    assert s["kv_cache_bytes"] == {"reserved": first_bytes, "budget": 1 << 20}
+    # the prompt's end is cached once its prefill is in: 3 positions and 512 float32 logits
+    assert s["kv_cache_bytes"] == {"reserved": first_bytes, "budget": 1 << 20, "cached": 5888}
 
     small = EventReader(srv.port, stream_body(50))  # 68,480 more bytes: fits beside the first
     assert small.open().status == 200
@@ -148,3 +149,38 @@ def test_every_prompt_of_a_batch_is_reserved(budget_server):
     wait_until(
         lambda: state(srv)["kv_cache_bytes"]["reserved"] == 0, what="the reservation to be returned"
     )
+
+
+def test_cached_prompt_blocks_are_given_up_before_a_request_would_wait(budget_server):
+    """Cached blocks fill what the reservations leave of the budget, and go (least recently used
+    first) as soon as a request needs the room: caching never makes a request wait."""
+    srv = budget_server
+    block = 128 * STORY_TOKEN_BYTES  # 163,840 bytes: a 128-token block
+    prompts = [[1] + [3 + (97 * i + 31 * t) % 500 for t in range(299)] for i in range(3)]
+    # Each reserves 301 tokens (385,280 bytes) and publishes its two whole blocks and its prompt end
+    # (44 positions and 512 logits) while it holds them: beside it there is room for not quite two
+    # prompts' worth, so the later ones evict the first's entries, its end first.
+    prompt_bytes = 2 * block + 44 * STORY_TOKEN_BYTES + 512 * 4  # 386,048
+    for p in prompts:
+        status, _, raw = srv.complete({"model": "s", "prompt": p, "max_tokens": 1})
+        assert status == 200, raw
+        s = state(srv)
+        assert s["kv_cache_bytes"]["cached"] <= (1 << 20) - 385_280
+    assert s["kv_cache_bytes"]["reserved"] == 0
+    assert s["kv_cache_bytes"]["cached"] < 2 * prompt_bytes
+    assert s["prefix_cache"]["evicted_blocks"] > 0
+
+    first = EventReader(srv.port, stream_body(500))  # 643,840 bytes: room for one prompt beside it
+    assert first.open().status == 200
+    assert first.next_frame() == b": ok\n"
+    assert first.next_frame().startswith(b"data: {")  # not queued behind the cached blocks
+    s = state(srv)
+    assert s["kv_cache_bytes"]["reserved"] == 643_840
+    assert prompt_bytes <= s["kv_cache_bytes"]["cached"] <= (1 << 20) - 643_840
+    first.close()
+    wait_until(lambda: state(srv)["slots"]["busy"] == 0, what="the first request to end")
+    # The most recently used entries stayed: the last prompt's, all of it.
+    status, _, raw = srv.complete({"model": "s", "prompt": prompts[2], "max_tokens": 1})
+    assert json.loads(raw)["usage"]["prompt_tokens_details"] == {"cached_tokens": 300}
+    status, _, raw = srv.complete({"model": "s", "prompt": prompts[0], "max_tokens": 1})
+    assert json.loads(raw)["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -48,7 +48,12 @@ def test_greedy_matches_llama2c(llama):
         },
     )
     assert doc["choices"][0]["text"] == case["text"]
-    assert doc["usage"] == {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+    assert doc["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": n,
+        "total_tokens": 5 + n,
+        "prompt_tokens_details": {"cached_tokens": 0},  # a Llama has a prefix cache
+    }
     _, _, raw = srv.complete(
         {
             "model": "stories",

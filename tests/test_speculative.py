@@ -300,3 +300,43 @@ def test_constrained_sequences_are_the_same_with_speculation(stories):
     together, spec = run(stories, reqs, 7)
     assert together == base
     assert drafted > 0  # the constrained sequences really drafted
+
+
+def test_constrained_prefix_hits_are_the_same_with_speculation(stories):
+    # A whole-prompt hit draws its first token from the cold run's logits, masked by its grammar
+    # (in the step's batched call), then decodes with drafts: the Steps of neither cache nor drafts.
+    from dataclasses import replace
+
+    from model.grammar.compile import Constraint, GrammarCompiler
+    from model.llama.prefix_cache import PrefixCache
+
+    tok = stories.tokenizer
+    grammar = GrammarCompiler(tok).compile(Constraint("regex", "( ?[a-zA-Z]+[.,]?){1,40}"))[0]
+    reqs = [
+        GenerationRequest(
+            prompt_ids=tuple(tok.encode(text)),
+            max_tokens=60,
+            params=params,
+            seed=9,
+            logprobs=logprobs,
+            grammar=grammar,
+        )
+        for text in PROMPTS[1:]
+        for _, params, logprobs in PARAMS[:2]
+    ]
+    base = [run(stories, [req], 0)[0][0] for req in reqs]
+    cache = PrefixCache.for_model(stories.model.config, 128, 1 << 30)
+    sch = BatchScheduler(
+        stories.model, stories.tokenizer.eos_ids, 16, speculative_tokens=7, prefix_cache=cache
+    )
+    for rounds in range(2):  # cold (publishing), then every prompt a whole hit
+        seqs = [sch.add(r, None) for r in reqs]
+        out: list[list] = [[] for _ in reqs]
+        while not sch.idle:
+            sch.step()
+            for steps, seq in zip(out, seqs, strict=True):
+                steps += steps_of(seq)
+        hits = [steps[0].cached_tokens for steps in out]
+        assert hits == ([0] * len(reqs) if rounds == 0 else [len(r.prompt_ids) for r in reqs])
+        assert [[replace(s, cached_tokens=None) for s in steps] for steps in out] == base
+    assert sch.speculator.drafted > 0

@@ -43,16 +43,19 @@ def make_engine(
     """Return the engine for ``model``: an inline family (the bigram) runs in each request's
     greenlet; a batched one (a Llama) runs on one native thread per worker with continuous batching
     (up to ``MAX_SLOTS`` requests of ``MAX_N`` choices each), drafting up to ``SPECULATIVE_TOKENS``
-    (its drafted and accepted token counts go to ``on_speculated``)."""
+    (its drafted and accepted token counts go to ``on_speculated``), with a prefix cache unless
+    ``PREFIX_CACHE=0``."""
     if not model.family.inline:
         from wsgi_app.generation.engine_thread import ThreadedEngine
 
         slots, _ = model.family.limits(settings.max_slots, settings.max_queue)
         batch = slots * settings.max_n
+        cache_bytes = settings.kv_cache_budget_mb << 20 if settings.prefix_cache else None
         scheduler = model.make_scheduler(
             batch,
             batch_invariant=settings.batch_invariant,
             speculative_tokens=settings.speculative_tokens,
+            prefix_cache_bytes=cache_bytes,
         )
         return ThreadedEngine(scheduler, on_speculated=on_speculated)
     return model.make_engine()
@@ -104,6 +107,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     engine = make_engine(model, settings, observer.metrics.count_speculative)
+    prefix_cache = getattr(engine, "prefix_cache", None)
     if settings.faults:
         engine = FaultyEngine(engine, Faults.parse(settings.faults))
     app.extensions[EXTENSION] = Runtime(
@@ -114,6 +118,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
             *model.family.limits(settings.max_slots, settings.max_queue),
             observer.set_load,
             kv_budget_bytes=settings.kv_cache_budget_mb << 20,
+            on_room=None if prefix_cache is None else prefix_cache.set_room,
         ),
         exporter=exporter,
         model_version=f"{model.checksum[:16]}+greenserve-{__version__}",
@@ -128,9 +133,22 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
         model.measure_decode_tokens_per_s, ()
     )
 
+    prefix_seen = [0, 0, 0]
+
+    def sync_prefix_counters() -> None:
+        """Add what the engine thread counted since the last heartbeat to the metrics."""
+        m, c = observer.metrics, prefix_cache
+        counters = (m.prefix_cache_hit_tokens, m.prefix_cache_miss_tokens, m.prefix_cache_evictions)
+        for i, total in enumerate((c.hit_tokens, c.miss_tokens, c.evicted_blocks)):
+            if total > prefix_seen[i]:
+                counters[i].inc(total - prefix_seen[i])
+                prefix_seen[i] = total
+
     def heartbeat_state() -> dict:
         state = rt.worker_state()
         observer.metrics.set_ready(state["ready"])  # greenserve_workers_ready follows /ready
+        if prefix_cache is not None:
+            sync_prefix_counters()
         return state
 
     observer.flusher.worker_state = heartbeat_state

@@ -159,6 +159,8 @@ class Settings:
         speculative_tokens: most tokens a Llama sequence drafts per step by prompt lookup
             (``SPECULATIVE_TOKENS``, ``model.llama.speculative``); 0 turns speculation off. The
             answers are the same bits either way (with ``batch_invariant``).
+        prefix_cache: keep the KV of whole prompt blocks of a Llama model for reuse by later
+            prompts that start with them (``1``), within ``kv_cache_budget_mb``; ``0``: none.
         max_body_bytes: largest request body accepted, in bytes (413 beyond).
         max_prompt_tokens: largest prompt, in tokens (bytes for the bigram).
         max_n: largest ``n`` (choices per request).
@@ -213,6 +215,7 @@ class Settings:
     kv_cache_budget_mb: int = 1024
     batch_invariant: bool = True
     speculative_tokens: int = 7
+    prefix_cache: bool = True
     max_body_bytes: int = 1_048_576
     max_prompt_tokens: int = 32_768
     max_n: int = 8
@@ -264,6 +267,7 @@ class Settings:
             kv_cache_budget_mb=_int(env, "KV_CACHE_BUDGET_MB", d["kv_cache_budget_mb"], 1, 1 << 24),
             batch_invariant=_int(env, "BATCH_INVARIANT", int(d["batch_invariant"]), 0, 1) == 1,
             speculative_tokens=_int(env, "SPECULATIVE_TOKENS", d["speculative_tokens"], 0, 64),
+            prefix_cache=_int(env, "PREFIX_CACHE", int(d["prefix_cache"]), 0, 1) == 1,
             max_body_bytes=_int(env, "MAX_BODY_BYTES", d["max_body_bytes"], 1024, 1 << 30),
             max_prompt_tokens=_int(env, "MAX_PROMPT_TOKENS", d["max_prompt_tokens"], 1, 1 << 24),
             max_n=_int(env, "MAX_N", d["max_n"], 1, 128),

@@ -18,6 +18,12 @@ A sequence's tokens never depend on its batch: ``Llama.forward`` gives each row 
 the other rows are (unless ``batch_invariant`` is turned off, which lets steps of few rows run one GEMV
 per row), and each sequence samples with its own PCG32.
 
+With a :class:`~model.llama.prefix_cache.PrefixCache` (whose blocks are ``prefill_chunk`` tokens, the
+chunk grid), a joining sequence starts from its longest cached block prefix and prefills only the rest
+(or, its whole prompt cached, draws its first token from the cold run's logits kept with it),
+on the same grid, and a sequence whose prompt is all in publishes its whole prompt blocks: its tokens
+are the same bits as without the cache.
+
 Source: docs/ARCHITECTURE.md §5; Yu et al., "Orca" (OSDI 2022) for iteration-level scheduling.
 """
 
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import abc
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -39,42 +45,17 @@ from model.engine import (
     check_request,
     make_step,
 )
-from model.grammar.matcher import ConstraintError, TokenMatcher, allowed_rows
-from model.llama.kv_cache import KVCache, KVPool
+from model.grammar.matcher import ConstraintError
+from model.llama.kv_cache import KVPool
 from model.llama.model import Llama
+from model.llama.prefix_cache import PrefixCache
+from model.llama.sequence import Sequence, set_masks
+from model.llama.sequence import steps_of as steps_of  # the drain, for the scheduler's callers
 from model.llama.speculative import SpecState, Speculator, accept
 from model.pcg32 import PCG32
 from model.sampling import sample
 
-
-@dataclass(eq=False)
-class Sequence:
-    """One choice being generated; owned by the scheduler's thread except for ``cancelled``.
-
-    Attributes:
-        req: the request.
-        handle: the caller's object, returned with every result.
-        cancelled: set by the caller (any thread); honoured at the next step.
-        stop_ids: ids that end the sequence with ``finish_reason "stop"``.
-        n_tokens: tokens to generate (``max_tokens`` capped by the context).
-    """
-
-    req: GenerationRequest
-    handle: Any
-    stop_ids: frozenset[int]
-    n_tokens: int
-    rng: PCG32
-    cache: KVCache | None = None
-    counts: np.ndarray | None = None
-    prefilled: int = 0  # prompt tokens already in the cache
-    produced: int = 0
-    last_token: int = -1
-    cancelled: bool = False
-    done: bool = False
-    steps: list[Any] = field(default_factory=list)
-    matcher: TokenMatcher | None = None  # the request's grammar state (structured outputs)
-    allowed: np.ndarray | None = None  # this step's mask from the grammar, (vocab_size,) bool
-    spec: SpecState | None = None  # drafting state, when the scheduler speculates
+PREFILL_CHUNK = 128  # prompt tokens a sequence prefills per step: the chunk grid (and prefix block)
 
 
 class BatchScheduler:
@@ -92,6 +73,11 @@ class BatchScheduler:
         speculative_tokens: most tokens a decoding sequence drafts per step
             (``SPECULATIVE_TOKENS``, :mod:`model.llama.speculative`); 0 turns speculation off. It
             changes how many tokens a step yields, never which.
+        prefix_cache: the cache of whole prompt blocks, or None for none (``PREFIX_CACHE=0``);
+            its ``block_tokens`` must be ``prefill_chunk``.
+
+    Raises:
+        ValueError: the prefix cache's blocks are not ``prefill_chunk`` tokens.
     """
 
     def __init__(
@@ -99,11 +85,18 @@ class BatchScheduler:
         model: Llama,
         eos_ids: frozenset[int],
         max_batch: int,
-        prefill_chunk: int = 128,
+        prefill_chunk: int = PREFILL_CHUNK,
         batch_invariant: bool = True,
         prefill_budget: int = 256,
         speculative_tokens: int = 0,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
+        if prefix_cache is not None and prefix_cache.block_tokens != prefill_chunk:
+            raise ValueError(
+                f"prefix cache blocks of {prefix_cache.block_tokens} tokens off the prefill chunk "
+                f"grid of {prefill_chunk}: a hit would change the answer's bits"
+            )
+        self._prefix_cache = prefix_cache
         self.model = model
         self.eos_ids = frozenset(eos_ids)
         self.max_batch = max_batch
@@ -114,6 +107,11 @@ class BatchScheduler:
         self.speculator = Speculator(speculative_tokens)
         c = model.config
         self.pool = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, c.max_seq_len)
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The cache of whole prompt blocks reused across sequences, or None."""
+        return self._prefix_cache
 
     @property
     def context_length(self) -> int:
@@ -175,7 +173,12 @@ class BatchScheduler:
             seq.steps.append(END)
         else:
             # The last generated token is never fed back, so the cache needs one slot less.
+            if self.prefix_cache is not None:
+                self.prefix_cache.trim()  # within the budget the reservations leave, first
             seq.cache = self.pool.take(len(req.prompt_ids) + n_tokens - 1)
+            if self.prefix_cache is not None:
+                seq.prefix = self.prefix_cache.restore(req.prompt_ids, req.cache_salt, seq.cache)
+                seq.prefilled = seq.prefix.cached_tokens
             if req.params.has_penalties:
                 seq.counts = np.zeros(self.model.vocab_size, np.int64)
             if req.grammar is not None:
@@ -219,12 +222,16 @@ class BatchScheduler:
             Exception: whatever the model raises; the caller fails the sequences still live.
         """
         self.prune()
-        decoding = [s for s in self.live if s.prefilled == len(s.req.prompt_ids)]
+        touched = self._emit_cached() if self._prefix_cache is not None else []
+        cached = set(map(id, touched))
+        # A full hit that has not emitted yet has nothing to feed: only sequences with a token decode.
+        decoding = [s for s in self.live if s.produced and not s.done]
         chosen, spans = self._prefill_spans(
             [s for s in self.live if s.prefilled < len(s.req.prompt_ids)]
         )
         if not decoding and not chosen:
-            return []
+            self.live = [s for s in self.live if not s.done]
+            return touched
         drafts = self._drafts(decoding, sum(len(span) for span in spans))
         t0 = time.perf_counter()
         prompt_logits, decode_logits = self.model.step(
@@ -240,10 +247,14 @@ class BatchScheduler:
             seq.prefilled += len(span)
         # The first row of every constrained sequence of the step gets its mask in one call; a
         # verify chunk's later rows get theirs one by one, after the tokens before them (_emit).
-        _masks([s for s in chosen if s.prefilled == len(s.req.prompt_ids)] + decoding)
-        touched: list[Sequence] = []
+        set_masks([s for s in chosen if s.prefilled == len(s.req.prompt_ids)] + decoding)
         for seq, row in zip(chosen, prompt_logits, strict=True):
             if seq.prefilled == len(seq.req.prompt_ids):
+                if seq.prefix is not None:  # before _emit, which may free the lane
+                    # Its lane holds prompt-computed KV only: it was prefilling, not decoding
+                    # (a verify chunk's taken-back positions are only ever in decoding lanes).
+                    assert seq.cache is not None and seq.cache.length == seq.prefilled
+                    self._prefix_cache.publish(seq.prefix, seq.cache, row)
                 self._emit(seq, row)
                 touched.append(seq)
         row = 0
@@ -255,7 +266,8 @@ class BatchScheduler:
                 self.speculator.record(seq.spec, len(draft), n_accepted)
             else:
                 self._emit(seq, rows[0])
-            touched.append(seq)
+            if id(seq) not in cached:  # a full hit emits its first token and decodes in one step
+                touched.append(seq)
         self.live = [s for s in self.live if not s.done]
         return touched
 
@@ -266,6 +278,17 @@ class BatchScheduler:
         budgets = [s.n_tokens - s.produced - 1 for s in decoding]  # the last token is never fed
         states = [s.spec for s in decoding]
         return self.speculator.plan(states, budgets, prompt_rows + len(decoding))  # type: ignore[arg-type]
+
+    def _emit_cached(self) -> list[Sequence]:
+        """Emit the first token of the sequences whose whole prompt came from the prefix cache (from
+        the logits the cold run computed) and return them."""
+        ready = [
+            s for s in self.live if not s.produced and s.prefix and s.prefix.logits is not None
+        ]
+        set_masks(ready)  # their first token is constrained like the cold run's
+        for seq in ready:
+            self._emit(seq, seq.prefix.logits)
+        return ready
 
     def _prefill_spans(
         self, prefilling: list[Sequence]
@@ -315,7 +338,10 @@ class BatchScheduler:
             reason = COMPLETE
         elif last and seq.n_tokens < req.max_tokens:
             reason = "length"
-        seq.steps.append(make_step(token_id, logits, req.logprobs, reason))
+        step = make_step(token_id, logits, req.logprobs, reason)
+        if seq.prefix is not None and seq.produced == 1:
+            step = replace(step, cached_tokens=seq.prefix.cached_tokens)
+        seq.steps.append(step)
         seq.last_token = token_id
         if seq.spec is not None:
             seq.spec.drafter.push(token_id)
@@ -334,26 +360,3 @@ class BatchScheduler:
         if seq.cache is not None:
             self.pool.release(seq.cache)
             seq.cache = None
-
-
-def _masks(seqs: list[Sequence]) -> None:
-    """Set ``seq.allowed`` for every constrained sequence of a step, in one llguidance call."""
-    constrained = [s for s in seqs if s.matcher is not None]
-    if constrained:
-        rows = allowed_rows([s.matcher for s in constrained])
-        for seq, row in zip(constrained, rows, strict=True):
-            seq.allowed = row
-
-
-def steps_of(seq: Sequence) -> list[Step]:
-    """Drain and return ``seq``'s pending Steps (without the ``END`` marker).
-
-    Raises:
-        ConstraintError: the sequence's grammar failed (a step delivers a Step or the error).
-    """
-    items = [s for s in seq.steps if s is not END]
-    seq.steps.clear()
-    for item in items:
-        if isinstance(item, Exception):
-            raise item
-    return items

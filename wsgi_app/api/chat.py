@@ -96,6 +96,7 @@ class ChatRequest:
         include_usage: with ``stream``, send a final usage chunk before ``[DONE]``.
         ignore_eos: keep generating past end-of-sequence (vLLM's extension).
         user: the client's end-user id, or None (log it hashed).
+        cache_salt: the request's ``cache_salt`` (vLLM's extension), "" without one.
         ignored_fields: the unknown top-level fields the request sent, as ``X-Ignored-Fields``
             lists them.
         constraint: the output constraint (``response_format`` and the other spellings of
@@ -116,6 +117,7 @@ class ChatRequest:
     include_usage: bool = False
     ignore_eos: bool = False
     user: str | None = None
+    cache_salt: str = ""
     ignored_fields: tuple[str, ...] = ()
     constraint: RequestConstraint | None = None
     tools: ToolRequest | None = None
@@ -172,6 +174,7 @@ def parse_chat_request(
         include_usage=stream.include_usage,
         ignore_eos=stream.ignore_eos,
         user=body.get("user"),
+        cache_salt=stream.cache_salt,
         ignored_fields=ignored,
         constraint=parse_constraint(body),
         tools=tools,
@@ -257,6 +260,7 @@ def completion_request(
         stream=chat.stream,
         include_usage=chat.include_usage,
         ignore_eos=chat.ignore_eos,
+        cache_salt=chat.cache_salt,
         ignored_fields=chat.ignored_fields,
         constraint=chat.constraint,
     )

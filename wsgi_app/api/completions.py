@@ -89,6 +89,7 @@ class CompletionRequest:
         ignore_eos: keep generating past the model's end-of-sequence token (vLLM's extension).
         prompt_tail: the first prompt's :attr:`Prompt.tail`.
         more_prompts: the prompts after the first of a batch (OpenAI's list of prompts).
+        cache_salt: the request's ``cache_salt`` (vLLM's extension), "" without one.
         ignored_fields: the unknown top-level fields the request sent, sorted, as the
             ``X-Ignored-Fields`` header lists them (``wsgi_app.api.fields.shown_names``).
         constraint: the output constraint (structured outputs, ``wsgi_app.api.structured``), or None.
@@ -111,6 +112,7 @@ class CompletionRequest:
     ignore_eos: bool = False
     prompt_tail: bytes = b""
     more_prompts: tuple[Prompt, ...] = ()
+    cache_salt: str = ""
     ignored_fields: tuple[str, ...] = ()
     constraint: RequestConstraint | None = None
     grammar: Any = None
@@ -261,6 +263,7 @@ def parse_completion_request(
         stream=stream.stream,
         include_usage=stream.include_usage,
         ignore_eos=stream.ignore_eos,
+        cache_salt=stream.cache_salt,
         ignored_fields=ignored,
         constraint=parse_constraint(body),
     )

@@ -269,11 +269,13 @@ def _seed(body: dict[str, Any]) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class StreamFields:
-    """``stream``, ``stream_options.include_usage`` and ``ignore_eos``, validated (``user`` checked)."""
+    """``stream``, ``stream_options.include_usage``, ``ignore_eos`` and ``cache_salt`` ("" when
+    absent), validated (``user`` checked)."""
 
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    cache_salt: str = ""
 
 
 def parse_stream_fields(body: dict[str, Any]) -> StreamFields:
@@ -287,7 +289,24 @@ def parse_stream_fields(body: dict[str, Any]) -> StreamFields:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid("'user' must be a string.", "user")
-    return StreamFields(stream, include_usage, boolean_field(body, "ignore_eos"))
+    return StreamFields(stream, include_usage, boolean_field(body, "ignore_eos"), _cache_salt(body))
+
+
+def _cache_salt(body: dict[str, Any]) -> str:
+    """Return ``cache_salt`` (vLLM's extension: only requests with the same salt share cached prompt
+    blocks), "" when absent or ``null``.
+
+    Raises:
+        ApiError: 400 with ``param`` ``cache_salt`` for a value that is not a non-empty string.
+
+    Source: vLLM OpenAI-compatible server, ``cache_salt``.
+    """
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or not salt:
+        raise invalid("'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    return salt
 
 
 def build_sampling(fields: SamplingFields, body: dict[str, Any], vocab_size: int) -> SamplingParams:

@@ -139,4 +139,7 @@ SHARED_FIELDS = (
     Field("stream_options"),
     Field("user", TEXT),
     Field("ignore_eos", BOOLEAN),
+    Field(
+        "cache_salt", TEXT
+    ),  # vLLM's: only requests with the same salt share cached prompt blocks
 )

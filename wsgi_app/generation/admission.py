@@ -104,6 +104,9 @@ class Admission:
         on_change: called with ``(busy slots, queued requests)`` after every admission and release
             (e.g. to set gauges); must not raise.
         kv_budget_bytes: KV-cache bytes the running requests may reserve together.
+        on_room: called with the budget's bytes left unreserved after every change of the
+            reservations (the engine's prefix cache fits itself into them, evicting, so a cached
+            block never makes a request wait); must not raise.
     """
 
     def __init__(
@@ -112,7 +115,9 @@ class Admission:
         max_queue: int,
         on_change: Callable[[int, int], None] | None = None,
         kv_budget_bytes: int = 1 << 62,
+        on_room: Callable[[int], None] | None = None,
     ) -> None:
+        self.on_room = on_room
         self.max_slots = max_slots
         self.max_queue = max_queue
         self.on_change = on_change
@@ -188,6 +193,8 @@ class Admission:
             self.served += 1
             self.busy -= 1
             self.kv_reserved -= ticket.kv_bytes
+            if self.on_room is not None:
+                self.on_room(self.kv_budget_bytes - self.kv_reserved)
         # Hand what is free to the oldest waiters, in order (also after a queued one left the head).
         while self._waiters and self._fits(self._waiters[0]):
             self._run(self._waiters.popleft())
@@ -205,6 +212,8 @@ class Admission:
     def _run(self, ticket: Ticket) -> None:
         self.busy += 1
         self.kv_reserved += ticket.kv_bytes
+        if self.on_room is not None:  # before the grant: the engine sees the room first
+            self.on_room(self.kv_budget_bytes - self.kv_reserved)
         ticket._grant()
 
     def state(self) -> dict[str, Any]:

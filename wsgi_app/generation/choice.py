@@ -67,6 +67,7 @@ class Choice:
         "_chars",
         "_stops",
         "_token_bytes",
+        "cached_tokens",
     )
 
     def __init__(
@@ -93,6 +94,7 @@ class Choice:
         self.finish_reason: str | None = None if max_tokens > 0 else "length"
         self.logprobs = logprobs
         self._chars = len(echo_text)  # characters decoded so far, for ``text_offset``
+        self.cached_tokens = 0  # prompt tokens the engine's prefix cache served (its first step)
 
     def advance(self) -> str | None:
         """Generate one token and return the text it releases (may be ""), or None for an engine tick
@@ -109,6 +111,8 @@ class Choice:
         if step is None:
             return None
         self.tokens += 1
+        if step.cached_tokens is not None:
+            self.cached_tokens = step.cached_tokens
         ended = step.finish_reason
         held = self.logprobs is not None and self._decoder.pending
         data = self._token_bytes[step.token_id]

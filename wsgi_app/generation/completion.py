@@ -62,6 +62,8 @@ class Completion:
         tokenizer: the model's tokenizer (bytes for the bigram).
         wire: the wire format of the answer.
         fingerprint: the model version, for wire formats that carry ``system_fingerprint``.
+        cache_salt: the prefix-cache salt of every choice (the API key's digest and the request's
+            ``cache_salt``; see :class:`model.engine.GenerationRequest`).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class Completion:
         tokenizer: TextTokenizer = BYTE_TOKENIZER,
         wire: WireFormat = TEXT_COMPLETION,
         fingerprint: str | None = None,
+        cache_salt: str = "",
     ) -> None:
         self.req = req
         self._engine = engine
@@ -89,6 +92,8 @@ class Completion:
         self.framing = framing
         self.seed = seed
         self.choices: list[Choice] = []
+        # usage.prompt_tokens_details only where there is a prefix cache (the bigram keeps its bytes)
+        self._reports_cached = getattr(engine, "prefix_cache", None) is not None
         self.echo_texts: list[str] = []  # per prompt: the text its choices' echo chunk carries
         n = req.n
         for prompt in req.prompts():
@@ -105,6 +110,7 @@ class Completion:
                     logprobs=req.logprobs,
                     ignore_eos=req.ignore_eos,
                     grammar=req.grammar,
+                    cache_salt=cache_salt,
                 )
                 choice = Choice(
                     len(self.choices),
@@ -134,15 +140,35 @@ class Completion:
         """Tokens generated over all choices."""
         return sum(c.tokens for c in self.choices)
 
-    def usage(self) -> dict[str, int]:
-        """Return the ``usage`` object: each prompt counted once, completions summed over choices."""
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens served by the engine's prefix cache, each prompt counted once (its choice
+        that reused least); None for an engine without one."""
+        if not self._reports_cached:
+            return None
+        n = self.req.n
+        return sum(
+            min(c.cached_tokens for c in self.choices[p : p + n])
+            for p in range(0, len(self.choices), n)
+        )
+
+    def usage(self) -> dict[str, object]:
+        """Return the ``usage`` object: each prompt counted once, completions summed over choices;
+        ``prompt_tokens_details.cached_tokens`` after them with a prefix cache.
+
+        Source: OpenAI API reference, "The chat completion object" (``usage.prompt_tokens_details``).
+        """
         prompt = self.req.prompt_tokens
         completion = self.completion_tokens
-        return {
+        usage: dict[str, object] = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
+        cached = self.cached_tokens
+        if cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
     def finish_reasons(self) -> list[str | None]:
         """Each choice's finish reason (None while it runs)."""

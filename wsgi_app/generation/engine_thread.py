@@ -93,6 +93,11 @@ class ThreadedEngine:
     # -- greenlet side --------------------------------------------------------------------------
 
     @property
+    def prefix_cache(self) -> Any:
+        """The scheduler's prefix cache (``model.llama.prefix_cache.PrefixCache``), or None."""
+        return self._scheduler.prefix_cache
+
+    @property
     def context_length(self) -> int:
         """The most tokens (prompt + generated) one sequence may hold."""
         return self._scheduler.context_length

@@ -92,6 +92,7 @@ def admit(
     framing: Framing = PLAIN,
     wire: WireFormat = TEXT_COMPLETION,
     completion_id: str | None = None,
+    cache_salt: str = "",
 ) -> Generation:
     """Take a place in the worker's slots or queue for ``req`` and set up its generation.
 
@@ -107,6 +108,7 @@ def admit(
         framing: the SSE framing of a streamed answer.
         wire: the wire format of the answer (``TEXT_COMPLETION``, the chat completion's).
         completion_id: the answer's id; None for a fresh random one.
+        cache_salt: the prefix-cache salt of its choices (``wsgi_app.http.auth.cache_salt``).
 
     Raises:
         ApiError: 400 when the request's KV cache could never fit the budget, 429 ``server_busy`` when
@@ -146,6 +148,7 @@ def admit(
             tokenizer=ctx.model.tokenizer,
             wire=wire,
             fingerprint=ctx.model_version,
+            cache_salt=cache_salt,
         )
     except BaseException:
         ticket.release()
@@ -299,6 +302,7 @@ class Generation:
         completion.close()
         ticket.release()
         record.completion_tokens = completion.completion_tokens
+        record.cached_tokens = completion.cached_tokens
         reasons = record.finish_reasons = completion.finish_reasons()
         if reasons and None not in reasons:
             record.end(STOP if "stop" in reasons else FINISHED)

@@ -29,6 +29,8 @@ class RequestRecord:
         started: ``perf_counter`` at arrival, in seconds.
         status: the HTTP status sent.
         prompt_tokens, completion_tokens: usage counts (tokens).
+        cached_tokens: prompt tokens served by the prefix cache (``usage.prompt_tokens_details``),
+            None for a model without one.
         finish_reasons: one per choice.
         error: message of a failure after the first byte (the status cannot change then), or None.
         ttft_s: seconds from arrival to the first generated token, or None.
@@ -59,6 +61,7 @@ class RequestRecord:
     status: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int | None = None
     finish_reasons: list[str | None] = field(default_factory=list)
     error: str | None = None
     ttft_s: float | None = None

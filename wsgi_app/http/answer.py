@@ -24,6 +24,7 @@ from wsgi_app.generation.grammars import grammar_service
 from wsgi_app.generation.lifetime import admit, random_seed
 from wsgi_app.generation.pacer import ClientGone
 from wsgi_app.generation.record import RequestRecord
+from wsgi_app.http.auth import cache_salt
 from wsgi_app.http.body import read_body
 from wsgi_app.http.error_handlers import error_response
 from wsgi_app.http.event_source import RETRY_MS, no_content, parse_last_event_id, stream_id
@@ -88,7 +89,17 @@ def answer(
         framing = EventIds(seed, RETRY_MS, resume_after=-1 if last is None else last[1])
         completion_id = stream_id(seed, query, wire.id_prefix)
     sock = request.environ.get("gunicorn.socket")
-    generation = admit(rt.generation, req, record, seed, sock, framing, wire, completion_id)
+    generation = admit(
+        rt.generation,
+        req,
+        record,
+        seed,
+        sock,
+        framing,
+        wire,
+        completion_id,
+        cache_salt=cache_salt(req.cache_salt),
+    )
     if req.stream:
         return EventStreamResponse(generation)
     try:

@@ -89,6 +89,15 @@ def presented_key() -> str | None:
     return token
 
 
+def cache_salt(request_salt: str) -> str:
+    """Return the prefix-cache salt of the current request: the digest of its API key (when keys
+    are on) and its own ``cache_salt``, so one tenant never reuses, nor learns from timing about,
+    the prompts of another."""
+    record = g.get("record")  # the key's digest is kept on the request's record (install)
+    digest = record.api_key_digest if record is not None else None
+    return f"{digest or ''}\n{request_salt}"  # a hex digest holds no newline
+
+
 def install(app: Flask, api_keys: Sequence[str], failures: AuthFailures | None = None) -> None:
     """Guard the API routes of ``app`` with ``api_keys``; do nothing when there are none.
 

@@ -244,12 +244,12 @@ class ChunkEncoder:
             )
         return event if self._folded else self.framing.frame(event)
 
-    def usage_chunk(self, usage: dict[str, int]) -> bytes:
+    def usage_chunk(self, usage: dict[str, object]) -> bytes:
         """Return the ``stream_options.include_usage`` event: no choices, the usage."""
         return self.framing.frame(self._head + b',"choices":[],"usage":' + json_bytes(usage) + b"}")
 
     def answer(
-        self, choices: Sequence[EncodedChoice], usage: dict[str, int], pause: Callable[[], None]
+        self, choices: Sequence[EncodedChoice], usage: dict[str, object], pause: Callable[[], None]
     ) -> list[bytes]:
         """Return the non-streamed answer as the byte strings that, joined, make its JSON: one for an
         answer up to ``JOIN_LIMIT_BYTES``, else its parts, which the server writes one by one (joining

@@ -94,6 +94,10 @@ def debug_state() -> Response:
     rt = runtime()
     state = rt.admission.state()
     state["rate_limit"] = {"storage_errors": rt.rate_limit_storage_errors}
+    prefix_cache = getattr(rt.engine, "prefix_cache", None)
+    if prefix_cache is not None:  # the Llama engine's cached prompt blocks (PREFIX_CACHE=1)
+        state["kv_cache_bytes"]["cached"] = prefix_cache.nbytes
+        state["prefix_cache"] = prefix_cache.state()
     # The collector's view: a worker whose full collections stall the hub shows it here first.
     state["gc"] = {
         "frozen": gc.get_freeze_count(),
