@@ -281,6 +281,9 @@ class Metrics:
         queue_wait_s: float | None,
         itl_counts: Sequence[int] = (),
         itl_sum_s: float = 0.0,
+        constraint: str | None = None,
+        compile_s: float | None = None,
+        mask_s: float | None = None,
     ) -> None:
         """Record one finished generation request.
 
@@ -298,6 +301,9 @@ class Metrics:
             queue_wait_s: seconds spent waiting for a slot, or None when not admitted.
             itl_counts: inter-token gaps per bucket of ``ITL_BUCKETS`` (+Inf last), or empty.
             itl_sum_s: the sum of those gaps, seconds.
+            constraint: the output constraint's kind (structured outputs), or None.
+            compile_s: seconds the request waited for its grammar, or None.
+            mask_s: seconds spent on its token masks, or None.
         """
         self.requests.labels(
             endpoint=endpoint,
@@ -317,6 +323,12 @@ class Metrics:
             self.queue_wait.observe(queue_wait_s)
         if itl_counts:
             add_bucket_counts(self.itl, itl_counts, itl_sum_s)
+        if constraint is not None:
+            self.structured_requests.labels(kind=constraint).inc()
+        if compile_s is not None:
+            self.structured_compile.observe(compile_s)
+        if mask_s is not None:
+            self.structured_mask.observe(mask_s)
 
     def set_load(self, running: int, queued: int) -> None:
         """Set this worker's running and queued request gauges."""

@@ -61,8 +61,22 @@ def test_count_all_equals_one_observe_request_each():
         Observation("/v1/completions", 500, "error", "engine_error", 2, 1, 0.3, 2.5, 0.5),
         Observation("/v1/chat/completions", 200, "length", "finished", 1, 9, 0.0007, 0.01, 1e-6),
         Observation("/v1/completions", 400, "none", "none", 0, 0, None, None, None),
+        Observation(
+            "/v1/chat/completions",
+            200,
+            "stop",
+            "stop",
+            4,
+            7,
+            0.01,
+            0.1,
+            0.0,
+            "json_schema",
+            0.002,
+            3e-4,
+        ),
     ]
-    stamps = [*batch, array("d")]
+    stamps = [*batch, array("d"), array("d", [0.0, 0.01])]
     one, many = CollectorRegistry(), CollectorRegistry()
     m1, m2 = Metrics.create(one), Metrics.create(many)
     for o, s in zip(obs, stamps, strict=True):
