@@ -2,9 +2,10 @@
 
 ``Metrics.create(registry)`` makes the metric objects (never at import: module-level metrics break
 multiprocess mode and tests). Under gunicorn, ``PROMETHEUS_MULTIPROC_DIR`` is set before any worker
-imports ``prometheus_client``, so every value lives in a per-process memory-mapped file; ``render()``
-merges the files of all workers (counters and histograms summed, gauges ``livesum``: only live
-workers count, because the master's ``child_exit`` hook calls ``mark_process_dead``).
+imports ``prometheus_client``, so every value lives in a per-process memory-mapped file;
+``telemetry.exposition.render()`` merges the files of all workers (counters and histograms summed,
+gauges ``livesum``: only live workers count, because the master's ``child_exit`` hook calls
+``mark_process_dead``).
 
 Source: prometheus/client_python, "Multiprocess Mode (E.g. Gunicorn)"; Prometheus naming
 conventions (base units, ``_total`` and ``_seconds`` suffixes).
@@ -12,22 +13,17 @@ conventions (base units, ``_total`` and ``_seconds`` suffixes).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    generate_latest,
 )
-from prometheus_client.multiprocess import MultiProcessCollector
 
-from telemetry.quantiles import LATENCY_BUCKETS, histogram_quantile
+from telemetry.quantiles import LATENCY_BUCKETS
 
 __all__ = [
     "E2E_BUCKETS",
@@ -36,9 +32,6 @@ __all__ = [
     "TTFT_BUCKETS",
     "Metrics",
     "add_bucket_counts",
-    "render",
-    "scrape_registry",
-    "summarize",
 ]
 
 # Upper bounds in seconds. The bigram makes a token in ~10 us, a Llama step takes tens of ms: the
@@ -68,7 +61,6 @@ COMPILE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 MASK_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 QUEUE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
 SPAN_RESULTS = ("sent", "dropped", "failed")
-_QUANTILES = (0.5, 0.9, 0.99)
 
 
 @dataclass(frozen=True)
@@ -375,85 +367,3 @@ def add_bucket_counts(histogram: Histogram, counts: Sequence[int], total: float)
         if n:
             value.inc(n)
     histogram._sum.inc(total)
-
-
-def scrape_registry(registry: CollectorRegistry, multiproc_dir: str | None) -> CollectorRegistry:
-    """Return the registry to read: every worker's files in multiprocess mode, else ``registry``."""
-    if not multiproc_dir:
-        return registry
-    merged = CollectorRegistry()
-    MultiProcessCollector(merged, path=multiproc_dir)
-    return merged
-
-
-def render(registry: CollectorRegistry, multiproc_dir: str | None) -> tuple[bytes, str]:
-    """Return the Prometheus text exposition of all workers and its content type."""
-    return generate_latest(scrape_registry(registry, multiproc_dir)), CONTENT_TYPE_LATEST
-
-
-def _samples(registry: CollectorRegistry) -> dict[str, list[Any]]:
-    out: dict[str, list[Any]] = {}
-    for family in registry.collect():
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append(sample)
-    return out
-
-
-def _latency(samples: dict[str, list[Any]], name: str) -> dict[str, float | int | None]:
-    buckets: dict[float, float] = {}
-    for s in samples.get(name + "_bucket", []):
-        le = math.inf if s.labels["le"] == "+Inf" else float(s.labels["le"])
-        buckets[le] = buckets.get(le, 0.0) + s.value
-    count = int(sum(s.value for s in samples.get(name + "_count", [])))
-    total = sum(s.value for s in samples.get(name + "_sum", []))
-    out: dict[str, float | int | None] = {"count": count, "mean": total / count if count else None}
-    for q in _QUANTILES:
-        value = histogram_quantile(q, buckets.items())
-        out[f"p{round(q * 100)}"] = value
-    return out
-
-
-def summarize(registry: CollectorRegistry) -> dict[str, Any]:
-    """Read totals, load and latency quantiles (interpolated in buckets) from a scrape registry.
-
-    Returns:
-        ``{"requests", "failed", "by_status", "by_endpoint", "prompt_tokens", "generation_tokens", "running",
-        "queued", "spans", "latency"}``; ``failed`` counts 5xx answers and streams that ended with an
-        error event (``finish_reason="error"``); ``latency`` maps ``ttft``, ``itl``, ``e2e`` and
-        ``queue_wait`` to ``count``, ``mean``, ``p50``, ``p90``, ``p99`` in seconds (None when empty).
-    """
-    samples = _samples(registry)
-    by_status: dict[str, int] = {}
-    by_endpoint: dict[str, int] = {}
-    failed = 0
-    for s in samples.get("greenserve_requests_total", []):
-        n = int(s.value)
-        by_status[s.labels["status"]] = by_status.get(s.labels["status"], 0) + n
-        endpoint = s.labels.get("endpoint", "")
-        by_endpoint[endpoint] = by_endpoint.get(endpoint, 0) + n
-        if s.labels["status"].startswith("5") or s.labels["finish_reason"] == "error":
-            failed += n
-
-    def total(name: str) -> int:
-        return int(sum(s.value for s in samples.get(name, [])))
-
-    spans = {r: 0 for r in SPAN_RESULTS}
-    for s in samples.get("greenserve_exported_spans_total", []):
-        spans[s.labels["result"]] = spans.get(s.labels["result"], 0) + int(s.value)
-    return {
-        "requests": sum(by_status.values()),
-        "failed": failed,
-        "by_status": dict(sorted(by_status.items())),
-        "by_endpoint": dict(sorted(by_endpoint.items())),
-        "prompt_tokens": total("greenserve_prompt_tokens_total"),
-        "generation_tokens": total("greenserve_generation_tokens_total"),
-        "running": total("greenserve_requests_running"),
-        "queued": total("greenserve_requests_queued"),
-        "spans": spans,
-        "latency": {
-            "ttft": _latency(samples, "greenserve_time_to_first_token_seconds"),
-            "itl": _latency(samples, "greenserve_inter_token_latency_seconds"),
-            "e2e": _latency(samples, "greenserve_e2e_request_latency_seconds"),
-            "queue_wait": _latency(samples, "greenserve_queue_wait_seconds"),
-        },
-    }

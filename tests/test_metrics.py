@@ -12,7 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from telemetry.metrics import ITL_BUCKETS, Metrics, add_bucket_counts, render, summarize
+from telemetry.exposition import render, summarize
+from telemetry.metrics import ITL_BUCKETS, Metrics, add_bucket_counts
 from telemetry.quantiles import bucket_index, cumulate, histogram_quantile
 from tests.collector import FakeCollector
 from tests.server import GunicornServer, concurrently, wait_until

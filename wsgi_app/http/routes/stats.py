@@ -15,8 +15,8 @@ from typing import Any
 
 from flask import Blueprint, Response, request
 
+from telemetry.exposition import render, scrape_registry, summarize
 from telemetry.flusher import run_in_thread
-from telemetry.metrics import render, scrape_registry, summarize
 from wsgi_app.api.errors import invalid
 from wsgi_app.http.error_handlers import json_response
 from wsgi_app.http.runtime import Runtime, runtime
