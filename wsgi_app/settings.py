@@ -6,80 +6,30 @@ deployment fails the worker at start with a message naming the variable, not at 
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import re
 import secrets
 import tempfile
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from wsgi_app.setting_checks import (
     _http_url,
-    check_rate_limit_storage,
-    parse_rate_limit,
 )
-
-
-def _number(
-    env: Mapping[str, str], name: str, default: float, lo: float, hi: float, kind: type
-) -> Any:
-    """Return ``env[name]`` converted by ``kind`` (int or float) and checked to be in ``lo..hi``, or
-    ``default`` when it is unset or blank.
-
-    Raises:
-        ValueError: the value does not convert or is out of range (the message names ``name``).
-    """
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        noun = "an integer" if kind is int else "a number"
-        raise ValueError(f"{name} must be {noun}, got {raw!r}") from None
-    if not lo <= value <= hi:  # also rejects NaN
-        raise ValueError(f"{name} must be in {lo}..{hi}, got {value if kind is int else raw}")
-    return value
-
-
-def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
-    return _number(env, name, default, lo, hi, int)
-
-
-def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: float) -> float:
-    return _number(env, name, default, lo, hi, float)
-
-
-def _str(env: Mapping[str, str], name: str, default: str) -> str:
-    raw = env.get(name, "").strip()
-    return raw or default
-
-
-def _defaults(cls: type) -> dict[str, Any]:
-    """Return the plain defaults of the dataclass ``cls``'s fields by name (the one place each
-    default is written is the field itself; fields with a factory are left out)."""
-    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
-
-
-def _api_keys(env: Mapping[str, str]) -> tuple[str, ...]:
-    raw = env.get("API_KEYS", "")
-    keys = tuple(k.strip() for k in raw.split(",") if k.strip())
-    if raw.strip() and not keys:
-        raise ValueError("API_KEYS must list at least one non-empty key")
-    return keys
-
-
-def _cors_origins(env: Mapping[str, str]) -> tuple[str, ...]:
-    raw = env.get("CORS_ORIGINS", "")
-    origins = tuple(o.strip().rstrip("/") for o in raw.split(",") if o.strip())
-    for origin in origins:
-        scheme, _, host = origin.partition("://")
-        if origin != "*" and (scheme not in ("http", "https") or not host or "/" in host):
-            raise ValueError(f"CORS_ORIGINS entries are * or scheme://host[:port], got {origin!r}")
-    return origins
+from wsgi_app.setting_values import (
+    env_api_keys,
+    env_auth_failure_limit,
+    env_cors_origins,
+    env_float,
+    env_forwarded_allow_ips,
+    env_host,
+    env_int,
+    env_metrics_dir,
+    env_rate_limit,
+    env_readable_file,
+    env_str,
+    field_defaults,
+)
 
 
 def default_stats_db(env: Mapping[str, str] | None = None) -> str:
@@ -108,38 +58,6 @@ def otlp_traces_endpoint(env: Mapping[str, str]) -> str | None:
     if not base:
         return None
     return _http_url("OTEL_EXPORTER_OTLP_ENDPOINT", base).rstrip("/") + "/v1/traces"
-
-
-def _rate_limit(env: Mapping[str, str], storage_uri: str) -> str:
-    text = _str(env, "RATE_LIMIT", "")
-    if text:  # the storage is only used, and so only checked, when a limit is set
-        parse_rate_limit(text)
-        check_rate_limit_storage(storage_uri)
-    return text
-
-
-def _forwarded_allow_ips(env: Mapping[str, str], default: tuple[str, ...]) -> tuple[str, ...]:
-    raw = env.get("FORWARDED_ALLOW_IPS", "")
-    entries = tuple(e.strip() for e in raw.split(",") if e.strip()) or default
-    if "*" in entries:
-        return ("*",)
-    for entry in entries:
-        try:
-            ipaddress.ip_network(entry, strict=False)
-        except ValueError:
-            raise ValueError(
-                "FORWARDED_ALLOW_IPS must list IP addresses or CIDR networks (or be '*'), "
-                f"got {entry!r}"
-            ) from None
-    return entries
-
-
-def _auth_failure_limit(env: Mapping[str, str], storage_uri: str, keys: tuple[str, ...]) -> str:
-    text = _str(env, "AUTH_FAILURE_LIMIT", Settings.auth_failure_limit)
-    if keys:  # counted only when API keys are on
-        parse_rate_limit(text, "AUTH_FAILURE_LIMIT")
-        check_rate_limit_storage(storage_uri)
-    return text
 
 
 @dataclass(frozen=True)
@@ -258,55 +176,59 @@ class Settings:
             ValueError: a variable is malformed or out of range; the message names it.
         """
         env = os.environ if env is None else env
-        d = _defaults(cls)
-        storage_uri = _str(env, "RATE_LIMIT_STORAGE_URI", d["rate_limit_storage_uri"])
+        d = field_defaults(cls)
+        storage_uri = env_str(env, "RATE_LIMIT_STORAGE_URI", d["rate_limit_storage_uri"])
         return cls(
             model_dir=env.get("MODEL_DIR", "").strip() or None,
-            max_slots=_int(env, "MAX_SLOTS", d["max_slots"], 1, 100_000),
-            max_queue=_int(env, "MAX_QUEUE", d["max_queue"], 0, 1_000_000),
-            kv_cache_budget_mb=_int(env, "KV_CACHE_BUDGET_MB", d["kv_cache_budget_mb"], 1, 1 << 24),
-            batch_invariant=_int(env, "BATCH_INVARIANT", int(d["batch_invariant"]), 0, 1) == 1,
-            speculative_tokens=_int(env, "SPECULATIVE_TOKENS", d["speculative_tokens"], 0, 64),
-            prefix_cache=_int(env, "PREFIX_CACHE", int(d["prefix_cache"]), 0, 1) == 1,
-            max_body_bytes=_int(env, "MAX_BODY_BYTES", d["max_body_bytes"], 1024, 1 << 30),
-            max_prompt_tokens=_int(env, "MAX_PROMPT_TOKENS", d["max_prompt_tokens"], 1, 1 << 24),
-            max_n=_int(env, "MAX_N", d["max_n"], 1, 128),
-            max_logprob_entries=_int(
+            max_slots=env_int(env, "MAX_SLOTS", d["max_slots"], 1, 100_000),
+            max_queue=env_int(env, "MAX_QUEUE", d["max_queue"], 0, 1_000_000),
+            kv_cache_budget_mb=env_int(
+                env, "KV_CACHE_BUDGET_MB", d["kv_cache_budget_mb"], 1, 1 << 24
+            ),
+            batch_invariant=env_int(env, "BATCH_INVARIANT", int(d["batch_invariant"]), 0, 1) == 1,
+            speculative_tokens=env_int(env, "SPECULATIVE_TOKENS", d["speculative_tokens"], 0, 64),
+            prefix_cache=env_int(env, "PREFIX_CACHE", int(d["prefix_cache"]), 0, 1) == 1,
+            max_body_bytes=env_int(env, "MAX_BODY_BYTES", d["max_body_bytes"], 1024, 1 << 30),
+            max_prompt_tokens=env_int(env, "MAX_PROMPT_TOKENS", d["max_prompt_tokens"], 1, 1 << 24),
+            max_n=env_int(env, "MAX_N", d["max_n"], 1, 128),
+            max_logprob_entries=env_int(
                 env, "MAX_LOGPROB_ENTRIES", d["max_logprob_entries"], 1, 1 << 30
             ),
-            request_timeout_s=_float(
+            request_timeout_s=env_float(
                 env, "REQUEST_TIMEOUT_S", d["request_timeout_s"], 0.001, 86_400.0
             ),
-            decode_tokens_per_s=_float(
+            decode_tokens_per_s=env_float(
                 env, "DECODE_TOKENS_PER_S", d["decode_tokens_per_s"], 0.001, 1e9
             ),
-            heartbeat_s=_float(env, "HEARTBEAT_S", d["heartbeat_s"], 0.01, 3_600.0),
-            send_timeout_s=_float(env, "SEND_TIMEOUT_S", d["send_timeout_s"], 0.01, 3_600.0),
-            log_level=_str(env, "LOG_LEVEL", d["log_level"]).lower(),
-            log_prompts=_int(env, "LOG_PROMPTS", int(d["log_prompts"]), 0, 1) == 1,
+            heartbeat_s=env_float(env, "HEARTBEAT_S", d["heartbeat_s"], 0.01, 3_600.0),
+            send_timeout_s=env_float(env, "SEND_TIMEOUT_S", d["send_timeout_s"], 0.01, 3_600.0),
+            log_level=env_str(env, "LOG_LEVEL", d["log_level"]).lower(),
+            log_prompts=env_int(env, "LOG_PROMPTS", int(d["log_prompts"]), 0, 1) == 1,
             otlp_endpoint=otlp_traces_endpoint(env),
-            service_name=_str(env, "OTEL_SERVICE_NAME", d["service_name"]),
-            faults=_str(env, "GREENSERVE_FAULTS", d["faults"]),
-            rate_limit=_rate_limit(env, storage_uri),
+            service_name=env_str(env, "OTEL_SERVICE_NAME", d["service_name"]),
+            faults=env_str(env, "GREENSERVE_FAULTS", d["faults"]),
+            rate_limit=env_rate_limit(env, storage_uri),
             rate_limit_storage_uri=storage_uri,
-            trusted_proxies=_int(env, "TRUSTED_PROXIES", d["trusted_proxies"], 0, 32),
-            forwarded_allow_ips=_forwarded_allow_ips(env, d["forwarded_allow_ips"]),
-            api_keys=_api_keys(env),
-            auth_failure_limit=_auth_failure_limit(env, storage_uri, _api_keys(env)),
-            cors_origins=_cors_origins(env),
-            slow_request_s=_float(env, "SLOW_REQUEST_S", d["slow_request_s"], 0.0, 86_400.0),
-            stats_db=_str(env, "STATS_DB", default_stats_db(env)),
-            stats_flush_s=_float(env, "STATS_FLUSH_S", d["stats_flush_s"], 0.01, 3_600.0),
-            slo_ttft_s=_float(env, "SLO_TTFT_S", d["slo_ttft_s"], 0.001, 3_600.0),
-            slo_target=_float(env, "SLO_TARGET", d["slo_target"], 0.5, 0.999999),
-            client_hash_salt=_str(env, "CLIENT_HASH_SALT", "") or secrets.token_hex(16),
-            prometheus_multiproc_dir=_metrics_dir(env),
-            pages=_int(env, "PAGES", int(d["pages"]), 0, 1) == 1,
-            chat_template=_readable_file(env, "CHAT_TEMPLATE"),
-            chat_max_tokens=_int(env, "CHAT_MAX_TOKENS", d["chat_max_tokens"], 1, 4096),
-            max_chat_messages=_int(env, "MAX_CHAT_MESSAGES", d["max_chat_messages"], 1, 1 << 20),
+            trusted_proxies=env_int(env, "TRUSTED_PROXIES", d["trusted_proxies"], 0, 32),
+            forwarded_allow_ips=env_forwarded_allow_ips(env, d["forwarded_allow_ips"]),
+            api_keys=env_api_keys(env),
+            auth_failure_limit=env_auth_failure_limit(
+                env, storage_uri, env_api_keys(env), d["auth_failure_limit"]
+            ),
+            cors_origins=env_cors_origins(env),
+            slow_request_s=env_float(env, "SLOW_REQUEST_S", d["slow_request_s"], 0.0, 86_400.0),
+            stats_db=env_str(env, "STATS_DB", default_stats_db(env)),
+            stats_flush_s=env_float(env, "STATS_FLUSH_S", d["stats_flush_s"], 0.01, 3_600.0),
+            slo_ttft_s=env_float(env, "SLO_TTFT_S", d["slo_ttft_s"], 0.001, 3_600.0),
+            slo_target=env_float(env, "SLO_TARGET", d["slo_target"], 0.5, 0.999999),
+            client_hash_salt=env_str(env, "CLIENT_HASH_SALT", "") or secrets.token_hex(16),
+            prometheus_multiproc_dir=env_metrics_dir(env),
+            pages=env_int(env, "PAGES", int(d["pages"]), 0, 1) == 1,
+            chat_template=env_readable_file(env, "CHAT_TEMPLATE"),
+            chat_max_tokens=env_int(env, "CHAT_MAX_TOKENS", d["chat_max_tokens"], 1, 4096),
+            max_chat_messages=env_int(env, "MAX_CHAT_MESSAGES", d["max_chat_messages"], 1, 1 << 20),
             server_started_at=(
-                _float(env, "GREENSERVE_STARTED_AT", 0.0, 0.0, 1e12)
+                env_float(env, "GREENSERVE_STARTED_AT", 0.0, 0.0, 1e12)
                 if env.get("GREENSERVE_STARTED_AT")
                 else None
             ),
@@ -325,38 +247,6 @@ class Settings:
                 return f.read()
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"CHAT_TEMPLATE ({self.chat_template}): cannot read: {exc}") from None
-
-
-def _readable_file(env: Mapping[str, str], name: str) -> str | None:
-    path = _str(env, name, "") or None
-    if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
-        raise ValueError(f"{name} must be a readable file, got {path!r}")
-    return path
-
-
-# A host name: dot-separated labels of letters, digits and inner hyphens (RFC 1123 §2.1).
-_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
-
-
-def _metrics_dir(env: Mapping[str, str]) -> str | None:
-    path = _str(env, "PROMETHEUS_MULTIPROC_DIR", "") or None
-    if path is not None and not (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
-        raise ValueError(
-            f"PROMETHEUS_MULTIPROC_DIR must be an existing writable directory, got {path!r}"
-        )
-    return path
-
-
-def _host(env: Mapping[str, str], default: str) -> str:
-    host = _str(env, "HOST", default)
-    if host.startswith("[") != host.endswith("]"):
-        raise ValueError(f"HOST must be an IP address or a host name, got {host!r}")
-    try:
-        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
-    except ValueError:
-        if len(host) > 253 or not _HOST_NAME.fullmatch(host):
-            raise ValueError(f"HOST must be an IP address or a host name, got {host!r}") from None
-    return host
 
 
 def usable_cpus() -> int:
@@ -418,21 +308,25 @@ class ServerSettings:
                 ``HEALTH_PORT``; the message names it.
         """
         env = os.environ if env is None else env
-        d = _defaults(cls)
+        d = field_defaults(cls)
         settings = cls(
-            host=_host(env, d["host"]),
-            port=_int(env, "PORT", d["port"], 0, 65_535),
-            health_port=_int(env, "HEALTH_PORT", d["health_port"], 0, 65_535),
-            workers=_int(env, "WEB_CONCURRENCY", d["workers"], 0, 1024),
-            worker_connections=_int(
+            host=env_host(env, d["host"]),
+            port=env_int(env, "PORT", d["port"], 0, 65_535),
+            health_port=env_int(env, "HEALTH_PORT", d["health_port"], 0, 65_535),
+            workers=env_int(env, "WEB_CONCURRENCY", d["workers"], 0, 1024),
+            worker_connections=env_int(
                 env, "WORKER_CONNECTIONS", d["worker_connections"], 1, 1_000_000
             ),
-            timeout_s=_int(env, "GUNICORN_TIMEOUT_S", d["timeout_s"], 0, 86_400),
-            graceful_timeout_s=_int(env, "GRACEFUL_TIMEOUT_S", d["graceful_timeout_s"], 0, 86_400),
-            keepalive_s=_int(env, "KEEPALIVE_S", d["keepalive_s"], 0, 3_600),
-            header_timeout_s=_float(env, "HEADER_TIMEOUT_S", d["header_timeout_s"], 0.1, 3_600.0),
-            max_header_bytes=_int(env, "MAX_HEADER_BYTES", d["max_header_bytes"], 1024, 1 << 20),
-            log_level=_str(env, "LOG_LEVEL", d["log_level"]).lower(),
+            timeout_s=env_int(env, "GUNICORN_TIMEOUT_S", d["timeout_s"], 0, 86_400),
+            graceful_timeout_s=env_int(
+                env, "GRACEFUL_TIMEOUT_S", d["graceful_timeout_s"], 0, 86_400
+            ),
+            keepalive_s=env_int(env, "KEEPALIVE_S", d["keepalive_s"], 0, 3_600),
+            header_timeout_s=env_float(
+                env, "HEADER_TIMEOUT_S", d["header_timeout_s"], 0.1, 3_600.0
+            ),
+            max_header_bytes=env_int(env, "MAX_HEADER_BYTES", d["max_header_bytes"], 1024, 1 << 20),
+            log_level=env_str(env, "LOG_LEVEL", d["log_level"]).lower(),
         )
         if settings.port and settings.port == settings.health_port:
             raise ValueError(f"PORT and HEALTH_PORT must differ, both are {settings.port}")
