@@ -88,16 +88,23 @@ BAD = [
 ]
 
 
-def failed_start(tmp_path: Path, env: dict[str, str]) -> tuple[str, list[str]]:
+def failed_start(
+    tmp_path: Path, env: dict[str, str], own_binds: bool = False
+) -> tuple[str, list[str]]:
     """Run gunicorn until it exits (code 1 asserted); return its stderr and its non-JSON lines.
 
     The temp dir is private, so that the metrics dir ``gunicorn.conf.py`` makes is seen removed.
+    With ``own_binds`` the test servers' ``--bind 127.0.0.1:0`` are left out, so ``HOST``, ``PORT``
+    and ``HEALTH_PORT`` decide what is bound.
     """
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     srv = GunicornServer(tmp_path / "run", {"TMPDIR": str(tmp), **env})
+    cmd = srv.cmd
+    if own_binds:
+        cmd = [part for part in cmd if part not in ("--bind", "127.0.0.1:0")]
     done = subprocess.run(
-        srv.cmd,
+        cmd,
         cwd=ROOT,
         env=srv.env,
         stdin=subprocess.DEVNULL,
@@ -265,21 +272,9 @@ def test_a_busy_port_stops_the_start_with_one_line_naming_the_port_and_setting(t
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
         ports = {"PORT": "0", "HEALTH_PORT": "0", setting: str(port)}
-        srv = GunicornServer(tmp_path / "run", {"HOST": "127.0.0.1", **ports})
-        cmd = [part for part in srv.cmd if part not in ("--bind", "127.0.0.1:0")]
-        done = subprocess.run(
-            cmd,
-            cwd=ROOT,
-            env=srv.env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    assert done.returncode == 1, done.stderr
+        stderr, plain = failed_start(tmp_path, {"HOST": "127.0.0.1", **ports}, own_binds=True)
     # gunicorn's own five retries ("Connection in use", "Retrying in 1 second") never start.
-    assert "Retrying" not in done.stderr and "Connection in use" not in done.stderr
-    plain = [line for line in done.stderr.splitlines() if not line.startswith("{")]
+    assert "Retrying" not in stderr and "Connection in use" not in stderr
     assert plain == [
         f"greenserve: cannot start: port {port} on 127.0.0.1 ({setting}={port}) already in use; "
         f"stop what listens there or set {setting} to a free port"
