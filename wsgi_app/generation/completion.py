@@ -20,6 +20,7 @@ from model.tokenizer import TextTokenizer
 from model.utf8 import Utf8Decoder
 from wsgi_app.api.completions import CompletionRequest, Prompt
 from wsgi_app.generation.choice import BYTE_TOKENIZER, Choice, token_start
+from wsgi_app.generation.tool_calls import ToolChoice
 from wsgi_app.wire.encoder import TEXT_COMPLETION, ChunkEncoder, WireFormat
 from wsgi_app.wire.logprobs import Logprobs
 from wsgi_app.wire.sse import PING, PLAIN, Framing
@@ -112,16 +113,29 @@ class Completion:
                     grammar=req.grammar,
                     cache_salt=cache_salt,
                 )
-                choice = Choice(
-                    len(self.choices),
-                    engine.stream(gen),
-                    req.max_tokens,
-                    req.stop,
-                    echo_text,
-                    logprobs,
-                    tokenizer.token_bytes,
-                    pending,
-                )
+                if req.calls_tools:  # chat only: no echo
+                    choice: Choice = ToolChoice(
+                        len(self.choices),
+                        engine.stream(gen),
+                        req.max_tokens,
+                        req.stop,
+                        logprobs,
+                        tokenizer.token_bytes,
+                        tools=req.tools,
+                        tool_format=req.tool_format,
+                        seed=req.seed,
+                    )
+                else:
+                    choice = Choice(
+                        len(self.choices),
+                        engine.stream(gen),
+                        req.max_tokens,
+                        req.stop,
+                        echo_text,
+                        logprobs,
+                        tokenizer.token_bytes,
+                        pending,
+                    )
                 self.choices.append(choice)
         self.encoder: ChunkEncoder = wire.encoder(
             completion_id,
@@ -131,6 +145,7 @@ class Completion:
             req.include_usage,
             framing,
             fingerprint,
+            tool_calls=req.calls_tools,
         )
 
     # -- accounting ---------------------------------------------------------------------------
@@ -169,6 +184,12 @@ class Completion:
         if cached is not None:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
+
+    def tool_calls(self) -> int | None:
+        """Tool calls made over all choices; None for a request that could make none."""
+        if not self.req.calls_tools:
+            return None
+        return sum(len(c.calls) for c in self.choices)
 
     def finish_reasons(self) -> list[str | None]:
         """Each choice's finish reason (None while it runs)."""
