@@ -2,12 +2,14 @@
 
 Only a request with tools (``tool_choice`` not ``none``) has these choices; every other choice is a
 plain :class:`~wsgi_app.generation.choice.Choice`, whose hot path this adds nothing to. The split sits
-where the stop strings are matched: :class:`CallFilter` takes the stop matcher's place. Text before
-the block's opening tag is content (held back from the first byte of a possible tag, as a stop string
-is; the request's stop strings apply to it, never to the block); from the tag on, the text goes to
-the call parser (``wsgi_app.api.tool_syntax.CallParser``) and is never content. The calls read are
-both what a stream sends (as tool-call deltas) and what the JSON answer holds, so a stream's
-accumulation is the answer.
+where the stop strings are matched: :class:`CallFilter` takes the stop matcher's place. With
+``tool_choice`` ``auto``, text before the block's opening tag is content: held back from the first
+byte of a possible tag, as a stop string is, and released once the tag cannot follow (at the end of
+the answer too); the request's stop strings apply to it, never to the block. ``required`` and a named
+choice answer a block from the first byte, never content. From the tag on, the text goes to the call
+parser (``wsgi_app.api.tool_syntax.CallParser``) and is never content. The calls read are both what a
+stream sends (as tool-call deltas) and what the JSON answer holds, so a stream's accumulation is the
+answer.
 
 When the choice ends: calls made and every call complete is the tool choice's ``finish_reason``
 (``tool_calls``; ``stop`` for a named choice; ``function_call`` for the legacy fields). A block cut by
@@ -45,15 +47,17 @@ class CallFilter:
         stops: the request's stop strings (they end the content; inside the block they do not
             apply: the grammar decides where it ends).
         parser: the call parser the block's text goes to.
+        in_block: the answer is a block from its first byte (``tool_choice`` ``required`` or
+            named): no text is content, not even an opening tag cut by ``max_tokens``.
     """
 
     __slots__ = ("_stop", "_held", "parser", "in_block")
 
-    def __init__(self, stops: tuple[str, ...], parser: CallParser) -> None:
+    def __init__(self, stops: tuple[str, ...], parser: CallParser, in_block: bool = False) -> None:
         self._stop = StopMatcher(stops)
         self._held = ""  # a possible start of the opening tag
         self.parser = parser
-        self.in_block = False
+        self.in_block = in_block
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add decoded text; return the content it releases and whether a stop string matched."""
@@ -111,7 +115,7 @@ class ToolChoice(Choice):
     ) -> None:
         super().__init__(index, stream, max_tokens, (), "", logprobs, token_bytes)
         parser = CallParser(tool_format, lambda i: call_id(seed, index, i))
-        self._filter = self._matcher = CallFilter(stop, parser)
+        self._filter = self._matcher = CallFilter(stop, parser, tools.choice != "auto")
         self._stops = True
         self._calls_reason = tools.finish_reason()
         self.legacy = tools.legacy

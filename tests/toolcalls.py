@@ -1,0 +1,140 @@
+"""Tool-call test helpers: the tools the tests offer, a chat request's answer and stream, and the
+accumulation of a stream's deltas into a message the way agent frameworks do it (checking each delta's
+shape on the way)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+
+from tests.server import GunicornServer
+from tests.sse import sse_json
+
+PATH = "/v1/chat/completions"
+CALL_ID = re.compile(r"call_[A-Za-z0-9]{24}")
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 6},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a time zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
+TOOLS = {t["function"]["name"]: t for t in (WEATHER, TIME)}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def answer(srv: GunicornServer, body: dict) -> dict:
+    """Return the JSON answer to a chat request (asserting a 200)."""
+    status, _, raw = srv.post(PATH, {**body, "stream": False})
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def stream(srv: GunicornServer, body: dict) -> list[dict]:
+    """Return the chunks of a streamed chat request (asserting a 200 and one ``[DONE]``)."""
+    status, _, raw = srv.post(PATH, {**body, "stream": True})
+    assert status == 200, raw
+    return sse_json(raw)
+
+
+def accumulate(chunks: list[dict]) -> list[dict]:
+    """Return each choice's ``{"message", "finish_reason"}`` accumulated from ``chunks``, as an agent
+    framework does (content concatenated, tool calls keyed by ``index``, arguments concatenated),
+    asserting the wire shapes on the way: one id throughout, a first delta of role and null content,
+    a call's first delta with ``id``/``type``/``name`` and ``arguments`` "", later ones with only
+    ``index`` and ``function.arguments``, ``finish_reason`` on the last chunk of a choice only."""
+    assert len({c["id"] for c in chunks}) == 1
+    out: dict[int, dict] = {}
+    for chunk in chunks:
+        assert chunk["object"] == "chat.completion.chunk"
+        for choice in chunk["choices"]:
+            i, delta = choice["index"], choice["delta"]
+            if i not in out:
+                assert delta == {"role": "assistant", "content": None}, delta
+                out[i] = {"message": {"role": "assistant", "content": None}, "finish_reason": None}
+                continue
+            acc = out[i]
+            assert acc["finish_reason"] is None, "a chunk after the finish chunk"
+            acc["finish_reason"] = choice["finish_reason"]
+            if choice["finish_reason"] is not None:
+                assert delta == {}
+            if "content" in delta:
+                assert set(delta) == {"content"} and delta["content"]
+                acc["message"]["content"] = (acc["message"]["content"] or "") + delta["content"]
+            if "tool_calls" in delta:
+                assert set(delta) == {"tool_calls"} and len(delta["tool_calls"]) == 1
+                _add_call(acc["message"].setdefault("tool_calls", []), delta["tool_calls"][0])
+            if "function_call" in delta:
+                _add_legacy(acc["message"], delta["function_call"])
+    return [out[i] for i in sorted(out)]
+
+
+def _add_call(calls: list[dict], item: dict) -> None:
+    index = item["index"]
+    if index == len(calls):  # a new call: its first delta names it
+        assert set(item) == {"index", "id", "type", "function"}, item
+        assert item["type"] == "function" and CALL_ID.fullmatch(item["id"])
+        assert (
+            set(item["function"]) == {"name", "arguments"} and item["function"]["arguments"] == ""
+        )
+        calls.append({"id": item["id"], "type": "function", "function": dict(item["function"])})
+        return
+    assert index == len(calls) - 1, "arguments of a call that is not the last one"
+    assert item.keys() == {"index", "function"} and item["function"].keys() == {"arguments"}
+    assert item["function"]["arguments"]
+    calls[index]["function"]["arguments"] += item["function"]["arguments"]
+
+
+def _add_legacy(message: dict, item: dict) -> None:
+    if "function_call" not in message:
+        assert set(item) == {"name", "arguments"} and item["arguments"] == ""
+        message["function_call"] = dict(item)
+        return
+    assert set(item) == {"arguments"} and item["arguments"]
+    message["function_call"]["arguments"] += item["arguments"]
+
+
+def plain(doc: dict) -> list[dict]:
+    """Return each choice's ``{"message", "finish_reason"}`` of a JSON answer (refusal left out)."""
+    out = []
+    for choice in doc["choices"]:
+        message = dict(choice["message"])
+        assert message.pop("refusal") is None
+        out.append({"message": message, "finish_reason": choice["finish_reason"]})
+    return out
+
+
+def check_calls(calls: list[dict]) -> None:
+    """Assert that each call names an offered tool, its arguments are a JSON string valid against
+    that tool's schema, and the ids are unique."""
+    assert len({c["id"] for c in calls}) == len(calls)
+    for call in calls:
+        assert CALL_ID.fullmatch(call["id"]) and call["type"] == "function"
+        tool = TOOLS[call["function"]["name"]]["function"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), tool["parameters"])
