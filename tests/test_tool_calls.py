@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
+import openai
 import pytest
 
-from tests.server import concurrently
+from tests.contract import Contract
+from tests.server import ROOT, concurrently
+from tests.test_client_libraries import README_URL, readme_block
 from tests.toolcalls import (
     ASK,
     CALL_ID,
@@ -22,6 +27,7 @@ from tests.toolcalls import (
     TIME,
     WEATHER,
     accumulate,
+    agent_loop,
     answer,
     check_calls,
     plain,
@@ -82,6 +88,23 @@ def test_required_calls_validate_and_the_stream_accumulates_to_the_answer(server
             assert len(message["tool_calls"]) == 1
     ids = [c["id"] for choice in choices for c in choice["message"]["tool_calls"]]
     assert len(set(ids)) == len(ids)  # unique per call, over the choices too
+
+
+@pytest.mark.parametrize("followup", ["none", "auto"])
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"seed": 7}], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["create", "stream"])
+def test_an_agent_loop_with_the_openai_sdk(server, streamed, sampling, followup):
+    """A forced call, its result sent back, a text answer (the bigram never writes the tag)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    first, second = agent_loop(
+        client, streamed, followup, model="m", max_tokens=120, parallel_tool_calls=False, **sampling
+    )
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert first.choices[0].message.content is None
+    answer_ = second.choices[0]
+    assert answer_.message.tool_calls is None and answer_.finish_reason == "length"
+    assert answer_.message.content and "<tool_call>" not in answer_.message.content
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result
 
 
 def test_the_exact_chunks_of_one_call(server):
@@ -361,3 +384,39 @@ def test_the_hermes_syntax(hermes):
     check_calls(several["message"]["tool_calls"][:-1])
     assert named["finish_reason"] == "stop"
     check_calls(one["message"]["tool_calls"] + named["message"]["tool_calls"])
+
+
+def test_tool_answers_follow_the_openapi_contract(server):
+    contract = Contract(json.loads((ROOT / "wsgi_app" / "openapi.json").read_text()))
+    cases = [
+        {**REQUIRED, "seed": THREE_CALLS, "n": 2, "logprobs": True},
+        {**NAMED, "seed": 1, "max_tokens": 40},  # cut: a call with cut arguments
+        {**BODY, "tool_choice": "auto", "seed": 5, "max_tokens": 10},
+        {
+            "model": "m",
+            "messages": ASK,
+            "functions": [TIME["function"]],
+            "function_call": {"name": "get_time"},
+            "max_tokens": 100,
+            "seed": 2,
+        },
+    ]
+    for body in cases:
+        for extra in ({}, {"stream": True, "stream_options": {"include_usage": True}}):
+            status, headers, raw = server.post(PATH, {**body, **extra})
+            assert status == 200, raw
+            assert contract.check(PATH, "POST", status, headers, raw) >= 3
+
+
+def test_the_readme_example_runs_as_written(server):
+    code = readme_block("python", 'tool_choice="required"')
+    run = subprocess.run(
+        [sys.executable, "-c", code.replace(README_URL, server.url)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    call, answer_ = run.stdout.split("\n", 1)
+    assert re.fullmatch(r"get_weather \{'city': '.{0,20}'\}", call, re.S)
+    assert answer_.strip()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import jsonschema
 
@@ -138,3 +139,80 @@ def check_calls(calls: list[dict]) -> None:
         assert CALL_ID.fullmatch(call["id"]) and call["type"] == "function"
         tool = TOOLS[call["function"]["name"]]["function"]
         jsonschema.validate(json.loads(call["function"]["arguments"]), tool["parameters"])
+
+
+def sdk_call(client: Any, stream: bool, **kwargs: Any) -> Any:
+    """Return the chat completion for ``kwargs``: ``create`` when not ``stream``, else the openai
+    SDK's stream helper's final completion (its own accumulation of the chunks)."""
+    if not stream:
+        return client.chat.completions.create(**kwargs)
+    with client.chat.completions.stream(**kwargs) as events:
+        return events.get_final_completion()
+
+
+def summary(done: Any) -> list[tuple]:
+    """Return what an agent reads of an SDK chat completion: per choice its finish reason, content
+    and calls (id, name, arguments)."""
+    return [
+        (
+            c.finish_reason,
+            c.message.content,
+            [
+                (t.id, t.type, t.function.name, t.function.arguments)
+                for t in c.message.tool_calls or ()
+            ],
+        )
+        for c in done.choices
+    ]
+
+
+def same_answers(a: Any, b: Any, seeded: bool) -> None:
+    """Assert two SDK completions of one request are the same answer (call ids aside when the
+    request has no seed: they are random then)."""
+    ours, theirs = summary(a), summary(b)
+    if not seeded:
+        ours, theirs = (
+            [(r, t, [c[1:] for c in calls]) for r, t, calls in x] for x in (ours, theirs)
+        )
+    assert ours == theirs
+
+
+def agent_loop(client: Any, stream: bool, followup: str, **kwargs: Any) -> tuple[Any, Any]:
+    """Run an agent's two steps with the openai SDK: ``tool_choice`` ``required`` gives a call
+    whose arguments validate against the weather tool's schema; the tool's result goes back with
+    ``tool_choice`` ``followup``. Return both completions; each is checked to equal the other way
+    (``create`` or the stream helper) of the same request (greedy or seeded: ``kwargs``)."""
+    seeded = "seed" in kwargs
+    tools = {"tools": [WEATHER], **kwargs}
+    ask = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+    first = sdk_call(client, stream, messages=ask, tool_choice="required", **tools)
+    same_answers(
+        first, sdk_call(client, not stream, messages=ask, tool_choice="required", **tools), seeded
+    )
+    message = first.choices[0].message
+    (call,) = message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+    result = json.dumps({"temp_c": 18, **arguments})
+    history = [
+        *ask,
+        {
+            "role": "assistant",
+            "content": message.content,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": result},
+    ]
+    second = sdk_call(client, stream, messages=history, tool_choice=followup, **tools)
+    same_answers(
+        second,
+        sdk_call(client, not stream, messages=history, tool_choice=followup, **tools),
+        seeded,
+    )
+    return first, second
