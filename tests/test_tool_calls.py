@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import openai
 import pytest
 
 from tests.contract import Contract
 from tests.server import ROOT, concurrently
-from tests.test_client_libraries import README_URL, readme_block
+from tests.test_client_libraries import run_readme_python
 from tests.toolcalls import (
     ASK,
     CALL_ID,
@@ -409,14 +407,7 @@ def test_tool_answers_follow_the_openapi_contract(server):
 
 
 def test_the_readme_example_runs_as_written(server):
-    code = readme_block("python", 'tool_choice="required"')
-    run = subprocess.run(
-        [sys.executable, "-c", code.replace(README_URL, server.url)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert run.returncode == 0, run.stderr
+    run = run_readme_python('tool_choice="required"', server.url)
     call, answer_ = run.stdout.split("\n", 1)
     assert re.fullmatch(r"get_weather \{'city': '.{0,20}'\}", call, re.S)
     assert answer_.strip()

@@ -9,6 +9,7 @@ import pytest
 
 from model.grammar.compile import Constraint
 from model.sampling import SamplingParams
+from model.stop import StopMatcher
 from model.tokenizer import ByteTokenizer
 from telemetry.spans import start_server_span
 from wsgi_app.api.completions import CompletionRequest
@@ -97,29 +98,32 @@ def content_of(filt: CallFilter, pieces: list[str]) -> tuple[list[str], bool]:
 
 
 def test_content_is_held_back_from_the_first_byte_of_a_possible_tag():
-    filt = CallFilter((), CallParser())
+    filt = CallFilter(StopMatcher(()), CallParser())
     out, _ = content_of(filt, ["Let me look <", "tool", "_call>[", '{"name":"f","arguments":{}}]'])
     assert out == ["Let me look ", "", "", "", ""]
     assert filt.in_block and [c.name for c in filt.parser.calls] == ["f"]
     # A "<" that turns out to be text is released as soon as it cannot start the tag.
-    plain = CallFilter((), CallParser())
+    plain = CallFilter(StopMatcher(()), CallParser())
     assert content_of(plain, ["a <", "b", " <tool", "!"]) == (
         ["a ", "<b", " ", "<tool!", ""],
         False,
     )
-    assert content_of(CallFilter((), CallParser()), ["x <tool_"]) == (["x ", "<tool_"], False)
+    assert content_of(CallFilter(StopMatcher(()), CallParser()), ["x <tool_"]) == (
+        ["x ", "<tool_"],
+        False,
+    )
 
 
 def test_stop_strings_end_the_content_and_never_apply_inside_the_block():
-    filt = CallFilter(("}",), CallParser())
+    filt = CallFilter(StopMatcher(("}",)), CallParser())
     out, stopped = content_of(filt, ['<tool_call>[{"name":"f","arguments":{"a":"}"}}]</tool_call>'])
     assert (out, stopped) == (["", ""], False)
     assert "".join(filt.parser.calls[0].arguments) == '{"a":"}"}'
-    stop = CallFilter(("ok",), CallParser())
+    stop = CallFilter(StopMatcher(("ok",)), CallParser())
     assert content_of(stop, ["fine, o", "k <tool_call>["]) == (["fine, ", ""], True)
     assert stop.parser.calls == [] and not stop.in_block
     # A stop prefix just before the tag is content: the tag ends the text.
-    held = CallFilter(("ab",), CallParser())
+    held = CallFilter(StopMatcher(("ab",)), CallParser())
     assert content_of(held, ["xa<tool_call>["]) == (["xa", ""], False)
 
 

@@ -1,36 +1,16 @@
 """Tool calls on SmolLM2-135M-Instruct (GGUF) through a real gunicorn and the openai SDK: an agent's
 loop (a forced call whose arguments validate, the tool's result sent back, the answer), greedy and
 seeded, ``create`` and the SDK's stream helper giving the same answer; the cases run concurrently,
-``max_tokens`` 48 at most."""
+``max_tokens`` 48 at most, on the session's SmolLM2 server."""
 
 from __future__ import annotations
 
 import openai
-import pytest
 
 from tests.server import GunicornServer, concurrently
 from tests.toolcalls import TIME, WEATHER, agent_loop, check_calls, sdk_call, summary
 
 MAX_TOKENS = 48
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_gguf, smollm2, gguf_cache_dir, tmp_path_factory):
-    # ``smollm2`` has built the cache file in gguf_cache_dir: the server maps it.
-    srv = GunicornServer(
-        tmp_path_factory.mktemp("smollm2-tools"),
-        {
-            "MODEL_DIR": str(smollm2_gguf),
-            "GREENSERVE_CACHE_DIR": str(gguf_cache_dir),
-            "MAX_SLOTS": "8",
-            "REQUEST_TIMEOUT_S": "300",  # 8 streams on a shared 2-core machine can take minutes
-        },
-        health_port=False,
-    ).start(timeout_s=120)
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 def client(srv: GunicornServer) -> openai.OpenAI:
@@ -44,11 +24,11 @@ CASES = [
 ]
 
 
-def test_agent_loops(server):
+def test_agent_loops(smollm2_server):
     def run(i: int):
         stream, followup, sampling = CASES[i]
         return agent_loop(
-            client(server),
+            client(smollm2_server),
             stream,
             followup,
             model="smollm2",
@@ -71,7 +51,7 @@ def test_agent_loops(server):
             assert answer.finish_reason in ("tool_calls", "length")
 
 
-def test_a_forced_call_among_two_tools_and_a_named_one(server):
+def test_a_forced_call_among_two_tools_and_a_named_one(smollm2_server):
     """A forced block calls one of the tools offered; a named choice calls that one (``stop``)."""
     cases = [
         {"tools": [WEATHER, TIME], "tool_choice": "required", "seed": 5},
@@ -85,7 +65,7 @@ def test_a_forced_call_among_two_tools_and_a_named_one(server):
 
     def run(i: int):
         body = {"model": "smollm2", "messages": ask, "max_tokens": MAX_TOKENS, **cases[i % 2]}
-        return sdk_call(client(server), i >= 2, **body)
+        return sdk_call(client(smollm2_server), i >= 2, **body)
 
     plain_required, plain_named, streamed_required, streamed_named = concurrently(
         run, 4, timeout_s=600

@@ -97,6 +97,11 @@ class Completion:
         self._reports_cached = getattr(engine, "prefix_cache", None) is not None
         self.echo_texts: list[str] = []  # per prompt: the text its choices' echo chunk carries
         n = req.n
+        # A request that may call tools (chat: no echo) has choices that read their calls.
+        choice_type, calls = Choice, {}
+        if req.calls_tools:
+            choice_type = ToolChoice
+            calls = {"tools": req.tools, "tool_format": req.tool_format, "seed": req.seed}
         for prompt in req.prompts():
             echo_text, pending = _echo(prompt, req) if req.echo else ("", b"")
             self.echo_texts.append(echo_text)
@@ -113,29 +118,17 @@ class Completion:
                     grammar=req.grammar,
                     cache_salt=cache_salt,
                 )
-                if req.calls_tools:  # chat only: no echo
-                    choice: Choice = ToolChoice(
-                        len(self.choices),
-                        engine.stream(gen),
-                        req.max_tokens,
-                        req.stop,
-                        logprobs,
-                        tokenizer.token_bytes,
-                        tools=req.tools,
-                        tool_format=req.tool_format,
-                        seed=req.seed,
-                    )
-                else:
-                    choice = Choice(
-                        len(self.choices),
-                        engine.stream(gen),
-                        req.max_tokens,
-                        req.stop,
-                        echo_text,
-                        logprobs,
-                        tokenizer.token_bytes,
-                        pending,
-                    )
+                choice = choice_type(
+                    len(self.choices),
+                    engine.stream(gen),
+                    req.max_tokens,
+                    req.stop,
+                    echo_text,
+                    logprobs,
+                    tokenizer.token_bytes,
+                    pending,
+                    **calls,
+                )
                 self.choices.append(choice)
         self.encoder: ChunkEncoder = wire.encoder(
             completion_id,

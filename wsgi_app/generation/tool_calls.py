@@ -22,14 +22,12 @@ Source: OpenAI API reference, "Chat Completions" (``message.tool_calls``, ``fini
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import Any
 
-from model.engine import Step
 from model.stop import StopMatcher
 from wsgi_app.api.tool_syntax import OPEN, Call, CallParser, call_id
 from wsgi_app.api.tools import ToolRequest
-from wsgi_app.generation.choice import BYTE_TOKENIZER, Choice
-from wsgi_app.wire.logprobs import ChatLogprobs, Logprobs
+from wsgi_app.generation.choice import Choice
 
 
 def _tag_prefix(text: str) -> int:
@@ -44,8 +42,8 @@ class CallFilter:
     """Split a choice's text into content and tool calls (the stop matcher's ``push``/``flush``).
 
     Args:
-        stops: the request's stop strings (they end the content; inside the block they do not
-            apply: the grammar decides where it ends).
+        stop: the choice's stop matcher (the request's stop strings end the content; inside the
+            block they do not apply: the grammar decides where it ends).
         parser: the call parser the block's text goes to.
         in_block: the answer is a block from its first byte (``tool_choice`` ``required`` or
             named): no text is content, not even an opening tag cut by ``max_tokens``.
@@ -53,8 +51,8 @@ class CallFilter:
 
     __slots__ = ("_stop", "_held", "parser", "in_block")
 
-    def __init__(self, stops: tuple[str, ...], parser: CallParser, in_block: bool = False) -> None:
-        self._stop = StopMatcher(stops)
+    def __init__(self, stop: StopMatcher, parser: CallParser, in_block: bool = False) -> None:
+        self._stop = stop
         self._held = ""  # a possible start of the opening tag
         self.parser = parser
         self.in_block = in_block
@@ -89,7 +87,7 @@ class ToolChoice(Choice):
     """A choice of a request with tools: a :class:`Choice` whose text is split by a
     :class:`CallFilter`.
 
-    Args: those of :class:`Choice` (no ``echo``), and:
+    Args: those of :class:`Choice` (a chat choice: no ``echo``), and:
         tools: the request's tools (the finish reason of an answer that calls them).
         tool_format: the syntax calls are written in (``TOOL_CALL_FORMAT``).
         seed: the request's seed, or None: call ids derive from (seed, choice, call index).
@@ -100,22 +98,11 @@ class ToolChoice(Choice):
 
     __slots__ = ("_filter", "_calls_reason", "legacy")
 
-    def __init__(
-        self,
-        index: int,
-        stream: Iterator[Step | None],
-        max_tokens: int,
-        stop: tuple[str, ...],
-        logprobs: Logprobs | ChatLogprobs | None,
-        token_bytes: list[bytes] = BYTE_TOKENIZER.token_bytes,
-        *,
-        tools: ToolRequest,
-        tool_format: str,
-        seed: int | None,
-    ) -> None:
-        super().__init__(index, stream, max_tokens, (), "", logprobs, token_bytes)
+    def __init__(self, *args: Any, tools: ToolRequest, tool_format: str, seed: int | None) -> None:
+        super().__init__(*args)
+        index = self.index
         parser = CallParser(tool_format, lambda i: call_id(seed, index, i))
-        self._filter = self._matcher = CallFilter(stop, parser, tools.choice != "auto")
+        self._filter = self._matcher = CallFilter(self._matcher, parser, tools.choice != "auto")
         self._stops = True
         self._calls_reason = tools.finish_reason()
         self.legacy = tools.legacy

@@ -34,6 +34,7 @@ class ChatChunkEncoder(ChunkEncoder):
     """
 
     __slots__ = ("_role", "_content", "_content_end", "_finish", "_sent")
+    ROLE_DELTA = b'{"role":"assistant","content":""}'  # each choice's first delta
 
     def __init__(
         self,
@@ -49,7 +50,9 @@ class ChatChunkEncoder(ChunkEncoder):
         choice = self._choice_heads
         self._role = [
             c
-            + b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+            + b'"delta":'
+            + self.ROLE_DELTA
+            + b',"logprobs":null,"finish_reason":null}]'
             + usage_tail
             for c in choice
         ]
@@ -137,25 +140,8 @@ class ToolCallEncoder(ChatChunkEncoder):
     Args: those of :class:`~wsgi_app.wire.encoder.ChunkEncoder`.
     """
 
-    __slots__ = ("_deltas", "_delta_end")
-
-    def __init__(
-        self,
-        fmt: WireFormat,
-        head: bytes,
-        answer_head: bytes,
-        n: int,
-        include_usage: bool,
-        framing: Framing = PLAIN,
-    ) -> None:
-        super().__init__(fmt, head, answer_head, n, include_usage, framing)
-        tail = b',"finish_reason":null}]' + self._usage_tail
-        self._role = [
-            c + b'"delta":{"role":"assistant","content":null},"logprobs":null' + tail
-            for c in self._choice_heads
-        ]
-        self._deltas = [c + b'"delta":' for c in self._choice_heads]
-        self._delta_end = tail
+    __slots__ = ()
+    ROLE_DELTA = b'{"role":"assistant","content":null}'
 
     def chunk(
         self,
@@ -178,7 +164,8 @@ class ToolCallEncoder(ChatChunkEncoder):
         deltas += [_call_delta(choice, k, fragment) for k, fragment in choice.take_events()]
         if not deltas and logprobs != b"null":
             deltas.append(b"{}")
-        frame, head, end = self.framing.frame, self._deltas[i], self._delta_end
+        frame, head = self.framing.frame, self._choice_heads[i] + b'"delta":'
+        end = b',"finish_reason":null}]' + self._usage_tail
         out = b"".join(
             frame(b"".join((head, d, b',"logprobs":', logprobs if k == 0 else b"null", end)))
             for k, d in enumerate(deltas)
