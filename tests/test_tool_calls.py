@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from urllib.parse import urlencode
 
 import openai
 import pytest
@@ -31,6 +32,8 @@ from tests.toolcalls import (
     plain,
     stream,
 )
+from wsgi_app.api.tool_syntax import FORMATS
+from wsgi_app.settings import Settings
 
 BODY = {"model": "m", "messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 300}
 REQUIRED = {**BODY, "tool_choice": "required"}
@@ -360,6 +363,26 @@ def test_refusals_name_the_param(server, extra, param):
     error = json.loads(raw)["error"]
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, None)
     assert re.search(r"\S", error["message"])
+
+
+def test_tools_are_refused_on_the_event_source_stream(server):
+    query = urlencode({"model": "m", "messages": json.dumps(ASK), "tools": json.dumps([WEATHER])})
+    status, _, raw = server.get(f"{PATH}?{query}", headers={"Accept": "text/event-stream"})
+    assert status == 400
+    error = json.loads(raw)["error"]
+    assert error["param"] == "tools"
+    assert error["message"] == (
+        "'tools' cannot be sent on the EventSource stream; POST a JSON body to use it."
+    )
+
+
+def test_the_tool_call_format_setting():
+    assert Settings.from_env({}).tool_call_format == "smollm2"
+    assert Settings.from_env({"TOOL_CALL_FORMAT": " Hermes "}).tool_call_format == "hermes"
+    with pytest.raises(ValueError) as info:
+        Settings.from_env({"TOOL_CALL_FORMAT": "xml"})
+    assert str(info.value) == "TOOL_CALL_FORMAT must be one of smollm2, hermes, got 'xml'"
+    assert FORMATS == ("smollm2", "hermes")  # the syntaxes tool_syntax knows
 
 
 def test_the_hermes_syntax(hermes):
