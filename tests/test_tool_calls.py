@@ -98,7 +98,7 @@ def test_an_agent_loop_with_the_openai_sdk(server, streamed, sampling, followup)
     """A forced call, its result sent back, a text answer (the bigram never writes the tag)."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     first, second = agent_loop(
-        client, streamed, followup, model="m", max_tokens=120, parallel_tool_calls=False, **sampling
+        client, streamed, followup, model="m", max_tokens=300, parallel_tool_calls=False, **sampling
     )
     assert first.choices[0].finish_reason == "tool_calls"
     assert first.choices[0].message.content is None
@@ -432,5 +432,5 @@ def test_tool_answers_follow_the_openapi_contract(server):
 def test_the_readme_example_runs_as_written(server):
     run = run_readme_python('tool_choice="required"', server.url)
     call, answer_ = run.stdout.split("\n", 1)
-    assert re.fullmatch(r"get_weather \{'city': '.{0,20}'\}", call, re.S)
+    assert call.startswith("get_weather {'city': ") and call.endswith("}")  # the dict's repr
     assert answer_.strip()

@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 import jsonschema
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from tests.server import GunicornServer
 from tests.sse import sse_json
@@ -141,13 +142,22 @@ def check_calls(calls: list[dict]) -> None:
         jsonschema.validate(json.loads(call["function"]["arguments"]), tool["parameters"])
 
 
-def sdk_call(client: Any, stream: bool, **kwargs: Any) -> Any:
+def sdk_call(client: Any, stream: bool, helper: bool = True, **kwargs: Any) -> Any:
     """Return the chat completion for ``kwargs``: ``create`` when not ``stream``, else the openai
-    SDK's stream helper's final completion (its own accumulation of the chunks)."""
+    SDK's accumulation of the chunks: its stream helper's final completion (which parses strict
+    tools' arguments, and refuses an answer cut by ``length``), or without ``helper`` the snapshot
+    its ``ChatCompletionStreamState`` accumulated from the chunks of ``create(stream=True)``; a
+    stream asks for the usage chunk."""
     if not stream:
         return client.chat.completions.create(**kwargs)
-    with client.chat.completions.stream(**kwargs) as events:
-        return events.get_final_completion()
+    kwargs["stream_options"] = {"include_usage": True}
+    if helper:
+        with client.chat.completions.stream(**kwargs) as events:
+            return events.get_final_completion()
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        state.handle_chunk(chunk)
+    return state.current_completion_snapshot
 
 
 def summary(done: Any) -> list[tuple]:
@@ -209,10 +219,8 @@ def agent_loop(client: Any, stream: bool, followup: str, **kwargs: Any) -> tuple
         },
         {"role": "tool", "tool_call_id": call.id, "content": result},
     ]
-    second = sdk_call(client, stream, messages=history, tool_choice=followup, **tools)
-    same_answers(
-        second,
-        sdk_call(client, not stream, messages=history, tool_choice=followup, **tools),
-        seeded,
-    )
+    # The answer may run to max_tokens: the SDK's accumulation without the helper's parsing.
+    again = {"messages": history, "tool_choice": followup, "helper": False, **tools}
+    second = sdk_call(client, stream, **again)
+    same_answers(second, sdk_call(client, not stream, **again), seeded)
     return first, second
