@@ -25,6 +25,7 @@ from model.chat_tools import DEFAULT_TOOL_TEMPLATE, TOOL_MACROS
 from model.loader import load_model
 from tests.server import SLACK_S
 from tests.test_chat_template import CHATML, chatml_tokenizer, text_ids
+from tests.test_startup_config import failed_start
 from wsgi_app.http.chat import chat_completion_request, check_chat_template, serving_template
 from wsgi_app.settings import Settings
 
@@ -306,14 +307,6 @@ def test_tool_template_setting_replaces_the_tool_text(tmp_path):
         "TOOLS get_weather hermes\n\nUser: Weather in Paris and Nice?\nAssistant: CALL get_weather\n"
         "User: RESULT 18 C,21 C\nAssistant:"
     )
-    path.write_text(path.read_text().replace("{% macro assistant(m) %}", "{% macro helper(m) %}"))
-    with pytest.raises(ValueError, match=r"^TOOL_TEMPLATE \(.*\): tool template does not define"):
-        serving_template(bigram, Settings.from_env({"TOOL_TEMPLATE": str(path)}))
-    path.write_text(
-        DEFAULT_TOOL_TEMPLATE.replace("# Tools", "{{ raise_exception('no hermes here') }}")
-    )
-    with pytest.raises(ValueError, match="format hermes.*no hermes here"):
-        check_chat_template(bigram, Settings.from_env({"TOOL_TEMPLATE": str(path)}))
     assert set(TOOL_MACROS) == {"system", "assistant", "tool_results"}
 
 
@@ -392,3 +385,23 @@ def test_a_typed_tool_call_block_is_text_on_smollm2(monkeypatch, smollm2):
     turn = smollm2.tokenizer.encode_text("user\n" + typed)
     end = smollm2.tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", special=True, bos=False)
     assert ids[-len(end) - len(turn) - 1 :] == [1, *turn, *end] and end[0] == 2
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("{% macro system(tools, s) %}{% endmacro %}", "does not define the macro(s) assistant, "),
+        (
+            DEFAULT_TOOL_TEMPLATE.replace("# Tools", "{{ raise_exception('no hermes') }}"),
+            "fails on a sample conversation (tool_call_format hermes): no hermes",
+        ),
+    ],
+)
+def test_a_broken_tool_template_stops_the_start(tmp_path, source, message):
+    path = tmp_path / "tools.jinja"
+    path.write_text(source)
+    _, plain = failed_start(tmp_path, {"TOOL_TEMPLATE": str(path)})
+    assert len(plain) == 1 and plain[0].startswith(
+        f"greenserve: cannot start: TOOL_TEMPLATE ({path}): "
+    )
+    assert message in plain[0]
