@@ -27,6 +27,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 
 from model.chat_sandbox import BoundedEnvironment, TemplateError, bounded_render, tojson
 from model.chat_text import (

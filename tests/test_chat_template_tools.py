@@ -21,7 +21,7 @@ import pytest
 
 import wsgi_app.api.chat as api_chat
 from model.chat_template import DEFAULT_STOP, ChatTemplate, TemplateError
-from model.chat_tools import DEFAULT_TOOL_TEMPLATE, TOOL_MACROS
+from model.chat_tools import DEFAULT_TOOL_TEMPLATE
 from model.loader import load_model
 from tests.server import SLACK_S
 from tests.test_chat_template import CHATML, chatml_tokenizer, text_ids
@@ -285,6 +285,16 @@ def test_a_runaway_tool_template_stops_within_the_render_budget(smol):
     with pytest.raises(TemplateError, match="took too long"):
         template.render([ASK], [WEATHER])
     assert time.perf_counter() - start < 0.5 + SLACK_S
+    # A macro's output is joined in one call no deadline stops: what it prints is charged instead.
+    big = DEFAULT_TOOL_TEMPLATE.replace(
+        "{%- macro system(tools, system_message) -%}",
+        "{%- macro system(tools, system_message) -%}{% set s = 'x' * 10**6 %}"
+        "{% for i in range(10**4) %}{{ s }}{% endfor %}",
+    )
+    start = time.perf_counter()
+    with pytest.raises(TemplateError, match="too much text"):
+        smol.with_tool_template(big).render([ASK], [WEATHER])
+    assert time.perf_counter() - start < 0.5 + SLACK_S
     with pytest.raises(TemplateError, match="does not define the macro"):
         smol.with_tool_template("{% macro system(tools, s) %}{% endmacro %}")
 
@@ -307,7 +317,6 @@ def test_tool_template_setting_replaces_the_tool_text(tmp_path):
         "TOOLS get_weather hermes\n\nUser: Weather in Paris and Nice?\nAssistant: CALL get_weather\n"
         "User: RESULT 18 C,21 C\nAssistant:"
     )
-    assert set(TOOL_MACROS) == {"system", "assistant", "tool_results"}
 
 
 def chat_prompt(monkeypatch, model, body: dict, fmt: str = "smollm2") -> tuple[str, list[int]]:
