@@ -82,7 +82,7 @@ def smollm2_instructions(tools_json: str) -> str:
         "it out.\n\nYou have access to the following tools:\n<tools>" + tools_json + "</tools>\n\n"
         "The output MUST strictly adhere to the following format, and NO other text MUST be "
         "included.\nThe example format is as follows. Please make sure the parameter type is "
-        "correct. If no function call is needed, please make the tool calls an empty list '[]'.\n"
+        "correct. If no function call is needed, do not use this format: answer in plain text.\n"
         '<tool_call>[\n{"name": "func_name1", "arguments": {"argument1": "value1", "argument2": '
         '"value2"}},\n... (more tool calls as required)\n]</tool_call>'
     )
