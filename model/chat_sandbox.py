@@ -283,9 +283,10 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
     @staticmethod
     def _finalize(value: Any) -> Any:
         # Jinja also finalizes constants at compile time, outside any render (and budget): those
-        # come from the template source, whose size the caller bounds.
+        # come from the template source, whose size the caller bounds. Strings are charged too: a
+        # macro or block collects its output and joins it in one C call no deadline interrupts.
         budget = _BUDGET.get()
-        if budget is not None and not isinstance(value, str):
+        if budget is not None:
             budget.charge(weight(value), "printing a value")
         return value
 

@@ -3,13 +3,16 @@
 A template is Jinja2 source, rendered the way Hugging Face transformers renders
 ``tokenizer.chat_template``: a sandbox with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
 extension, a ``tojson`` filter without HTML escaping, the globals ``raise_exception(message)`` and
-``strftime_now(format)``, and the variables ``messages``, ``bos_token``, ``eos_token`` and
-``add_generation_prompt=True``. Renders are bounded in time and size (see ``model.chat_sandbox``).
+``strftime_now(format)``, and the variables ``messages``, ``tools`` (the OpenAI tool dicts, or None),
+``documents=None``, ``bos_token``, ``eos_token`` and ``add_generation_prompt=True``. A template that
+does not read ``tools`` gets tools and tool-call history written by the tool template instead
+(``model.chat_tools``). Renders are bounded in time and size (see ``model.chat_sandbox``).
 
 Message text never becomes a token of its own: :meth:`ChatTemplate.encode` renders the template
 around placeholders, so it knows which characters of the prompt are the client's (a message's
-``content``, and its ``name``, ``reasoning_content`` and ``reasoning`` when sent: the message dict is
-passed on as transformers passes it); the text of an added token, special (``<|im_end|>``) or
+``content``, and its ``name``, ``tool_call_id``, ``reasoning_content`` and ``reasoning`` when sent: the
+message dict is passed on as transformers passes it; inside tool calls and tools, every string, key or
+value, that holds added-token text); the text of an added token, special (``<|im_end|>``) or
 user-defined (``<think>``), is matched only in the template's own text, and a user who writes it gets
 those characters as text.
 
@@ -18,20 +21,35 @@ Source: Hugging Face transformers, "Chat templates" documentation and ``apply_ch
 
 from __future__ import annotations
 
-import bisect
-import re
-import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 
 from model.chat_sandbox import BoundedEnvironment, TemplateError, bounded_render, tojson
+from model.chat_text import (
+    ChatTokenizer,
+    added_token_pattern,
+    client_strings,
+    encode_prompt,
+    locate_client_text,
+    place_client_text,
+)
+from model.chat_tools import (
+    DEFAULT_TOOL_TEMPLATE,
+    TOOL_CALL_FORMATS,
+    TOOL_MACROS,
+    has_tool_content,
+    reads_tools,
+    rewrite_for_tools,
+)
 
-__all__ = ["DEFAULT_STOP", "DEFAULT_TEMPLATE", "ChatTemplate", "TemplateError"]
+__all__ = ["DEFAULT_STOP", "DEFAULT_TEMPLATE", "TOOL_CALL_FORMATS", "ChatTemplate", "TemplateError"]
+Messages = Sequence[dict[str, Any]]
+Tools = Sequence[dict[str, Any]] | None
 
 # For models without a template of their own (the embedded bigram, llama2.c's stories models): plain
 # "User:"/"Assistant:" turns, a system message as a leading paragraph. The answer ends where the
@@ -48,26 +66,10 @@ DEFAULT_TEMPLATE = (
 )
 DEFAULT_STOP = "\nUser:"
 
-# The keys of a message whose values are the client's text (never the template's).
-CLIENT_TEXT_KEYS = ("content", "name", "reasoning_content", "reasoning")
 MAX_TEMPLATE_CHARS = 1 << 16
 MAX_PROMPT_CHARS = 1 << 22
 MAX_RENDER_S = 1.0
 MAX_STRFTIME_CHARS = 64
-
-
-class ChatTokenizer(Protocol):
-    """What :meth:`ChatTemplate.encode` needs (``model.tokenizer``'s tokenizers have it)."""
-
-    added_tokens: dict[str, int]
-
-    def encode(self, text: str, special: bool = False, *, bos: bool = True) -> list[int]:
-        """Return the ids of ``text``; ``special``: match special-token text; ``bos``: add BOS."""
-        ...
-
-    def encode_text(self, text: str) -> list[int]:
-        """Return the ids of ``text`` with no added token matched or produced, no BOS."""
-        ...
 
 
 class _RaisedByTemplate(Exception):
@@ -86,20 +88,47 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@dataclass(frozen=True, slots=True)
-class _Segment:
-    text: str
-    is_content: bool
+def _environment() -> BoundedEnvironment:
+    """Return a sandbox set up as transformers sets up its chat-template environment."""
+    env = BoundedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.wrap_filters()
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _compile(env: BoundedEnvironment, source: str, what: str) -> jinja2.Template:
+    """Compile ``source`` (``what``: "chat template" or "tool template" in messages).
+
+    Raises:
+        TemplateError: the source is not text of at most :data:`MAX_TEMPLATE_CHARS` characters, or
+            does not compile.
+    """
+    if not isinstance(source, str) or len(source) > MAX_TEMPLATE_CHARS:
+        raise TemplateError(f"{what} must be text of at most {MAX_TEMPLATE_CHARS} characters")
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TemplateError(f"{what} does not compile: {exc.message} (line {exc.lineno})") from None
+    except Exception as exc:  # noqa: BLE001 - any compile failure is the template's fault
+        raise TemplateError(f"{what} does not compile: {exc}") from None
 
 
 class ChatTemplate:
-    """A compiled chat template with the model's BOS/EOS text.
+    """A compiled chat template with the model's BOS/EOS text, and the tool template it falls back on.
 
     Attributes:
         source: the Jinja2 source.
         stop: stop strings the server adds to every chat request (``(DEFAULT_STOP,)`` for the default
             template; model templates end turns with EOS/end-of-turn tokens, so ``()``).
         is_default: whether this is :data:`DEFAULT_TEMPLATE`.
+        handles_tools: whether the template reads ``tools`` (``model.chat_tools.reads_tools``): it
+            then renders tools and tool-call history itself, else the tool template writes them.
+        tool_source: the tool template's source (``model.chat_tools.DEFAULT_TOOL_TEMPLATE`` unless
+            replaced, see :meth:`with_tool_template`).
     """
 
     def __init__(
@@ -111,6 +140,7 @@ class ChatTemplate:
         stop: tuple[str, ...] = (),
         max_chars: int = MAX_PROMPT_CHARS,
         max_render_s: float = MAX_RENDER_S,
+        tool_source: str = DEFAULT_TOOL_TEMPLATE,
     ) -> None:
         """Compile ``source``; prefer :meth:`from_source` and :meth:`default`.
 
@@ -121,32 +151,24 @@ class ChatTemplate:
             stop: stop strings that end an answer (see :attr:`stop`).
             max_chars: the longest rendered prompt, and largest value a render may build, characters.
             max_render_s: how long one render may take, seconds.
+            tool_source: the tool template (Jinja2 defining the macros ``system``, ``assistant`` and
+                ``tool_results``, see ``model/templates/tools.jinja``).
 
         Raises:
-            TemplateError: the source is too long or does not compile.
+            TemplateError: a source is too long or does not compile, or the tool template lacks one
+                of its macros.
         """
-        if not isinstance(source, str) or len(source) > MAX_TEMPLATE_CHARS:
-            raise TemplateError(
-                f"chat template must be text of at most {MAX_TEMPLATE_CHARS} characters"
-            )
-        env = BoundedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-        )
-        env.filters["tojson"] = tojson
-        env.wrap_filters()
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
-        try:
-            self._template = env.from_string(source)
-        except jinja2.TemplateSyntaxError as exc:
-            raise TemplateError(
-                f"chat template does not compile: {exc.message} (line {exc.lineno})"
-            ) from None
-        except Exception as exc:  # noqa: BLE001 - any compile failure is the template's fault
-            raise TemplateError(f"chat template does not compile: {exc}") from None
+        env = _environment()
+        self._template = _compile(env, source, "chat template")
+        self._tool_template = _compile(env, tool_source, "tool template")
+        macros = {n.name for n in env.parse(tool_source).find_all(jinja2.nodes.Macro)}
+        if missing := [name for name in TOOL_MACROS if name not in macros]:
+            raise TemplateError(f"tool template does not define the macro(s) {', '.join(missing)}")
         self.source = source
+        self.tool_source = tool_source
         self.stop = tuple(stop)
         self.is_default = source == DEFAULT_TEMPLATE
+        self.handles_tools = reads_tools(env, source)
         self._bos_token = bos_token
         self._eos_token = eos_token
         self._max_chars = max_chars
@@ -168,96 +190,123 @@ class ChatTemplate:
         """Return :data:`DEFAULT_TEMPLATE` with its stop string :data:`DEFAULT_STOP`."""
         return cls(DEFAULT_TEMPLATE, bos_token, eos_token, stop=(DEFAULT_STOP,), **limits)
 
-    def render(self, messages: Sequence[dict[str, str]]) -> str:
+    def with_tool_template(self, tool_source: str) -> ChatTemplate:
+        """Return this template with ``tool_source`` as its tool template (``TOOL_TEMPLATE``).
+
+        Raises:
+            TemplateError: as :meth:`__init__`, for ``tool_source``.
+        """
+        return ChatTemplate(
+            self.source,
+            self._bos_token,
+            self._eos_token,
+            stop=self.stop,
+            max_chars=self._max_chars,
+            max_render_s=self._max_render_s,
+            tool_source=tool_source,
+        )
+
+    def render(
+        self, messages: Messages, tools: Tools = None, tool_call_format: str = "smollm2"
+    ) -> str:
         """Return the prompt text for ``messages``, ending with the assistant's generation prompt.
 
         Args:
-            messages: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``, each
-                possibly with ``name`` (and an assistant's ``reasoning_content``/``reasoning``)
-                strings, all passed to the template.
+            messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]``, each
+                possibly with ``name``, an assistant's ``reasoning_content``/``reasoning`` strings and
+                ``tool_calls`` (``content`` then None or text), a tool's ``tool_call_id``
+                (``wsgi_app.api.messages`` shapes), all passed to the template.
+            tools: the OpenAI tool dicts ``{"type": "function", "function": {"name", "description",
+                "parameters"}}`` (``wsgi_app.api.tools.Tool.openai``), or None.
+            tool_call_format: ``"smollm2"`` or ``"hermes"`` (``TOOL_CALL_FORMAT``): how the tool
+                template writes calls and asks for them; unused by a template that handles tools.
 
         Raises:
             TemplateError: the template called ``raise_exception`` (its message, verbatim), failed,
                 or went over its time or size budget.
+            ValueError: ``tool_call_format`` is not one of ``model.chat_tools.TOOL_CALL_FORMATS``.
         """
-        return self._render([dict(m) for m in messages])
+        if tool_call_format not in TOOL_CALL_FORMATS:
+            raise ValueError(f"tool_call_format must be one of {TOOL_CALL_FORMATS}")
+        return self._render([dict(m) for m in messages], tools, tool_call_format)
 
-    def encode(self, messages: Sequence[dict[str, str]], tokenizer: ChatTokenizer) -> list[int]:
-        """Return the prompt's token ids: the template's added tokens as their ids, contents as text.
+    def encode(
+        self,
+        messages: Messages,
+        tokenizer: ChatTokenizer,
+        tools: Tools = None,
+        tool_call_format: str = "smollm2",
+    ) -> list[int]:
+        """Return the prompt's token ids: the template's added tokens as their ids, client text as text.
 
-        When no message contains added-token text (special or user-defined), this is exactly the
-        tokenizer's own tokenization of :meth:`render` with special tokens parsed (what transformers
-        and llama.cpp do). Otherwise the prompt is split at the added tokens written by the template
-        alone and each piece between them is tokenized as plain text (``encode_text``: no added
-        token matched or made), as the tokenizer itself splits at added tokens before its
-        pre-tokenizer runs. No BOS is added: templates write ``bos_token``.
+        When no client text (see the module docstring) contains added-token text (special or
+        user-defined), this is exactly the tokenizer's own tokenization of :meth:`render` with
+        special tokens parsed (what transformers and llama.cpp do). Otherwise the prompt is split at
+        the added tokens written by the templates alone and each piece between them is tokenized as
+        plain text (``encode_text``: no added token matched or made), as the tokenizer itself splits
+        at added tokens before its pre-tokenizer runs. No BOS is added: templates write
+        ``bos_token``. ``tools`` and ``tool_call_format`` as in :meth:`render`.
 
         Raises:
-            TemplateError: as :meth:`render`; or the template changes message text in a way that
-                hides which characters are contents, while a content holds special-token text.
+            TemplateError: as :meth:`render`; or the template changes client text in a way that
+                hides which characters are the client's, while some client text holds special-token
+                text.
+            ValueError: as :meth:`render`.
         """
-        return self.render_and_encode(messages, tokenizer)[1]
+        return self.render_and_encode(messages, tokenizer, tools, tool_call_format)[1]
 
     def render_and_encode(
-        self, messages: Sequence[dict[str, str]], tokenizer: ChatTokenizer
+        self,
+        messages: Messages,
+        tokenizer: ChatTokenizer,
+        tools: Tools = None,
+        tool_call_format: str = "smollm2",
     ) -> tuple[str, list[int]]:
         """Return :meth:`render`'s text and :meth:`encode`'s ids of ``messages``, rendering once.
 
         Raises:
             TemplateError: as :meth:`encode`.
+            ValueError: as :meth:`render`.
         """
-        text = self.render(messages)
-        return text, self._encode(messages, text, tokenizer)
+        text = self.render(messages, tools, tool_call_format)
+        return text, self._encode(messages, tools, tool_call_format, text, tokenizer)
 
     def _encode(
-        self, messages: Sequence[dict[str, str]], text: str, tokenizer: ChatTokenizer
+        self, messages: Messages, tools: Tools, fmt: str, text: str, tokenizer: ChatTokenizer
     ) -> list[int]:
-        specials = tokenizer.added_tokens
-        if not specials:
+        if not tokenizer.added_tokens:
             return tokenizer.encode(text, special=False, bos=False)
-        pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
-        segments = self._segments(messages, text)
-        contents_clean = not any(pattern.search(t) for t in _client_texts(messages))
-        if segments is None:
-            # The contents cannot be located; safe only if no special text can come from them.
-            if contents_clean:
-                return tokenizer.encode(text, special=True, bos=False)
-            raise TemplateError(
-                "This chat template changes message text in a way that does not let special-token "
-                "text inside a message be kept as text; remove it from the message."
-            )
-        if contents_clean and _specials_only_in_template(segments, pattern):
+        pattern = added_token_pattern(tokenizer.added_tokens)
+        placed = place_client_text(messages, tools, pattern, self.source + self.tool_source)
+        segments = locate_client_text(
+            placed, self._render(placed.messages, placed.tools, fmt), text
+        )
+        clean = not any(pattern.search(t) for t in client_strings(messages, tools))
+        if segments is not None:
+            return encode_prompt(text, segments, clean, tokenizer, pattern)
+        if clean:  # the client's text cannot be located; safe only if no special text comes from it
             return tokenizer.encode(text, special=True, bos=False)
-        ids: list[int] = []
-        run: list[str] = []
-        for seg in segments:
-            if seg.is_content:
-                run.append(seg.text)
-                continue
-            start = 0
-            for match in pattern.finditer(seg.text):
-                run.append(seg.text[start : match.start()])
-                if "".join(run):
-                    ids += tokenizer.encode_text("".join(run))
-                run = []
-                ids.append(specials[match.group()])
-                start = match.end()
-            run.append(seg.text[start:])
-        if "".join(run):
-            ids += tokenizer.encode_text("".join(run))
-        return ids
+        raise TemplateError(
+            "This chat template changes message text in a way that does not let special-token "
+            "text inside a message be kept as text; remove it from the message."
+        )
 
-    def _render(self, messages: list[dict[str, Any]]) -> str:
-        context = {
-            "messages": messages,
-            "bos_token": self._bos_token,
-            "eos_token": self._eos_token,
-            "add_generation_prompt": True,
-        }
-        try:
-            return bounded_render(
-                lambda: self._template.generate(**context), self._max_chars, self._max_render_s
+    def _render(self, messages: list[dict[str, Any]], tools: Tools, fmt: str) -> str:
+        tools = list(tools) if tools else None  # transformers passes None without tools
+        tokens = {"bos_token": self._bos_token, "eos_token": self._eos_token}
+        rewrite = not self.handles_tools and has_tool_content(messages, tools)
+
+        def generate() -> Any:  # called inside the budget: the tool macros are bounded too
+            seen = messages
+            if rewrite:
+                module = self._tool_template.make_module({"tool_call_format": fmt, **tokens})
+                seen = rewrite_for_tools(messages, tools, lambda name: getattr(module, name))
+            return self._template.generate(
+                messages=seen, tools=tools, documents=None, add_generation_prompt=True, **tokens
             )
+
+        try:
+            return bounded_render(generate, self._max_chars, self._max_render_s)
         except TemplateError:
             raise
         except _RaisedByTemplate as exc:
@@ -268,72 +317,3 @@ class ChatTemplate:
             raise TemplateError("chat template: out of memory") from None
         except Exception as exc:  # noqa: BLE001 - any failure inside the template is the template's
             raise TemplateError(f"chat template failed: {exc}") from None
-
-    def _segments(self, messages: Sequence[dict[str, str]], text: str) -> list[_Segment] | None:
-        """Split ``text`` into template text and the client's text, or None if that cannot be verified.
-
-        The template is rendered again with each client text (:data:`CLIENT_TEXT_KEYS`) replaced by
-        a placeholder that occurs nowhere else; the placeholder render's template text must then
-        reappear in ``text`` in order, with each placeholder standing for its text, or the text with
-        surrounding whitespace trimmed (templates such as Llama 3's apply ``| trim``). The result
-        joins back to ``text``.
-        """
-        texts = _client_texts(messages)
-        haystack = self.source + "".join(texts)
-        while True:
-            nonce = f"{secrets.randbelow(10**12):012d}"
-            if nonce not in haystack:
-                break
-        holder = re.compile("\ue000" + nonce + r"\.(\d+)\ue001")
-        placed, k = [], 0
-        for m in messages:
-            copy = dict(m)
-            for key in CLIENT_TEXT_KEYS:
-                if isinstance(m.get(key), str):
-                    copy[key] = f"\ue000{nonce}.{k}\ue001"
-                    k += 1
-            placed.append(copy)
-        pieces = holder.split(self._render(placed))  # [text, index, text, index, ..., text]
-        segments: list[_Segment] = []
-        pos = 0
-        for k, piece in enumerate(pieces):
-            if k % 2 == 0:
-                if not text.startswith(piece, pos):
-                    return None
-                segments.append(_Segment(piece, False))
-                pos += len(piece)
-                continue
-            content = texts[int(piece)]
-            after = pieces[k + 1]
-            for candidate in dict.fromkeys(
-                (content, content.strip(), content.lstrip(), content.rstrip())
-            ):
-                end = pos + len(candidate)
-                if text.startswith(candidate, pos) and text.startswith(after, end):
-                    segments.append(_Segment(candidate, True))
-                    pos = end
-                    break
-            else:
-                return None
-        return segments if pos == len(text) else None
-
-
-def _client_texts(messages: Sequence[dict[str, str]]) -> list[str]:
-    """Return the client's texts of ``messages`` in the order :meth:`ChatTemplate._segments` numbers
-    them: message by message, in :data:`CLIENT_TEXT_KEYS` order."""
-    return [m[key] for m in messages for key in CLIENT_TEXT_KEYS if isinstance(m.get(key), str)]
-
-
-def _specials_only_in_template(segments: list[_Segment], pattern: re.Pattern[str]) -> bool:
-    """Whether every special-token match in the joined text lies inside one template segment."""
-    starts, pos = [], 0
-    for seg in segments:
-        starts.append(pos)
-        pos += len(seg.text)
-    text = "".join(s.text for s in segments)
-    for match in pattern.finditer(text):
-        k = bisect.bisect_right(starts, match.start()) - 1
-        seg = segments[k]
-        if seg.is_content or match.end() > starts[k] + len(seg.text):
-            return False
-    return True

@@ -120,6 +120,8 @@ class Settings:
         pages: serve the demo page ``/`` and the status page ``/status`` (``PAGES``, 1 or 0).
         chat_template: a Jinja2 chat template file that overrides the model's (``CHAT_TEMPLATE``),
             or None.
+        tool_template: a Jinja2 tool template file that replaces ``model/templates/tools.jinja``
+            (``TOOL_TEMPLATE``, used by chat templates that do not render tools), or None.
         chat_max_tokens: the cap on a chat answer's default ``max_tokens`` (``CHAT_MAX_TOKENS``):
             without ``max_tokens`` an answer may use the rest of the context up to this, in tokens.
         max_chat_messages: the most messages one chat request may hold (``MAX_CHAT_MESSAGES``);
@@ -168,6 +170,7 @@ class Settings:
     prometheus_multiproc_dir: str | None = None
     pages: bool = True
     chat_template: str | None = None
+    tool_template: str | None = None
     chat_max_tokens: int = 512
     max_chat_messages: int = 1024
     tool_call_format: str = "smollm2"
@@ -230,6 +233,7 @@ class Settings:
             prometheus_multiproc_dir=env_metrics_dir(env),
             pages=env_int(env, "PAGES", int(d["pages"]), 0, 1) == 1,
             chat_template=env_readable_file(env, "CHAT_TEMPLATE"),
+            tool_template=env_readable_file(env, "TOOL_TEMPLATE"),
             chat_max_tokens=env_int(env, "CHAT_MAX_TOKENS", d["chat_max_tokens"], 1, 4096),
             max_chat_messages=env_int(env, "MAX_CHAT_MESSAGES", d["max_chat_messages"], 1, 1 << 20),
             tool_call_format=env_choice(
@@ -248,13 +252,26 @@ class Settings:
         Raises:
             ValueError: the file cannot be read or is not UTF-8 (the message names ``CHAT_TEMPLATE``).
         """
-        if self.chat_template is None:
-            return None
-        try:
-            with open(self.chat_template, encoding="utf-8") as f:
-                return f.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"CHAT_TEMPLATE ({self.chat_template}): cannot read: {exc}") from None
+        return _read_text("CHAT_TEMPLATE", self.chat_template)
+
+    def tool_template_source(self) -> str | None:
+        """Return the text of the ``TOOL_TEMPLATE`` file, or None when the setting is unset.
+
+        Raises:
+            ValueError: the file cannot be read or is not UTF-8 (the message names ``TOOL_TEMPLATE``).
+        """
+        return _read_text("TOOL_TEMPLATE", self.tool_template)
+
+
+def _read_text(name: str, path: str | None) -> str | None:
+    """Return the UTF-8 text of the file at ``path`` (the setting ``name``), None for no path."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{name} ({path}): cannot read: {exc}") from None
 
 
 def usable_cpus() -> int:

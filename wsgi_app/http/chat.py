@@ -1,9 +1,12 @@
 """A chat request becomes a completion request: the worker's chat template renders the conversation.
 
 The template served is the ``CHAT_TEMPLATE`` file when set, else the model's own, else the default
-template (``model.chat_template``). The master renders it once on :data:`SAMPLE_CONVERSATION` before
-any worker starts (:func:`check_chat_template`), so a broken ``CHAT_TEMPLATE`` stops the start with one
-line; a template that fails on a request's conversation is a 400 on ``messages``.
+template (``model.chat_template``); its tool template, which writes tools and tool-call history for a
+chat template that does not read ``tools`` (``model.chat_tools``), is the ``TOOL_TEMPLATE`` file when
+set, else ``model/templates/tools.jinja``. The master renders them once on :data:`SAMPLE_CONVERSATION`
+and :data:`SAMPLE_TOOL_CONVERSATION` before any worker starts (:func:`check_chat_template`), so a
+broken ``CHAT_TEMPLATE`` or ``TOOL_TEMPLATE`` stops the start with one line; a template that fails on
+a request's conversation is a 400 on ``messages``.
 
 Source: OpenAI API reference, "Chat Completions"; Hugging Face transformers, "Chat templates".
 """
@@ -14,7 +17,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from model.chat_template import ChatTemplate, TemplateError
+from model.chat_template import TOOL_CALL_FORMATS, ChatTemplate, TemplateError
 from model.loader import LoadedModel
 from wsgi_app.api.chat import ChatRequest, completion_request
 from wsgi_app.api.completions import CompletionRequest
@@ -28,42 +31,89 @@ SAMPLE_CONVERSATION = (
     {"role": "assistant", "content": "Hello. How can I help?"},
     {"role": "user", "content": "Name a colour."},
 )
+# A tool, a call of it and its result: what a TOOL_TEMPLATE must render.
+SAMPLE_TOOLS = (
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
+)
+SAMPLE_TOOL_CONVERSATION = (
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "The weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 C"},
+)
 
 
 def serving_template(model: LoadedModel, settings: Settings) -> ChatTemplate:
     """Return the chat template a worker serves ``model`` with.
 
     Raises:
-        ValueError: one line naming ``CHAT_TEMPLATE`` (unreadable or not compiling) or ``MODEL_DIR``
-            (the model's own template does not compile).
+        ValueError: one line naming ``CHAT_TEMPLATE`` (unreadable or not compiling), ``MODEL_DIR``
+            (the model's own template does not compile) or ``TOOL_TEMPLATE`` (unreadable, not
+            compiling, or without one of its macros).
     """
     source = settings.chat_template_source()
     try:
-        return model.chat_template(source)
+        template = model.chat_template(source)
     except TemplateError as exc:
         if source is not None:
             raise ValueError(f"CHAT_TEMPLATE ({settings.chat_template}): {exc}") from None
         where = settings.model_dir or "the embedded default model"
         raise ValueError(f"MODEL_DIR ({where}): {exc}") from None
+    tool_source = settings.tool_template_source()
+    if tool_source is None:
+        return template
+    try:
+        return template.with_tool_template(tool_source)
+    except TemplateError as exc:
+        raise ValueError(f"TOOL_TEMPLATE ({settings.tool_template}): {exc}") from None
 
 
 def check_chat_template(model: LoadedModel, settings: Settings) -> None:
     """Build the template as a worker will and render it on :data:`SAMPLE_CONVERSATION` (in the
     master, before the workers start). A model's own template is only compiled: one that refuses
-    this conversation may still serve others.
+    this conversation may still serve others. A ``TOOL_TEMPLATE`` is rendered, in both tool-call
+    formats, on :data:`SAMPLE_TOOL_CONVERSATION` under the default chat template (so the model's
+    template cannot be what fails).
 
     Raises:
-        ValueError: one line naming ``CHAT_TEMPLATE`` or ``MODEL_DIR`` and the template's error.
+        ValueError: one line naming ``CHAT_TEMPLATE``, ``MODEL_DIR`` or ``TOOL_TEMPLATE`` and the
+            template's error.
     """
     template = serving_template(model, settings)
-    if settings.chat_template is None:
-        return
-    try:
-        template.encode(SAMPLE_CONVERSATION, model.tokenizer)
-    except TemplateError as exc:
-        raise ValueError(
-            f"CHAT_TEMPLATE ({settings.chat_template}): fails on a sample conversation: {exc}"
-        ) from None
+    if settings.chat_template is not None:
+        try:
+            template.encode(SAMPLE_CONVERSATION, model.tokenizer)
+        except TemplateError as exc:
+            raise ValueError(
+                f"CHAT_TEMPLATE ({settings.chat_template}): fails on a sample conversation: {exc}"
+            ) from None
+    if settings.tool_template is not None:
+        tools = ChatTemplate.default().with_tool_template(template.tool_source)
+        for fmt in TOOL_CALL_FORMATS:
+            try:
+                tools.encode(SAMPLE_TOOL_CONVERSATION, model.tokenizer, SAMPLE_TOOLS, fmt)
+            except TemplateError as exc:
+                raise ValueError(
+                    f"TOOL_TEMPLATE ({settings.tool_template}): fails on a sample conversation "
+                    f"(tool_call_format {fmt}): {exc}"
+                ) from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -96,8 +146,12 @@ def chat_completion_request(
     offload: Callable[[Callable[..., Any], Sequence[Any]], Any] = _inline,
     kv_budget_bytes: int | None = None,
     max_logprob_entries: int | None = None,
+    tool_call_format: str = "smollm2",
 ) -> CompletionRequest:
-    """Render ``chat``'s conversation and return the generation request it stands for.
+    """Render ``chat``'s conversation, with its tools, and return the generation request it stands for.
+
+    The tools are rendered whatever ``tool_choice`` says (with ``"none"`` the model sees them and
+    cannot call them), so ``usage.prompt_tokens`` counts them.
 
     Args:
         chat: the validated chat request.
@@ -112,6 +166,8 @@ def chat_completion_request(
             without ``max_tokens``, the default answer is capped so the request fits it.
         max_logprob_entries: the request's budget of ``logprobs`` entries
             (``MAX_LOGPROB_ENTRIES``), or None (see ``wsgi_app.api.chat.completion_request``).
+        tool_call_format: ``"smollm2"`` or ``"hermes"`` (``TOOL_CALL_FORMAT``): how a chat template
+            that does not render tools gets them written (``ChatTemplate.render``).
 
     Raises:
         ApiError: 400 ``messages`` when the contents are longer than any acceptable prompt
@@ -121,16 +177,17 @@ def chat_completion_request(
             ``max_logprob_entries``.
     """
     limit = content_char_limit(model.tokenizer, max_prompt_tokens)
-    chars = sum(len(m["content"].strip()) for m in chat.messages)
+    chars = sum(len((m["content"] or "").strip()) for m in chat.messages)  # None: only tool calls
     if chars > limit:
         raise invalid(
             f"The messages hold {chars} characters; no conversation over {limit} characters fits "
             f"the prompt limit of {max_prompt_tokens} tokens.",
             "messages",
         )
+    tools = [tool.openai() for tool in chat.tools.tools] if chat.tools else None
     try:
         prompt_text, prompt_ids = offload(
-            template.render_and_encode, (chat.messages, model.tokenizer)
+            template.render_and_encode, (chat.messages, model.tokenizer, tools, tool_call_format)
         )
     except TemplateError as exc:
         raise invalid(f"The chat template failed on 'messages': {exc}", "messages") from None
