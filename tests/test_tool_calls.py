@@ -49,7 +49,7 @@ def server(serve_module):
 
 @pytest.fixture(scope="module")
 def hermes(serve_module):
-    return serve_module(TOOL_CALL_FORMAT="hermes")
+    return serve_module(TOOL_CALL_FORMAT="hermes", LOG_PROMPTS="1")
 
 
 def same_both_ways(srv, body: dict) -> list[dict]:
@@ -383,6 +383,41 @@ def test_the_tool_call_format_setting():
         Settings.from_env({"TOOL_CALL_FORMAT": "xml"})
     assert str(info.value) == "TOOL_CALL_FORMAT must be one of smollm2, hermes, got 'xml'"
     assert FORMATS == ("smollm2", "hermes")  # the syntaxes tool_syntax knows
+
+
+def test_the_prompt_shows_the_calls_in_the_format_they_are_read_in(server, hermes):
+    """TOOL_CALL_FORMAT is the syntax of the tool prompt too (model/templates/tools.jinja)."""
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"zone":1}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "10:00"},
+    ]
+    shown = {}
+    for srv, name in ((server, "smollm2"), (hermes, "hermes")):
+        body = {"model": "m", "messages": history, "tools": [TIME], "max_tokens": 1}
+        status, _, raw = srv.post(PATH, body, headers={"X-Request-Id": f"prompt-{name}"})
+        assert status == 200, raw
+        srv.wait_idle()
+        (line,) = [json.loads(x) for x in srv.log_text().splitlines() if f'"prompt-{name}"' in x]
+        shown[name] = line["prompt"]
+    assert (
+        '<tool_call>[{"name": "get_time", "arguments": {"zone": 1}}]</tool_call>'
+        in shown["smollm2"]
+    )
+    assert (
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>'
+        in shown["hermes"]
+    )
 
 
 def test_the_hermes_syntax(hermes):
