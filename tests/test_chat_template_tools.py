@@ -25,6 +25,7 @@ from model.loader import load_model
 from tests.server import SLACK_S
 from tests.test_chat_template import CHATML, chatml_tokenizer, text_ids
 from tests.test_startup_config import failed_start
+from tests.toolcalls import called
 from wsgi_app.http.chat import chat_completion_request, check_chat_template, serving_template
 from wsgi_app.settings import Settings
 
@@ -337,18 +338,7 @@ def chat_prompt(model, body: dict, fmt: str = "smollm2") -> tuple[str, list[int]
 WIRE_HISTORY = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "What is the weather in Paris?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    *called("get_weather", '{"city": "Paris"}', "18 C, sunny"),
 ]
 
 

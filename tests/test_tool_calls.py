@@ -28,6 +28,7 @@ from tests.toolcalls import (
     accumulate,
     agent_loop,
     answer,
+    called,
     check_calls,
     plain,
     stream,
@@ -96,10 +97,16 @@ def test_required_calls_validate_and_the_stream_accumulates_to_the_answer(server
 @pytest.mark.parametrize("streamed", [False, True], ids=["create", "stream"])
 def test_an_agent_loop_with_the_openai_sdk(server, streamed, sampling, followup):
     """A forced call, its result sent back, a text answer (the bigram never writes the tag)."""
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    first, second = agent_loop(
-        client, streamed, followup, model="m", max_tokens=300, parallel_tool_calls=False, **sampling
-    )
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+        first, second = agent_loop(
+            client,
+            streamed,
+            followup,
+            model="m",
+            max_tokens=300,
+            parallel_tool_calls=False,
+            **sampling,
+        )
     assert first.choices[0].finish_reason == "tool_calls"
     assert first.choices[0].message.content is None
     answer_ = second.choices[0]
@@ -333,24 +340,7 @@ REFUSALS = [
         "tools",
     ),
     (
-        {
-            "tools": [WEATHER],
-            "messages": [
-                *ASK,
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {
-                            "id": "call_a",
-                            "type": "function",
-                            "function": {"name": "get_weather", "arguments": "{}"},
-                        }
-                    ],
-                },
-                {"role": "tool", "tool_call_id": "call_b", "content": "18C"},
-            ],
-        },
+        {"tools": [WEATHER], "messages": [*ASK, *called("get_weather", "{}", "18C", "a", "b")]},
         "messages[2].tool_call_id",
     ),
 ]
@@ -387,21 +377,7 @@ def test_the_tool_call_format_setting():
 
 def test_the_prompt_shows_the_calls_in_the_format_they_are_read_in(server, hermes):
     """TOOL_CALL_FORMAT is the syntax of the tool prompt too (model/templates/tools.jinja)."""
-    history = [
-        *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_time", "arguments": '{"zone":1}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "10:00"},
-    ]
+    history = [*ASK, *called("get_time", '{"zone":1}', "10:00")]
     shown = {}
     for srv, name in ((server, "smollm2"), (hermes, "hermes")):
         body = {"model": "m", "messages": history, "tools": [TIME], "max_tokens": 1}

@@ -24,15 +24,16 @@ CASES = [(False, "none", {"temperature": 0}), (True, "auto", {"seed": 11})]
 def test_agent_loops(smollm2_server):
     def run(i: int):
         stream, followup, sampling = CASES[i]
-        return agent_loop(
-            client(smollm2_server),
-            stream,
-            followup,
-            model="smollm2",
-            max_tokens=MAX_TOKENS,
-            parallel_tool_calls=False,
-            **sampling,
-        )
+        with client(smollm2_server) as sdk:
+            return agent_loop(
+                sdk,
+                stream,
+                followup,
+                model="smollm2",
+                max_tokens=MAX_TOKENS,
+                parallel_tool_calls=False,
+                **sampling,
+            )
 
     for (_, followup, _), (first, second) in zip(
         CASES, concurrently(run, len(CASES), timeout_s=600), strict=True
@@ -62,7 +63,8 @@ def test_a_forced_call_among_two_tools_and_a_named_one(smollm2_server):
 
     def run(i: int):
         body = {"model": "smollm2", "messages": ask, "max_tokens": MAX_TOKENS, **cases[i % 2]}
-        return sdk_call(client(smollm2_server), i >= 2, **body)
+        with client(smollm2_server) as sdk:
+            return sdk_call(sdk, i >= 2, **body)
 
     plain_required, plain_named, streamed_required, streamed_named = concurrently(
         run, 4, timeout_s=600

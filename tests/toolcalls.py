@@ -51,6 +51,19 @@ TOOLS = {t["function"]["name"]: t for t in (WEATHER, TIME)}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
+def called(
+    name: str, arguments: str, result: str, call_id: str = "call_1", answers: str = ""
+) -> list:
+    """Return the history of one call: the assistant message that called ``name`` with
+    ``arguments`` (id ``call_id``), and the ``tool`` message giving ``result`` back for the call
+    ``answers`` names (``call_id`` by default)."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": answers or call_id, "content": result},
+    ]
+
+
 def answer(srv: GunicornServer, body: dict) -> dict:
     """Return the JSON answer to a chat request (asserting a 200)."""
     status, _, raw = srv.post(PATH, {**body, "stream": False})
