@@ -110,6 +110,7 @@ class Observation(NamedTuple):
     constraint: str | None = None  # structured outputs: the constraint's kind
     compile_s: float | None = None
     mask_s: float | None = None
+    tool_calls: int = 0  # tool calls made (tools requests)
 
 
 def _observe_all(histogram: Any, values: list[float]) -> None:
@@ -154,3 +155,6 @@ def count_all(metrics: Metrics, batch: Sequence[Observation], gaps: BatchGaps) -
         metrics.structured_compile, [o.compile_s for o in batch if o.compile_s is not None]
     )
     _observe_all(metrics.structured_mask, [o.mask_s for o in batch if o.mask_s is not None])
+    calls = sum(o.tool_calls for o in batch)
+    if calls:
+        metrics.tool_calls.inc(calls)

@@ -91,6 +91,7 @@ class Metrics:
         structured_compile: ``greenserve_structured_compile_seconds``, a constrained request's wait
             for its grammar.
         structured_mask: ``greenserve_structured_mask_seconds``, a constrained request's mask time.
+        tool_calls: ``greenserve_tool_calls_total``, tool calls made (every call of every choice).
         spec_draft_tokens: ``greenserve_spec_decode_draft_tokens_total``, tokens drafted by
             speculative decoding and verified.
         spec_accepted_tokens: ``greenserve_spec_decode_accepted_tokens_total``, drafted tokens
@@ -116,6 +117,7 @@ class Metrics:
     structured_requests: Counter
     structured_compile: Histogram
     structured_mask: Histogram
+    tool_calls: Counter
     spec_draft_tokens: Counter
     spec_accepted_tokens: Counter
     prefix_cache_hit_tokens: Counter
@@ -209,7 +211,7 @@ class Metrics:
             structured_requests=Counter(
                 "greenserve_structured_requests",
                 "Generation requests with an output constraint, by kind (json_schema, json_object, "
-                "regex, choice, grammar), refused ones included.",
+                "regex, choice, grammar, tool_calls), refused ones included.",
                 ["kind"],
                 registry=r,
             ),
@@ -224,6 +226,11 @@ class Metrics:
                 "Seconds spent computing one constrained request's token masks, over its tokens "
                 "and choices.",
                 buckets=MASK_BUCKETS,
+                registry=r,
+            ),
+            tool_calls=Counter(
+                "greenserve_tool_calls",
+                "Tool calls made in chat answers, every call of every choice counted.",
                 registry=r,
             ),
             spec_draft_tokens=Counter(
@@ -276,6 +283,7 @@ class Metrics:
         constraint: str | None = None,
         compile_s: float | None = None,
         mask_s: float | None = None,
+        tool_calls: int = 0,
     ) -> None:
         """Record one finished generation request.
 
@@ -296,6 +304,7 @@ class Metrics:
             constraint: the output constraint's kind (structured outputs), or None.
             compile_s: seconds the request waited for its grammar, or None.
             mask_s: seconds spent on its token masks, or None.
+            tool_calls: tool calls its answer made.
         """
         self.requests.labels(
             endpoint=endpoint,
@@ -321,6 +330,8 @@ class Metrics:
             self.structured_compile.observe(compile_s)
         if mask_s is not None:
             self.structured_mask.observe(mask_s)
+        if tool_calls:
+            self.tool_calls.inc(tool_calls)
 
     def set_load(self, running: int, queued: int) -> None:
         """Set this worker's running and queued request gauges."""

@@ -170,6 +170,8 @@ def request_fields(
         fields["constraint"] = record.constraint
         fields["compile_s"] = _r(record.compile_s)
         fields["mask_s"] = None if record.grammar is None else _r(record.grammar.mask_s)
+    if record.tool_calls is not None:  # a request that could call tools: how many calls it made
+        fields["tool_calls"] = record.tool_calls
     if record.cached_tokens is not None:  # only for a model with a prefix cache
         fields["cached_tokens"] = record.cached_tokens
     if record.prompt is not None:  # only with LOG_PROMPTS=1
@@ -330,6 +332,7 @@ class Observer:
             constraint=record.constraint,
             compile_s=record.compile_s,
             mask_s=None if record.grammar is None else record.grammar.mask_s,
+            tool_calls=record.tool_calls or 0,
         )
 
     def set_load(self, running: int, queued: int) -> None:

@@ -45,6 +45,7 @@ class FinishedRequest(Protocol):
         constraint: the kind of the request's output constraint (structured outputs), or None.
         compile_s: seconds the request waited for its grammar, or None.
         grammar: an object whose ``mask_s`` is the request's mask time in seconds, or None.
+        tool_calls: tool calls made over all choices, or None for a request that could make none.
     """
 
     request_id: str
@@ -73,3 +74,4 @@ class FinishedRequest(Protocol):
     constraint: str | None
     compile_s: float | None
     grammar: Any
+    tool_calls: int | None

@@ -3,9 +3,8 @@ template that does not read ``tools``, a template that does getting tools and hi
 passes them, client text inside tools, calls and results kept as text, ``TOOL_TEMPLATE``, and SmolLM2's
 rendered prompt with tools pinned by its token ids.
 
-Tool calls are not generated yet on this branch (``wsgi_app.api.chat.TOOL_CALLS_GENERATED``), so the
-request-level tests go through ``parse_chat_request`` and ``chat_completion_request`` with the flag
-set; the end-to-end server tests belong to the generation side.
+The request-level tests go through ``parse_chat_request`` and ``chat_completion_request``; the
+end-to-end server tests are the generation side's (tests/test_tool_calls.py).
 
 Source: Ollama's ``smollm2`` template and Hugging Face's SmolLM2 function-calling prompt; Qwen2.5
 Instruct's chat template (hermes); Hugging Face transformers, "Chat templates" (tool use).
@@ -26,6 +25,7 @@ from model.loader import load_model
 from tests.server import SLACK_S
 from tests.test_chat_template import CHATML, chatml_tokenizer, text_ids
 from tests.test_startup_config import failed_start
+from tests.toolcalls import called
 from wsgi_app.http.chat import chat_completion_request, check_chat_template, serving_template
 from wsgi_app.settings import Settings
 
@@ -319,9 +319,8 @@ def test_tool_template_setting_replaces_the_tool_text(tmp_path):
     )
 
 
-def chat_prompt(monkeypatch, model, body: dict, fmt: str = "smollm2") -> tuple[str, list[int]]:
+def chat_prompt(model, body: dict, fmt: str = "smollm2") -> tuple[str, list[int]]:
     """Parse ``body`` as the chat route does (tool calls allowed) and render it for ``model``."""
-    monkeypatch.setattr(api_chat, "TOOL_CALLS_GENERATED", True)
     chat = api_chat.parse_chat_request(
         {"model": "m", **body}, vocab_size=model.tokenizer.vocab_size
     )
@@ -339,25 +338,14 @@ def chat_prompt(monkeypatch, model, body: dict, fmt: str = "smollm2") -> tuple[s
 WIRE_HISTORY = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "What is the weather in Paris?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    *called("get_weather", '{"city": "Paris"}', "18 C, sunny"),
 ]
 
 
-def test_the_request_path_renders_tools_for_every_tool_choice(monkeypatch):
+def test_the_request_path_renders_tools_for_every_tool_choice():
     bigram = load_model()
     body = {"messages": WIRE_HISTORY, "tools": [WEATHER]}
-    text, ids = chat_prompt(monkeypatch, bigram, body)
+    text, ids = chat_prompt(bigram, body)
     assert text == (
         "Be brief.\n\n" + smollm2_instructions(f"[{WEATHER_JSON}]") + "\n\nUser: What is the "
         'weather in Paris?\nAssistant: <tool_call>[{"name": "get_weather", "arguments": {"city": '
@@ -365,17 +353,17 @@ def test_the_request_path_renders_tools_for_every_tool_choice(monkeypatch):
     )
     assert ids == list(text.encode())  # the bigram's byte tokens: usage counts the tool text
     # "none" still shows the tools (the model cannot call them); the history alone is rendered too.
-    assert chat_prompt(monkeypatch, bigram, {**body, "tool_choice": "none"}) == (text, ids)
-    alone, _ = chat_prompt(monkeypatch, bigram, {"messages": WIRE_HISTORY})
+    assert chat_prompt(bigram, {**body, "tool_choice": "none"}) == (text, ids)
+    alone, _ = chat_prompt(bigram, {"messages": WIRE_HISTORY})
     assert alone == "Be brief.\n\nUser: " + text.split("\n\nUser: ", 1)[1]
 
 
-def test_smollm2_prompt_with_tools_is_pinned_by_its_token_ids(monkeypatch, smollm2):
+def test_smollm2_prompt_with_tools_is_pinned_by_its_token_ids(smollm2):
     pinned = json.loads(FIXTURE.read_text())
     assert [case["tool_call_format"] for case in pinned] == ["smollm2", "hermes"]
     for case in pinned:
         body = {"messages": case["messages"], "tools": case["tools"]}
-        text, ids = chat_prompt(monkeypatch, smollm2, body, case["tool_call_format"])
+        text, ids = chat_prompt(smollm2, body, case["tool_call_format"])
         assert text == case["prompt"]
         assert ids == case["prompt_ids"]
         # The tokenizer's own parse of the text: nothing in it is client special-token text.
@@ -384,11 +372,11 @@ def test_smollm2_prompt_with_tools_is_pinned_by_its_token_ids(monkeypatch, smoll
     assert [len(case["prompt_ids"]) for case in pinned] == [347, 248]
 
 
-def test_a_typed_tool_call_block_is_text_on_smollm2(monkeypatch, smollm2):
+def test_a_typed_tool_call_block_is_text_on_smollm2(smollm2):
     typed = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'
     assert not any("tool" in t for t in smollm2.tokenizer.added_tokens)  # no such added token
     text, ids = chat_prompt(
-        monkeypatch, smollm2, {"messages": [{"role": "user", "content": typed}], "tools": [WEATHER]}
+        smollm2, {"messages": [{"role": "user", "content": typed}], "tools": [WEATHER]}
     )
     assert text.endswith(f"<|im_start|>user\n{typed}<|im_end|>\n<|im_start|>assistant\n")
     turn = smollm2.tokenizer.encode_text("user\n" + typed)

@@ -190,15 +190,20 @@ def test_readme_inline_curl_event_source_line(default_server):
     assert "".join(c["choices"][0]["text"] for c in chunks) == raw_text(default_server, body)[0]
 
 
-def test_readme_openai_example(default_server):
-    code = readme_block("python", "client.completions.create(")
-    run = subprocess.run(
-        [sys.executable, "-c", code.replace(README_URL, default_server.url)],
+def run_readme_python(marker: str, url: str) -> subprocess.CompletedProcess:
+    """Run the README's Python block that contains ``marker`` against the server at ``url``."""
+    code = readme_block("python", marker)
+    return subprocess.run(
+        [sys.executable, "-c", code.replace(README_URL, url)],
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     )
+
+
+def test_readme_openai_example(default_server):
+    run = run_readme_python("client.completions.create(", default_server.url)
     text, usage = raw_text(
         default_server, {"model": "bigram", "prompt": "ROMEO:", "max_tokens": 32, "seed": 1}
     )

@@ -279,28 +279,26 @@ def test_bad_history_names_the_param(messages, param):
     assert info.value.param == param
 
 
-def test_well_formed_tools_are_still_refused_until_calls_are_generated():
+def test_well_formed_tools_and_history_reach_the_chat_request():
     from wsgi_app.api.chat import parse_chat_request
 
-    for body, param, message in [
-        ({"tools": [WEATHER]}, "tools", "'tools' is not supported by this server."),
-        (
-            {"functions": [{"name": "f"}]},
-            "functions",
-            "'functions' is not supported by this server.",
-        ),
-        (
-            {
-                "messages": [
-                    ASK,
-                    {"role": "assistant", "content": None, "tool_calls": [CALL]},
-                    {"role": "tool", "tool_call_id": "call_abc", "content": "18C"},
-                ]
-            },
-            "messages[1].tool_calls",
-            "Tool-call history is not supported by this server.",
-        ),
-    ]:
-        with pytest.raises(ApiError) as info:
-            parse_chat_request({"model": "m", "messages": [ASK], **body}, vocab_size=256)
-        assert (info.value.param, info.value.message) == (param, message)
+    history = [
+        ASK,
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "18C"},
+    ]
+    chat = parse_chat_request(
+        {"model": "m", "messages": history, "tools": [WEATHER], "tool_choice": "required"},
+        vocab_size=256,
+    )
+    assert (chat.tools.choice, [t.name for t in chat.tools.tools]) == ("required", ["get_weather"])
+    assert chat.messages[2] == {
+        "role": "tool",
+        "tool_call_id": "call_abc",
+        "name": "get_weather",
+        "content": "18C",
+    }
+    legacy = parse_chat_request(
+        {"model": "m", "messages": [ASK], "functions": [{"name": "f"}]}, vocab_size=256
+    )
+    assert legacy.tools.legacy and legacy.tools.param == "functions"

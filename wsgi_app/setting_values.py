@@ -58,6 +58,19 @@ def env_str(env: Mapping[str, str], name: str, default: str) -> str:
     return raw or default
 
 
+def env_choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    """Return ``env[name]`` (lower-cased) when it is one of ``choices``, or ``default`` when it is
+    unset or blank.
+
+    Raises:
+        ValueError: another value (the message names ``name`` and the choices).
+    """
+    value = env_str(env, name, default).lower()
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
 def field_defaults(cls: type) -> dict[str, Any]:
     """Return the plain defaults of the dataclass ``cls``'s fields by name (the one place each
     default is written is the field itself; fields with a factory are left out)."""

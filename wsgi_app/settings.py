@@ -19,6 +19,7 @@ from wsgi_app.setting_checks import (
 from wsgi_app.setting_values import (
     env_api_keys,
     env_auth_failure_limit,
+    env_choice,
     env_cors_origins,
     env_float,
     env_forwarded_allow_ips,
@@ -125,6 +126,9 @@ class Settings:
             without ``max_tokens`` an answer may use the rest of the context up to this, in tokens.
         max_chat_messages: the most messages one chat request may hold (``MAX_CHAT_MESSAGES``);
             checked before the template renders them (400 ``messages`` beyond).
+        tool_call_format: the syntax tool calls are constrained to and read from
+            (``TOOL_CALL_FORMAT``: ``smollm2``, one ``<tool_call>`` block holding a JSON array of
+            calls, or ``hermes``, one JSON object per block; ``wsgi_app.api.tool_syntax``).
         server_started_at: when the gunicorn master started, Unix seconds (``GREENSERVE_STARTED_AT``,
             set by gunicorn.conf.py), or None outside gunicorn.
     """
@@ -169,6 +173,7 @@ class Settings:
     tool_template: str | None = None
     chat_max_tokens: int = 512
     max_chat_messages: int = 1024
+    tool_call_format: str = "smollm2"
     server_started_at: float | None = None
 
     @classmethod
@@ -231,6 +236,9 @@ class Settings:
             tool_template=env_readable_file(env, "TOOL_TEMPLATE"),
             chat_max_tokens=env_int(env, "CHAT_MAX_TOKENS", d["chat_max_tokens"], 1, 4096),
             max_chat_messages=env_int(env, "MAX_CHAT_MESSAGES", d["max_chat_messages"], 1, 1 << 20),
+            tool_call_format=env_choice(
+                env, "TOOL_CALL_FORMAT", d["tool_call_format"], ("smollm2", "hermes")
+            ),
             server_started_at=(
                 env_float(env, "GREENSERVE_STARTED_AT", 0.0, 0.0, 1e12)
                 if env.get("GREENSERVE_STARTED_AT")

@@ -34,7 +34,7 @@ from model.grammar import tokens
 from model.grammar.matcher import ConstraintError, TokenMatcher
 from model.tokenizer import TextTokenizer
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
 MAX_CONSTRAINT_BYTES = 64 * 1024  # canonical JSON of a schema, or a regex/grammar/choice list
 MAX_CHOICES = 1024
 MAX_GRAMMAR_SIZE = 100_000  # llguidance grammar symbols (its default is 500 000)
@@ -56,7 +56,9 @@ class Constraint:
     Attributes:
         kind: one of :data:`KINDS`.
         value: the schema (a dict) for ``json_schema``; None for ``json_object``; the pattern for
-            ``regex``; a tuple of strings for ``choice``; the Lark text for ``grammar``.
+            ``regex``; a tuple of strings for ``choice``; the Lark text for ``grammar``; for
+            ``tool_calls`` (``wsgi_app.api.tool_syntax``) ``(lark, text)``: the tool-call grammar's
+            Lark text, and the constraint its ``@text`` rule stands for (None when it has none).
     """
 
     kind: str
@@ -64,10 +66,16 @@ class Constraint:
 
     def key(self) -> str:
         """Return the canonical JSON of the constraint: the cache key, equal for equal constraints."""
-        value = list(self.value) if isinstance(self.value, tuple) else self.value
-        return json.dumps(
-            [self.kind, value], sort_keys=True, separators=(",", ":"), ensure_ascii=False
-        )
+        return json.dumps(_plain(self), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _plain(value: Any) -> Any:
+    """Return ``value`` as JSON sees it: a constraint as ``[kind, value]``, tuples as lists."""
+    if isinstance(value, Constraint):
+        return [value.kind, _plain(value.value)]
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
 def grammar_text(constraint: Constraint) -> str:
@@ -109,7 +117,22 @@ def grammar_text(constraint: Constraint) -> str:
                 "names a special token or a token id (<...>): a constrained span is text only"
             )
         return llguidance.LLMatcher.grammar_from_lark(lark)
+    if kind == "tool_calls":
+        lark, text = value
+        if text is None:
+            return llguidance.LLMatcher.grammar_from_lark(lark)
+        # The text answer's grammar joins as a named grammar the Lark refers to as @text.
+        return json.dumps({"grammars": [{"lark_grammar": lark}, _named(grammar_text(text))]})
     raise ConstraintError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+
+
+def _named(grammar: str, name: str = "text") -> dict[str, Any]:
+    """Return the one grammar of llguidance's grammar text ``grammar`` (its JSON top-level grammar
+    or plain Lark) as an entry of a top-level grammar's ``grammars`` list, named ``name``."""
+    if not grammar.lstrip().startswith("{"):
+        return {"name": name, "lark_grammar": grammar}
+    (entry,) = json.loads(grammar)["grammars"]  # every kind's grammar is one grammar
+    return {**entry, "name": name}
 
 
 # JSON Schema keywords a schema may use: what llguidance enforces, the annotations that constrain

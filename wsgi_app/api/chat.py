@@ -38,9 +38,6 @@ from wsgi_app.api.tools import ToolRequest, parse_tools
 MAX_TOP_LOGPROBS = 20
 MAX_CHAT_MESSAGES = 1024  # the MAX_CHAT_MESSAGES setting's default
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
-# Tool calls are read and validated (wsgi_app.api.tools, wsgi_app.api.messages) but not yet generated:
-# a request that sends tools, or tool-call history, is a 400 once it is known to be well formed.
-TOOL_CALLS_GENERATED = False
 
 # The request fields of OpenAI's Chat Completions (and the shared extensions); anything else is ignored
 # (and named in X-Ignored-Fields). The documented fields this server does not implement are a 400 for
@@ -151,8 +148,6 @@ def parse_chat_request(
     model = parse_model(body)
     messages = parse_messages(body.get("messages"), max_messages)
     tools = parse_tools(body)
-    if not TOOL_CALLS_GENERATED:
-        _refuse_tool_calls(tools, messages)
     max_tokens, max_tokens_param = _max_tokens(body)
     fields = parse_sampling_fields(body, vocab_size, max_n)
     logprobs = boolean_field(body, "logprobs")
@@ -263,6 +258,7 @@ def completion_request(
         cache_salt=chat.cache_salt,
         ignored_fields=chat.ignored_fields,
         constraint=chat.constraint,
+        tools=chat.tools,
     )
 
 
@@ -289,22 +285,6 @@ def _logprob_budget(chat: ChatRequest, max_tokens: int, budget: int) -> int:
             "top_logprobs",
         )
     return max_tokens
-
-
-def _refuse_tool_calls(tools: ToolRequest | None, messages: tuple[dict[str, Any], ...]) -> None:
-    """Refuse well-formed tools and tool-call history while calls are not generated.
-
-    Raises:
-        ApiError: 400 naming ``tools``/``functions``, or the first message that holds tool calls
-            or a tool result.
-    """
-    if tools is not None:
-        raise unsupported(tools.param)
-    for i, message in enumerate(messages):
-        if message.get("tool_calls"):
-            raise unsupported(f"messages[{i}].tool_calls", "Tool-call history")
-        if message["role"] == "tool":
-            raise unsupported(f"messages[{i}].role", "The 'tool' role")
 
 
 def _check_options(body: dict[str, Any]) -> None:

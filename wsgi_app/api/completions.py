@@ -31,6 +31,7 @@ from wsgi_app.api.fields import (
 )
 from wsgi_app.api.structured import STRUCTURED_FIELDS, RequestConstraint, parse_constraint
 from wsgi_app.api.table import BOOLEAN, NUMBER, SHARED_FIELDS, TEXT, Field, FieldTable
+from wsgi_app.api.tools import ToolRequest
 
 MAX_TOKENS_LIMIT = 4096
 MAX_LOGPROBS = 5
@@ -95,6 +96,9 @@ class CompletionRequest:
         constraint: the output constraint (structured outputs, ``wsgi_app.api.structured``), or None.
         grammar: ``constraint`` compiled (``model.grammar.compile.RequestGrammar``), set once
             compiled (``wsgi_app.generation.grammars``); None without a constraint.
+        tools: a chat request's tools and tool choice (``wsgi_app.api.tools``), or None.
+        tool_format: the syntax its calls are written in (``TOOL_CALL_FORMAT``), set with the
+            grammar.
     """
 
     model: str
@@ -116,6 +120,13 @@ class CompletionRequest:
     ignored_fields: tuple[str, ...] = ()
     constraint: RequestConstraint | None = None
     grammar: Any = None
+    tools: ToolRequest | None = None
+    tool_format: str = "smollm2"
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls (tools given, ``tool_choice`` not ``none``)."""
+        return self.tools is not None and self.tools.choice != "none"
 
     def prompts(self) -> tuple[Prompt, ...]:
         """Return every prompt of the request, in order (prompt ``p`` has choices ``p*n .. p*n+n-1``)."""

@@ -20,6 +20,7 @@ from model.tokenizer import TextTokenizer
 from model.utf8 import Utf8Decoder
 from wsgi_app.api.completions import CompletionRequest, Prompt
 from wsgi_app.generation.choice import BYTE_TOKENIZER, Choice, token_start
+from wsgi_app.generation.tool_calls import ToolChoice
 from wsgi_app.wire.encoder import TEXT_COMPLETION, ChunkEncoder, WireFormat
 from wsgi_app.wire.logprobs import Logprobs
 from wsgi_app.wire.sse import PING, PLAIN, Framing
@@ -96,6 +97,11 @@ class Completion:
         self._reports_cached = getattr(engine, "prefix_cache", None) is not None
         self.echo_texts: list[str] = []  # per prompt: the text its choices' echo chunk carries
         n = req.n
+        # A request that may call tools (chat: no echo) has choices that read their calls.
+        choice_type, calls = Choice, {}
+        if req.calls_tools:
+            choice_type = ToolChoice
+            calls = {"tools": req.tools, "tool_format": req.tool_format, "seed": req.seed}
         for prompt in req.prompts():
             echo_text, pending = _echo(prompt, req) if req.echo else ("", b"")
             self.echo_texts.append(echo_text)
@@ -112,7 +118,7 @@ class Completion:
                     grammar=req.grammar,
                     cache_salt=cache_salt,
                 )
-                choice = Choice(
+                choice = choice_type(
                     len(self.choices),
                     engine.stream(gen),
                     req.max_tokens,
@@ -121,6 +127,7 @@ class Completion:
                     logprobs,
                     tokenizer.token_bytes,
                     pending,
+                    **calls,
                 )
                 self.choices.append(choice)
         self.encoder: ChunkEncoder = wire.encoder(
@@ -131,6 +138,7 @@ class Completion:
             req.include_usage,
             framing,
             fingerprint,
+            tool_calls=req.calls_tools,
         )
 
     # -- accounting ---------------------------------------------------------------------------
@@ -169,6 +177,12 @@ class Completion:
         if cached is not None:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
+
+    def tool_calls(self) -> int | None:
+        """Tool calls made over all choices; None for a request that could make none."""
+        if not self.req.calls_tools:
+            return None
+        return sum(len(c.calls) for c in self.choices)
 
     def finish_reasons(self) -> list[str | None]:
         """Each choice's finish reason (None while it runs)."""

@@ -1,5 +1,5 @@
-"""A worker's grammar compiler for structured outputs: compiled off the event loop, cached, refused
-with a 400 naming the field.
+"""A worker's grammar compiler for structured outputs and tool calls: compiled off the event loop,
+cached, refused with a 400 naming the field.
 
 Compiling a constraint takes ~1 ms for a typical schema and up to ~1 s for a hostile grammar (and the
 first one of a worker also builds llguidance's view of the tokenizer, ~0.5 s for a 49k vocabulary), so
@@ -8,7 +8,11 @@ engine thread: other requests and running streams do not wait for it. A grammar 
 (``model.grammar.compile``) is taken on the hub at once. Everything happens before admission, so a
 refusal is a 400 before any byte, and nothing holds a slot meanwhile.
 
-Source: docs/ARCHITECTURE.md §6 (where the mask sits), §15 (heavy work off the hub).
+A request with ``tools`` is constrained by its tool-call grammar (``wsgi_app.api.tool_syntax``
+``tool_constraint``: the tools' ``parameters`` schemas, the request's text constraint for a text
+answer); a schema llguidance cannot enforce is a 400 naming that tool's ``parameters``.
+
+Source: docs/ARCHITECTURE.md §6 (where the mask sits), §14 (tool calls), §15 (heavy work off the hub).
 """
 
 from __future__ import annotations
@@ -19,9 +23,18 @@ from typing import Any
 
 from gevent.threadpool import ThreadPool
 
-from model.grammar.compile import ConstraintError, GrammarCompiler, RequestGrammar
+from model.grammar.compile import (
+    Constraint,
+    ConstraintError,
+    Grammar,
+    GrammarCompiler,
+    RequestGrammar,
+    unknown_keyword,
+)
 from wsgi_app.api.completions import CompletionRequest
-from wsgi_app.api.errors import invalid
+from wsgi_app.api.errors import ApiError, invalid
+from wsgi_app.api.tool_syntax import tool_constraint
+from wsgi_app.api.tools import ToolRequest
 from wsgi_app.generation.record import RequestRecord
 
 COMPILE_THREADS = 2  # a slow grammar does not hold up the next one; the hub competes with two
@@ -32,43 +45,111 @@ class GrammarService:
 
     Args:
         tokenizer: the served tokenizer (``LoadedModel.tokenizer``).
+        tool_format: the tool-call syntax (``TOOL_CALL_FORMAT``, ``wsgi_app.api.tool_syntax``).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, tool_format: str = "smollm2") -> None:
         self.compiler = GrammarCompiler(tokenizer)
+        self.tool_format = tool_format
         self._pool: ThreadPool | None = None
 
     def prepare(self, req: CompletionRequest, record: RequestRecord) -> CompletionRequest:
         """Return ``req`` with its constraint compiled (``req`` itself when it has none).
 
-        Notes the constraint's kind and the seconds waited for its grammar on ``record`` (the log
-        line and the ``greenserve_structured_*`` metrics).
+        A request with tools gets its tool-call grammar and :attr:`tool_format`. Notes the
+        constraint's kind (``tool_calls`` for a tool-call grammar) and the seconds waited for its
+        grammar on ``record`` (the log line and the ``greenserve_structured_*`` metrics).
 
         Raises:
-            ApiError: 400 ``invalid_request_error`` naming the constraint's field, with
-                llguidance's reason, when it cannot be enforced exactly.
+            ApiError: 400 ``invalid_request_error`` naming the field, with llguidance's reason, when
+                a constraint cannot be enforced exactly: the constraint's (``response_format``...),
+                a tool's ``tools[i].function.parameters``, or ``tools`` for tools that only fail
+                together.
         """
         rc = req.constraint
-        if rc is None:
+        text = None if rc is None else rc.constraint
+        if req.tools is not None:
+            _check_keywords(req.tools)
+            constraint = tool_constraint(req.tools, self.tool_format, text)
+            req = dataclasses.replace(req, tool_format=self.tool_format)
+        elif text is None:
             return req
-        record.constraint = rc.constraint.kind
+        else:
+            constraint = text
+        record.constraint = constraint.kind
         start = time.perf_counter()
-        grammar = self.compiler.cached(rc.constraint)
-        if grammar is None:
-            if self._pool is None:
-                self._pool = ThreadPool(COMPILE_THREADS)
-            grammar = self._pool.apply(self.compiler.result, (rc.constraint,))
+        grammar = self._grammar(constraint)
         if isinstance(grammar, ConstraintError):
-            raise invalid(f"'{rc.param}' cannot be enforced: {grammar}", rc.param)
+            raise self._refusal(req, constraint, grammar)
         record.compile_s = time.perf_counter() - start
         use = RequestGrammar(grammar)
         record.grammar = use
         return dataclasses.replace(req, grammar=use)
+
+    def _grammar(self, constraint: Constraint) -> Grammar | ConstraintError:
+        """Return the compiled grammar or the refusal: from the cache on the hub, else compiled on
+        the pool."""
+        grammar = self.compiler.cached(constraint)
+        if grammar is None:
+            if self._pool is None:
+                self._pool = ThreadPool(COMPILE_THREADS)
+            grammar = self._pool.apply(self.compiler.result, (constraint,))
+        return grammar
+
+    def _refusal(
+        self, req: CompletionRequest, constraint: Constraint, error: ConstraintError
+    ) -> ApiError:
+        """Return the 400 of a constraint that does not compile, naming the part at fault: for a
+        tool-call grammar, the first tool whose schema fails alone, else the text constraint if it
+        fails alone, else the tools together."""
+        rc, tools = req.constraint, req.tools
+        if constraint.kind == "tool_calls" and tools is not None:
+            for i, tool in enumerate(tools.tools):
+                if tool in tools.callable_tools():
+                    alone = self._grammar(Constraint("json_schema", tool.parameters))
+                    if isinstance(alone, ConstraintError):
+                        return _cannot(parameters_param(tools, i), alone)
+            alone = None if rc is None else self._grammar(rc.constraint)
+            if isinstance(alone, ConstraintError):
+                return _cannot(rc.param, alone)
+            return _cannot(tools.param, error)
+        return _cannot(rc.param, error)
+
+
+def parameters_param(tools: ToolRequest, i: int) -> str:
+    """Return the ``param`` naming tool ``i``'s ``parameters`` (``tools[i].function.parameters``,
+    or ``functions[i].parameters`` for the legacy field)."""
+    if tools.legacy:
+        return f"{tools.param}[{i}].parameters"
+    return f"{tools.param}[{i}].function.parameters"
+
+
+def _cannot(param: str, error: ConstraintError) -> ApiError:
+    return invalid(f"'{param}' cannot be enforced: {error}", param)
+
+
+def _check_keywords(tools: ToolRequest) -> None:
+    """Refuse a callable tool whose schema uses a key that is no JSON Schema keyword enforced here
+    (llguidance would skip it silently; ``model.grammar.compile.unknown_keyword``).
+
+    Raises:
+        ApiError: 400 naming the tool's ``parameters``.
+    """
+    callable_tools = tools.callable_tools()
+    for i, tool in enumerate(tools.tools):
+        unknown = unknown_keyword(tool.parameters) if tool in callable_tools else None
+        if unknown is not None:
+            param = parameters_param(tools, i)
+            raise invalid(
+                f"'{param}' cannot be enforced: uses {unknown}, which is not a JSON Schema "
+                "keyword enforced here",
+                param,
+            )
 
 
 def grammar_service(rt: Any) -> GrammarService:
     """Return the worker's :class:`GrammarService` (made on first use, kept on the runtime)."""
     service = rt.grammars
     if service is None:
-        service = rt.grammars = GrammarService(rt.model.tokenizer)
+        service = rt.grammars = GrammarService(rt.model.tokenizer, rt.settings.tool_call_format)
     return service

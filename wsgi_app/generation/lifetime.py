@@ -294,18 +294,19 @@ class Generation:
 
     def settle(self) -> None:
         """End the generation: close its token streams, release its slot, and write its counts,
-        finish reasons, time to first token, queue wait (and, with ``LOG_PROMPTS=1``, texts) on the
-        record, and its ``end_reason`` when every choice ended on its own (``stop`` if one stopped,
-        else ``finished``). Runs at least once per admitted request, from :meth:`close` or
-        :meth:`run`; a second call is harmless."""
+        finish reasons, tool calls, time to first token, queue wait (and, with ``LOG_PROMPTS=1``,
+        texts) on the record, and its ``end_reason`` when every choice ended on its own (``stop`` if
+        one stopped: a stop string, its end, its tool calls; else ``finished``). Runs at least once
+        per admitted request, from :meth:`close` or :meth:`run`; a second call is harmless."""
         completion, ticket, record = self.completion, self.ticket, self.record
         completion.close()
         ticket.release()
         record.completion_tokens = completion.completion_tokens
         record.cached_tokens = completion.cached_tokens
+        record.tool_calls = completion.tool_calls()
         reasons = record.finish_reasons = completion.finish_reasons()
-        if reasons and None not in reasons:
-            record.end(STOP if "stop" in reasons else FINISHED)
+        if reasons and None not in reasons:  # a choice that ended before max_tokens stopped
+            record.end(FINISHED if all(r == "length" for r in reasons) else STOP)
         if record.ttft_s is None and record.token_times:
             record.ttft_s = record.token_times[0] - record.started
         if record.queue_wait_s is None:  # the first settle fixes the wait (a second one may follow)

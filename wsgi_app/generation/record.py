@@ -47,6 +47,11 @@ class RequestRecord:
         end_reason: why generation ended, one of ``wsgi_app.server.end_reason.END_REASONS``, set
             once by :meth:`end`; None for a request that never generated (refused, invalid, not a
             generation route).
+        constraint: the kind of the request's output constraint (``tool_calls`` for a tool-call
+            grammar), or None; compile_s: seconds it waited for its grammar; grammar: the
+            request's ``model.grammar.compile.RequestGrammar`` (its mask time), or None.
+        tool_calls: tool calls made over all choices, or None for a request that could make none
+            (no tools, or ``tool_choice`` ``none``).
         ignored_fields: the unknown top-level fields of a generation request, sorted, as its
             ``X-Ignored-Fields`` header lists them (``wsgi_app.api.fields.shown_names``).
         api_key_digest: the digest of the API key the request was authenticated with
@@ -81,6 +86,7 @@ class RequestRecord:
     constraint: str | None = None
     compile_s: float | None = None
     grammar: Any = None
+    tool_calls: int | None = None
     ignored_fields: tuple[str, ...] = ()
     api_key_digest: str | None = None
     rate_limit_counted: bool = False

@@ -74,9 +74,12 @@ class WireFormat:
         system_fingerprint: every object carries ``system_fingerprint`` (the model version) after
             ``model``.
         encoder_type: the :class:`ChunkEncoder` (sub)class that builds this format's events.
+        tool_encoder_type: the one that builds them for an answer that may call tools (the chat
+            completion's), or None for a format without tool calls.
     """
 
     encoder_type: ClassVar[type[ChunkEncoder]]
+    tool_encoder_type: ClassVar[type[ChunkEncoder] | None] = None
 
     answer_object: str
     chunk_object: str
@@ -99,6 +102,7 @@ class WireFormat:
         include_usage: bool,
         framing: Framing = PLAIN,
         fingerprint: str | None = None,
+        tool_calls: bool = False,
     ) -> ChunkEncoder:
         """Return the encoder of one completion in this format.
 
@@ -110,6 +114,11 @@ class WireFormat:
             include_usage: every chunk carries ``"usage":null`` (``stream_options.include_usage``).
             framing: the SSE framing of the stream (:data:`~wsgi_app.wire.sse.PLAIN` for POST streams).
             fingerprint: the model version, for a format with :attr:`system_fingerprint`.
+            tool_calls: the answer may call tools (its choices are
+                ``wsgi_app.generation.tool_calls.ToolChoice``).
+
+        Raises:
+            ValueError: ``tool_calls`` for a format without tool calls.
         """
         head = {
             "id": completion_id,
@@ -122,7 +131,10 @@ class WireFormat:
         chunk_head = json_bytes(head)[:-1]  # without the closing brace
         head["object"] = self.answer_object
         answer_head = json_bytes(head)[:-1]
-        return self.encoder_type(self, chunk_head, answer_head, n, include_usage, framing)
+        encoder_type = self.tool_encoder_type if tool_calls else self.encoder_type
+        if encoder_type is None:
+            raise ValueError(f"{self.answer_object} answers have no tool calls")
+        return encoder_type(self, chunk_head, answer_head, n, include_usage, framing)
 
     def new_logprobs(self, tokenizer: TextTokenizer) -> Logprobs:
         """Return an empty ``logprobs`` object for one choice (the legacy shape here)."""
@@ -248,6 +260,12 @@ class ChunkEncoder:
         """Return the ``stream_options.include_usage`` event: no choices, the usage."""
         return self.framing.frame(self._head + b',"choices":[],"usage":' + json_bytes(usage) + b"}")
 
+    def answer_message(self, choice: EncodedChoice) -> tuple[bytes, ...]:
+        """Return the bytes of a finished choice's text in the answer: the text key, the text as a
+        JSON string, and what closes the key (the chat completion's ``message`` object)."""
+        fmt = self.fmt
+        return (fmt.answer_text, json_bytes("".join(choice.parts)), fmt.text_end)
+
     def answer(
         self, choices: Sequence[EncodedChoice], usage: dict[str, object], pause: Callable[[], None]
     ) -> list[bytes]:
@@ -262,14 +280,11 @@ class ChunkEncoder:
             usage: the ``usage`` object.
             pause: called between slices of a long ``logprobs`` encoding.
         """
-        fmt = self.fmt
         parts = [self._answer_head, b',"choices":[']
         for c in choices:
-            parts += (
-                b'{"index":%d,' % c.index + fmt.answer_text,
-                json_bytes("".join(c.parts)),
-                fmt.text_end + b',"logprobs":',
-            )
+            parts.append(b'{"index":%d,' % c.index)
+            parts += self.answer_message(c)
+            parts.append(b',"logprobs":')
             if c.logprobs is None:
                 parts.append(b"null")
             else:  # its parts, unjoined: a big answer is written in slices

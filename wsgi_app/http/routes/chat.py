@@ -95,4 +95,5 @@ def _completion_request(
         offload=rt.offload,
         kv_budget_bytes=settings.kv_cache_budget_mb << 20,
         max_logprob_entries=settings.max_logprob_entries,
+        tool_call_format=settings.tool_call_format,  # the calls' syntax in the prompt too
     )

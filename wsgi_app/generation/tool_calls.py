@@ -1,0 +1,125 @@
+"""A choice that may call tools: its generated text split into content and calls as it comes.
+
+Only a request with tools (``tool_choice`` not ``none``) has these choices; every other choice is a
+plain :class:`~wsgi_app.generation.choice.Choice`, whose hot path this adds nothing to. The split sits
+where the stop strings are matched: :class:`CallFilter` takes the stop matcher's place. With
+``tool_choice`` ``auto``, text before the block's opening tag is content: held back from the first
+byte of a possible tag, as a stop string is, and released once the tag cannot follow (at the end of
+the answer too); the request's stop strings apply to it, never to the block. ``required`` and a named
+choice answer a block from the first byte, never content. From the tag on, the text goes to the call
+parser (``wsgi_app.api.tool_syntax.CallParser``) and is never content. The calls read are both what a
+stream sends (as tool-call deltas) and what the JSON answer holds, so a stream's accumulation is the
+answer.
+
+When the choice ends: calls made and every call complete is the tool choice's ``finish_reason``
+(``tool_calls``; ``stop`` for a named choice; ``function_call`` for the legacy fields). A block cut by
+``max_tokens`` ends with ``length``, its calls as far as they were generated (the last one's
+``arguments`` cut, as the stream sent them); it is never content.
+
+Source: OpenAI API reference, "Chat Completions" (``message.tool_calls``, ``finish_reason``); the
+"Function calling" guide (streaming).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from model.stop import StopMatcher
+from wsgi_app.api.tool_syntax import OPEN, Call, CallParser, call_id
+from wsgi_app.api.tools import ToolRequest
+from wsgi_app.generation.choice import Choice
+
+
+def _tag_prefix(text: str) -> int:
+    """Return the length of the longest suffix of ``text`` that is a proper prefix of the tag."""
+    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class CallFilter:
+    """Split a choice's text into content and tool calls (the stop matcher's ``push``/``flush``).
+
+    Args:
+        stop: the choice's stop matcher (the request's stop strings end the content; inside the
+            block they do not apply: the grammar decides where it ends).
+        parser: the call parser the block's text goes to.
+        in_block: the answer is a block from its first byte (``tool_choice`` ``required`` or
+            named): no text is content, not even an opening tag cut by ``max_tokens``.
+    """
+
+    __slots__ = ("_stop", "_held", "parser", "in_block")
+
+    def __init__(self, stop: StopMatcher, parser: CallParser, in_block: bool = False) -> None:
+        self._stop = stop
+        self._held = ""  # a possible start of the opening tag
+        self.parser = parser
+        self.in_block = in_block
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add decoded text; return the content it releases and whether a stop string matched."""
+        if self.in_block:
+            self.parser.feed(text)
+            return "", False
+        pending = self._held + text
+        at = pending.find(OPEN)
+        if at < 0:
+            keep = _tag_prefix(pending)
+            self._held = pending[len(pending) - keep :]
+            return self._stop.push(pending[: len(pending) - keep])
+        self._held = ""
+        out, stopped = self._stop.push(pending[:at])
+        if stopped:
+            return out, True
+        self.in_block = True
+        self.parser.feed(pending[at:])
+        return out + self._stop.flush(), False
+
+    def flush(self) -> str:
+        """Release the held-back content at the end of the choice (no tag came)."""
+        held, self._held = self._held, ""
+        out, stopped = self._stop.push(held)
+        return out if stopped else out + self._stop.flush()
+
+
+class ToolChoice(Choice):
+    """A choice of a request with tools: a :class:`Choice` whose text is split by a
+    :class:`CallFilter`.
+
+    Args: those of :class:`Choice` (a chat choice: no ``echo``), and:
+        tools: the request's tools (the finish reason of an answer that calls them).
+        tool_format: the syntax calls are written in (``TOOL_CALL_FORMAT``).
+        seed: the request's seed, or None: call ids derive from (seed, choice, call index).
+
+    Attributes:
+        legacy: the request used ``functions`` (its call is a ``function_call``).
+    """
+
+    __slots__ = ("_filter", "_calls_reason", "legacy")
+
+    def __init__(self, *args: Any, tools: ToolRequest, tool_format: str, seed: int | None) -> None:
+        super().__init__(*args)
+        index = self.index
+        parser = CallParser(tool_format, lambda i: call_id(seed, index, i))
+        self._filter = self._matcher = CallFilter(self._matcher, parser, tools.choice != "auto")
+        self._stops = True
+        self._calls_reason = tools.finish_reason()
+        self.legacy = tools.legacy
+
+    @property
+    def calls(self) -> list[Call]:
+        """The calls so far (the last one's arguments may be incomplete)."""
+        return self._filter.parser.calls
+
+    def take_events(self) -> list[tuple[int, str | None]]:
+        """Return the call events since the last call (``CallParser.events``), and forget them."""
+        return self._filter.parser.take_events()
+
+    def advance(self) -> str | None:
+        """Generate one token (:meth:`Choice.advance`); the finish reason says whether calls were
+        made (see the module docstring)."""
+        out = Choice.advance(self)
+        if self.finish_reason is not None and self.calls and self._filter.parser.complete:
+            self.finish_reason = self._calls_reason
+        return out
