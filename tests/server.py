@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -279,6 +280,33 @@ class GunicornServer:
             timeout_s,
             lambda: f"{n} workers to answer; only {sorted(pids)} did",
         )
+
+
+def raw_request(body: dict, request_id: str = "", path: str = "/v1/completions") -> bytes:
+    """Return a complete HTTP/1.1 POST of ``body`` as JSON (with ``X-Request-Id`` when one is given),
+    for tests that write to a plain socket."""
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    if request_id:
+        head += f"X-Request-Id: {request_id}\r\n"
+    return (head + f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Read ``sock`` until the server closes it; close it; return what came."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    sock.close()
+    return data
+
+
+def blocked_on_its_reader(srv: GunicornServer, request_id: str) -> bool:
+    """True when request ``request_id`` is in flight and made no token in 0.2 s (its write blocks)."""
+    before = srv.in_flight(request_id)
+    time.sleep(0.2)
+    after = srv.in_flight(request_id)
+    return bool(before and after and 0 < before["tokens"] == after["tokens"])
 
 
 def wait_until(
