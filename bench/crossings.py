@@ -29,6 +29,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from bench.harness import print_json
+
 ROOT = Path(__file__).resolve().parent.parent
 
 CONFIG = textwrap.dedent(
@@ -193,10 +195,7 @@ def main() -> None:
         "chat_stream_wsgi_app_modules": len(request),
         "chat_stream_calls_per_module": request,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print_json(report, args.out)
 
 
 if __name__ == "__main__":
