@@ -222,6 +222,27 @@ def llamacpp_python(given: str | None) -> tuple[str | None, str]:
     return given, out.stdout.strip()
 
 
+def start_reference(
+    result: dict[str, Any],
+    ref_python: str | None,
+    ref_version: str,
+    model: Path,
+    work: Path,
+    log: ElapsedLog,
+    wait_quiet_s: float = 0.0,
+) -> servers.Server | None:
+    """Start llama.cpp's server on ``model`` with ``ref_python`` (see ``llamacpp_python``), after
+    waiting up to ``wait_quiet_s`` for idle cores; without one, log why, record
+    ``result["llamacpp"] = {"skipped": ref_version}`` and return None."""
+    if ref_python is None:
+        log(f"llama.cpp reference skipped: {ref_version} (setup: see bench/smollm2_serving.py)")
+        result["llamacpp"] = {"skipped": ref_version}
+        return None
+    if wait_quiet_s:
+        wait_quiet(wait_quiet_s)
+    return servers.start_llamacpp(ref_python, model, model.stem, work / "llamacpp")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print and write the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -281,13 +302,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         finally:
             srv.stop()
-    if ref_python is None:
-        log(f"llama.cpp reference skipped: {ref_version} (setup: see bench/smollm2_serving.py)")
-        result["llamacpp"] = {"skipped": ref_version}
-    else:
-        if args.wait_quiet:
-            wait_quiet(args.wait_quiet)
-        srv = servers.start_llamacpp(ref_python, model, name, work / "llamacpp")
+    srv = start_reference(result, ref_python, ref_version, model, work, log, args.wait_quiet)
+    if srv is not None:
         try:
             result["llamacpp"] = {
                 "python": ref_python,

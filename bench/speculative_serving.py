@@ -169,11 +169,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 result[key]["speculation"] = drafted(srv)
         finally:
             srv.stop()
-    if ref_python is None:
-        log(f"llama.cpp skipped: {ref_version}")
-        result["llamacpp"] = {"skipped": ref_version}
-    else:
-        srv = servers.start_llamacpp(ref_python, model, name, work / "llamacpp")
+    srv = smollm2_serving.start_reference(result, ref_python, ref_version, model, work, log)
+    if srv is not None:
         try:
             result["llamacpp"] = {"failed": "did not answer"}
             result["llamacpp"] = one_stream(srv.port, name, eog, prompt, args.answers, False)
