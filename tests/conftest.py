@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -28,6 +29,11 @@ from tests.installed import build_wheel
 from tests.llamafiles import convert_stories
 from tests.modelfiles import write_succ_model
 from tests.server import GunicornServer
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, Page
+
+    from tests.browser import Watch
 
 # A test that asks for one of these (directly or through another fixture) needs the SmolLM2 GGUF or
 # its llama.cpp reference outputs: it is marked ``gguf`` without saying so itself.
@@ -119,6 +125,23 @@ def serve_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
 def greenserve_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project's wheel, built once (``pip wheel --no-deps .``, not editable)."""
     return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """A headless Chromium for a module's page tests (``tests.browser``), closed after them."""
+    from tests.browser import launch  # Playwright is imported by the browser tests only
+
+    yield from launch()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[tuple[Page, Watch]]:
+    """A wide, light page of ``browser`` with its :class:`tests.browser.Watch`, closed after the
+    test."""
+    from tests.browser import new_page
+
+    yield from new_page(browser)
 
 
 @pytest.fixture(scope="module")
