@@ -17,9 +17,9 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import redis
 
+from tests.needs import unavailable
 from tests.server import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,10 +31,7 @@ MISSING = "{} not found: install the Debian packages nginx and redis-server (.ci
 def missing_service(what: str) -> None:
     """Skip the test when a system service is not installed, so a newcomer's first run is green;
     under CI (``CI`` set, where ``.ci/run`` installs it) a missing service is a failure, never a skip."""
-    message = MISSING.format(what)
-    if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
+    unavailable(MISSING.format(what))
 
 
 def free_port() -> int:
