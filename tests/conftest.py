@@ -78,6 +78,15 @@ def stories_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return convert_stories(tmp_path_factory.mktemp("stories260K"))
 
 
+@pytest.fixture(scope="module", params=["bigram", "stories260K"])
+def family(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
+    """Each model family in turn, as ``(name, server settings)``: the packaged bigram
+    (``MODEL_DIR`` unset), then stories260K (``stories_dir``); what asks for it runs once per family."""
+    if request.param == "bigram":
+        return "bigram", {}
+    return "stories260K", {"MODEL_DIR": str(request.getfixturevalue("stories_dir"))}
+
+
 Serve = Callable[..., GunicornServer]
 
 
