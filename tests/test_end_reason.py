@@ -124,27 +124,24 @@ def next_worker(srv: GunicornServer, old_pid: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def ends(succ_dir, collector, serve_module):
+def srv(succ_dir, collector, serve_module):
     """50 tokens/s, a 2 s deadline, and an engine failure at every choice's 30th token."""
-    srv = serve_module(
+    return serve_module(
         MODEL_DIR=str(succ_dir),
         GREENSERVE_FAULTS="slow_step_s=0.02,fail_at=30",
         REQUEST_TIMEOUT_S="2",
         OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
     )
-    return srv, collector
 
 
-def test_finished(ends):
-    srv, collector = ends
+def test_finished(srv, collector):
     body = {"model": "m", "prompt": "a", "max_tokens": 3, "n": 2, "stream": True}
     with ends_as(srv, collector, "end-finished", (200, "length", "finished", None)):
         status, _, raw = srv.complete(body, headers={"X-Request-Id": "end-finished"})
         assert status == 200 and sse_events(raw)[-1] == b"[DONE]"
 
 
-def test_stop(ends):
-    srv, collector = ends
+def test_stop(srv, collector):
     # "a" generates "bcd…": the stop string "c" ends the choice after "b".
     body = {"model": "m", "prompt": "a", "max_tokens": 5, "stop": ["c"], "temperature": 0}
     with ends_as(srv, collector, "end-stop", (200, "stop", "stop", None)):
@@ -152,8 +149,7 @@ def test_stop(ends):
         assert status == 200 and json.loads(raw)["choices"][0]["text"] == "b"
 
 
-def test_client_left(ends):
-    srv, collector = ends
+def test_client_left(srv, collector):
     left_json = (499, "abort", "client_left", "client disconnected while generating")
     with (
         ends_as(srv, collector, "end-left-stream", (200, "abort", "client_left", None)),
@@ -176,8 +172,7 @@ def test_client_left(ends):
             wait_until(lambda: (r := srv.in_flight("end-left-json")) and r["tokens"] > 0)
 
 
-def test_deadline(ends):
-    srv, collector = ends
+def test_deadline(srv, collector):
     # Four choices share the 50 tokens/s: none reaches the failure at token 30 within the 2 s.
     body = {"model": "m", "prompt": "a", "max_tokens": 1000, "n": 4, "stream": True}
     timed_out = (200, "error", "deadline", "Request timed out after 2 s.")
@@ -187,8 +182,7 @@ def test_deadline(ends):
         assert sse_events(raw[: -len(DEADLINE_END)])[-1].startswith(b'{"id":"cmpl-')
 
 
-def test_engine_error(ends):
-    srv, collector = ends
+def test_engine_error(srv, collector):
     message = "Generation failed: EngineFailure."
     body = {"model": "m", "prompt": "a", "max_tokens": 100, "temperature": 0}
     with (
@@ -205,8 +199,7 @@ def test_engine_error(ends):
         assert status == 500 and json.loads(raw)["error"]["code"] == "engine_error"
 
 
-def test_nothing_generated_has_no_end_reason(ends):
-    srv, collector = ends
+def test_nothing_generated_has_no_end_reason(srv, collector):
     with ends_as(srv, collector, "end-none", (400, "none", None, None)):
         body = {"model": "m", "prompt": ""}
         status, _, _ = srv.complete(body, headers={"X-Request-Id": "end-none"})
