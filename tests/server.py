@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Self, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 _LISTENING = re.compile(r"Listening at: (\S+)")
@@ -29,7 +29,24 @@ class ServerDied(RuntimeError):
     """The server process exited while a test expected it to run."""
 
 
-class GunicornServer:
+class StartedWhileOpen:
+    """A context manager for a process a test runs: ``start()`` on entry (its value is the
+    ``with`` target), ``stop()`` on exit, whatever happened inside."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> object:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class GunicornServer(StartedWhileOpen):
     """One gunicorn master with its workers; as a context manager, started on entry and stopped on exit.
 
     Args:
@@ -142,12 +159,6 @@ class GunicornServer:
         except AssertionError as timed_out:
             raise TimeoutError(f"{timed_out}:\n{self.log_tail()}") from None
         return self
-
-    def __enter__(self) -> GunicornServer:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
     def _check_alive(self) -> None:
         """Raise ``ServerDied`` (with the log tail) if the master has exited."""
