@@ -32,7 +32,7 @@ from tests.server import (
     read_all,
     wait_until,
 )
-from tests.sse import EventReader, sse_events
+from tests.sse import EventReader, open_stream, sse_events
 from tests.test_logs import request_line
 from tests.test_metrics import scrape
 from wsgi_app.generation.admission import Admission
@@ -156,12 +156,8 @@ def test_client_left(srv, collector):
         ends_as(srv, collector, "end-left-json", left_json),
     ):
         # A stream whose client leaves after five tokens.
-        reader = EventReader(
-            srv.port,
-            {"model": "m", "prompt": "a", "max_tokens": 1000, "stream": True},
-            headers={"X-Request-Id": "end-left-stream"},
-        )
-        reader.open()
+        body = {"model": "m", "prompt": "a", "max_tokens": 1000, "stream": True}
+        reader = open_stream(srv.port, body, "end-left-stream")
         for _ in range(6):
             reader.next_frame()
         reader.close()
@@ -236,11 +232,9 @@ def test_shutdown_ends_running_and_queued_streams_with_a_final_event(succ_dir, s
             OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
         )
         body = {"model": "m", "prompt": "a", "max_tokens": 1000, "stream": True}
-        running = EventReader(srv.port, body, {"X-Request-Id": "end-stop-running"})
-        running.open()
+        running = open_stream(srv.port, body, "end-stop-running")
         assert running.next_frame() == b": ok\n"
-        queued = EventReader(srv.port, body, {"X-Request-Id": "end-stop-queued"})
-        queued.open()
+        queued = open_stream(srv.port, body, "end-stop-queued")
         assert queued.next_frame() == b": ok\n"
         wait_until(lambda: srv.state()["queue"]["waiting"] == 1, what="the second stream queued")
         pid = stop_worker(srv)
@@ -293,8 +287,7 @@ def test_shutdown_ends_a_stream_that_never_reached_its_pacer(succ_dir, serve):
             OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
         )
         body = {"model": "m", "prompt": "a", "max_tokens": 10, "stream": True}
-        reader = EventReader(srv.port, body, {"X-Request-Id": "end-stop-killed"})
-        reader.open()
+        reader = open_stream(srv.port, body, "end-stop-killed")
         assert reader.next_frame() == b": ok\n"
         wait_until(lambda: srv.state()["slots"]["busy"] == 1, what="the stream's slot")
         pid = stop_worker(srv)

@@ -14,7 +14,7 @@ import pytest
 from model.loader import BIGRAM, LLAMA
 from tests.collector import FakeCollector
 from tests.server import GunicornServer, concurrently, wait_until
-from tests.sse import EventReader, sse_events
+from tests.sse import EventReader, open_stream, sse_events
 
 SLOW = "slow_step_s=0.02"  # 50 tokens/s: long enough streams to disconnect from, short tests
 
@@ -42,13 +42,9 @@ def test_normal_end_frees_the_slot(srv):
 
 
 def test_disconnect_mid_stream_stops_generation(srv, collector):
-    reader = EventReader(
-        srv.port,
-        {"model": "m", "prompt": "a", "max_tokens": 2000, "stream": True},
-        headers={"X-Request-Id": "disc-mid"},
-    )
-    resp = reader.open()
-    assert resp.status == 200
+    body = {"model": "m", "prompt": "a", "max_tokens": 2000, "stream": True}
+    reader = open_stream(srv.port, body, "disc-mid")
+    assert reader.resp.status == 200
     assert reader.next_frame() == b": ok\n"
     for _ in range(5):
         assert reader.next_frame().startswith(b"data: {")
@@ -111,12 +107,8 @@ def test_burst_of_ten_times_capacity(srv):
 
 
 def test_debug_state_lists_in_flight_requests(srv):
-    reader = EventReader(
-        srv.port,
-        {"model": "m", "prompt": "a", "max_tokens": 500, "stream": True},
-        headers={"X-Request-Id": "inflight-1"},
-    )
-    reader.open()
+    body = {"model": "m", "prompt": "a", "max_tokens": 500, "stream": True}
+    reader = open_stream(srv.port, body, "inflight-1")
     for _ in range(4):
         reader.next_frame()
     s = srv.state()
@@ -283,12 +275,8 @@ def test_sigterm_with_streams_in_flight(succ_dir, serve):
         for i in range(20):
             # Half finish within the grace period, half are ended by the final event.
             tokens = 20 if i % 2 == 0 else 1000
-            r = EventReader(
-                srv.port,
-                {"model": "m", "prompt": "a", "max_tokens": tokens, "stream": True},
-                headers={"X-Request-Id": f"term-{i}"},
-            )
-            r.open()
+            body = {"model": "m", "prompt": "a", "max_tokens": tokens, "stream": True}
+            r = open_stream(srv.port, body, f"term-{i}")
             assert r.next_frame() == b": ok\n"
             readers.append((tokens, r))
         wait_until(lambda: srv.state()["slots"]["busy"] == 20, what="20 streams running")
