@@ -46,7 +46,7 @@ CONFIG = textwrap.dedent(
         if event == "call":
             code = frame.f_code
             _calls[code.co_filename] += 1
-            if code.co_name == "sendall" and code.co_filename.endswith("worker.py"):
+            if code.co_name == "sendall" and code.co_filename.endswith("stream_socket.py"):
                 files, f = [], frame
                 while f is not None:
                     if f.f_code.co_filename not in files:
