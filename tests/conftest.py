@@ -5,7 +5,9 @@ Servers that several modules need with the same settings are session presets her
 ``serve_module`` (one per module), one for a single test from ``serve``. Both factories give each
 server its own directory and stop it at teardown, and nothing else in the suite builds a
 ``GunicornServer`` by hand unless it needs what the factories do not give (another launcher, a
-start that must fail, a restart on the same history database).
+start that must fail, a restart on the same history database). ``family`` runs what asks for it
+once per model family (its settings go to a factory); ``browser`` and ``page`` are the page tests'
+Chromium.
 """
 
 from __future__ import annotations
