@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench.harness import run_together
 from tests.server import ROOT, GunicornServer
 
 GGUF = Path.home() / ".cache" / "greenserve" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,12 +73,7 @@ def one_round(srv: GunicornServer, kind: str) -> dict:
     senders = [
         threading.Thread(target=post, args=(srv.port, path, body, statuses)) for _ in range(8)
     ]
-    t = time.perf_counter()
-    for s in senders:
-        s.start()
-    for s in senders:
-        s.join()
-    wall = time.perf_counter() - t
+    wall = run_together(senders)
     time.sleep(0.1)
     stop.set()
     prober.join()

@@ -29,6 +29,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from bench.harness import print_json
+
 ROOT = Path(__file__).resolve().parent.parent
 
 CONFIG = textwrap.dedent(
@@ -44,7 +46,7 @@ CONFIG = textwrap.dedent(
         if event == "call":
             code = frame.f_code
             _calls[code.co_filename] += 1
-            if code.co_name == "sendall" and code.co_filename.endswith("worker.py"):
+            if code.co_name == "sendall" and code.co_filename.endswith("stream_socket.py"):
                 files, f = [], frame
                 while f is not None:
                     if f.f_code.co_filename not in files:
@@ -193,10 +195,7 @@ def main() -> None:
         "chat_stream_wsgi_app_modules": len(request),
         "chat_stream_calls_per_module": request,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print_json(report, args.out)
 
 
 if __name__ == "__main__":

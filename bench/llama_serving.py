@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import servers, serving
+from bench.harness import RESULTS, utc_stamp, write_pair
 from bench.loadgen import run_load
 from model.llama.convert import convert_llama2c
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 MAX_TOKENS = 128
 
 
@@ -78,11 +78,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "two_workers": serving.two_workers(work / "two", two_env, _body(16), 16, weights_kib),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stamp}-llama.json").write_text(json.dumps(result, indent=2) + "\n")
     md = _markdown(result)
-    (RESULTS / f"{stamp}-llama.md").write_text(md)
+    write_pair(RESULTS / f"{utc_stamp()}-llama.json", result, md)
     print(md)
     return result
 

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import procstat, servers
+from bench.harness import RESULTS, run_together, utc_stamp, write_pair
 from model.fetch import fetch
 from model.loader import load_model
 
-RESULTS = Path(__file__).resolve().parent / "results"
 WORDS = (
     "library reader shelf novel author chapter quiet table lamp window garden river stone "
     "bridge market winter summer morning evening letter story question answer kitchen bread "
@@ -189,12 +189,7 @@ def burst_of(client: Client, system: str, users: int = 16) -> dict:
         )
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(users)]
-    t0 = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
+    wall = run_together(threads)
     ttfts = [r["ttft_s"] for r in results]
     tokens = sum(r["doc"]["usage"]["completion_tokens"] for r in results)
     p50, p99 = procstat.percentiles(ttfts, (0.5, 0.99))
@@ -275,7 +270,7 @@ def main() -> None:
     model_path = fetch("smollm2")
     tok = load_model(model_path).tokenizer
     os.sched_setaffinity(0, servers.cores()[1])
-    started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    started = utc_stamp()
     result: dict[str, Any] = {"started": started, "load_before": os.getloadavg(), "scenarios": {}}
     logdir = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
     long_system, mid_system = system_prompt(1500, tok), system_prompt(1000, tok)
@@ -310,10 +305,7 @@ def main() -> None:
 
 def write(result: dict) -> None:
     """Write the run's JSON and Markdown under ``bench/results/``."""
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"{result['started']}-prefix"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(render_md(result))
+    write_pair(RESULTS / f"{result['started']}-prefix.json", result, render_md(result), indent=1)
 
 
 def start(logdir: Path, env: dict[str, str]) -> servers.Server:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import servers
+from bench.harness import print_json
 from bench.loadgen import LoadSpec, run_load
 
 
@@ -142,10 +143,7 @@ def main() -> None:
         }
     finally:
         srv.stop()
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print_json(report, args.out, indent=1)
 
 
 if __name__ == "__main__":

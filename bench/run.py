@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import micro, procstat, report, servers
+from bench.harness import RESULTS, ElapsedLog, utc_stamp, write_pair
 from bench.hold import run_hold
 from bench.loadgen import LoadSpec, run_load
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # Benchmark-only server settings: room for every connection of every scenario on one worker; slots
 # and queue keep their defaults (sized to the model: 1024 each for the bigram).
 GREENSERVE_ENV = {"WORKER_CONNECTIONS": "12000"}
@@ -36,26 +36,29 @@ HOLD_ENV = {
     "REQUEST_TIMEOUT_S": "600",
 }
 
+FULL_MODE: dict[str, Any] = {
+    "stream": (1, 16, 128, 1024),
+    "plain": (1, 16, 128, 1024),
+    # The same clients keeping their connection open between requests (the runs above open
+    # one per request, as most clients and every load balancer health check do).
+    "stream-keepalive": (16, 128),
+    "plain-keepalive": (16, 128),
+    "warmup_s": 2.0,
+    "ramp_s": 2.0,
+    "window_s": 8.0,
+    "drain_s": 3.0,
+    "healthz_streams": 1000,
+    "healthz_json": 50,
+    "healthz_burst": 500,
+    "healthz_window_s": 6.0,
+    "hold": {"target": 10_000, "ramp_s": 10.0, "hold_s": 10.0},
+    "micro": {"requests": 40, "repeats": 5},
+}
 MODES: dict[str, dict[str, Any]] = {
-    "full": {
-        "stream": (1, 16, 128, 1024),
-        "plain": (1, 16, 128, 1024),
-        # The same clients keeping their connection open between requests (the runs above open
-        # one per request, as most clients and every load balancer health check do).
-        "stream-keepalive": (16, 128),
-        "plain-keepalive": (16, 128),
-        "warmup_s": 2.0,
-        "ramp_s": 2.0,
-        "window_s": 8.0,
-        "drain_s": 3.0,
-        "healthz_streams": 1000,
-        "healthz_json": 50,
-        "healthz_burst": 500,
-        "healthz_window_s": 6.0,
-        "hold": {"target": 10_000, "ramp_s": 10.0, "hold_s": 10.0},
-        "micro": {"requests": 40, "repeats": 5},
-    },
+    "full": FULL_MODE,
+    # Fewer runs, shorter windows and a smaller hold; the /healthz loads stay those of the full run.
     "quick": {
+        **FULL_MODE,
         "stream": (1, 128),
         "plain": (16,),
         "stream-keepalive": (128,),
@@ -64,9 +67,6 @@ MODES: dict[str, dict[str, Any]] = {
         "ramp_s": 0.5,
         "window_s": 2.0,
         "drain_s": 1.0,
-        "healthz_streams": 1000,
-        "healthz_json": 50,
-        "healthz_burst": 500,
         "healthz_window_s": 2.0,
         "hold": {"target": 2_000, "ramp_s": 3.0, "hold_s": 3.0},
         "micro": {"requests": 10, "repeats": 3},
@@ -238,13 +238,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mode = {**MODES[mode_name], "wait_quiet_s": args.wait_quiet}
     _, client_cores = servers.cores()
     os.sched_setaffinity(0, client_cores)
-    t0 = time.monotonic()
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    log = ElapsedLog()
+    stamp = utc_stamp()
     out = args.out or RESULTS / f"{stamp}-{mode_name}.json"
     logdir = Path("/tmp") / f"greenserve-bench-{stamp}"
-
-    def log(line: str) -> None:
-        print(f"[{time.monotonic() - t0:6.1f}s] {line}", flush=True)
 
     results: dict[str, Any] = {"meta": _meta(mode_name, argv), "runs": []}
     all_cores = servers.cores()[0] + servers.cores()[1]
@@ -266,12 +263,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_hold and "greenserve" in args.servers:
         results["hold"] = _hold(mode, logdir)
         log(f"hold: {results['hold']}")
-    results["meta"]["duration_s"] = round(time.monotonic() - t0, 1)
+    results["meta"]["duration_s"] = log.elapsed_s()
     results["summary"] = report.summary(results)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
     table = report.markdown(results)
-    out.with_suffix(".md").write_text(table)
+    write_pair(out, results, table, indent=1)
     print(table)
     log(f"wrote {out} and {out.with_suffix('.md').name}; server logs in {logdir}")
     return results

@@ -47,9 +47,10 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench import servers, serving, smollm2_report
+from bench.harness import RESULTS, ElapsedLog, utc_stamp, write_pair
 from bench.loadgen import run_load
 from bench.run import wait_quiet
 from model.fetch import fetch
@@ -59,7 +60,6 @@ from model.llama.gguf_cache import cache_path, default_cache_dir
 from model.llama.gguf_tokenizer import tokenizer_from_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 MAX_TOKENS = 128
 PROMPT = "Once upon a time"
 # /healthz on each of greenserve's two ports this often, seconds: ~40 light requests a second.
@@ -70,6 +70,45 @@ GREENSERVE_ENV = {"REQUEST_TIMEOUT_S": "600"}
 # Caps, seconds, on the warm-up before a window and the drain after it (see ``series``).
 MAX_WARMUP_S = 120.0
 MAX_DRAIN_S = 600.0
+
+
+class Start(NamedTuple):
+    """What a SmolLM2 benchmark starts from (see ``begin``)."""
+
+    model: Path  # the GGUF file
+    name: str  # the model's name in requests: the file's stem
+    server_cores: list[int]
+    client_cores: list[int]
+    log: ElapsedLog
+    work: Path  # a fresh folder for the servers' logs and history databases
+    eog: list[int]  # the ids that end generation (``eog_ids``)
+
+
+def begin(model: Path | None, kind: str) -> Start:
+    """Start a SmolLM2 benchmark named ``kind``: the GGUF (``model``, else fetched), this process
+    pinned to the client cores, a log, a work folder ``greenserve-<kind>-bench-*``.
+
+    Raises:
+        ValueError: as ``eog_ids``.
+    """
+    model = model or fetch("smollm2")
+    server_cores, client_cores = servers.cores()
+    os.sched_setaffinity(0, client_cores)
+    log = ElapsedLog()
+    work = Path(tempfile.mkdtemp(prefix=f"greenserve-{kind}-bench-"))
+    return Start(model, model.stem, server_cores, client_cores, log, work, eog_ids(model))
+
+
+def finish(result: dict[str, Any], kind: str, markdown: str, log: ElapsedLog, work: Path) -> None:
+    """End a SmolLM2 benchmark begun with ``begin``: the load average at the end and the run's
+    seconds into ``result["meta"]``, then ``bench/results/<time>-<kind>.json`` and its ``markdown``
+    (``.md``) written and the Markdown printed."""
+    result["meta"]["loadavg_end"] = list(os.getloadavg())
+    result["meta"]["duration_s"] = log.elapsed_s()
+    path = RESULTS / f"{utc_stamp()}-{kind}.json"
+    write_pair(path, result, markdown)
+    print(markdown)
+    log(f"wrote {path} and .md; server logs in {work}")
 
 
 def eog_ids(model: Path) -> list[int]:
@@ -183,6 +222,27 @@ def llamacpp_python(given: str | None) -> tuple[str | None, str]:
     return given, out.stdout.strip()
 
 
+def start_reference(
+    result: dict[str, Any],
+    ref_python: str | None,
+    ref_version: str,
+    model: Path,
+    work: Path,
+    log: ElapsedLog,
+    wait_quiet_s: float = 0.0,
+) -> servers.Server | None:
+    """Start llama.cpp's server on ``model`` with ``ref_python`` (see ``llamacpp_python``), after
+    waiting up to ``wait_quiet_s`` for idle cores; without one, log why, record
+    ``result["llamacpp"] = {"skipped": ref_version}`` and return None."""
+    if ref_python is None:
+        log(f"llama.cpp reference skipped: {ref_version} (setup: see bench/smollm2_serving.py)")
+        result["llamacpp"] = {"skipped": ref_version}
+        return None
+    if wait_quiet_s:
+        wait_quiet(wait_quiet_s)
+    return servers.start_llamacpp(ref_python, model, model.stem, work / "llamacpp")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print and write the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -211,17 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     streams = [int(c) for c in args.streams.split(",") if c]
     variant = [int(c) for c in args.variant_streams.split(",") if c]
-    model = args.model or fetch("smollm2")
-    name = model.stem
-    server_cores, client_cores = servers.cores()
-    os.sched_setaffinity(0, client_cores)
-    t0 = time.monotonic()
-
-    def log(line: str) -> None:
-        print(f"[{time.monotonic() - t0:6.1f}s] {line}", flush=True)
-
-    work = Path(tempfile.mkdtemp(prefix="greenserve-smollm2-bench-"))
-    eog = eog_ids(model)
+    model, name, server_cores, client_cores, log, work, eog = begin(args.model, "smollm2")
     stream_ours, stream_ref = bodies(name, eog)
     plain_ours, plain_ref = bodies(name, eog, stream=False)
     ref_python, ref_version = llamacpp_python(args.llamacpp_python)
@@ -252,13 +302,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         finally:
             srv.stop()
-    if ref_python is None:
-        log(f"llama.cpp reference skipped: {ref_version} (setup: see bench/smollm2_serving.py)")
-        result["llamacpp"] = {"skipped": ref_version}
-    else:
-        if args.wait_quiet:
-            wait_quiet(args.wait_quiet)
-        srv = servers.start_llamacpp(ref_python, model, name, work / "llamacpp")
+    srv = start_reference(result, ref_python, ref_version, model, work, log, args.wait_quiet)
+    if srv is not None:
         try:
             result["llamacpp"] = {
                 "python": ref_python,
@@ -271,16 +316,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     short_ours = bodies(name, eog, max_tokens=16)[0]
     two_env = {**env, "STATS_DB": str(work / "stats2.db")}
     result["two_workers"] = serving.two_workers(work / "two", two_env, short_ours, 16, weights_kib)
-    result["meta"]["loadavg_end"] = list(os.getloadavg())
-    result["meta"]["duration_s"] = round(time.monotonic() - t0, 1)
     result["targets"] = smollm2_report.targets(result)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stamp}-smollm2.json").write_text(json.dumps(result, indent=2) + "\n")
-    md = smollm2_report.markdown(result)
-    (RESULTS / f"{stamp}-smollm2.md").write_text(md)
-    print(md)
-    log(f"wrote bench/results/{stamp}-smollm2.json and .md; server logs in {work}")
+    finish(result, "smollm2", smollm2_report.markdown(result), log, work)
     return result
 
 

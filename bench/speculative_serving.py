@@ -26,18 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from bench import servers, smollm2_report, smollm2_serving
-from bench.smollm2_serving import answer, bodies, eog_ids, llamacpp_python
-from model.fetch import fetch
+from bench.smollm2_serving import answer, bodies, llamacpp_python
 from model.loader import load_model
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 PARAGRAPH = (
     "The old lighthouse stood at the edge of the cliff, its white paint peeling in long strips after "
     "decades of salt wind. Every evening the keeper climbed the spiral stairs, one hundred and "
@@ -145,17 +140,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", type=Path)
     parser.add_argument("--no-batch", action="store_true", help="skip the 32-stream runs")
     args = parser.parse_args(argv)
-    model = args.model or fetch("smollm2")
-    name = model.stem
-    server_cores, client_cores = servers.cores()
-    os.sched_setaffinity(0, client_cores)
-    t0 = time.monotonic()
-
-    def log(line: str) -> None:
-        print(f"[{time.monotonic() - t0:6.1f}s] {line}", flush=True)
-
-    work = Path(tempfile.mkdtemp(prefix="greenserve-spec-bench-"))
-    eog = eog_ids(model)
+    model, name, server_cores, client_cores, log, work, eog = smollm2_serving.begin(
+        args.model, "spec"
+    )
     prompt = grounded_prompt(model)
     ref_python, ref_version = llamacpp_python(args.llamacpp_python)
     result: dict[str, Any] = {
@@ -182,11 +169,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 result[key]["speculation"] = drafted(srv)
         finally:
             srv.stop()
-    if ref_python is None:
-        log(f"llama.cpp skipped: {ref_version}")
-        result["llamacpp"] = {"skipped": ref_version}
-    else:
-        srv = servers.start_llamacpp(ref_python, model, name, work / "llamacpp")
+    srv = smollm2_serving.start_reference(result, ref_python, ref_version, model, work, log)
+    if srv is not None:
         try:
             result["llamacpp"] = {"failed": "did not answer"}
             result["llamacpp"] = one_stream(srv.port, name, eog, prompt, args.answers, False)
@@ -203,15 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["llamacpp"]["failed"] = repr(exc)
         finally:
             srv.stop()
-    result["meta"]["loadavg_end"] = list(os.getloadavg())
-    result["meta"]["duration_s"] = round(time.monotonic() - t0, 1)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stamp}-speculative.json").write_text(json.dumps(result, indent=2) + "\n")
-    md = markdown(result)
-    (RESULTS / f"{stamp}-speculative.md").write_text(md)
-    print(md)
-    log(f"wrote bench/results/{stamp}-speculative.json and .md; logs in {work}")
+    smollm2_serving.finish(result, "speculative", markdown(result), log, work)
     return result
 
 

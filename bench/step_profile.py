@@ -21,7 +21,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy is imported
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
-import json  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -30,6 +29,7 @@ from typing import Any  # noqa: E402
 import model.llama.attend as attend  # noqa: E402
 import model.llama.model as llama_model  # noqa: E402
 import model.llama.scheduler as scheduler  # noqa: E402
+from bench.harness import print_json  # noqa: E402
 from model.engine import GenerationRequest  # noqa: E402
 from model.fetch import fetch  # noqa: E402
 from model.loader import load_model  # noqa: E402
@@ -111,10 +111,7 @@ def main() -> None:
         ["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     )
     result["code"] = f"{llama_model.__file__} ({rev.stdout.strip()})"
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ apart). Writes ``bench/results/<time>-structured.json`` and ``.md`` with the loa
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import http.client
 import json
 import os
@@ -32,11 +31,11 @@ from typing import Any
 import numpy as np
 
 from bench import servers
+from bench.harness import RESULTS, utc_stamp, write_pair
 from model.fetch import fetch
 from model.loader import load_model
 from tests.schemas import SCHEMAS
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -178,7 +177,7 @@ def main() -> None:
         srv.stop()
     load_end = os.getloadavg()
     result = {
-        "time": dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ"),
+        "time": utc_stamp(),
         "model": gguf.name,
         "loadavg_start": [round(x, 2) for x in load_start],
         "loadavg_end": [round(x, 2) for x in load_end],
@@ -197,11 +196,9 @@ def main() -> None:
         "compile_ms_p99": round(float(np.percentile(compile_ms, 99)), 3),
         "compile_ms_max": round(float(compile_ms.max()), 3),
     }
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"{result['time']}-structured"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(_markdown(result))
-    print(_markdown(result))
+    md = _markdown(result)
+    write_pair(RESULTS / f"{result['time']}-structured.json", result, md)
+    print(md)
 
 
 def _markdown(r: dict[str, Any]) -> str:

@@ -35,7 +35,8 @@ __all__ = [
 ]
 
 # Upper bounds in seconds. The bigram makes a token in ~10 us, a Llama step takes tens of ms: the
-# inter-token buckets span both.
+# inter-token buckets span both, finer steps below the latency buckets' first (1 ms), those up to
+# 250 ms, then 1 s.
 TTFT_BUCKETS = LATENCY_BUCKETS
 ITL_BUCKETS = (
     0.00001,
@@ -44,14 +45,7 @@ ITL_BUCKETS = (
     0.0001,
     0.00025,
     0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
+    *(b for b in LATENCY_BUCKETS if b <= 0.25),
     1.0,
 )
 E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

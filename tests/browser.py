@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
-from tests.server import ROOT
+from tests.server import ROOT, GunicornServer
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -122,6 +122,28 @@ def screenshot(pg: Page, name: str) -> Path:
     path = ARTIFACTS / name
     pg.screenshot(path=str(path), full_page=True)
     return path
+
+
+def stop_running(pg: Page, server: GunicornServer, selector: str, step_s: float) -> str:
+    """Click Stop while the page's one request runs on ``server``; return the text at ``selector``.
+
+    Asserts that the request held the server's one busy slot, that the page then says it stopped
+    (``data-state``, the EventSource closed, "Stopped after N tokens." with the meter's N), that
+    the slot frees, and that nothing more reaches ``selector`` in four more steps of ``step_s``
+    seconds (the pace the server's faults inject).
+    """
+    held = server.state()
+    assert held["slots"]["busy"] == 1 and [r["state"] for r in held["requests"]] == ["running"]
+    pg.click("#stop")
+    assert pg.get_attribute("#demo", "data-state") == "stopped"
+    assert pg.evaluate("window.greenserve.source.readyState") == 2
+    tokens = int(pg.text_content("#tokens"))
+    assert pg.text_content("#state") == f"Stopped after {tokens} tokens."
+    text = pg.text_content(selector)
+    server.wait_idle()
+    pg.wait_for_timeout(4 * step_s * 1000)
+    assert pg.text_content(selector) == text  # nothing arrived after Stop
+    return text
 
 
 def check_page(pg: Page, watch: Watch, origin: str) -> dict:

@@ -5,7 +5,9 @@ Servers that several modules need with the same settings are session presets her
 ``serve_module`` (one per module), one for a single test from ``serve``. Both factories give each
 server its own directory and stop it at teardown, and nothing else in the suite builds a
 ``GunicornServer`` by hand unless it needs what the factories do not give (another launcher, a
-start that must fail, a restart on the same history database).
+start that must fail, a restart on the same history database). ``family`` runs what asks for it
+once per model family (its settings go to a factory); ``browser`` and ``page`` are the page tests'
+Chromium.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -28,6 +31,11 @@ from tests.installed import build_wheel
 from tests.llamafiles import convert_stories
 from tests.modelfiles import write_succ_model
 from tests.server import GunicornServer
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, Page
+
+    from tests.browser import Watch
 
 # A test that asks for one of these (directly or through another fixture) needs the SmolLM2 GGUF or
 # its llama.cpp reference outputs: it is marked ``gguf`` without saying so itself.
@@ -70,6 +78,15 @@ def stories_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """stories260K (the shared llama2.c checkpoint) converted once into a Hugging Face Llama folder;
     skips (fails under CI) without the shared data."""
     return convert_stories(tmp_path_factory.mktemp("stories260K"))
+
+
+@pytest.fixture(scope="module", params=["bigram", "stories260K"])
+def family(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
+    """Each model family in turn, as ``(name, server settings)``: the packaged bigram
+    (``MODEL_DIR`` unset), then stories260K (``stories_dir``); what asks for it runs once per family."""
+    if request.param == "bigram":
+        return "bigram", {}
+    return "stories260K", {"MODEL_DIR": str(request.getfixturevalue("stories_dir"))}
 
 
 Serve = Callable[..., GunicornServer]
@@ -119,6 +136,23 @@ def serve_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
 def greenserve_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project's wheel, built once (``pip wheel --no-deps .``, not editable)."""
     return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """A headless Chromium for a module's page tests (``tests.browser``), closed after them."""
+    from tests.browser import launch  # Playwright is imported by the browser tests only
+
+    yield from launch()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[tuple[Page, Watch]]:
+    """A wide, light page of ``browser`` with its :class:`tests.browser.Watch`, closed after the
+    test."""
+    from tests.browser import new_page
+
+    yield from new_page(browser)
 
 
 @pytest.fixture(scope="module")

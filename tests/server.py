@@ -11,13 +11,14 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Self, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 _LISTENING = re.compile(r"Listening at: (\S+)")
@@ -28,7 +29,24 @@ class ServerDied(RuntimeError):
     """The server process exited while a test expected it to run."""
 
 
-class GunicornServer:
+class StartedWhileOpen:
+    """A context manager for a process a test runs: ``start()`` on entry (its value is the
+    ``with`` target), ``stop()`` on exit, whatever happened inside."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> object:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class GunicornServer(StartedWhileOpen):
     """One gunicorn master with its workers; as a context manager, started on entry and stopped on exit.
 
     Args:
@@ -141,12 +159,6 @@ class GunicornServer:
         except AssertionError as timed_out:
             raise TimeoutError(f"{timed_out}:\n{self.log_tail()}") from None
         return self
-
-    def __enter__(self) -> GunicornServer:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
     def _check_alive(self) -> None:
         """Raise ``ServerDied`` (with the log tail) if the master has exited."""
@@ -279,6 +291,33 @@ class GunicornServer:
             timeout_s,
             lambda: f"{n} workers to answer; only {sorted(pids)} did",
         )
+
+
+def raw_request(body: dict, request_id: str = "", path: str = "/v1/completions") -> bytes:
+    """Return a complete HTTP/1.1 POST of ``body`` as JSON (with ``X-Request-Id`` when one is given),
+    for tests that write to a plain socket."""
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    if request_id:
+        head += f"X-Request-Id: {request_id}\r\n"
+    return (head + f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Read ``sock`` until the server closes it; close it; return what came."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    sock.close()
+    return data
+
+
+def blocked_on_its_reader(srv: GunicornServer, request_id: str) -> bool:
+    """True when request ``request_id`` is in flight and made no token in 0.2 s (its write blocks)."""
+    before = srv.in_flight(request_id)
+    time.sleep(0.2)
+    after = srv.in_flight(request_id)
+    return bool(before and after and 0 < before["tokens"] == after["tokens"])
 
 
 def wait_until(

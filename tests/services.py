@@ -17,10 +17,10 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import redis
 
-from tests.server import wait_until
+from tests.needs import unavailable
+from tests.server import StartedWhileOpen, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 NGINX_SITE = ROOT / "deploy" / "nginx" / "greenserve.conf"
@@ -31,10 +31,7 @@ MISSING = "{} not found: install the Debian packages nginx and redis-server (.ci
 def missing_service(what: str) -> None:
     """Skip the test when a system service is not installed, so a newcomer's first run is green;
     under CI (``CI`` set, where ``.ci/run`` installs it) a missing service is a failure, never a skip."""
-    message = MISSING.format(what)
-    if os.environ.get("CI"):
-        pytest.fail(message)
-    pytest.skip(message)
+    unavailable(MISSING.format(what))
 
 
 def free_port() -> int:
@@ -53,6 +50,26 @@ def _serving(proc: subprocess.Popen, answers: Callable[[], bool], timeout_s: flo
     return proc.poll() is None
 
 
+def _launch(
+    cmd: list[str], log_path: Path, answers: Callable[[], bool], timeout_s: float
+) -> subprocess.Popen | None:
+    """Start ``cmd`` in its own process group, its output appended to ``log_path``; return the
+    process once ``answers()`` is true, or None (the process killed) when it exited or
+    ``timeout_s`` passed first."""
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    if _serving(proc, answers, timeout_s):
+        return proc
+    _stop(proc, signal.SIGKILL)
+    return None
+
+
 def _stop(
     proc: subprocess.Popen | None, sig: int = signal.SIGTERM, timeout_s: float = 10.0
 ) -> None:
@@ -66,7 +83,7 @@ def _stop(
         proc.wait(timeout=5)
 
 
-class RedisServer:
+class RedisServer(StartedWhileOpen):
     """A throwaway ``redis-server`` without persistence.
 
     Args:
@@ -95,8 +112,7 @@ class RedisServer:
         """Start on a free port (the same port again after :meth:`stop`); wait until PING answers."""
         for _ in range(5):
             self.port = self.port or free_port()
-            log = open(self.workdir / f"redis-{self.port}.log", "ab")
-            self.proc = subprocess.Popen(
+            self.proc = _launch(
                 [
                     self.binary,
                     "--port",
@@ -110,15 +126,12 @@ class RedisServer:
                     "--dir",
                     str(self.workdir),
                 ],  # fmt: skip
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                self.workdir / f"redis-{self.port}.log",
+                self._pings,
+                timeout_s,
             )
-            log.close()
-            if _serving(self.proc, self._pings, timeout_s):
+            if self.proc is not None:
                 return self
-            _stop(self.proc, signal.SIGKILL)
             self.port = 0  # most likely the port was taken meanwhile: try another
         raise RuntimeError("redis-server did not start; see " + str(self.workdir))
 
@@ -131,12 +144,6 @@ class RedisServer:
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL); its data is gone, its port is kept."""
         _stop(self.proc)
-
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
 
 UPSTREAM_LINE = "server 127.0.0.1:8000 max_fails=1 fail_timeout=10s;"
@@ -190,7 +197,7 @@ http {{
 """
 
 
-class NginxServer:
+class NginxServer(StartedWhileOpen):
     """The real nginx, in the foreground, proxying to ``upstream_port`` with the example site.
 
     Args:
@@ -216,18 +223,10 @@ class NginxServer:
             self.port = free_port()
             site = render_site(NGINX_SITE.read_text(), self.upstream_port, self.port, self.workdir)
             site_path.write_text(site)
-            log = open(self.workdir / "nginx.out", "ab")
-            self.proc = subprocess.Popen(
-                [NGINX, "-p", str(self.workdir), "-c", str(conf_path), "-e", "stderr"],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            log.close()
-            if _serving(self.proc, self._healthy, timeout_s):
+            cmd = [NGINX, "-p", str(self.workdir), "-c", str(conf_path), "-e", "stderr"]
+            self.proc = _launch(cmd, self.workdir / "nginx.out", self._healthy, timeout_s)
+            if self.proc is not None:
                 return self
-            _stop(self.proc, signal.SIGKILL)
         raise RuntimeError("nginx did not start:\n" + self.log_tail())
 
     def _healthy(self) -> bool:
@@ -235,12 +234,6 @@ class NginxServer:
             return self.request("GET", "/healthz")[0] == 200
         except OSError:
             return False
-
-    def __enter__(self) -> NginxServer:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
     def stop(self) -> None:
         """Stop nginx (SIGTERM: fast shutdown), then kill its process group if it lingers."""

@@ -134,3 +134,11 @@ class EventReader:
             self.resp.close()
         self.conn.close()
         self.sock.close()
+
+
+def open_stream(port: int, body: dict, request_id: str | None = None) -> EventReader:
+    """POST ``body`` (a streamed request, with ``X-Request-Id: request_id`` when given) to
+    ``/v1/completions`` and read the answer's status line and headers; return the reader."""
+    reader = EventReader(port, body, {"X-Request-Id": request_id} if request_id else None)
+    reader.open()
+    return reader

@@ -22,9 +22,8 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from playwright.sync_api import Browser, Page
 
-from tests.browser import Watch, launch, needs_chromium, new_page
+from tests.browser import needs_chromium
 from tests.server import ROOT, GunicornServer
 
 JS_DIR = ROOT / "tests" / "js"
@@ -112,16 +111,6 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 @pytest.fixture(scope="module")
 def server(site: int, serve_module) -> GunicornServer:
     return serve_module(CORS_ORIGINS=f"http://127.0.0.1:{site}", API_KEYS=KEY)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    yield from launch()
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[tuple[Page, Watch]]:
-    yield from new_page(browser)
 
 
 def python_answer(server: GunicornServer) -> tuple[str, str | None, int]:

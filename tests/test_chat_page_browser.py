@@ -20,7 +20,15 @@ from urllib.parse import quote_plus, urlencode
 import pytest
 from playwright.sync_api import Browser, Page
 
-from tests.browser import NARROW, Watch, check_page, launch, needs_chromium, new_page, screenshot
+from tests.browser import (
+    NARROW,
+    Watch,
+    check_page,
+    needs_chromium,
+    new_page,
+    screenshot,
+    stop_running,
+)
 from tests.server import GunicornServer
 from tests.sse import sse_json
 
@@ -56,11 +64,6 @@ TURNS = """() => [...document.querySelectorAll("#conversation .turn")].map((t) =
 @pytest.fixture(scope="module")
 def server(serve_module) -> GunicornServer:
     return serve_module(GREENSERVE_FAULTS=f"slow_step_s={SLOW_STEP_S}", API_KEYS=KEY)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    yield from launch()
 
 
 @pytest.fixture
@@ -180,19 +183,8 @@ def test_stop_ends_the_answer_and_frees_the_slot(server, page):
     pg.wait_for_function(
         "() => document.querySelector('#conversation .pending .content').textContent.length >= 5"
     )
-    held = server.state()
-    assert held["slots"]["busy"] == 1 and [r["state"] for r in held["requests"]] == ["running"]
-
-    pg.click("#stop")
-    assert pg.get_attribute("#demo", "data-state") == "stopped"
-    assert pg.evaluate("window.greenserve.source.readyState") == 2
-    tokens = int(pg.text_content("#tokens"))
-    assert pg.text_content("#state") == f"Stopped after {tokens} tokens."
-    text = pg.text_content("#conversation .turn:last-child .content")
+    text = stop_running(pg, server, "#conversation .turn:last-child .content", SLOW_STEP_S)
     assert len(text) >= 5
-    server.wait_idle()
-    pg.wait_for_timeout(4 * SLOW_STEP_S * 1000)
-    assert pg.text_content("#conversation .turn:last-child .content") == text  # nothing after Stop
     assert pg.text_content("#conversation .turn:last-child .note") == "Stopped."
     # What was said stays in the conversation: the next request carries it.
     assert pg.evaluate("window.greenserve.chat.messages") == [

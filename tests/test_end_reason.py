@@ -10,6 +10,7 @@ Source: docs/ARCHITECTURE.md §9 (admission and stream lifetime); OpenAI API ref
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import math
@@ -17,16 +18,23 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Iterator
 
 import gevent
 import pytest
 
 from tests.collector import FakeCollector
-from tests.server import SLACK_S, GunicornServer, wait_until
-from tests.sse import EventReader, sse_events
+from tests.server import (
+    SLACK_S,
+    GunicornServer,
+    blocked_on_its_reader,
+    raw_request,
+    read_all,
+    wait_until,
+)
+from tests.sse import EventReader, open_stream, sse_events
 from tests.test_logs import request_line
 from tests.test_metrics import scrape
-from tests.test_timeouts import blocked_on_its_reader, raw_request
 from wsgi_app.generation.admission import Admission
 
 # Final events, byte for byte: the OpenAI error envelope, then [DONE].
@@ -79,6 +87,27 @@ def line_of(srv: GunicornServer, request_id: str) -> tuple:
     return line["status"], line["finish_reason"], line["end_reason"], line["error"]
 
 
+@contextlib.contextmanager
+def ends_as(
+    srv: GunicornServer, collector: FakeCollector, request_id: str, line: tuple
+) -> Iterator[None]:
+    """Around the block that makes request ``request_id``: assert after it that the request's log
+    line is ``line`` (``(status, finish_reason, end_reason, error)``), that
+    ``greenserve_requests_total`` of its labels (``end_reason`` "none" for None) rose by one, and
+    that its span's ``greenserve.end_reason`` is ``end_reason`` (absent for None)."""
+    status, finish_reason, end_reason, _ = line
+    labels = {"status": str(status), "finish_reason": finish_reason}
+    labels["end_reason"] = end_reason or "none"
+    before = counted(srv, **labels)
+    yield
+    assert line_of(srv, request_id) == line
+    wait_counted(srv, before + 1, **labels)
+    if end_reason is None:
+        assert "greenserve.end_reason" not in collector.span_for(request_id)["attrs"]
+    else:
+        assert end_attr(collector, request_id) == {"stringValue": end_reason}
+
+
 def stop_worker(srv: GunicornServer) -> int:
     """SIGTERM the worker (not the master); return its pid. The master starts another."""
     pid = srv.state()["pid"]
@@ -91,136 +120,86 @@ def next_worker(srv: GunicornServer, old_pid: int) -> None:
     wait_until(lambda: srv.state()["pid"] != old_pid, 30, "the next worker")
 
 
-def read_all(sock: socket.socket) -> bytes:
-    """Read ``sock`` until the server closes it."""
-    data = b""
-    while chunk := sock.recv(1 << 20):
-        data += chunk
-    return data
-
-
 # -- one server for the ends of a single request ------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def ends(succ_dir, collector, serve_module):
+def srv(succ_dir, collector, serve_module):
     """50 tokens/s, a 2 s deadline, and an engine failure at every choice's 30th token."""
-    srv = serve_module(
+    return serve_module(
         MODEL_DIR=str(succ_dir),
         GREENSERVE_FAULTS="slow_step_s=0.02,fail_at=30",
         REQUEST_TIMEOUT_S="2",
         OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
     )
-    return srv, collector
 
 
-def test_finished(ends):
-    srv, collector = ends
-    labels = {"status": "200", "finish_reason": "length", "end_reason": "finished"}
-    before = counted(srv, **labels)
+def test_finished(srv, collector):
     body = {"model": "m", "prompt": "a", "max_tokens": 3, "n": 2, "stream": True}
-    status, _, raw = srv.complete(body, headers={"X-Request-Id": "end-finished"})
-    assert status == 200 and sse_events(raw)[-1] == b"[DONE]"
-    assert line_of(srv, "end-finished") == (200, "length", "finished", None)
-    wait_counted(srv, before + 1, **labels)
-    assert end_attr(collector, "end-finished") == {"stringValue": "finished"}
+    with ends_as(srv, collector, "end-finished", (200, "length", "finished", None)):
+        status, _, raw = srv.complete(body, headers={"X-Request-Id": "end-finished"})
+        assert status == 200 and sse_events(raw)[-1] == b"[DONE]"
 
 
-def test_stop(ends):
-    srv, collector = ends
-    labels = {"status": "200", "finish_reason": "stop", "end_reason": "stop"}
-    before = counted(srv, **labels)
+def test_stop(srv, collector):
     # "a" generates "bcd…": the stop string "c" ends the choice after "b".
     body = {"model": "m", "prompt": "a", "max_tokens": 5, "stop": ["c"], "temperature": 0}
-    status, _, raw = srv.complete(body, headers={"X-Request-Id": "end-stop"})
-    assert status == 200 and json.loads(raw)["choices"][0]["text"] == "b"
-    assert line_of(srv, "end-stop") == (200, "stop", "stop", None)
-    wait_counted(srv, before + 1, **labels)
-    assert end_attr(collector, "end-stop") == {"stringValue": "stop"}
+    with ends_as(srv, collector, "end-stop", (200, "stop", "stop", None)):
+        status, _, raw = srv.complete(body, headers={"X-Request-Id": "end-stop"})
+        assert status == 200 and json.loads(raw)["choices"][0]["text"] == "b"
 
 
-def test_client_left(ends):
-    srv, collector = ends
-    streamed = {"status": "200", "finish_reason": "abort", "end_reason": "client_left"}
-    json_ = {"status": "499", "finish_reason": "abort", "end_reason": "client_left"}
-    before = counted(srv, **streamed), counted(srv, **json_)
-    # A stream whose client leaves after five tokens.
-    reader = EventReader(
-        srv.port,
-        {"model": "m", "prompt": "a", "max_tokens": 1000, "stream": True},
-        headers={"X-Request-Id": "end-left-stream"},
-    )
-    reader.open()
-    for _ in range(6):
-        reader.next_frame()
-    reader.close()
-    # A non-streamed answer whose client leaves while it is generated: a 499 for the log.
-    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
-        body = {"model": "m", "prompt": "a", "max_tokens": 1000}
-        sock.sendall(raw_request(body, "end-left-json"))
-        wait_until(lambda: (r := srv.in_flight("end-left-json")) and r["tokens"] > 0)
-    assert line_of(srv, "end-left-stream") == (200, "abort", "client_left", None)
-    assert line_of(srv, "end-left-json") == (
-        499,
-        "abort",
-        "client_left",
-        "client disconnected while generating",
-    )
-    wait_counted(srv, before[0] + 1, **streamed)
-    wait_counted(srv, before[1] + 1, **json_)
-    assert end_attr(collector, "end-left-stream") == {"stringValue": "client_left"}
-    assert end_attr(collector, "end-left-json") == {"stringValue": "client_left"}
+def test_client_left(srv, collector):
+    left_json = (499, "abort", "client_left", "client disconnected while generating")
+    with (
+        ends_as(srv, collector, "end-left-stream", (200, "abort", "client_left", None)),
+        ends_as(srv, collector, "end-left-json", left_json),
+    ):
+        # A stream whose client leaves after five tokens.
+        body = {"model": "m", "prompt": "a", "max_tokens": 1000, "stream": True}
+        reader = open_stream(srv.port, body, "end-left-stream")
+        for _ in range(6):
+            reader.next_frame()
+        reader.close()
+        # A non-streamed answer whose client leaves while it is generated: a 499 for the log.
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            body = {"model": "m", "prompt": "a", "max_tokens": 1000}
+            sock.sendall(raw_request(body, "end-left-json"))
+            wait_until(lambda: (r := srv.in_flight("end-left-json")) and r["tokens"] > 0)
 
 
-def test_deadline(ends):
-    srv, collector = ends
-    labels = {"status": "200", "finish_reason": "error", "end_reason": "deadline"}
-    before = counted(srv, **labels)
+def test_deadline(srv, collector):
     # Four choices share the 50 tokens/s: none reaches the failure at token 30 within the 2 s.
     body = {"model": "m", "prompt": "a", "max_tokens": 1000, "n": 4, "stream": True}
-    status, _, raw = srv.complete(body, headers={"X-Request-Id": "end-deadline"})
-    assert status == 200 and raw.endswith(DEADLINE_END), raw[-300:]
-    assert sse_events(raw[: -len(DEADLINE_END)])[-1].startswith(b'{"id":"cmpl-')
-    assert line_of(srv, "end-deadline") == (
-        200,
-        "error",
-        "deadline",
-        "Request timed out after 2 s.",
-    )
-    wait_counted(srv, before + 1, **labels)
-    assert end_attr(collector, "end-deadline") == {"stringValue": "deadline"}
+    timed_out = (200, "error", "deadline", "Request timed out after 2 s.")
+    with ends_as(srv, collector, "end-deadline", timed_out):
+        status, _, raw = srv.complete(body, headers={"X-Request-Id": "end-deadline"})
+        assert status == 200 and raw.endswith(DEADLINE_END), raw[-300:]
+        assert sse_events(raw[: -len(DEADLINE_END)])[-1].startswith(b'{"id":"cmpl-')
 
 
-def test_engine_error(ends):
-    srv, collector = ends
-    streamed = {"status": "200", "finish_reason": "error", "end_reason": "engine_error"}
-    json_ = {"status": "500", "finish_reason": "error", "end_reason": "engine_error"}
-    before = counted(srv, **streamed), counted(srv, **json_)
-    body = {"model": "m", "prompt": "a", "max_tokens": 100, "temperature": 0}
-    status, _, raw = srv.complete({**body, "stream": True}, headers={"X-Request-Id": "end-fail"})
-    assert status == 200 and raw.endswith(ENGINE_ERROR_END), raw[-300:]
-    texts = [json.loads(p)["choices"][0]["text"] for p in sse_events(raw)[:-2]]
-    assert "".join(texts) == bytes(range(98, 98 + 29)).decode()  # 29 tokens, then the failure
-    status, _, raw = srv.complete(body, headers={"X-Request-Id": "end-fail-json"})
-    assert status == 500 and json.loads(raw)["error"]["code"] == "engine_error"
+def test_engine_error(srv, collector):
     message = "Generation failed: EngineFailure."
-    assert line_of(srv, "end-fail") == (200, "error", "engine_error", message)
-    assert line_of(srv, "end-fail-json") == (500, "error", "engine_error", message)
-    wait_counted(srv, before[0] + 1, **streamed)
-    wait_counted(srv, before[1] + 1, **json_)
-    assert end_attr(collector, "end-fail") == {"stringValue": "engine_error"}
-    assert end_attr(collector, "end-fail-json") == {"stringValue": "engine_error"}
+    body = {"model": "m", "prompt": "a", "max_tokens": 100, "temperature": 0}
+    with (
+        ends_as(srv, collector, "end-fail", (200, "error", "engine_error", message)),
+        ends_as(srv, collector, "end-fail-json", (500, "error", "engine_error", message)),
+    ):
+        status, _, raw = srv.complete(
+            {**body, "stream": True}, headers={"X-Request-Id": "end-fail"}
+        )
+        assert status == 200 and raw.endswith(ENGINE_ERROR_END), raw[-300:]
+        texts = [json.loads(p)["choices"][0]["text"] for p in sse_events(raw)[:-2]]
+        assert "".join(texts) == bytes(range(98, 98 + 29)).decode()  # 29 tokens, then the failure
+        status, _, raw = srv.complete(body, headers={"X-Request-Id": "end-fail-json"})
+        assert status == 500 and json.loads(raw)["error"]["code"] == "engine_error"
 
 
-def test_nothing_generated_has_no_end_reason(ends):
-    srv, collector = ends
-    labels = {"status": "400", "finish_reason": "none", "end_reason": "none"}
-    before = counted(srv, **labels)
-    status, _, _ = srv.complete({"model": "m", "prompt": ""}, headers={"X-Request-Id": "end-none"})
-    assert status == 400
-    assert line_of(srv, "end-none") == (400, "none", None, None)
-    wait_counted(srv, before + 1, **labels)
-    assert "greenserve.end_reason" not in collector.span_for("end-none")["attrs"]
+def test_nothing_generated_has_no_end_reason(srv, collector):
+    with ends_as(srv, collector, "end-none", (400, "none", None, None)):
+        body = {"model": "m", "prompt": ""}
+        status, _, _ = srv.complete(body, headers={"X-Request-Id": "end-none"})
+        assert status == 400
 
 
 # -- the client stops reading -------------------------------------------------------------------
@@ -253,11 +232,9 @@ def test_shutdown_ends_running_and_queued_streams_with_a_final_event(succ_dir, s
             OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
         )
         body = {"model": "m", "prompt": "a", "max_tokens": 1000, "stream": True}
-        running = EventReader(srv.port, body, {"X-Request-Id": "end-stop-running"})
-        running.open()
+        running = open_stream(srv.port, body, "end-stop-running")
         assert running.next_frame() == b": ok\n"
-        queued = EventReader(srv.port, body, {"X-Request-Id": "end-stop-queued"})
-        queued.open()
+        queued = open_stream(srv.port, body, "end-stop-queued")
         assert queued.next_frame() == b": ok\n"
         wait_until(lambda: srv.state()["queue"]["waiting"] == 1, what="the second stream queued")
         pid = stop_worker(srv)
@@ -310,8 +287,7 @@ def test_shutdown_ends_a_stream_that_never_reached_its_pacer(succ_dir, serve):
             OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
         )
         body = {"model": "m", "prompt": "a", "max_tokens": 10, "stream": True}
-        reader = EventReader(srv.port, body, {"X-Request-Id": "end-stop-killed"})
-        reader.open()
+        reader = open_stream(srv.port, body, "end-stop-killed")
         assert reader.next_frame() == b": ok\n"
         wait_until(lambda: srv.state()["slots"]["busy"] == 1, what="the stream's slot")
         pid = stop_worker(srv)

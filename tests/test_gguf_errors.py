@@ -6,6 +6,7 @@ Source: the GGUF specification (architecture key, tensor types, tensor data layo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -173,13 +174,18 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_load_names_file_tensor_and_problem(tmp_path, case):
-    make, message = CASES[case]
+def refused(tmp_path: Path, make: Callable[[Path], Path]) -> tuple[Path, str]:
+    """Write a bad GGUF with ``make`` and load it; return its path and the ``ValueError``'s text."""
     path = make(tmp_path / "bad.gguf")
     with pytest.raises(ValueError) as err:
         load_model(path, cache_dir=tmp_path / "cache")
-    text = str(err.value)
+    return path, str(err.value)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_load_names_file_tensor_and_problem(tmp_path, case):
+    make, message = CASES[case]
+    path, text = refused(tmp_path, make)
     assert text.startswith(f"{path}: ") and message in text and "\n" not in text
     assert not (tmp_path / "cache").exists()  # refused before anything is dequantized
 
@@ -232,10 +238,8 @@ NON_FINITE = {
 @pytest.mark.parametrize("case", NON_FINITE)
 def test_non_finite_weights_are_refused_at_load(tmp_path, case):
     make, message = NON_FINITE[case]
-    path = make(tmp_path / "bad.gguf")
-    with pytest.raises(ValueError) as err:
-        load_model(path, cache_dir=tmp_path / "cache")
-    assert str(err.value) == f"{path}: {message}"
+    path, text = refused(tmp_path, make)
+    assert text == f"{path}: {message}"
     assert list((tmp_path / "cache" / "gguf").iterdir()) == [
         tmp_path / "cache" / "gguf" / f"{file_sha256(path)}.v{FORMAT_VERSION}.safetensors.lock"
     ]  # nothing cached

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.decoding import greedy_by_hand
 from tests.gguffiles import golden, golden_logits, teacher_forced
 
 CLEAR_GAP = 1.0  # llama.cpp's top-1 leads its top-2 by at least this: a decided position
@@ -69,9 +70,5 @@ def test_free_running_greedy_equals_llama_cpp_up_to_its_first_near_tie(smollm2_d
         gaps = [p["gap"] for p in seq["positions"]]
         stop = next((k for k, gap in enumerate(gaps) if gap < NEAR_TIE), len(gaps))
         cache = model.new_cache(len(case["prompt_ids"]) + len(case["ids"]))
-        logits = model.prefill(case["prompt_ids"], cache)
-        ours = []
-        for _ in range(stop):
-            ours.append(int(np.argmax(logits)))
-            logits = model.decode([ours[-1]], [cache])[0]
+        ours = greedy_by_hand(model, case["prompt_ids"], stop, cache)
         assert ours == case["ids"][:stop], (seq["kind"], seq["index"], stop)

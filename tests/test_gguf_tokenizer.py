@@ -18,6 +18,7 @@ import pytest
 from model.llama.llama2c import BOS_ID, EOS_ID, SPECIAL_PIECES, read_checkpoint, read_tokenizer
 from model.loader import load_model
 from model.tokenizer import decode_ids
+from tests.decoding import greedy_by_hand
 from tests.gguffiles import golden, teacher_forced, write_tiny_gguf
 from tests.llamafiles import stories_or_skip
 
@@ -183,16 +184,7 @@ def test_sentencepiece_gguf_tokenizes_as_llama2c(stories_pair, text):
 def test_sentencepiece_gguf_generates_as_llama2c(stories_pair):
     from_gguf, llama2c = stories_pair
     ids = from_gguf.tokenizer.encode("Once upon a time")
-    runs = []
-    for loaded in (from_gguf, llama2c):
-        model = loaded.model
-        cache = model.new_cache()
-        logits = model.prefill(ids, cache)
-        out = []
-        for _ in range(48):
-            out.append(int(np.argmax(logits)))
-            logits = model.decode([out[-1]], [cache])[0]
-        runs.append(out)
+    runs = [greedy_by_hand(loaded.model, ids, 48) for loaded in (from_gguf, llama2c)]
     assert runs[0] == runs[1]
     np.testing.assert_array_equal(
         from_gguf.model.layers[0].wq, llama2c.model.layers[0].wq

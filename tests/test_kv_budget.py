@@ -13,7 +13,7 @@ import pytest
 
 from model.llama.config import LlamaConfig
 from model.llama.kv_cache import bytes_per_token, can_ever_fit, reservation_bytes
-from tests.server import GunicornServer, wait_until
+from tests.server import wait_until
 from tests.sse import EventReader
 
 STORY_TOKEN_BYTES = 1280
@@ -40,12 +40,6 @@ def test_smollm2_token_bytes_and_reservations():
     assert reservation_bytes(per_token, 8000, 4096, 1, 8192) == 8192 * 46_080  # context-bound
     assert reservation_bytes(0, 100, 128, 8, None) == 0  # no cache (the bigram)
     assert can_ever_fit(1 << 20, 1 << 20) and not can_ever_fit((1 << 20) + 1, 1 << 20)
-
-
-def state(srv: GunicornServer) -> dict:
-    status, _, body = srv.get("/debug/state")
-    assert status == 200, body
-    return json.loads(body)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +71,7 @@ def test_second_request_waits_for_the_budget_until_the_first_ends(budget_server)
     assert first.open().status == 200
     assert first.next_frame() == b": ok\n"
     assert first.next_frame().startswith(b"data: {")
-    s = state(srv)
+    s = srv.state()
     # the prompt's end is cached once its prefill is in: 3 positions and 512 float32 logits
     assert s["kv_cache_bytes"] == {"reserved": first_bytes, "budget": 1 << 20, "cached": 5888}
 
@@ -86,13 +80,13 @@ def test_second_request_waits_for_the_budget_until_the_first_ends(budget_server)
     assert small.next_frame() == b": ok\n"
     assert small.next_frame().startswith(b"data: {")
     small.close()
-    wait_until(lambda: state(srv)["slots"]["busy"] == 1, what="the small request to end")
+    wait_until(lambda: srv.state()["slots"]["busy"] == 1, what="the small request to end")
 
     second = EventReader(srv.port, stream_body(500))  # 643,840 more: over the budget
     assert second.open().status == 200
     assert second.next_frame() == b": ok\n"
     assert second.next_frame() == b": queued\n"  # a free slot, but not the bytes
-    s = state(srv)
+    s = srv.state()
     assert (s["slots"]["busy"], s["queue"]["waiting"]) == (1, 1)
     assert s["kv_cache_bytes"]["reserved"] == first_bytes
 
@@ -101,10 +95,12 @@ def test_second_request_waits_for_the_budget_until_the_first_ends(budget_server)
     while frame == b": queued\n":
         frame = second.next_frame()
     assert frame.startswith(b"data: {")  # it runs now
-    assert state(srv)["kv_cache_bytes"]["reserved"] == first_bytes
+    assert srv.state()["kv_cache_bytes"]["reserved"] == first_bytes
     second.close()
     wait_until(
-        lambda: state(srv)["kv_cache_bytes"]["reserved"] == 0 and state(srv)["slots"]["busy"] == 0,
+        lambda: (
+            srv.state()["kv_cache_bytes"]["reserved"] == 0 and srv.state()["slots"]["busy"] == 0
+        ),
         what="every reservation to be returned",
     )
 
@@ -124,7 +120,7 @@ def test_request_that_can_never_fit_is_400(budget_server):
     )
     status, _, body = srv.complete({**stream_body(500, n=2), "stream": True})
     assert status == 400 and json.loads(body)["error"]["param"] == "max_tokens"
-    assert state(srv)["kv_cache_bytes"]["reserved"] == 0
+    assert srv.state()["kv_cache_bytes"]["reserved"] == 0
 
 
 def test_every_prompt_of_a_batch_is_reserved(budget_server):
@@ -143,11 +139,12 @@ def test_every_prompt_of_a_batch_is_reserved(budget_server):
     assert reader.open().status == 200
     assert reader.next_frame() == b": ok\n"
     assert reader.next_frame().startswith(b"data: {")
-    reserved = state(srv)["kv_cache_bytes"]["reserved"]
+    reserved = srv.state()["kv_cache_bytes"]["reserved"]
     assert reserved == 2 * ((3 + 100) + (2 + 100) + (1 + 100)) * STORY_TOKEN_BYTES
     reader.close()
     wait_until(
-        lambda: state(srv)["kv_cache_bytes"]["reserved"] == 0, what="the reservation to be returned"
+        lambda: srv.state()["kv_cache_bytes"]["reserved"] == 0,
+        what="the reservation to be returned",
     )
 
 
@@ -164,7 +161,7 @@ def test_cached_prompt_blocks_are_given_up_before_a_request_would_wait(budget_se
     for p in prompts:
         status, _, raw = srv.complete({"model": "s", "prompt": p, "max_tokens": 1})
         assert status == 200, raw
-        s = state(srv)
+        s = srv.state()
         assert s["kv_cache_bytes"]["cached"] <= (1 << 20) - 385_280
     assert s["kv_cache_bytes"]["reserved"] == 0
     assert s["kv_cache_bytes"]["cached"] < 2 * prompt_bytes
@@ -174,11 +171,11 @@ def test_cached_prompt_blocks_are_given_up_before_a_request_would_wait(budget_se
     assert first.open().status == 200
     assert first.next_frame() == b": ok\n"
     assert first.next_frame().startswith(b"data: {")  # not queued behind the cached blocks
-    s = state(srv)
+    s = srv.state()
     assert s["kv_cache_bytes"]["reserved"] == 643_840
     assert prompt_bytes <= s["kv_cache_bytes"]["cached"] <= (1 << 20) - 643_840
     first.close()
-    wait_until(lambda: state(srv)["slots"]["busy"] == 0, what="the first request to end")
+    wait_until(lambda: srv.state()["slots"]["busy"] == 0, what="the first request to end")
     # The most recently used entries stayed: the last prompt's, all of it.
     status, _, raw = srv.complete({"model": "s", "prompt": prompts[2], "max_tokens": 1})
     assert json.loads(raw)["usage"]["prompt_tokens_details"] == {"cached_tokens": 300}

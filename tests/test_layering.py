@@ -17,6 +17,7 @@ import ast
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,24 @@ def import_graph(packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
     return {name: imports_of(name, path, modules) for name, path in modules.items()}
 
 
+def _top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def imports_between(
+    importer: Callable[[str], bool], imported: Callable[[str], bool]
+) -> list[tuple[str, str]]:
+    """Return, sorted, every ``(module, dependency)`` import of the project's modules from a module
+    ``importer`` accepts to one ``imported`` accepts."""
+    return sorted(
+        (name, dep)
+        for name, deps in import_graph().items()
+        if importer(name)
+        for dep in deps
+        if imported(dep)
+    )
+
+
 def test_no_import_cycles_among_the_projects_modules():
     assert cycles(import_graph(CYCLE_PACKAGES)) == []
     graph = import_graph()
@@ -167,41 +186,28 @@ def test_the_server_reaches_model_families_only_through_the_engine_contract():
     # wsgi_app never imports model.llama.* or model.bigram.*: what it needs of a family (inline or
     # batched, default limits, the scheduler, KV accounting, tokenizer, chat template) comes through
     # model.engine and model.loader.
-    graph = import_graph()
-    reached = {
-        (name, dep)
-        for name, deps in graph.items()
-        if name.split(".")[0] == "wsgi_app"
-        for dep in deps
-        if dep.split(".")[0] == "model" and dep not in MODEL_DOOR
-    }
-    assert sorted(reached) == []
+    reached = imports_between(
+        lambda name: _top(name) == "wsgi_app",
+        lambda dep: _top(dep) == "model" and dep not in MODEL_DOOR,
+    )
+    assert reached == []
 
 
 def test_telemetry_imports_only_telemetry():
-    graph = import_graph()
-    outside = {
-        (name, dep)
-        for name, deps in graph.items()
-        if name.split(".")[0] == "telemetry"
-        for dep in deps
-        if dep.split(".")[0] != "telemetry"
-    }
-    assert sorted(outside) == []
+    outside = imports_between(
+        lambda name: _top(name) == "telemetry", lambda dep: _top(dep) != "telemetry"
+    )
+    assert outside == []
 
 
 def test_wire_and_api_import_nothing_of_generation_http_or_server():
     # wire/ is bytes and api/ wire types: the encoder reads a choice through its own protocol
     # (wsgi_app.wire.encoder.EncodedChoice), and the error envelope lives in api/.
-    graph = import_graph()
-    reached = {
-        (name, dep)
-        for name, deps in graph.items()
-        if name.startswith(("wsgi_app.wire", "wsgi_app.api"))
-        for dep in deps
-        if dep.startswith(("wsgi_app.generation", "wsgi_app.http", "wsgi_app.server"))
-    }
-    assert sorted(reached) == []
+    reached = imports_between(
+        lambda name: name.startswith(("wsgi_app.wire", "wsgi_app.api")),
+        lambda dep: dep.startswith(("wsgi_app.generation", "wsgi_app.http", "wsgi_app.server")),
+    )
+    assert reached == []
 
 
 def test_a_choice_is_what_the_encoder_reads():

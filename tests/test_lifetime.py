@@ -14,15 +14,15 @@ import pytest
 from model.loader import BIGRAM, LLAMA
 from tests.collector import FakeCollector
 from tests.server import GunicornServer, concurrently, wait_until
-from tests.sse import EventReader, sse_events
+from tests.sse import EventReader, open_stream, sse_events
 
 SLOW = "slow_step_s=0.02"  # 50 tokens/s: long enough streams to disconnect from, short tests
 
 
 @pytest.fixture(scope="module")
-def slow(succ_dir, collector, serve_module):
+def srv(succ_dir, collector, serve_module):
     """A server with slow steps, 2 slots, a queue of 2, quick heartbeats, and a collector."""
-    srv = serve_module(
+    return serve_module(
         MODEL_DIR=str(succ_dir),
         GREENSERVE_FAULTS=SLOW,
         MAX_SLOTS="2",
@@ -31,11 +31,9 @@ def slow(succ_dir, collector, serve_module):
         SEND_TIMEOUT_S="1",
         OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
     )
-    return srv, collector
 
 
-def test_normal_end_frees_the_slot(slow):
-    srv, _ = slow
+def test_normal_end_frees_the_slot(srv):
     status, _, body = srv.complete({"model": "m", "prompt": "a", "max_tokens": 5, "stream": True})
     assert status == 200 and sse_events(body)[-1] == b"[DONE]"
     s = srv.wait_idle()
@@ -43,15 +41,10 @@ def test_normal_end_frees_the_slot(slow):
     assert s["queue"] == {"waiting": 0, "max": 2}
 
 
-def test_disconnect_mid_stream_stops_generation(slow):
-    srv, collector = slow
-    reader = EventReader(
-        srv.port,
-        {"model": "m", "prompt": "a", "max_tokens": 2000, "stream": True},
-        headers={"X-Request-Id": "disc-mid"},
-    )
-    resp = reader.open()
-    assert resp.status == 200
+def test_disconnect_mid_stream_stops_generation(srv, collector):
+    body = {"model": "m", "prompt": "a", "max_tokens": 2000, "stream": True}
+    reader = open_stream(srv.port, body, "disc-mid")
+    assert reader.resp.status == 200
     assert reader.next_frame() == b": ok\n"
     for _ in range(5):
         assert reader.next_frame().startswith(b"data: {")
@@ -64,8 +57,7 @@ def test_disconnect_mid_stream_stops_generation(slow):
     assert 5 <= generated <= 10, generated
 
 
-def test_disconnect_while_queued(slow):
-    srv, _ = slow
+def test_disconnect_while_queued(srv):
     body = {"model": "m", "prompt": "a", "max_tokens": 2000, "stream": True}
     holders = [EventReader(srv.port, body) for _ in range(2)]
     for h in holders:
@@ -84,8 +76,7 @@ def test_disconnect_while_queued(slow):
     srv.wait_idle()
 
 
-def test_queued_plain_request_runs_when_a_slot_frees(slow):
-    srv, _ = slow
+def test_queued_plain_request_runs_when_a_slot_frees(srv):
     holder = EventReader(srv.port, {"model": "m", "prompt": "a", "max_tokens": 30, "stream": True})
     holder2 = EventReader(srv.port, {"model": "m", "prompt": "a", "max_tokens": 30, "stream": True})
     holder.open(), holder2.open()
@@ -95,8 +86,7 @@ def test_queued_plain_request_runs_when_a_slot_frees(slow):
     srv.wait_idle()
 
 
-def test_burst_of_ten_times_capacity(slow):
-    srv, _ = slow
+def test_burst_of_ten_times_capacity(srv):
     # All 40 arrive together (capacity 2 + 2); each needs 1 s of slot time (50 slow tokens).
     body = {"model": "m", "prompt": "a", "max_tokens": 50, "temperature": 0}
     results = concurrently(lambda _: srv.complete(body), 40)
@@ -116,14 +106,9 @@ def test_burst_of_ten_times_capacity(slow):
     srv.wait_idle()
 
 
-def test_debug_state_lists_in_flight_requests(slow):
-    srv, _ = slow
-    reader = EventReader(
-        srv.port,
-        {"model": "m", "prompt": "a", "max_tokens": 500, "stream": True},
-        headers={"X-Request-Id": "inflight-1"},
-    )
-    reader.open()
+def test_debug_state_lists_in_flight_requests(srv):
+    body = {"model": "m", "prompt": "a", "max_tokens": 500, "stream": True}
+    reader = open_stream(srv.port, body, "inflight-1")
     for _ in range(4):
         reader.next_frame()
     s = srv.state()
@@ -134,16 +119,14 @@ def test_debug_state_lists_in_flight_requests(slow):
     srv.wait_idle()
 
 
-def test_startup_objects_are_frozen_out_of_the_collector(slow):
-    srv, _ = slow
+def test_startup_objects_are_frozen_out_of_the_collector(srv):
     gc_state = srv.state()["gc"]
     # The app, Flask, numpy and the model: tens of thousands of objects no full collection walks.
     assert gc_state["frozen"] > 20_000
     assert len(gc_state["counts"]) == len(gc_state["collections"]) == 3
 
 
-def test_debug_endpoints_refuse_forwarded_requests(slow):
-    srv, _ = slow
+def test_debug_endpoints_refuse_forwarded_requests(srv):
     for method, path in (("GET", "/debug/state"), ("POST", "/debug/drain")):
         status, _, body = srv.request(method, path, headers={"X-Forwarded-For": "127.0.0.1"})
         assert status == 404
@@ -160,9 +143,8 @@ def test_debug_endpoints_refuse_forwarded_requests(slow):
         "localhost.evil.example",
     ],
 )
-def test_debug_endpoints_answer_only_a_loopback_host(slow, host):
+def test_debug_endpoints_answer_only_a_loopback_host(srv, host):
     # A page on another name that resolves to 127.0.0.1 (DNS rebinding) must not read them.
-    srv, _ = slow
     for method, path in (("GET", "/debug/state"), ("POST", "/debug/drain")):
         status, _, body = srv.request(method, path, headers={"Host": host})
         assert status == 404, (host, path)
@@ -173,8 +155,7 @@ def test_debug_endpoints_answer_only_a_loopback_host(slow, host):
 @pytest.mark.parametrize(
     "host", ["localhost", "LOCALHOST:{port}", "127.0.0.1:{port}", "[::1]:{port}"]
 )
-def test_debug_state_answers_a_loopback_host(slow, host):
-    srv, _ = slow
+def test_debug_state_answers_a_loopback_host(srv, host):
     status, _, body = srv.request(
         "GET", "/debug/state", headers={"Host": host.format(port=srv.port)}
     )
@@ -294,12 +275,8 @@ def test_sigterm_with_streams_in_flight(succ_dir, serve):
         for i in range(20):
             # Half finish within the grace period, half are ended by the final event.
             tokens = 20 if i % 2 == 0 else 1000
-            r = EventReader(
-                srv.port,
-                {"model": "m", "prompt": "a", "max_tokens": tokens, "stream": True},
-                headers={"X-Request-Id": f"term-{i}"},
-            )
-            r.open()
+            body = {"model": "m", "prompt": "a", "max_tokens": tokens, "stream": True}
+            r = open_stream(srv.port, body, f"term-{i}")
             assert r.next_frame() == b": ok\n"
             readers.append((tokens, r))
         wait_until(lambda: srv.state()["slots"]["busy"] == 20, what="20 streams running")

@@ -9,6 +9,7 @@ from model.llama.engine import LlamaEngine
 from model.llama.model import Llama
 from model.pcg32 import PCG32
 from model.sampling import SamplingParams, logprobs_of, sample
+from tests.decoding import greedy_by_hand
 from tests.llamafiles import TINY_DIR, tiny_reference
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -27,13 +28,7 @@ def ids(engine: LlamaEngine, req: GenerationRequest) -> list[int]:
 def test_greedy_stream_equals_prefill_and_decode(model: Llama) -> None:
     engine = LlamaEngine(model, frozenset())
     steps = list(engine.stream(GenerationRequest(PROMPT, 10, GREEDY, seed=0)))
-    cache = model.new_cache()
-    logits = model.prefill(PROMPT, cache)
-    want = []
-    for _ in range(10):
-        want.append(int(np.argmax(logits)))
-        logits = model.decode([want[-1]], [cache])[0]
-    assert steps == [Step(t) for t in want]
+    assert steps == [Step(t) for t in greedy_by_hand(model, PROMPT, 10)]
 
 
 def test_sampled_stream_uses_the_request_seed(model: Llama) -> None:

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from telemetry.batch import Observation
 from telemetry.exposition import render, summarize
 from telemetry.metrics import ITL_BUCKETS, Metrics, add_bucket_counts
 from telemetry.quantiles import bucket_index, cumulate, histogram_quantile
@@ -90,38 +91,13 @@ def test_metrics_are_per_registry_and_summarize_exactly():
     Metrics.create(CollectorRegistry())  # no module-level state: a second set is independent
     with pytest.raises(ValueError):
         Metrics.create(reg)  # the same names twice in one registry
-    m.observe_request(
-        status=200,
-        finish_reason="length",
-        end_reason="finished",
-        prompt_tokens=3,
-        completion_tokens=5,
-        ttft_s=0.004,
-        e2e_s=0.02,
-        queue_wait_s=0.0,
-        itl_counts=[0] * 5 + [4] + [0] * 10,
-        itl_sum_s=0.001,
-    )
-    m.observe_request(
-        status=500,
-        finish_reason="error",
-        end_reason="engine_error",
-        prompt_tokens=2,
-        completion_tokens=1,
-        ttft_s=0.004,
-        e2e_s=0.03,
-        queue_wait_s=0.5,
-    )
-    m.observe_request(
-        status=400,
-        finish_reason="none",
-        end_reason="none",
-        prompt_tokens=0,
-        completion_tokens=0,
-        ttft_s=None,
-        e2e_s=None,
-        queue_wait_s=None,
-    )
+    # A finished request, an engine error, and a refused request that generated nothing.
+    finished = Observation("/v1/completions", 200, "length", "finished", 3, 5, 0.004, 0.02, 0.0)
+    m.observe_request(**finished._asdict(), itl_counts=[0] * 5 + [4] + [0] * 10, itl_sum_s=0.001)
+    failed = Observation("/v1/completions", 500, "error", "engine_error", 2, 1, 0.004, 0.03, 0.5)
+    m.observe_request(**failed._asdict())
+    refused = Observation("/v1/completions", 400, "none", "none", 0, 0, None, None, None)
+    m.observe_request(**refused._asdict())
     m.set_load(3, 1)
     m.on_span_result("sent", 7)
     m.on_span_result("dropped", 2)

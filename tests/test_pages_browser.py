@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 
 import pytest
-from playwright.sync_api import Browser, Page
+from playwright.sync_api import Page
 
-from tests.browser import NARROW, WIDE, Watch, launch, needs_chromium, new_page, screenshot
+from tests.browser import NARROW, WIDE, Watch, needs_chromium, screenshot, stop_running
 from tests.browser import check_page as check_page_from
 from tests.server import GunicornServer
 
@@ -43,16 +42,6 @@ def server(serve_module) -> GunicornServer:
         STATS_FLUSH_S="0.2",
         SLO_TTFT_S="0.5",
     )
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    yield from launch()
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[tuple[Page, Watch]]:
-    yield from new_page(browser)
 
 
 def bearer() -> dict[str, str]:
@@ -151,18 +140,7 @@ def test_stop_closes_the_stream_and_frees_the_slot(server, page):
     fill_request(pg, 4096, 3)  # about 200 s of tokens at the injected pace
     pg.click("#generate")
     pg.wait_for_function("() => document.getElementById('completion').textContent.length >= 5")
-    held = server.state()
-    assert held["slots"]["busy"] == 1 and [r["state"] for r in held["requests"]] == ["running"]
-
-    pg.click("#stop")
-    assert pg.get_attribute("#demo", "data-state") == "stopped"
-    assert pg.evaluate("window.greenserve.source.readyState") == 2
-    tokens = int(pg.text_content("#tokens"))
-    assert pg.text_content("#state") == f"Stopped after {tokens} tokens."
-    text = pg.text_content("#completion")
-    server.wait_idle()
-    pg.wait_for_timeout(4 * SLOW_STEP_S * 1000)
-    assert pg.text_content("#completion") == text  # nothing arrived after Stop
+    stop_running(pg, server, "#completion", SLOW_STEP_S)
     assert pg.is_enabled("#generate") and not pg.is_enabled("#stop")
     assert watch.errors == []
 

@@ -12,8 +12,9 @@ import pytest
 from model.engine import GenerationRequest
 from model.llama.model import Llama
 from model.llama.prefix_cache import PrefixCache, block_keys
-from model.llama.scheduler import BatchScheduler, steps_of
+from model.llama.scheduler import BatchScheduler
 from model.sampling import SamplingParams
+from tests.decoding import run_to_end
 from tests.llamafiles import convert_stories
 from tests.test_batch_invariance import random_llama
 
@@ -43,16 +44,6 @@ def request(prompt: list[int], seed: int = 7, **kw) -> GenerationRequest:
     return GenerationRequest(tuple(prompt), 12, params, seed, logprobs=3, ignore_eos=True, **kw)
 
 
-def run(scheduler: BatchScheduler, reqs: list[GenerationRequest]) -> list[list]:
-    seqs = [scheduler.add(r, None) for r in reqs]
-    out: list[list] = [[] for _ in reqs]
-    while not scheduler.idle:
-        scheduler.step()
-        for steps, seq in zip(out, seqs, strict=True):
-            steps += steps_of(seq)
-    return out
-
-
 def bits(steps: list) -> list:
     return [(s.token_id, s.logprob, s.top_logprobs, s.finish_reason) for s in steps]
 
@@ -76,29 +67,29 @@ def test_least_recently_used_leaves_go_first_within_the_room(stories):
     cache = new_cache(stories)
     sched = BatchScheduler(stories, frozenset({2}), 4, prefix_cache=cache)
     a, b = prompt_of(1, 400), prompt_of(2, 300)
-    run(sched, [request(a)])
-    run(sched, [request(b)])
+    run_to_end(sched, [request(a)])
+    run_to_end(sched, [request(b)])
     assert (cache.blocks, cache.prompt_ends) == (5, 2)
     assert cache.nbytes == (5 * B + 16 + 44) * 1280 + 2 * 512 * 4  # the ends: 16, 44 positions
     cache.set_room(cache.nbytes - 1)
     assert cache.trim() == 1  # a's end: the oldest leaf (a's blocks were touched after it)
-    assert run(sched, [request(a)])[0][0].cached_tokens == 384
+    assert run_to_end(sched, [request(a)])[0][0].cached_tokens == 384
     # a's end is back, and the oldest leaf made room: b's end
     assert (cache.prompt_ends, cache.evicted_blocks) == (1, 2)
     cache.set_room(1 << 30)
-    assert run(sched, [request(b)])[0][0].cached_tokens == 256
+    assert run_to_end(sched, [request(b)])[0][0].cached_tokens == 256
     cache.set_room(0)
     assert cache.trim() == 7 and cache.blocks == 0 and cache.nbytes == 0
     cache.set_room(1 << 30)
-    assert run(sched, [request(b)])[0][0].cached_tokens == 0
+    assert run_to_end(sched, [request(b)])[0][0].cached_tokens == 0
 
 
 def test_publishing_keeps_only_what_fits_the_room(stories):
     cache = new_cache(stories, room=2 * 163_840)
     sched = BatchScheduler(stories, frozenset({2}), 4, prefix_cache=cache)
-    run(sched, [request(prompt_of(3, 500))])
+    run_to_end(sched, [request(prompt_of(3, 500))])
     assert cache.blocks == 2  # the first two of three whole blocks
-    assert run(sched, [request(prompt_of(3, 500))])[0][0].cached_tokens == 256
+    assert run_to_end(sched, [request(prompt_of(3, 500))])[0][0].cached_tokens == 256
 
 
 def test_a_failed_or_cancelled_prefill_publishes_nothing(stories, monkeypatch):
@@ -137,19 +128,19 @@ def test_hits_alone_or_batched_are_the_cold_bits(model_name, stories):
         base[:200] + other,
         base[:90],
     ]
-    cold = [run(BatchScheduler(model, frozenset(), 8), [request(p)])[0] for p in prompts]
+    cold = [run_to_end(BatchScheduler(model, frozenset(), 8), [request(p)])[0] for p in prompts]
     cache = new_cache(model)
     sched = BatchScheduler(model, frozenset(), 8, prefix_cache=cache)
     # The first pass hits the whole blocks of the prompts before; the second, whole prompts.
     for hits in ([0, 128, 256, 128, 128, 0], [len(p) for p in prompts]):
         for p, want, hit in zip(prompts, cold, hits, strict=True):
-            got = run(sched, [request(p)])[0]
+            got = run_to_end(sched, [request(p)])[0]
             assert bits(got) == bits(want) and got[0].cached_tokens == hit
-    batched = run(sched, [request(p) for p in prompts])
+    batched = run_to_end(sched, [request(p) for p in prompts])
     assert [b[0].cached_tokens for b in batched] == [len(p) for p in prompts]
     for got, want in zip(batched, cold, strict=True):
         assert bits(got) == bits(want)
-    salted = run(sched, [request(prompts[0], cache_salt="other tenant")])[0]
+    salted = run_to_end(sched, [request(prompts[0], cache_salt="other tenant")])[0]
     assert salted[0].cached_tokens == 0 and bits(salted) == bits(cold[0])
 
 
@@ -161,7 +152,9 @@ def test_hits_with_speculation_are_the_steps_of_neither(temperature, stories):
     drawn from the cold run's prompt row before it decodes with drafts in the same step."""
     # The model's own greedy story: its phrases recur, so prompt lookup drafts and has some accepted.
     story = GenerationRequest((1,), 299, SamplingParams(temperature=0.0), 1, ignore_eos=True)
-    base = [1] + [s.token_id for s in run(BatchScheduler(stories, frozenset(), 1), [story])[0]]
+    base = [1] + [
+        s.token_id for s in run_to_end(BatchScheduler(stories, frozenset(), 1), [story])[0]
+    ]
     prompts = [base, base[:256] + base[1:18], base[:140]]
 
     def req(p: list[int], seed: int) -> GenerationRequest:
@@ -169,14 +162,16 @@ def test_hits_with_speculation_are_the_steps_of_neither(temperature, stories):
         return GenerationRequest(tuple(p), 40, params, seed, logprobs=2, ignore_eos=True)
 
     reqs = [req(p, 40 + i) for i, p in enumerate(prompts)]
-    plain = [run(BatchScheduler(stories, frozenset({2}), 8), [r])[0] for r in reqs]
+    plain = [run_to_end(BatchScheduler(stories, frozenset({2}), 8), [r])[0] for r in reqs]
     sched = BatchScheduler(
         stories, frozenset({2}), 8, speculative_tokens=7, prefix_cache=new_cache(stories)
     )
-    cold = run(sched, [reqs[0]])[0]  # publishes base's two blocks and its end (with its logits)
+    cold = run_to_end(sched, [reqs[0]])[
+        0
+    ]  # publishes base's two blocks and its end (with its logits)
     assert cold[0].cached_tokens == 0 and strip(cold) == plain[0]
-    alone = [run(sched, [r])[0] for r in reqs]
-    batched = run(sched, reqs)
+    alone = [run_to_end(sched, [r])[0] for r in reqs]
+    batched = run_to_end(sched, reqs)
     drafted, accepted = sched.speculated
     assert drafted > 0 and accepted > 0  # speculation did run, and some drafts were taken
     # Alone, the later prompts hit base's whole blocks; batched, each its own whole prompt.

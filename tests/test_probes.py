@@ -12,7 +12,7 @@ import socket
 
 import pytest
 
-from tests.server import GunicornServer, wait_until
+from tests.server import GunicornServer, read_all, wait_until
 
 MODEL_VERSION = re.compile(rb"X-Model-Version: [0-9a-f]{16}\+greenserve-[^\r]+\r\n")
 DATE = re.compile(rb"Date: [^\r]+\r\n")
@@ -182,15 +182,6 @@ def completion_request(max_tokens: int, stream: bool) -> bytes:
         b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
         b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
     ) + body.encode()
-
-
-def read_all(sock: socket.socket) -> bytes:
-    """Read ``sock`` until the server closes it; close it; return what came."""
-    answer = b""
-    while chunk := sock.recv(65536):
-        answer += chunk
-    sock.close()
-    return answer
 
 
 def test_http_date_is_gunicorns_text_made_once_a_second(monkeypatch):

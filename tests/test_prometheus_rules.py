@@ -4,14 +4,13 @@ server exports."""
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 
 import pytest
 import yaml
 
+from tests.needs import binary
 from tests.server import ROOT
 
 PROM = ROOT / "deploy" / "prometheus"
@@ -21,13 +20,8 @@ RULE_TESTS = PROM / "greenserve.rules.test.yml"
 
 def promtool(*args: str) -> str:
     """Run ``promtool`` in deploy/prometheus/ and return its output; skip without it (never in CI)."""
-    binary = shutil.which("promtool")
-    if binary is None:
-        message = "promtool not found: install the Debian package prometheus (.ci/run does)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    proc = subprocess.run([binary, *args], cwd=PROM, capture_output=True, text=True, timeout=60)
+    promtool = binary("promtool", "prometheus")
+    proc = subprocess.run([promtool, *args], cwd=PROM, capture_output=True, text=True, timeout=60)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     return out

@@ -25,6 +25,7 @@ from model.llama.speculative import (
 )
 from model.loader import LoadedModel, load_model
 from model.sampling import SamplingParams
+from tests.decoding import run_to_end
 from tests.llamafiles import convert_stories
 from tests.test_batch_invariance import random_llama
 
@@ -108,13 +109,7 @@ def stories(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 def run(model: LoadedModel, reqs: list[GenerationRequest], k: int, **kw) -> tuple[list, Speculator]:
     """Run ``reqs`` together to the end; return each one's Steps (ids, logprobs, finish reasons)."""
     sch = BatchScheduler(model.model, model.tokenizer.eos_ids, 16, speculative_tokens=k, **kw)
-    seqs = [sch.add(r, None) for r in reqs]
-    out: list[list] = [[] for _ in reqs]
-    while not sch.idle:
-        sch.step()
-        for steps, seq in zip(out, seqs, strict=True):
-            steps += steps_of(seq)
-    return out, sch.speculator
+    return run_to_end(sch, reqs), sch.speculator
 
 
 PROMPTS = (
@@ -259,6 +254,23 @@ def test_accept_takes_back_the_rejected_positions():
     assert seq.cache.length == 10 - 2  # 2 of the 4 drafted positions are taken back
 
 
+def constrained(tok, grammar, max_tokens: int, seed: int) -> list[GenerationRequest]:
+    """The requests of the two longer prompts under the first two parameter sets, each with
+    ``grammar`` (a compiled constraint)."""
+    return [
+        GenerationRequest(
+            prompt_ids=tuple(tok.encode(text)),
+            max_tokens=max_tokens,
+            params=params,
+            seed=seed,
+            logprobs=logprobs,
+            grammar=grammar,
+        )
+        for text in PROMPTS[1:]
+        for _, params, logprobs in PARAMS[:2]
+    ]
+
+
 def test_constrained_sequences_are_the_same_with_speculation(stories):
     # Each verify row after the first is masked by the grammar after the tokens before it (not by
     # the step's batched mask), so drafts change nothing of a constrained answer.
@@ -278,19 +290,8 @@ def test_constrained_sequences_are_the_same_with_speculation(stories):
             },
         ),
     ]
-    reqs = [
-        GenerationRequest(
-            prompt_ids=tuple(tok.encode(text)),
-            max_tokens=80,
-            params=params,
-            seed=5,
-            logprobs=logprobs,
-            grammar=compiler.compile(constraint)[0],
-        )
-        for constraint in constraints
-        for text in PROMPTS[1:]
-        for _, params, logprobs in PARAMS[:2]
-    ]
+    grammars = [compiler.compile(constraint)[0] for constraint in constraints]
+    reqs = [req for grammar in grammars for req in constrained(tok, grammar, 80, 5)]
     base = [run(stories, [req], 0)[0][0] for req in reqs]
     drafted = 0
     for req, want in zip(reqs, base, strict=True):
@@ -312,30 +313,14 @@ def test_constrained_prefix_hits_are_the_same_with_speculation(stories):
 
     tok = stories.tokenizer
     grammar = GrammarCompiler(tok).compile(Constraint("regex", "( ?[a-zA-Z]+[.,]?){1,40}"))[0]
-    reqs = [
-        GenerationRequest(
-            prompt_ids=tuple(tok.encode(text)),
-            max_tokens=60,
-            params=params,
-            seed=9,
-            logprobs=logprobs,
-            grammar=grammar,
-        )
-        for text in PROMPTS[1:]
-        for _, params, logprobs in PARAMS[:2]
-    ]
+    reqs = constrained(tok, grammar, 60, 9)
     base = [run(stories, [req], 0)[0][0] for req in reqs]
     cache = PrefixCache.for_model(stories.model.config, 128, 1 << 30)
     sch = BatchScheduler(
         stories.model, stories.tokenizer.eos_ids, 16, speculative_tokens=7, prefix_cache=cache
     )
     for rounds in range(2):  # cold (publishing), then every prompt a whole hit
-        seqs = [sch.add(r, None) for r in reqs]
-        out: list[list] = [[] for _ in reqs]
-        while not sch.idle:
-            sch.step()
-            for steps, seq in zip(out, seqs, strict=True):
-                steps += steps_of(seq)
+        out = run_to_end(sch, reqs)
         hits = [steps[0].cached_tokens for steps in out]
         assert hits == ([0] * len(reqs) if rounds == 0 else [len(r.prompt_ids) for r in reqs])
         assert [[replace(s, cached_tokens=None) for s in steps] for steps in out] == base

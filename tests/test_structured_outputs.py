@@ -11,7 +11,6 @@ import re
 import jsonschema
 import pytest
 
-from tests.llamafiles import convert_stories
 from tests.schemas import SCHEMAS
 from tests.server import GunicornServer, concurrently
 from tests.sse import sse_events
@@ -20,14 +19,13 @@ MAX_TOKENS = 48
 CHAT = "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module", params=["bigram", "stories260K"])
-def server(request, tmp_path_factory):
-    env = {"MAX_SLOTS": "16"}
-    if request.param == "stories260K":
-        env["MODEL_DIR"] = str(convert_stories(tmp_path_factory.mktemp("stories") / "model"))
-    with GunicornServer(tmp_path_factory.mktemp("structured-" + request.param), env) as srv:
-        srv.model_name = request.param
-        yield srv
+@pytest.fixture(scope="module")
+def server(family, serve_module):
+    """A server on each model family in turn (``family``), 16 slots."""
+    name, env = family
+    srv = serve_module(MAX_SLOTS="16", **env)
+    srv.model_name = name
+    return srv
 
 
 def _text(srv: GunicornServer, body: dict, path: str = "/v1/completions") -> tuple[str, str]:
@@ -44,6 +42,13 @@ def _text(srv: GunicornServer, body: dict, path: str = "/v1/completions") -> tup
         text.append(choice["delta"].get("content", "") if chat else choice["text"])
         reason = choice["finish_reason"] or reason
     return "".join(text), reason
+
+
+def _greedy_text(srv: GunicornServer, **fields) -> tuple[str, str]:
+    """Return (text, finish_reason) of the greedy completion of "x" (``MAX_TOKENS``) with
+    ``fields`` (the constraint, stop strings) added."""
+    body = {"model": "m", "prompt": "x", "max_tokens": MAX_TOKENS, "temperature": 0}
+    return _text(srv, {**body, **fields})
 
 
 def test_schema_grid_is_enforced(server):
@@ -118,16 +123,7 @@ def test_json_is_compact(server):
         "required": ["a"],
         "additionalProperties": False,
     }
-    text, reason = _text(
-        server,
-        {
-            "model": "m",
-            "prompt": "x",
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "structured_outputs": {"json": schema},
-        },
-    )
+    text, reason = _greedy_text(server, structured_outputs={"json": schema})
     assert reason == "stop"
     assert text == json.dumps(json.loads(text), separators=(",", ":"))
 
@@ -203,17 +199,7 @@ def test_n_echo_and_raw_logprobs(server):
 
 
 def test_stop_strings_still_apply(server):
-    text, reason = _text(
-        server,
-        {
-            "model": "m",
-            "prompt": "x",
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "stop": ["ta"],
-            "structured_outputs": {"choice": ["alphabeta"]},
-        },
-    )
+    text, reason = _greedy_text(server, stop=["ta"], structured_outputs={"choice": ["alphabeta"]})
     assert (text, reason) == ("alphabe", "stop")
 
 

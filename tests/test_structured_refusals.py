@@ -9,8 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from tests.llamafiles import convert_stories
-from tests.server import GunicornServer, concurrently
+from tests.server import concurrently
 from tests.sse import sse_events
 
 OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -171,13 +170,10 @@ def test_event_source_get_takes_no_constraint(default_server, path):
         assert "POST" in err["message"]
 
 
-@pytest.fixture(scope="module", params=["bigram", "stories260K"])
-def faulty(request, tmp_path_factory):
-    env = {"GREENSERVE_FAULTS": "matcher_fail_at=3"}
-    if request.param == "stories260K":
-        env["MODEL_DIR"] = str(convert_stories(tmp_path_factory.mktemp("stories") / "model"))
-    with GunicornServer(tmp_path_factory.mktemp("faulty-" + request.param), env) as srv:
-        yield srv
+@pytest.fixture(scope="module")
+def faulty(family, serve_module):
+    """A server on each model family in turn whose grammar matcher fails at its third token."""
+    return serve_module(GREENSERVE_FAULTS="matcher_fail_at=3", **family[1])
 
 
 def test_matcher_fault_mid_stream_is_an_error_event_and_frees_the_slot(faulty):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.needs import binary
 from tests.notify import NotifySocket
 from tests.server import ROOT, GunicornServer
 from tests.services import free_port
@@ -43,12 +43,7 @@ def env_file(text: str) -> dict[str, str]:
 def verify(unit_text: str, where: Path) -> str:
     """Run ``systemd-analyze verify`` on ``unit_text`` with ExecStart pointing at this checkout's
     installed ``greenserve``; return everything it printed."""
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        message = "systemd-analyze not found: install the Debian package systemd (.ci/run does)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    analyze = binary("systemd-analyze", "systemd")
     here = Path(sys.executable).parent / "greenserve"  # the same command, installed in this venv
     assert here.exists()
     path = where / "greenserve.service"

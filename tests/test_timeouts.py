@@ -16,28 +16,10 @@ import time
 
 import pytest
 
-from tests.server import GunicornServer, wait_until
+from tests.server import blocked_on_its_reader, raw_request, wait_until
 from tests.sse import EventReader
 
 TOLERANCE_S = 1.0
-
-
-def raw_request(body: dict, request_id: str, path: str = "/v1/completions") -> bytes:
-    """Return a complete HTTP/1.1 POST of ``body`` as JSON."""
-    data = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-        f"X-Request-Id: {request_id}\r\nContent-Length: {len(data)}\r\n\r\n"
-    )
-    return head.encode() + data
-
-
-def blocked_on_its_reader(srv: GunicornServer, request_id: str) -> bool:
-    """True when request ``request_id`` is in flight and made no token in 0.2 s (its write blocks)."""
-    before = srv.in_flight(request_id)
-    time.sleep(0.2)
-    after = srv.in_flight(request_id)
-    return bool(before and after and 0 < before["tokens"] == after["tokens"])
 
 
 def test_send_timeout_cuts_a_stopped_reader_one_timeout_after_its_last_read(serve, succ_dir):

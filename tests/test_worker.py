@@ -19,7 +19,7 @@ import gevent
 import pytest
 from gevent import socket as gsocket
 
-from tests.server import GunicornServer, wait_until
+from tests.server import blocked_on_its_reader, raw_request, wait_until
 from wsgi_app.server.worker import GeventWorker, SendTimeout, StreamSocket
 
 PAYLOAD = bytes(range(256)) * (8 * 4096)  # 8 MiB: far more than the kernel's socket buffers
@@ -223,21 +223,13 @@ def test_stream_through_a_tiny_window_is_byte_identical(serve, succ_dir):
     assert [len(c["logprobs"]["tokens"]) for c in slow_plain["choices"]] == [4096] * 4
 
 
-def _raw_request(body: dict, request_id: str = "") -> bytes:
-    data = json.dumps(body).encode()
-    head = "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-    if request_id:
-        head += f"X-Request-Id: {request_id}\r\n"
-    return (head + f"Content-Length: {len(data)}\r\n\r\n").encode() + data
-
-
 def test_slow_body_on_a_reused_connection_is_not_cut(serve, succ_dir):
     srv = serve(MODEL_DIR=str(succ_dir), SEND_TIMEOUT_S="1")
     conn = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
-    conn.sendall(_raw_request({"model": "m", "prompt": "a", "max_tokens": 2, "temperature": 0}))
+    conn.sendall(raw_request({"model": "m", "prompt": "a", "max_tokens": 2, "temperature": 0}))
     first = _response(conn)
     # The second request on the same connection pauses longer than SEND_TIMEOUT_S mid-body.
-    second = _raw_request({"model": "m", "prompt": "b", "max_tokens": 2, "temperature": 0})
+    second = raw_request({"model": "m", "prompt": "b", "max_tokens": 2, "temperature": 0})
     conn.sendall(second[:-5])
     time.sleep(1.5)  # the client's pause is what is tested, not a wait for the server
     conn.sendall(second[-5:])
@@ -261,7 +253,7 @@ def test_reader_that_stops_is_cut_with_a_warning_not_a_traceback(serve, succ_dir
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", srv.port))
         body = {"model": "m", "prompt": "a", "max_tokens": 4096, "n": 8, "stream": True}
-        sock.sendall(_raw_request(body))  # and never read
+        sock.sendall(raw_request(body))  # and never read
         lines = wait_until(
             lambda: [x for x in srv.log_text().splitlines() if '"message": "request"' in x],
             timeout_s=20,
@@ -277,21 +269,13 @@ def test_reader_that_stops_is_cut_with_a_warning_not_a_traceback(serve, succ_dir
     assert "Traceback" not in srv.log_text() and "Socket error" not in srv.log_text()
 
 
-def blocked_on_its_reader(srv: GunicornServer, request_id: str) -> bool:
-    """True when request ``request_id`` is in flight and made no token in 0.2 s (its write blocks)."""
-    before = srv.in_flight(request_id)
-    time.sleep(0.2)
-    after = srv.in_flight(request_id)
-    return bool(before and after and 0 < before["tokens"] == after["tokens"])
-
-
 def test_sigterm_cuts_a_blocked_write_before_the_worker_is_killed(serve, succ_dir):
     srv = serve(MODEL_DIR=str(succ_dir), GRACEFUL_TIMEOUT_S="3", SEND_TIMEOUT_S="60")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", srv.port))
         body = {"model": "m", "prompt": "a", "max_tokens": 4096, "n": 8, "stream": True}
-        sock.sendall(_raw_request(body, request_id="blocked"))
+        sock.sendall(raw_request(body, "blocked"))
         wait_until(lambda: blocked_on_its_reader(srv, "blocked"), what="the write to block")
         srv.signal(signal.SIGTERM)
         assert srv.wait(15) == 0

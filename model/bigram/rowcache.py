@@ -41,13 +41,14 @@ MAX_TABLES = 16  # parameter sets kept per model; a full sampling table is 256 r
 _GENERIC = -1  # marks a row that takes the generic path
 
 
-class GreedyTable:
-    """Greedy ids of every row under one parameter set (temperature 0, no penalties).
+class _RowTable:
+    """What both tables share: one value per row, built by the subclass's ``_build(prev)`` on the
+    row's first draw and kept.
 
     Args:
         logits_of: `prev -> (vocab_size,)` float logits; a pure function of `prev`.
         vocab_size: Number of rows.
-        params: The parameters; `temperature == 0` and no penalties.
+        params: The parameters (no penalties: nothing may depend on the tokens generated so far).
     """
 
     __slots__ = ("params", "_logits_of", "_rows")
@@ -57,7 +58,23 @@ class GreedyTable:
     ) -> None:
         self.params = params
         self._logits_of = logits_of
-        self._rows: list[int | None] = [None] * vocab_size
+        self._rows: list = [None] * vocab_size
+
+    def _row(self, prev: int):
+        row = self._rows[prev]
+        if row is None:
+            row = self._rows[prev] = self._build(prev)
+        return row
+
+    def _build(self, prev: int):
+        raise NotImplementedError
+
+
+class GreedyTable(_RowTable):
+    """Greedy ids of every row under one parameter set (temperature 0, no penalties); a row holds
+    its id, or `_GENERIC`."""
+
+    __slots__ = ()
 
     def draw(self, prev: int, rng: UniformSource) -> int:
         """Return what `sample(logits_of(prev), params, rng)` returns (drawing nothing from `rng`).
@@ -65,9 +82,7 @@ class GreedyTable:
         Raises:
             ValueError: As `sample()` (an all-NaN row, a bad `logit_bias` id).
         """
-        token_id = self._rows[prev]
-        if token_id is None:
-            token_id = self._rows[prev] = self._build(prev)
+        token_id = self._row(prev)
         if token_id >= 0:
             return token_id
         return sample(self._logits_of(prev), self.params, rng)
@@ -79,25 +94,17 @@ class GreedyTable:
             return _GENERIC
 
 
-class DrawTable:
-    """Cumulative probabilities of every row under one parameter set (temperature > 0, no penalties).
+class DrawTable(_RowTable):
+    """Cumulative probabilities of every row under one parameter set (temperature > 0, no
+    penalties); a row holds `_GENERIC` or (cum as array("d"), last id with p > 0)."""
 
-    Args:
-        logits_of: `prev -> (vocab_size,)` float logits; a pure function of `prev`.
-        vocab_size: Number of rows.
-        params: The parameters; `temperature > 0` and no penalties.
-    """
-
-    __slots__ = ("params", "_logits_of", "_rows", "_n")
+    __slots__ = ("_n",)
 
     def __init__(
         self, logits_of: Callable[[int], np.ndarray], vocab_size: int, params: SamplingParams
     ) -> None:
-        self.params = params
-        self._logits_of = logits_of
+        super().__init__(logits_of, vocab_size, params)
         self._n = vocab_size
-        # Per row: None (not built yet), _GENERIC, or (cum as array("d"), last id with p > 0).
-        self._rows: list[tuple[array, int] | int | None] = [None] * vocab_size
 
     def draw(self, prev: int, rng: UniformSource) -> int:
         """Return what `sample(logits_of(prev), params, rng)` returns, drawing one uniform.
@@ -113,9 +120,7 @@ class DrawTable:
         Raises:
             ValueError: As `sample()` (an all-NaN row, a bad `logit_bias` id).
         """
-        row = self._rows[prev]
-        if row is None:
-            row = self._rows[prev] = self._build(prev)
+        row = self._row(prev)
         if row is _GENERIC:
             return sample(self._logits_of(prev), self.params, _Given(u))
         cum, last = row

@@ -24,14 +24,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, processors
 from tokenizers import pre_tokenizers as pre
 
+from model.llama.spm import ranked_merges, spm_tokenizer
 from model.tokenizer import HFTokenizer
 
 # llama.cpp token types (gguf.TokenType).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-SPIECE_UNDERLINE = "\u2581"
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (
@@ -189,55 +189,20 @@ def _bpe(
 def _spm(
     metadata: dict[str, Any], tokens: list[str], ids: dict[str, int], types: list[int], where: str
 ) -> Tokenizer:
-    """Return llama.cpp's SentencePiece BPE: score-ranked merges with byte fallback."""
+    """Return llama.cpp's SentencePiece BPE: merges ranked by the merged piece's score (llama.cpp
+    merges the adjacent pair whose union scores highest, leftmost on ties), only NORMAL and
+    USER_DEFINED pieces merging or merged, with byte fallback.
+
+    Source: llama.cpp ``llm_tokenizer_spm_session``; transformers ``SentencePieceExtractor``.
+    """
     scores = metadata.get("tokenizer.ggml.scores")
     if not isinstance(scores, list) or len(scores) != len(tokens):
         raise ValueError(f"{where}: tokenizer.ggml.scores is missing or not one score per token")
     unk = next((t for t, i in ids.items() if types[i] == UNKNOWN), None)
-    tok = Tokenizer(
-        models.BPE(
-            vocab=ids,
-            merges=_spm_merges(ids, scores, types),
-            unk_token=unk,
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-    )
-    norms = [normalizers.Replace(" ", SPIECE_UNDERLINE)]
-    if _bool(metadata, "tokenizer.ggml.add_space_prefix", True, where):
-        norms.insert(0, normalizers.Prepend(SPIECE_UNDERLINE))
-    tok.normalizer = normalizers.Sequence(norms)
-    tok.decoder = decoders.Sequence(
-        [
-            decoders.Replace(SPIECE_UNDERLINE, " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    return tok
-
-
-def _spm_merges(
-    ids: dict[str, int], scores: list[float], types: list[int]
-) -> list[tuple[str, str]]:
-    """Return every split of every normal piece into two pieces, best merged score first.
-
-    llama.cpp merges the adjacent pair whose union has the highest score (leftmost on ties);
-    a BPE ranked by that score makes the same choices. Ties go to the lower left id, then the
-    lower right id (as transformers' SentencePiece converter orders them).
-
-    Source: llama.cpp ``llm_tokenizer_spm_session``; transformers ``SentencePieceExtractor``.
-    """
     mergeable = {t: i for t, i in ids.items() if types[i] in (NORMAL, USER_DEFINED)}
-    ranked = []
-    for merged, i in mergeable.items():
-        for cut in range(1, len(merged)):
-            left, right = merged[:cut], merged[cut:]
-            if left in mergeable and right in mergeable:
-                ranked.append((-scores[i], ids[left], ids[right], left, right))
-    ranked.sort()
-    return [(left, right) for *_, left, right in ranked]
+    merges = ranked_merges(mergeable, mergeable, scores)
+    space_prefix = _bool(metadata, "tokenizer.ggml.add_space_prefix", True, where)
+    return spm_tokenizer(ids, merges, unk, space_prefix)
 
 
 def _add_specials(tok: Tokenizer, tokens: list[str], types: list[int]) -> None:

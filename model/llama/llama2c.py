@@ -15,7 +15,9 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+from tokenizers import AddedToken, Tokenizer, processors
+
+from model.llama.spm import SPIECE_UNDERLINE, ranked_merges, spm_tokenizer
 
 HEADER_FIELDS = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
 _HEADER = struct.Struct("<7i")
@@ -25,7 +27,6 @@ _MAGIC = 0x616B3432
 # run.c's special pieces, as tokenizer.py writes them, and the names sentencepiece gives them.
 SPECIAL_PIECES = {0: (b"<unk>", "<unk>"), 1: (b"\n<s>\n", "<s>"), 2: (b"\n</s>\n", "</s>")}
 BOS_ID, EOS_ID = 1, 2
-SPIECE_UNDERLINE = "\u2581"  # "▁", sentencepiece's visible space
 _BYTE_PIECE = re.compile(rb"<0x[0-9A-F]{2}>")
 
 
@@ -251,26 +252,13 @@ def build_hf_tokenizer(pieces: list[bytes], scores: list[float]) -> Tokenizer:
         if text in vocab:
             raise ValueError(f"tokenizer: token {i} repeats token {vocab[text]} ({text!r})")
         vocab[text] = i
-    tok = Tokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=_merges(vocab, pieces, scores),
-            unk_token="<unk>",
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-    )
-    tok.normalizer = normalizers.Sequence(
-        [normalizers.Prepend(SPIECE_UNDERLINE), normalizers.Replace(" ", SPIECE_UNDERLINE)]
-    )
-    tok.decoder = decoders.Sequence(
-        [
-            decoders.Replace(SPIECE_UNDERLINE, " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
+    # Special and byte-fallback pieces are never the result of a merge.
+    mergeable = {
+        m: i
+        for m, i in vocab.items()
+        if i not in SPECIAL_PIECES and not _BYTE_PIECE.fullmatch(pieces[i])
+    }
+    tok = spm_tokenizer(vocab, ranked_merges(mergeable, vocab, scores), "<unk>", True)
     tok.add_special_tokens(
         [AddedToken(name, special=True, normalized=False) for _, name in SPECIAL_PIECES.values()]
     )
@@ -278,23 +266,3 @@ def build_hf_tokenizer(pieces: list[bytes], scores: list[float]) -> Tokenizer:
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
     )
     return tok
-
-
-def _merges(
-    vocab: dict[str, int], pieces: list[bytes], scores: list[float]
-) -> list[tuple[str, str]]:
-    """Return every ``(left, right)`` whose concatenation is a piece, best merged score first.
-
-    Ties within one merged piece go to the lower left id, then the lower right id (the order the
-    transformers converter uses); special and byte-fallback pieces never take part.
-    """
-    ranked = []
-    for merged, i in vocab.items():
-        if i in SPECIAL_PIECES or _BYTE_PIECE.fullmatch(pieces[i]):
-            continue
-        for cut in range(1, len(merged)):
-            left, right = merged[:cut], merged[cut:]
-            if left in vocab and right in vocab:
-                ranked.append((-scores[i], vocab[left], vocab[right], left, right))
-    ranked.sort()
-    return [(left, right) for *_, left, right in ranked]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,10 +76,12 @@ def decode_json_body(body: bytes) -> dict[str, Any]:
 
 
 def is_int(value: Any) -> bool:
+    """True for a JSON integer (a Python ``int`` that is not a ``bool``)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_number(value: Any) -> bool:
+    """True for a finite JSON number (an ``int`` or finite ``float``, never a ``bool``)."""
     if isinstance(value, bool):
         return False
     return is_int(value) or (isinstance(value, float) and math.isfinite(value))
@@ -87,27 +90,50 @@ def is_number(value: Any) -> bool:
 def integer_field(
     body: dict[str, Any], name: str, default: int | None, lo: int, hi: int
 ) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not is_int(value):
-        _refuse_overflow(value, name, f"an integer in {lo}..{hi}")
-        raise invalid(f"'{name}' must be an integer, got {type(value).__name__}.", name)
-    if not lo <= value <= hi:
-        raise invalid(f"'{name}' must be in {lo}..{hi}, got {value}.", name)
-    return value
+    """Return ``body[name]``, an integer in ``lo..hi``, or ``default`` when absent or null.
+
+    Raises:
+        ApiError: 400 naming ``name`` for another type or a value out of range.
+    """
+    value = _ranged(body, name, is_int, "an integer", lo, hi, f"{lo}..{hi}")
+    return default if value is None else value
 
 
 def number_field(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    """Return ``body[name]`` as a float in ``lo..hi``, or ``default`` when absent or null.
+
+    Raises:
+        ApiError: 400 naming ``name`` for a non-number, an overflowing one, or one out of range.
+    """
+    value = _ranged(body, name, is_number, "a number", lo, hi, f"{lo:g}..{hi:g}")
+    return default if value is None else float(value)
+
+
+def _ranged(
+    body: dict[str, Any],
+    name: str,
+    fits: Callable[[Any], bool],
+    kind: str,
+    lo: float,
+    hi: float,
+    span: str,
+) -> Any:
+    """Return ``body[name]`` when ``fits`` accepts it and it lies in ``lo..hi`` (``span`` in the
+    messages), None when absent or null.
+
+    Raises:
+        ApiError: 400 naming ``name``: "must be {kind}" for a value ``fits`` refuses, "must be in
+            {span}" for one out of range.
+    """
     value = body.get(name)
     if value is None:
-        return default
-    if not is_number(value):
-        _refuse_overflow(value, name, f"a number in {lo:g}..{hi:g}")
-        raise invalid(f"'{name}' must be a number, got {type(value).__name__}.", name)
+        return None
+    if not fits(value):
+        _refuse_overflow(value, name, f"{kind} in {span}")
+        raise invalid(f"'{name}' must be {kind}, got {type(value).__name__}.", name)
     if not lo <= value <= hi:
-        raise invalid(f"'{name}' must be in {lo:g}..{hi:g}, got {value}.", name)
-    return float(value)
+        raise invalid(f"'{name}' must be in {span}, got {value}.", name)
+    return value
 
 
 def _refuse_overflow(value: Any, name: str, wanted: str) -> None:

@@ -12,37 +12,23 @@ Standard, §9.2 "Server-sent events".
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from flask import Response, request
 
 from wsgi_app.api.completions import CompletionRequest
 from wsgi_app.api.errors import ApiError, invalid
-from wsgi_app.api.fields import decode_json_body
 from wsgi_app.generation.grammars import grammar_service
 from wsgi_app.generation.lifetime import admit, random_seed
 from wsgi_app.generation.pacer import ClientGone
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.http.auth import cache_salt
-from wsgi_app.http.body import read_body
 from wsgi_app.http.error_handlers import error_response
 from wsgi_app.http.event_source import RETRY_MS, no_content, parse_last_event_id, stream_id
 from wsgi_app.http.runtime import Runtime
 from wsgi_app.http.stream_body import STREAM_HEADERS, EventStreamResponse
 from wsgi_app.wire.encoder import TEXT_COMPLETION, WireFormat
 from wsgi_app.wire.sse import PLAIN, EventIds
-
-
-def json_body(rt: Runtime, record: RequestRecord) -> dict[str, Any]:
-    """Read and decode the request's JSON object body within the request's deadline.
-
-    Raises:
-        ApiError: 413 over ``MAX_BODY_BYTES``, 400 for a body that is not a UTF-8 JSON object.
-    """
-    settings = rt.settings
-    deadline_s = record.started + settings.request_timeout_s - time.perf_counter()
-    return decode_json_body(read_body(request.environ, settings.max_body_bytes, deadline_s))
 
 
 def answer(

@@ -1,4 +1,5 @@
-"""Read a request body under the ``MAX_BODY_BYTES`` limit, whatever its framing.
+"""Read a request body under the ``MAX_BODY_BYTES`` limit, whatever its framing; a generation
+request's body as its JSON object (``json_body``).
 
 werkzeug checks ``Content-Length`` against ``MAX_CONTENT_LENGTH``, but a chunked body has no length: for
 it, werkzeug's ``get_data()`` stops reading at the limit and returns the truncated bytes without an error
@@ -15,15 +16,32 @@ Source: RFC 9112 §6.3 and §7.1 (message body length, chunked coding); RFC 9110
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import gevent
+from flask import request
 
 from wsgi_app.api.errors import ApiError
+from wsgi_app.api.fields import decode_json_body
+from wsgi_app.generation.record import RequestRecord
+from wsgi_app.http.runtime import Runtime
 from wsgi_app.server.connection import close_after_response
 
 READ_SIZE = 65_536  # bytes per read of the input stream
+
+
+def json_body(rt: Runtime, record: RequestRecord) -> dict[str, Any]:
+    """Read and decode the request's JSON object body within the request's deadline.
+
+    Raises:
+        ApiError: 413 over ``MAX_BODY_BYTES``, 408 past the deadline, 400 for a body that is not a
+            UTF-8 JSON object.
+    """
+    settings = rt.settings
+    deadline_s = record.started + settings.request_timeout_s - time.perf_counter()
+    return decode_json_body(read_body(request.environ, settings.max_body_bytes, deadline_s))
 
 
 def too_large(limit: int) -> ApiError:

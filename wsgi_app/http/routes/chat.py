@@ -22,7 +22,8 @@ from flask import Blueprint, Response, g, request
 from wsgi_app.api.chat import ChatRequest, parse_chat_request
 from wsgi_app.api.completions import CompletionRequest
 from wsgi_app.generation.record import RequestRecord
-from wsgi_app.http.answer import answer, json_body
+from wsgi_app.http.answer import answer
+from wsgi_app.http.body import json_body
 from wsgi_app.http.chat import chat_completion_request
 from wsgi_app.http.event_source import check_event_source
 from wsgi_app.http.lifecycle import note_user

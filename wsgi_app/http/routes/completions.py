@@ -11,7 +11,8 @@ from flask import Blueprint, Response, g
 
 from wsgi_app.api.completions import parse_completion_request
 from wsgi_app.generation.record import RequestRecord
-from wsgi_app.http.answer import answer, json_body
+from wsgi_app.http.answer import answer
+from wsgi_app.http.body import json_body
 from wsgi_app.http.runtime import runtime
 
 bp = Blueprint("completions", __name__)
