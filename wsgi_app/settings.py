@@ -90,7 +90,8 @@ class Settings:
             second (``DECODE_TOKENS_PER_S``); None: measured by each worker at start. A request
             whose ``max_tokens`` could not finish within ``request_timeout_s`` at this pace is
             refused up front (``Runtime.feasible_max_tokens``).
-        heartbeat_s: SSE ``: ping`` interval while nothing else is written, in seconds.
+        heartbeat_s: SSE ``: ping`` interval while nothing else is written, in seconds (after the
+            first token; before it ``completion.WAITING_HEARTBEAT_S``, 0.5 s, when shorter).
         send_timeout_s: how long a blocked write may wait on a stalled reader, in seconds.
         log_level: Python logging level name.
         log_prompts: log prompt and completion texts (off by default).

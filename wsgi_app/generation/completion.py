@@ -25,6 +25,12 @@ from wsgi_app.wire.encoder import TEXT_COMPLETION, ChunkEncoder, WireFormat
 from wsgi_app.wire.logprobs import Logprobs
 from wsgi_app.wire.sse import PING, PLAIN, Framing
 
+# The heartbeat of a stream that has no token yet (queued, or its prompt being read), in seconds
+# (``HEARTBEAT_S`` when shorter). A client that left is found by the second write after it: the first
+# is answered by a reset. In the queue that is within two heartbeats; during a prefill the engine
+# ticks every 0.25 s, and a tick that sees the client's end closed writes at once (``Pacer.tick``),
+# so within two ticks. Its sequence stops within one engine step after (docs/ARCHITECTURE.md §9).
+WAITING_HEARTBEAT_S = 0.5
 # How far ahead of its expected place a prompt token's text is looked for, in characters, where the
 # tokenizer changed the prompt's text (so the search stays linear in the prompt).
 _RESYNC_CHARS = 16
@@ -40,8 +46,9 @@ class Pacing(Protocol):
     def __call__(self) -> None:
         """A token was generated."""
 
-    def tick(self) -> None:
-        """The engine has no token yet."""
+    def tick(self) -> bool:
+        """The engine has no token yet; True asks for a write now (the stream's client closed its
+        end)."""
 
     def pause(self) -> None:
         """A slice of a long piece of work (scoring, encoding) is done."""
@@ -59,7 +66,8 @@ class Completion:
         pacer: the request's pacer; called after every token, told about ticks and pauses.
         framing: how SSE events are framed (:data:`~wsgi_app.wire.sse.PLAIN` for POST streams,
             :class:`~wsgi_app.wire.sse.EventIds` for the ``EventSource`` stream).
-        heartbeat_s: while only ticks come, a ``: ping`` is streamed this often, in seconds.
+        heartbeat_s: while only ticks come, a ``: ping`` is streamed this often, in seconds (every
+            ``WAITING_HEARTBEAT_S`` at most until the first token).
         tokenizer: the model's tokenizer (bytes for the bigram).
         wire: the wire format of the answer.
         fingerprint: the model version, for wire formats that carry ``system_fingerprint``.
@@ -89,6 +97,7 @@ class Completion:
         self._echo_scored = not (req.echo and req.logprobs is not None)
         self.pacer = pacer
         self.heartbeat_s = heartbeat_s
+        self.waiting_heartbeat_s = min(heartbeat_s, WAITING_HEARTBEAT_S)
         self._quiet_since = time.perf_counter()
         self.framing = framing
         self.seed = seed
@@ -214,11 +223,15 @@ class Completion:
                 choice.logprobs.extend(entries)  # array copies: n choices cost one scoring
 
     def _tick(self) -> Iterator[bytes]:
-        """Handle an engine tick: enforce deadlines, and stream a ``: ping`` at most every
-        ``heartbeat_s`` (a write: a client that left during a long prefill is noticed)."""
-        self.pacer.tick()
+        """Handle an engine tick: enforce deadlines, and stream a ``: ping`` every
+        ``waiting_heartbeat_s`` until the first token (a write: a client that left during a long
+        prefill is noticed, and its sequence cancelled), every ``heartbeat_s`` after it, and at
+        once when the pacer saw the client's end closed (a client that left answers with a reset,
+        and the next write fails)."""
+        reset = self.pacer.tick()
         now = time.perf_counter()
-        if now - self._quiet_since >= self.heartbeat_s:
+        beat_s = self.heartbeat_s if self.completion_tokens else self.waiting_heartbeat_s
+        if reset or now - self._quiet_since >= beat_s:
             self._quiet_since = now
             yield PING
 

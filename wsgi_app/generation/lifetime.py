@@ -20,6 +20,7 @@ import os
 import socket
 import time
 from collections.abc import Generator, Iterator
+from itertools import chain
 
 from wsgi_app.api.completions import CompletionRequest
 from wsgi_app.api.errors import ApiError, error_body, invalid, unavailable
@@ -188,12 +189,13 @@ class Generation:
     what it holds, and the one place that ends it.
 
     Streamed, it is the response body: iterating it gives the SSE events (``: ok`` at once, so the
-    headers leave before the first token; ``: queued`` every heartbeat while waiting for a slot; one
-    ``data:`` event per token; the usage chunk if asked for; ``[DONE]``), and gunicorn's ``close()``
-    ends it. A failure after the first byte cannot change the status: it becomes an error event
-    before ``[DONE]``. The completion's framing decides the opening bytes and the event ids
-    (``retry:`` and ``id:`` on the ``EventSource`` stream). Not streamed, :meth:`run` generates the
-    JSON answer and ends it.
+    headers leave before the first token; ``: queued`` while waiting for a slot and ``: ping`` while
+    the prompt is read, every ``WAITING_HEARTBEAT_S`` (writes: a client that left is found by one
+    that fails, and its work stops); one ``data:`` event per token; the usage chunk if asked for;
+    ``[DONE]``), and gunicorn's ``close()`` ends it. A failure after the first byte cannot change the
+    status: it becomes an error event before ``[DONE]``. The completion's framing decides the
+    opening bytes and the event ids (``retry:`` and ``id:`` on the ``EventSource`` stream). Not
+    streamed, :meth:`run` generates the JSON answer and ends it.
 
     Attributes:
         completion: the ``n`` choices and their token loop.
@@ -240,7 +242,8 @@ class Generation:
         failure: ApiError | None = None
         try:
             yield completion.framing.opening()
-            for _ in queue_heartbeats(self.ticket, self.pacer, self._ctx.settings.heartbeat_s):
+            self.pacer.stream_peer = self.sock  # a closed end seen on a tick is written to at once
+            for _ in queue_heartbeats(self.ticket, self.pacer, completion.waiting_heartbeat_s):
                 yield sse.QUEUED  # a write: a client that left is noticed here
             yield from completion.chunks()
             if completion.req.include_usage:
@@ -258,8 +261,10 @@ class Generation:
         yield completion.framing.done()
 
     def run(self) -> list[bytes]:
-        """Generate the JSON answer: wait for the slot (looking for a client that left meanwhile),
-        generate every choice to its end (looking again every ``PEER_CHECK_S``), and settle.
+        """Generate the JSON answer: wait for the slot (looking for a client that left meanwhile,
+        and once more when the slot comes), generate every choice to its end (looking again every
+        ``PEER_CHECK_S``), and settle. A client whose end closed counts as gone, a half-close
+        (``SHUT_WR``) too: nothing can be written to it before the answer (docs/ARCHITECTURE.md §9).
 
         Returns:
             The answer's byte strings (``ChunkEncoder.answer``).
@@ -272,7 +277,11 @@ class Generation:
         """
         record = self.record
         try:
-            for _ in queue_heartbeats(self.ticket, self.pacer, self._ctx.settings.heartbeat_s):
+            # No byte can be written before the answer: a client whose end closed (its FIN, a
+            # half-close included) is gone, as nginx's proxy takes it. Looked for every waiting
+            # heartbeat in the queue, and once more when the slot comes, before any work.
+            waits = queue_heartbeats(self.ticket, self.pacer, self.completion.waiting_heartbeat_s)
+            for _ in chain(waits, [None]):
                 if peer_closed(self.sock):
                     raise ClientGone("client disconnected while queued")
             self.pacer.peer = self.sock  # no write until the end: look for a vanished client

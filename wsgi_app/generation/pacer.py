@@ -88,6 +88,7 @@ class Pacer:
         "_turn",
         "peer",
         "_peer_seen",
+        "stream_peer",
     )
 
     def __init__(
@@ -111,6 +112,10 @@ class Pacer:
         # that left is noticed (every PEER_CHECK_S) rather than generated for in vain.
         self.peer: socket.socket | None = None
         self._peer_seen = self._since
+        # A stream's connection, looked at on every tick: once its client's end closed, the stream
+        # writes at once. A client that left answers that write with a reset and the next write
+        # fails, ending the stream; one that only half-closed reads it (docs/ARCHITECTURE.md §9).
+        self.stream_peer: socket.socket | None = None
 
     @staticmethod
     def make(
@@ -137,13 +142,23 @@ class Pacer:
             if self.peer is not None:
                 self._check_peer(self._since)
 
-    def tick(self) -> None:
+    def tick(self) -> bool:
         """Called while the engine has no token yet (a tick): enforce the deadlines, and notice a
-        vanished client of a non-streamed answer."""
+        vanished client of a non-streamed answer.
+
+        Returns:
+            True when the client of the stream's connection (``stream_peer``) closed its end or
+            reset it: the caller writes now (a FIN alone never ends a stream; a failed write does).
+
+        Raises:
+            ClientGone: a non-streamed answer's client closed its end (``peer``).
+            ApiError: as :meth:`check`.
+        """
         now = time.perf_counter()
         self.check(now)
         if self.peer is not None:
             self._check_peer(now)
+        return peer_closed(self.stream_peer)
 
     @staticmethod
     def pause() -> None:
@@ -203,7 +218,8 @@ class Unpaced:
     def __call__(self) -> None:
         """Do nothing after a token."""
 
-    def tick(self) -> None:
-        """Do nothing on an engine tick."""
+    def tick(self) -> bool:
+        """Do nothing on an engine tick (and never ask for a write)."""
+        return False
 
     pause = staticmethod(Pacer.pause)

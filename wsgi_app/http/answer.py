@@ -27,6 +27,7 @@ from wsgi_app.http.error_handlers import error_response
 from wsgi_app.http.event_source import RETRY_MS, no_content, parse_last_event_id, stream_id
 from wsgi_app.http.runtime import Runtime
 from wsgi_app.http.stream_body import STREAM_HEADERS, EventStreamResponse
+from wsgi_app.server.connection import hang_up
 from wsgi_app.wire.encoder import TEXT_COMPLETION, WireFormat
 from wsgi_app.wire.sse import PLAIN, EventIds
 
@@ -90,6 +91,7 @@ def answer(
         return EventStreamResponse(generation)
     try:
         body = generation.run()
-    except ClientGone:  # nobody reads it: the 499 is for the log and the span
+    except ClientGone:  # the 499 is for the log and the span; the client reads no answer
+        hang_up(sock)
         return error_response(ApiError(499, "Client closed the connection.", code="client_closed"))
     return Response(body, content_type="application/json")

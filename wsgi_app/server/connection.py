@@ -81,6 +81,25 @@ def peer_reset(sock: socket.socket | None) -> bool:
     return state == TCP_CLOSE
 
 
+def hang_up(sock: socket.socket | None) -> None:
+    """End the connection without an answer, for a client taken for gone before its answer's first
+    byte: whatever the server writes after this fails (gunicorn ignores that ``EPIPE``), so a client
+    that only half-closed reads the connection's end, not a status it never waited for.
+
+    Args:
+        sock: the connection's socket (gunicorn's ``environ["gunicorn.socket"]``), or None.
+
+    Source: nginx's ``ngx_http_upstream`` (a client gone before the upstream's answer is logged
+    499 and its connection closed, nothing written).
+    """
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already reset or closed: nothing more to end
+        pass
+
+
 def close_after_response(sock: socket.socket | None) -> None:
     """Answer the current request with ``Connection: close`` and close the connection after it
     (where the request's end on the connection is unknown, e.g. a body that stopped arriving).
