@@ -32,7 +32,7 @@ from tests.server import SLACK_S, GunicornServer, wait_until
 from tests.sse import EventReader, sse_json
 from tests.sse import events as parse_events
 from tests.test_openapi import DOC_PATH
-from tests.test_startup_config import failed_start
+from tests.test_startup_config import failed_start, refused_setting
 
 HELLO = [{"role": "user", "content": "Hello"}]
 PROMPT = "User: Hello\nAssistant:"
@@ -309,11 +309,7 @@ def _log_line(srv: GunicornServer, request_id: str) -> dict | None:
 def test_broken_chat_template_stops_the_start(tmp_path, source, message):
     path = tmp_path / "t.jinja"
     path.write_text(source)
-    _, plain = failed_start(tmp_path, {"CHAT_TEMPLATE": str(path)})
-    assert len(plain) == 1 and plain[0].startswith(
-        f"greenserve: cannot start: CHAT_TEMPLATE ({path}): "
-    )
-    assert message in plain[0]
+    assert message in refused_setting(tmp_path, "CHAT_TEMPLATE", str(path))
 
 
 def test_missing_chat_template_file_stops_the_start(tmp_path):

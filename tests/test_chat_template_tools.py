@@ -24,25 +24,16 @@ from model.chat_tools import DEFAULT_TOOL_TEMPLATE
 from model.loader import load_model
 from tests.server import SLACK_S
 from tests.test_chat_template import CHATML, chatml_tokenizer, text_ids
-from tests.test_startup_config import failed_start
-from tests.toolcalls import called
+from tests.test_startup_config import refused_setting
+from tests.toolcalls import called, function_tool
 from wsgi_app.http.chat import chat_completion_request, check_chat_template, serving_template
 from wsgi_app.settings import Settings
 
 FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_tools_prompt.json"
 IM_START, IM_END = 256, 257  # chatml_tokenizer's
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
+WEATHER = function_tool(
+    "get_weather", "The current weather in a city.", {"city": {"type": "string"}}, required=["city"]
+)
 WEATHER_JSON = (
     '{"type": "function", "function": {"name": "get_weather", "description": "The current weather '
     'in a city.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, '
@@ -397,8 +388,4 @@ def test_a_typed_tool_call_block_is_text_on_smollm2(smollm2):
 def test_a_broken_tool_template_stops_the_start(tmp_path, source, message):
     path = tmp_path / "tools.jinja"
     path.write_text(source)
-    _, plain = failed_start(tmp_path, {"TOOL_TEMPLATE": str(path)})
-    assert len(plain) == 1 and plain[0].startswith(
-        f"greenserve: cannot start: TOOL_TEMPLATE ({path}): "
-    )
-    assert message in plain[0]
+    assert message in refused_setting(tmp_path, "TOOL_TEMPLATE", str(path))

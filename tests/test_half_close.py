@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from tests.server import wait_until
+from tests.server import read_all, wait_until
 
 BODY = {"model": "m", "prompt": "a", "max_tokens": 5, "stream": True, "temperature": 0}
 
@@ -40,14 +40,6 @@ def send(port: int, body: dict, request_id: str) -> socket.socket:
     return sock
 
 
-def read_until_closed(sock: socket.socket) -> bytes:
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
-    sock.close()
-    return data
-
-
 def dechunk(body: bytes) -> bytes:
     out = b""
     while True:
@@ -66,7 +58,7 @@ def log_line(srv, request_id: str) -> dict | None:
 
 
 def served_in_full(srv, sock: socket.socket, request_id: str) -> tuple[list[str], dict]:
-    head, _, body = read_until_closed(sock).partition(b"\r\n\r\n")
+    head, _, body = read_all(sock).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK\r\n"), head
     assert b"\r\nTransfer-Encoding: chunked\r\n" in head + b"\r\n"
     events = dechunk(body)
@@ -87,7 +79,7 @@ def test_a_half_closed_stream_that_waits_for_a_slot_is_served_to_its_end(one_slo
     assert len(tokens) == 5 and tokens[-1]["finish_reason"] == "length"
     assert (line["status"], line["completion_tokens"], line["end_reason"]) == (200, 5, "finished")
     assert line["queue_wait_s"] > 0
-    read_until_closed(holder)
+    read_all(holder)
 
 
 def test_a_half_closed_stream_is_served_while_it_runs_and_a_reset_still_ends_one(one_slot):

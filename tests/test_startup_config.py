@@ -123,6 +123,16 @@ def failed_start(
     return done.stderr, [line for line in lines if not line.startswith("{")]
 
 
+def refused_setting(tmp_path: Path, setting: str, value: str) -> str:
+    """Start with ``setting=value``, which must stop the start; return the one line printed, asserted
+    to begin ``greenserve: cannot start: <setting> (<value>): ``."""
+    _, plain = failed_start(tmp_path, {setting: value})
+    assert len(plain) == 1 and plain[0].startswith(
+        f"greenserve: cannot start: {setting} ({value}): "
+    ), plain
+    return plain[0]
+
+
 @pytest.mark.parametrize(("env", "message"), BAD, ids=[",".join(env) for env, _ in BAD])
 def test_bad_setting_stops_the_start_with_one_line(tmp_path, env, message):
     _, plain = failed_start(tmp_path, env)

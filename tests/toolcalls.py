@@ -16,37 +16,35 @@ from tests.sse import sse_json
 
 PATH = "/v1/chat/completions"
 CALL_ID = re.compile(r"call_[A-Za-z0-9]{24}")
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 6},
-                "unit": {"enum": ["c", "f"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-        "strict": True,
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "The time in a time zone.",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-        "strict": True,
-    },
-}
+
+
+def function_tool(name: str, description: str, properties: dict, **schema: object) -> dict:
+    """Return an OpenAI ``tools`` entry: function ``name`` taking an object of ``properties``
+    (``schema`` adds keys to the parameters' schema: ``required``, ``additionalProperties``...)."""
+    parameters = {"type": "object", "properties": properties, **schema}
+    function = {"name": name, "description": description, "parameters": parameters}
+    return {"type": "function", "function": function}
+
+
+def strict_tool(name: str, description: str, properties: dict) -> dict:
+    """Return :func:`function_tool` with every property required, no others, ``strict`` true."""
+    tool = function_tool(
+        name, description, properties, required=list(properties), additionalProperties=False
+    )
+    tool["function"]["strict"] = True
+    return tool
+
+
+WEATHER = strict_tool(
+    "get_weather",
+    "The current weather in a city.",
+    {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
+)
+TIME = strict_tool(
+    "get_time",
+    "The time in a time zone.",
+    {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+)
 TOOLS = {t["function"]["name"]: t for t in (WEATHER, TIME)}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 

@@ -24,13 +24,12 @@ vLLM docs, "Structured Outputs"; llama.cpp server README (``json_schema``, ``gra
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from model.grammar.compile import MAX_CHOICES, Constraint
 from wsgi_app.api.errors import invalid, quote_name
-from wsgi_app.api.fields import loads_strict
+from wsgi_app.api.fields import described_object, loads_strict
 from wsgi_app.api.table import Field
 
 # Every top-level field that carries an output constraint (each endpoint's field table holds them, so
@@ -49,7 +48,6 @@ STRUCTURED_FIELDS = tuple(Field(name) for name in STRUCTURED_FIELD_NAMES)  # POS
 # structured_outputs' constraint keys, and the options that ask for what we always do.
 _SO_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 _SO_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,22 +154,7 @@ def _json_schema_object(value: Any, param: str) -> Any:
         return None
     if not isinstance(value, dict):
         raise invalid(f"'{param}' must be an object.", param)
-    for key in value:
-        if key not in ("name", "schema", "strict", "description"):
-            at = f"{param}.{quote_name(key)}"
-            raise invalid(f"Unrecognized request argument supplied: {at}", at)
-    name = value.get("name")
-    if name is not None and (not isinstance(name, str) or not _NAME.fullmatch(name)):
-        raise invalid(
-            f"'{param}.name' must be 1..64 characters of a-z, A-Z, 0-9, '_' and '-'.",
-            f"{param}.name",
-        )
-    strict = value.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise invalid(f"'{param}.strict' must be a boolean.", f"{param}.strict")
-    description = value.get("description")
-    if description is not None and not isinstance(description, str):
-        raise invalid(f"'{param}.description' must be a string.", f"{param}.description")
+    described_object(value, param, ("name", "schema", "strict", "description"), name_required=False)
     return value.get("schema")
 
 

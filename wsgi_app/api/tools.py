@@ -16,15 +16,14 @@ guide.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from wsgi_app.api.errors import invalid, quote_name
+from wsgi_app.api.fields import described_object
 
 MAX_TOOLS = 128  # OpenAI's documented limit on `tools`
 CHOICES = ("none", "auto", "required")
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 
 
@@ -170,19 +169,7 @@ def _tool(value: Any, where: str, legacy: bool) -> Tool:
         function, fwhere = value.get("function"), f"{where}.function"
         if not isinstance(function, dict):
             raise invalid(f"'{fwhere}' is required and must be an object.", fwhere)
-    for key in function:
-        if key not in _FUNCTION_KEYS:
-            at = f"{fwhere}.{quote_name(key)}"
-            raise invalid(f"Unrecognized request argument supplied: {at}", at)
-    name = function.get("name")
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise invalid(
-            f"'{fwhere}.name' must be 1..64 characters of a-z, A-Z, 0-9, '_' and '-'.",
-            f"{fwhere}.name",
-        )
-    description = function.get("description")
-    if description is not None and not isinstance(description, str):
-        raise invalid(f"'{fwhere}.description' must be a string.", f"{fwhere}.description")
+    named = described_object(function, fwhere, _FUNCTION_KEYS, name_required=True)
     parameters = function.get("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
@@ -190,10 +177,7 @@ def _tool(value: Any, where: str, legacy: bool) -> Tool:
         raise invalid(
             f"'{fwhere}.parameters' must be a JSON Schema object.", f"{fwhere}.parameters"
         )
-    strict = function.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise invalid(f"'{fwhere}.strict' must be a boolean.", f"{fwhere}.strict")
-    return Tool(name, description, parameters, bool(strict))
+    return Tool(named.name, named.description, parameters, bool(named.strict))
 
 
 def _choice(value: Any, param: str, legacy: bool, names: dict[str, int]) -> tuple[str, str | None]:

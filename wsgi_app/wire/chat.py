@@ -23,7 +23,6 @@ from model.tokenizer import TextTokenizer
 from wsgi_app.api.errors import json_bytes
 from wsgi_app.wire.encoder import ChunkEncoder, EncodedChoice, WireFormat, text_json
 from wsgi_app.wire.logprobs import ChatLogprobs
-from wsgi_app.wire.sse import PLAIN, Framing
 
 
 class ChatChunkEncoder(ChunkEncoder):
@@ -36,16 +35,9 @@ class ChatChunkEncoder(ChunkEncoder):
     __slots__ = ("_role", "_content", "_content_end", "_finish", "_sent")
     ROLE_DELTA = b'{"role":"assistant","content":""}'  # each choice's first delta
 
-    def __init__(
-        self,
-        fmt: WireFormat,
-        head: bytes,
-        answer_head: bytes,
-        n: int,
-        include_usage: bool,
-        framing: Framing = PLAIN,
-    ) -> None:
-        super().__init__(fmt, head, answer_head, n, include_usage, framing)
+    def _prepare(self) -> None:
+        """Build the chat deltas' constant bytes, per choice."""
+        fmt = self.fmt
         usage_tail = self._usage_tail
         choice = self._choice_heads
         self._role = [
@@ -62,7 +54,7 @@ class ChatChunkEncoder(ChunkEncoder):
             (c + b'"delta":{},"logprobs":null,"finish_reason":"', b'"}]' + usage_tail)
             for c in choice
         ]
-        self._sent = [0] * n  # logprobs entries already streamed, per choice
+        self._sent = [0] * len(choice)  # logprobs entries already streamed, per choice
 
     def first_chunks(
         self,

@@ -201,6 +201,11 @@ class ChunkEncoder:
             fmt.text_end + b',"logprobs":null,"finish_reason":null}]' + usage_tail + closing
         )
         self._end = (b"}]" + usage_tail + closing, fmt.text_end + b',"logprobs":')
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Build a subclass's own constant bytes from the ones above (the last step of
+        ``__init__``, so a subclass needs no constructor of its own); none for this format."""
 
     def first_chunks(
         self,
