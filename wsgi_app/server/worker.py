@@ -198,6 +198,16 @@ class GeventWorker(ggevent.GeventWorker):
             super().handle_error(req, client, addr, exc)
         _linger(client)
 
+    def handle_usr1(self, sig: int, frame: Any) -> None:
+        """Reopen the log files in a greenlet (as gunicorn's gevent worker), then have the next
+        request's environ made anew: its ``wsgi.errors`` names the files
+        (``wsgi_app.server.response.BaseEnviron``)."""
+        gevent.spawn(self._reopen_logs)
+
+    def _reopen_logs(self) -> None:
+        self.log.reopen_files()
+        response.logs_reopened()
+
     def handle_exit(self, sig: int, frame: Any) -> None:
         """Stop: close idle connections now, answer in-flight requests ``Connection: close``, cut
         blocked writes ``CUT_WRITES_S`` before the grace ends and the rest ``EXIT_RESERVE_S`` before."""
