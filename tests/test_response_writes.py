@@ -4,6 +4,10 @@ trust are worked out once per worker; the same bytes and answers as gunicorn's o
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +16,7 @@ from gunicorn.config import Config
 from gunicorn.http import wsgi
 from gunicorn.http.message import Request as GunicornRequest
 
+from tests.server import wait_until
 from wsgi_app.server import response
 from wsgi_app.server.request_head import BoundedRequest
 from wsgi_app.server.worker import freeze_settings
@@ -151,3 +156,29 @@ def test_a_peers_trust_is_gunicorns_and_kept_per_address_and_allow_list(allowed,
     assert ours._peer_is_trusted_proxy() is expected  # the kept answer
     if isinstance(peer, tuple):
         assert BoundedRequest._trusted_peers[(peer[0], tuple(cfg.forwarded_allow_ips))] is expected
+
+
+def _same_completion(a: bytes, b: bytes) -> bool:
+    """True when two JSON answers are the same completion but for their id and creation time."""
+    x, y = json.loads(a), json.loads(b)
+    for answer in (x, y):
+        del answer["id"], answer["created"]
+    return x == y
+
+
+def test_a_log_reopen_keeps_the_worker_serving_with_a_fresh_base_environ(serve):
+    srv = serve()
+    body = {"model": "bigram", "prompt": "ROMEO:", "max_tokens": 4, "seed": 7}
+    status, _, first = srv.complete(body)
+    assert status == 200
+    pid = srv.state()["pid"]
+    os.kill(pid, signal.SIGUSR1)  # gunicorn's "reopen the log files", handled by the worker
+    time.sleep(0.3)
+    status, _, again = srv.complete(body)
+    assert status == 200 and _same_completion(first, again)
+    assert srv.state()["pid"] == pid  # the same worker, still serving
+    wait_until(
+        lambda: srv.log_text().count('"message": "request"') >= 2,
+        5.0,
+        lambda: "both requests' log lines",
+    )
