@@ -86,6 +86,8 @@ class PCG32:
         Source: F. B. Brown, "Random Number Generation with Arbitrary Strides" (1994), the
         jump-ahead of a linear congruential generator.
         """
+        if n <= SCALAR_UNIFORMS:  # a few: the numpy set-up would cost more than the steps
+            return [self.uniform() for _ in range(n)]
         out: list[float] = []
         while n > 0:
             k = min(n, UNIFORM_BATCH)
@@ -102,6 +104,8 @@ class PCG32:
 
 
 UNIFORM_BATCH = 256  # uniforms per vectorised jump (512 states): 123 ns a uniform here, 388 at 64
+# Up to this many uniforms are drawn one by one (~1 us each): a vectorised jump costs ~15 us to set up.
+SCALAR_UNIFORMS = 8
 
 
 def _jump_tables(steps: int) -> tuple[np.ndarray, np.ndarray]:

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from gunicorn.glogging import Logger
 
-from telemetry.logs import logging_config
+from telemetry.logs import lighten_records, logging_config
 from wsgi_app.settings import ServerSettings, usable_cpus
 
 _made_metrics_dir = None  # the metrics dir this process made, removed if the start fails
@@ -37,6 +37,9 @@ try:
     _server = ServerSettings.from_env()
     # Every log line, gunicorn's and the app's, is one JSON object on stderr (LOG_LEVEL sets the level).
     logconfig_dict = logging_config(_server.log_level)
+    # No line shows the caller's file and line or the thread: the records skip finding them (the
+    # workers, forked from here, too).
+    lighten_records()
 except ValueError as exc:
     _cannot_start(exc)
 

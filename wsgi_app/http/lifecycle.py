@@ -42,18 +42,20 @@ def request_id_from(value: str | None) -> str:
 
 
 def _begin() -> None:
-    rid = request_id_from(request.headers.get("X-Request-Id"))
-    parent = traceparent.parse(request.headers.get("traceparent"))
-    rule = request.url_rule.rule if request.url_rule is not None else None
-    name = f"{request.method} {rule}" if rule else request.method
+    # The request's own objects, looked up once: each use of Flask's ``request`` proxy is a
+    # context-variable lookup, and this runs for every request.
+    req = request._get_current_object()
+    environ = req.environ
+    # ``request.headers.get(name)`` is the environ's ``HTTP_<NAME>`` (werkzeug's EnvironHeaders).
+    rid = request_id_from(environ.get("HTTP_X_REQUEST_ID"))
+    parent = traceparent.parse(environ.get("HTTP_TRACEPARENT"))
+    method, path, url_rule = req.method, req.path, req.url_rule
+    rule = url_rule.rule if url_rule is not None else None
+    name = f"{method} {rule}" if rule else method
     span = start_server_span(
         name,
         parent,
-        {
-            "http.request.method": request.method,
-            "url.path": request.path,
-            "greenserve.request_id": rid,
-        },
+        {"http.request.method": method, "url.path": path, "greenserve.request_id": rid},
     )
     if rule:
         span.attributes["http.route"] = rule
@@ -62,8 +64,8 @@ def _begin() -> None:
     g.record = RequestRecord(
         request_id=rid,
         span=span,
-        method=request.method,
-        path=request.path,
+        method=method,
+        path=path,
         route=rule,
         client_hash=client_hash(settings.client_hash_salt, peer),
     )

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gunicorn.http.wsgi import Response
+from wsgi_app.server.response import Response
 
 PROBE_PATHS = frozenset({"/healthz", "/health", "/ready"})
 # A whole probe head at the start of a new connection: the request line's start (method, path and a

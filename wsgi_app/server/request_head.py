@@ -56,6 +56,8 @@ STOPPING_FIRST_BYTE_S = 1.0
 MAX_CHUNK_SIZE = 2**63 - 1  # bytes: larger sizes overflow every other implementation's integer
 # A Host value: reg-name, IPv4 or IP-literal, then an optional port (RFC 3986 §3.2.2, §3.2.3).
 _HOST_VALUE = re.compile(r"(?:\[[0-9A-Fa-f:.vV\-]+\]|[A-Za-z0-9\-._~%!$&'()*+,;=]*)(?::[0-9]*)?")
+# Peers whose trust gunicorn's FORWARDED_ALLOW_IPS check has decided, at most this many kept.
+TRUSTED_PEERS_KEPT = 4096
 
 
 class HeadTimeout(ParseException):
@@ -108,12 +110,29 @@ class BoundedRequest(Request):
     """
 
     limits = HeadLimits(32_768, 10.0, 5.0)
+    # (peer address, FORWARDED_ALLOW_IPS) -> whether gunicorn trusts the peer's forwarding headers.
+    _trusted_peers: dict[tuple[str, tuple[str, ...]], bool] = {}
 
     def __init__(self, cfg: Any, unreader: Any, peer_addr: Any, req_number: int = 1) -> None:
         self._head_deadline: float | None = None
         if req_number == 1:  # a new connection: its first request's head is due from now
             self._head_deadline = time.monotonic() + self.limits.header_timeout_s
         super().__init__(cfg, unreader, peer_addr, req_number)
+
+    def _peer_is_trusted_proxy(self) -> bool:
+        """gunicorn's check of the peer against ``FORWARDED_ALLOW_IPS``, decided once per address
+        (it parses the address, ~2 % of a short request; the answer depends on nothing else)."""
+        peer = self.peer_addr
+        if not isinstance(peer, tuple):  # a UNIX socket: gunicorn trusts it
+            return True
+        key = (peer[0], tuple(self.cfg.forwarded_allow_ips))
+        known = self._trusted_peers
+        trusted = known.get(key)
+        if trusted is None:
+            if len(known) >= TRUSTED_PEERS_KEPT:
+                known.clear()
+            trusted = known[key] = super()._peer_is_trusted_proxy()
+        return trusted
 
     def read_into(self, unreader: Any, buf: bytearray, stop: bool = False) -> None:
         """Read more of the head into ``buf``, within the byte and time bounds.

@@ -39,7 +39,7 @@ from gunicorn import util
 from gunicorn.sock import ssl_context
 from gunicorn.workers import ggevent
 
-from wsgi_app.server import probes
+from wsgi_app.server import probes, response
 from wsgi_app.server.end_reason import SHUTDOWN
 from wsgi_app.server.request_head import HeadLimits, HeadTimeout, install
 from wsgi_app.server.stream_socket import SendTimeout, StreamSocket
@@ -129,7 +129,9 @@ class GeventWorker(ggevent.GeventWorker):
         self.probes: probes.ProbeResponder | None = None
 
     def init_process(self) -> None:
-        """Bound the request parser (``MAX_HEADER_BYTES``, ``HEADER_TIMEOUT_S``), then run."""
+        """Bound the request parser (``MAX_HEADER_BYTES``, ``HEADER_TIMEOUT_S``), send each
+        response's head with its first body bytes (``wsgi_app.server.response``), fix the
+        settings' values (:func:`freeze_settings`), then run."""
         server = ServerSettings.from_env()
         self.header_timeout_s = server.header_timeout_s
         install(
@@ -140,6 +142,8 @@ class GeventWorker(ggevent.GeventWorker):
                 stopping=lambda: not self.alive,
             )
         )
+        response.install()
+        freeze_settings(self.cfg)
         super().init_process()
 
     def timeout_ctx(self) -> gevent.Timeout:
@@ -193,6 +197,16 @@ class GeventWorker(ggevent.GeventWorker):
         else:
             super().handle_error(req, client, addr, exc)
         _linger(client)
+
+    def handle_usr1(self, sig: int, frame: Any) -> None:
+        """Reopen the log files in a greenlet (as gunicorn's gevent worker), then have the next
+        request's environ made anew: its ``wsgi.errors`` names the files
+        (``wsgi_app.server.response.BaseEnviron``)."""
+        gevent.spawn(self._reopen_logs)
+
+    def _reopen_logs(self) -> None:
+        self.log.reopen_files()
+        response.logs_reopened()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         """Stop: close idle connections now, answer in-flight requests ``Connection: close``, cut
@@ -274,6 +288,19 @@ class GeventWorker(ggevent.GeventWorker):
                 break
             self.notify()
             gevent.sleep(0.05)
+
+
+def freeze_settings(cfg: Any) -> None:
+    """Keep each of gunicorn's settings on ``cfg`` as a plain attribute, its value as it is now.
+
+    gunicorn reads a setting through ``Config.__getattr__`` (a Python call and a dict lookup): ~30
+    reads a request, one per header for ``strip_header_spaces`` alone. A worker's settings never
+    change after it started (a reload starts new workers), so the values are stored once; the
+    ``Config`` properties (``is_ssl``, ``address``...) stay as they are and read these.
+    """
+    for name, setting in cfg.settings.items():
+        if not hasattr(type(cfg), name):  # a property of the same name keeps computing itself
+            cfg.__dict__[name] = setting.get()
 
 
 def _bytes_waiting(conn: socket.socket) -> bool:
