@@ -20,11 +20,15 @@ and 2 ``<|im_end|>``, as llama.cpp counts them) and ``repeat_penalty`` 1.0 (its 
 would change the greedy answer). Its stream ends with an empty chunk carrying ``finish_reason``
 (129 data events), which the client counts as an extra event, not a token.
 
-The llama.cpp reference (llama-cpp-python 0.3.36, which builds llama.cpp from source: about
-8 minutes on this machine's 2 cores), in its own virtualenv::
+The llama.cpp reference (llama-cpp-python 0.3.36, which builds llama.cpp from source: 8 to 30
+minutes on this machine's 2 cores, with the load), in its own virtualenv, built without the native
+CPU flags (the default native build crashes on this VM in ``libggml-cpu.so``, whose build enables
+AMX)::
 
     python3 -m venv /work/llamacpp-venv
-    /work/llamacpp-venv/bin/pip install 'llama-cpp-python[server]==0.3.36'
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AMX_INT8=OFF -DGGML_AVX512=OFF -DGGML_AVX2=ON \
+        -DGGML_FMA=ON -DGGML_F16C=ON" \
+        /work/llamacpp-venv/bin/pip install 'llama-cpp-python[server]==0.3.36'
     LLAMACPP_PYTHON=/work/llamacpp-venv/bin/python python -m bench.smollm2_serving
 
 It is started as ``PY -m llama_cpp.server --model FILE --model_alias NAME --host 127.0.0.1 --port N``
