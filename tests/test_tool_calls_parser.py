@@ -64,9 +64,14 @@ def test_a_cut_block_keeps_its_calls_as_far_as_they_came():
     parser.feed('<tool_call>[{"name":"get_weather","arguments":{"city":"Pa')
     assert not parser.complete and not parser.broken
     assert [(c.name, c.arguments) for c in parser.calls] == [("get_weather", ['{"city":"Pa'])]
-    named_only = CallParser()
-    named_only.feed('<tool_call>[{"name":"get_wea')
-    assert named_only.calls == []  # a call is noted once its name is complete
+    # A call is noted once its name and the "arguments" key after it are read (the README's words).
+    for cut in ('<tool_call>[{"name":"get_wea', '<tool_call>[{"name":"get_weather","argum'):
+        short = CallParser()
+        short.feed(cut)
+        assert short.calls == [] and not short.broken
+    at_key = CallParser()
+    at_key.feed('<tool_call>[{"name":"get_weather","arguments":')
+    assert [(c.name, c.arguments) for c in at_key.calls] == [("get_weather", [])]
 
 
 def test_hermes_between_blocks_is_complete_until_another_block_opens():

@@ -188,8 +188,9 @@ HEAD, ARGUMENTS = '{"name":', ',"arguments":'  # a call's text up to its name, a
 
 class CallParser:
     """Read the calls of a generated block as its text comes, in the exact form :func:`call_grammar`
-    allows (compact JSON, ``name`` then ``arguments``): each call is noted once its name is
-    complete, and its arguments' text as it is generated.
+    allows (compact JSON, ``name`` then ``arguments``): each call is noted once its name and the
+    ``,"arguments":`` key after it are read (a block cut inside that key holds no call yet), then its
+    arguments' text as it is generated.
 
     Args:
         fmt: one of :data:`FORMATS`.
