@@ -21,8 +21,8 @@ from urllib.parse import urlencode
 
 import pytest
 
-from tests.server import SLACK_S, GunicornServer, wait_until
-from tests.test_half_close import log_line, read_until_closed, send
+from tests.server import SLACK_S, GunicornServer, read_all, wait_until
+from tests.test_half_close import log_line, send
 
 GONE_WITHIN_S = 2.0  # the bound, from the client's close to its slot or queue place freed
 # The most a waiting stream's comments may be apart as the client sees them: the 0.5 s heartbeat
@@ -206,7 +206,7 @@ def test_a_plain_request_whose_client_half_closes_while_queued_is_gone_within_2_
     assert time.monotonic() - fin <= GONE_WITHIN_S
     assert state(srv) == (1, 0) and srv.in_flight("plain-holder")  # its queue place freed
     assert gone == (499, "client_left", 0, "client disconnected while queued")
-    assert read_until_closed(queued) == b""  # the connection ends with no answer written
+    assert read_all(queued) == b""  # the connection ends with no answer written
     holder.join(10)
     assert holder.frames[-1][1] == b"data: [DONE]\n\n"
     srv.wait_idle(5)
@@ -225,7 +225,7 @@ def test_a_plain_request_whose_client_half_closed_on_an_idle_server_is_never_sta
         b"X-Request-Id: idle-fin\r\nContent-Length: %d\r\n\r\n" % len(data) + data
     )
     sock.shutdown(socket.SHUT_WR)
-    assert read_until_closed(sock) == b""
+    assert read_all(sock) == b""
     assert ending(srv, "idle-fin") == (499, "client_left", 0, "client disconnected while queued")
     # The same request from a client that keeps its end open is answered.
     status, _, raw = srv.complete({"model": "m", "prompt": "a", "max_tokens": 5, "temperature": 0})
