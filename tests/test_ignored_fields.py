@@ -157,7 +157,7 @@ def test_known_unsupported_fields_stay_a_400(succ_server):
     for body, param in [
         ({**CHAT_BODY, "modalities": ["text", "audio"]}, "modalities"),
         ({**CHAT_BODY, "audio": {"voice": "alloy"}}, "audio"),
-        ({**CHAT_BODY, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({**CHAT_BODY, "prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({**CHAT_BODY, "response_format": {"type": "json_schema"}}, "response_format"),
     ]:
         status, _, raw = succ_server.post(CHAT, body)
