@@ -318,7 +318,24 @@ def test_the_log_line_and_metrics_count_the_calls(server):
     assert counted() == before + made
 
 
+SELF_REF = {"$ref": "#"}
+DEFS_LOOP = {"$ref": "#/$defs/x", "$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "#/$defs/x"}}}
+
+
+def looping(parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": "a", "parameters": parameters}}
+
+
 REFUSALS = [
+    *(
+        (
+            {"tools": [WEATHER, looping(schema)], "tool_choice": choice},
+            "tools[1].function.parameters",
+        )
+        for schema in (SELF_REF, DEFS_LOOP)
+        for choice in ("required", "auto")
+    ),
+    ({"functions": [looping(SELF_REF)["function"]]}, "functions[0].parameters"),
     (
         {
             "tools": [
