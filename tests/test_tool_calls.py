@@ -337,6 +337,14 @@ REFUSALS = [
     ),
     ({"functions": [looping(SELF_REF)["function"]]}, "functions[0].parameters"),
     (
+        {"tools": [WEATHER, looping({"properties": {"u": {"enum": ["\ud800"]}}})]},
+        "tools[1].function.parameters.properties.u.enum[0]",
+    ),
+    (
+        {"tools": [WEATHER], "messages": [*ASK, *called("get_weather", "{}", "18C", "\ud800")]},
+        "messages[1].tool_calls[0].id",
+    ),
+    (
         {
             "tools": [
                 WEATHER,

@@ -170,6 +170,32 @@ def test_refusals_name_the_param(body, param, message):
     assert refused(body) == (param, message)
 
 
+LONE = "\ud800"
+
+
+def surrogate_tool(**function: Any) -> dict[str, Any]:
+    return {"tools": [TIME, {"type": "function", "function": {"name": "f", **function}}]}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (surrogate_tool(description=LONE), "tools[1].function.description"),
+        (
+            surrogate_tool(parameters={"type": "object", "properties": {LONE: {}}}),
+            "tools[1].function.parameters.properties.\\ud800",
+        ),
+        (
+            surrogate_tool(parameters={"properties": {"u": {"enum": ["c", f"f{LONE}"]}}}),
+            "tools[1].function.parameters.properties.u.enum[1]",
+        ),
+        ({"functions": [{"name": "f", "description": LONE}]}, "functions[0].description"),
+    ],
+)
+def test_a_lone_surrogate_in_a_tool_is_refused_by_its_path(body, param):
+    assert refused(body) == (param, f"'{param}' contains a lone surrogate code point.")
+
+
 CALL = {
     "id": "call_abc",
     "type": "function",
@@ -270,6 +296,28 @@ def test_a_user_message_holding_tool_call_syntax_stays_content():
         (
             [ASK, {"role": "tool", "tool_call_id": "a", "content": "x", "name": "f"}],
             "messages[1].name",
+        ),
+        (
+            [ASK, {"role": "assistant", "tool_calls": [{**CALL, "id": "\udfff"}]}],
+            "messages[1].tool_calls[0].id",
+        ),
+        (
+            [
+                ASK,
+                {
+                    "role": "assistant",
+                    "tool_calls": [{**CALL, "function": {"name": "\ud800", "arguments": "{}"}}],
+                },
+            ],
+            "messages[1].tool_calls[0].function.name",
+        ),
+        (
+            [
+                ASK,
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_abc\ud800", "content": "x"},
+            ],
+            "messages[2].tool_call_id",
         ),
     ],
 )

@@ -179,6 +179,7 @@ def _tool_message(message: dict, role: str, where: str, calls: dict[str, str]) -
     at = f"{where}.tool_call_id"
     if not isinstance(call_id, str):
         raise invalid(f"'{at}' is required and must be a string.", at)
+    check_unicode(call_id, at)
     if call_id not in calls:
         raise invalid(
             f"'{at}' {quote_name(call_id)!r} matches no tool call of an earlier assistant message.",
@@ -210,11 +211,13 @@ def _tool_calls(message: dict, where: str, calls: dict[str, str]) -> list[dict[s
         call_id, function = call.get("id"), call.get("function")
         if not isinstance(call_id, str) or not call_id:
             raise invalid(f"'{at}.id' is required and must be a string.", f"{at}.id")
+        check_unicode(call_id, f"{at}.id")
         if call.get("type", "function") != "function" or not isinstance(function, dict):
             raise invalid(f"'{at}' must be a function call with a 'function' object.", at)
         name, arguments = function.get("name"), function.get("arguments")
         if not isinstance(name, str) or not name:
             raise invalid(f"'{at}.function.name' must be a string.", f"{at}.function.name")
+        check_unicode(name, f"{at}.function.name")
         if not isinstance(arguments, str):
             raise invalid(
                 f"'{at}.function.arguments' must be a string (JSON).", f"{at}.function.arguments"
