@@ -226,12 +226,22 @@ def test_max_tokens_cutting_a_block_finishes_with_length_and_never_leaks_it(serv
             assert call["function"]["arguments"].startswith('{"city":')
 
 
-def test_seeded_ids_repeat_and_unseeded_ones_differ(server):
+def test_seeded_ids_repeat_per_request_and_differ_across_turns_unseeded_ones_differ(server):
     def ids(body):
         return [c["id"] for c in answer(server, body)["choices"][0]["message"]["tool_calls"]]
 
     seeded = {**REQUIRED, "seed": THREE_CALLS}
-    assert ids(seeded) == ids(seeded)
+    first_turn = ids(seeded)
+    assert len(set(first_turn)) == len(first_turn) == 3 and ids(seeded) == first_turn
+    # The next turn, same seed: its prompt holds the first turn, so its ids are new ones.
+    (call,) = answer(server, {**seeded, "seed": ONE_CALL})["choices"][0]["message"]["tool_calls"]
+    history = [
+        *ASK,
+        *called(call["function"]["name"], call["function"]["arguments"], "18C", call["id"]),
+    ]
+    next_turn = {**seeded, "seed": ONE_CALL, "messages": history}
+    assert ids(next_turn) == ids(next_turn)
+    assert call["id"] not in ids(next_turn)
     greedy = {**REQUIRED, "temperature": 0, "parallel_tool_calls": False}
     first, second = ids(greedy), ids(greedy)
     assert len(first) == len(second) == 1 and first != second

@@ -298,6 +298,10 @@ def test_a_user_message_holding_tool_call_syntax_stays_content():
             "messages[1].name",
         ),
         (
+            [ASK, {"role": "assistant", "tool_calls": [CALL, {**CALL, "id": "x"}, CALL]}],
+            "messages[1].tool_calls[2].id",
+        ),
+        (
             [ASK, {"role": "assistant", "tool_calls": [{**CALL, "id": "\udfff"}]}],
             "messages[1].tool_calls[0].id",
         ),
@@ -325,6 +329,19 @@ def test_bad_history_names_the_param(messages, param):
     with pytest.raises(ApiError) as info:
         parse_messages(messages, 16)
     assert info.value.param == param
+
+
+def test_an_id_reused_by_a_later_message_answers_the_latest_call():
+    again = {**CALL, "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [
+        ASK,
+        {"role": "assistant", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "18C"},
+        {"role": "assistant", "tool_calls": [again]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "12:00"},
+    ]
+    parsed = parse_messages(messages, 16)
+    assert [m.get("name") for m in parsed if m["role"] == "tool"] == ["get_weather", "get_time"]
 
 
 def test_well_formed_tools_and_history_reach_the_chat_request():

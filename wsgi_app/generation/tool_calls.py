@@ -22,10 +22,11 @@ Source: OpenAI API reference, "Chat Completions" (``message.tool_calls``, ``fini
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from model.stop import StopMatcher
-from wsgi_app.api.tool_syntax import OPEN, Call, CallParser, call_id
+from wsgi_app.api.tool_syntax import OPEN, Call, CallParser, call_id, prompt_digest
 from wsgi_app.api.tools import ToolRequest
 from wsgi_app.generation.choice import Choice
 
@@ -90,7 +91,8 @@ class ToolChoice(Choice):
     Args: those of :class:`Choice` (a chat choice: no ``echo``), and:
         tools: the request's tools (the finish reason of an answer that calls them).
         tool_format: the syntax calls are written in (``TOOL_CALL_FORMAT``).
-        seed: the request's seed, or None: call ids derive from (seed, choice, call index).
+        seed: the request's seed, or None: call ids derive from (seed, prompt, choice, call index).
+        prompt_ids: the choice's prompt token ids (their digest goes into the call ids).
 
     Attributes:
         legacy: the request used ``functions`` (its call is a ``function_call``).
@@ -98,10 +100,18 @@ class ToolChoice(Choice):
 
     __slots__ = ("_filter", "_calls_reason", "legacy")
 
-    def __init__(self, *args: Any, tools: ToolRequest, tool_format: str, seed: int | None) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        tools: ToolRequest,
+        tool_format: str,
+        seed: int | None,
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
         super().__init__(*args)
         index = self.index
-        parser = CallParser(tool_format, lambda i: call_id(seed, index, i))
+        digest = 0 if seed is None else prompt_digest(prompt_ids)
+        parser = CallParser(tool_format, lambda i: call_id(seed, index, i, digest))
         self._filter = self._matcher = CallFilter(self._matcher, parser, tools.choice != "auto")
         self._stops = True
         self._calls_reason = tools.finish_reason()
