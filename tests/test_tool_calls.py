@@ -367,7 +367,21 @@ REFUSALS = [
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
     (
         {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-        "tool_choice",
+        "tool_choice.function.name",
+    ),
+    *(
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": choice,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+                },
+            },
+            "response_format",
+        )
+        for choice in ("required", "auto", "none")
     ),
     ({"tool_choice": "required"}, "tool_choice"),
     (

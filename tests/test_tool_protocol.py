@@ -140,7 +140,7 @@ def test_legacy_functions_map_onto_tools():
         ),
         (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
-            "tool_choice",
+            "tool_choice.function.name",
             "'tool_choice.function.name' names the function 'x', which is not among the tools.",
         ),
         (
@@ -158,6 +158,16 @@ def test_legacy_functions_map_onto_tools():
             "function_call",
             "Invalid value for 'function_call': 'required'; expected one of 'none', 'auto' or "
             "an object naming a function.",
+        ),
+        (
+            {"functions": [{"name": "f"}], "function_call": {"name": "g"}},
+            "function_call.name",
+            "'function_call.name' names the function 'g', which is not among the tools.",
+        ),
+        (
+            {"parallel_tool_calls": False},
+            "parallel_tool_calls",
+            "'parallel_tool_calls' is only allowed when 'tools' are given.",
         ),
         (
             {"tools": [WEATHER], "parallel_tool_calls": "no"},

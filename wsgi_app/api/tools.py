@@ -100,8 +100,9 @@ def parse_tools(body: dict[str, Any], max_tools: int = MAX_TOOLS) -> ToolRequest
         ApiError: 400 naming the param: ``tools`` and ``functions`` both given; a malformed or
             over-limit list (``tools``), a malformed tool (``tools[i]``, ``tools[i].function.name``,
             ``tools[i].function.parameters``...), a duplicate name; a malformed ``tool_choice`` /
-            ``function_call``, one given without tools, or one naming an unknown function;
-            ``parallel_tool_calls`` not a boolean; a lone surrogate in a description or anywhere in
+            ``function_call``, one given without tools, or one naming an unknown function
+            (``tool_choice.function.name``, ``function_call.name``); ``parallel_tool_calls`` not a
+            boolean or given without tools; a lone surrogate in a description or anywhere in
             ``parameters`` (its path: :func:`check_strings`).
     """
     tools_value, functions_value = body.get("tools"), body.get("functions")
@@ -123,10 +124,9 @@ def parse_tools(body: dict[str, Any], max_tools: int = MAX_TOOLS) -> ToolRequest
     value = functions_value if legacy else tools_value
     choice_value = body.get(choice_param)
     if value is None:
-        if choice_value is not None:
-            raise invalid(
-                f"'{choice_param}' is only allowed when '{param}' are given.", choice_param
-            )
+        for given in (choice_param, "parallel_tool_calls"):  # as OpenAI refuses them
+            if body.get(given) is not None:
+                raise invalid(f"'{given}' is only allowed when '{param}' are given.", given)
         return None
     if not isinstance(value, list) or not value:
         raise invalid(f"'{param}' must be a non-empty list.", param)
@@ -232,6 +232,6 @@ def _choice(value: Any, param: str, legacy: bool, names: dict[str, int]) -> tupl
         raise invalid(f"'{at}' is required and must be a string.", at)
     if name not in names:
         raise invalid(
-            f"'{at}' names the function {quote_name(name)!r}, which is not among the tools.", param
+            f"'{at}' names the function {quote_name(name)!r}, which is not among the tools.", at
         )
     return "named", name

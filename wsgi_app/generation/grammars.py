@@ -71,6 +71,11 @@ class GrammarService:
         if req.tools is not None:
             _check_keywords(req.tools)
             self._check_tools(req.tools)
+            if rc is not None:
+                # Checked alone whatever the tool choice: "required" leaves it out of the grammar.
+                alone = self._grammar(rc.constraint)
+                if isinstance(alone, ConstraintError):
+                    raise _cannot(rc.param, alone)
             constraint = tool_constraint(req.tools, self.tool_format, text)
             req = dataclasses.replace(req, tool_format=self.tool_format)
         elif text is None:
@@ -117,13 +122,10 @@ class GrammarService:
         self, req: CompletionRequest, constraint: Constraint, error: ConstraintError
     ) -> ApiError:
         """Return the 400 of a constraint that does not compile, naming the part at fault: for a
-        tool-call grammar (whose tools' schemas each compile alone: :meth:`_check_tools`), the text
-        constraint if it fails alone, else the tools together."""
+        tool-call grammar (whose tools' schemas and text constraint each compile alone, checked
+        first), the tools together."""
         rc, tools = req.constraint, req.tools
         if constraint.kind == "tool_calls" and tools is not None:
-            alone = None if rc is None else self._grammar(rc.constraint)
-            if isinstance(alone, ConstraintError):
-                return _cannot(rc.param, alone)
             return _cannot(tools.param, error)
         return _cannot(rc.param, error)
 
