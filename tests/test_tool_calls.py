@@ -271,6 +271,14 @@ def test_response_format_with_tools(server):
     check_calls(choice["message"]["tool_calls"])
 
 
+def test_a_text_answer_starting_with_the_tag_is_content_under_auto(server):
+    answers = ["<tool_call>no call", "<tool_call>[not one"]
+    for seed in (1, 2):
+        (choice,) = same_both_ways(server, {**BODY, "seed": seed, "guided_choice": answers})
+        assert choice["message"]["content"] in answers
+        assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
+
+
 def test_legacy_functions_answer_with_function_call(server):
     body = {
         "model": "m",
