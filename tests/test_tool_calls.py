@@ -226,12 +226,22 @@ def test_max_tokens_cutting_a_block_finishes_with_length_and_never_leaks_it(serv
             assert call["function"]["arguments"].startswith('{"city":')
 
 
-def test_seeded_ids_repeat_and_unseeded_ones_differ(server):
+def test_seeded_ids_repeat_per_request_and_differ_across_turns_unseeded_ones_differ(server):
     def ids(body):
         return [c["id"] for c in answer(server, body)["choices"][0]["message"]["tool_calls"]]
 
     seeded = {**REQUIRED, "seed": THREE_CALLS}
-    assert ids(seeded) == ids(seeded)
+    first_turn = ids(seeded)
+    assert len(set(first_turn)) == len(first_turn) == 3 and ids(seeded) == first_turn
+    # The next turn, same seed: its prompt holds the first turn, so its ids are new ones.
+    (call,) = answer(server, {**seeded, "seed": ONE_CALL})["choices"][0]["message"]["tool_calls"]
+    history = [
+        *ASK,
+        *called(call["function"]["name"], call["function"]["arguments"], "18C", call["id"]),
+    ]
+    next_turn = {**seeded, "seed": ONE_CALL, "messages": history}
+    assert ids(next_turn) == ids(next_turn)
+    assert call["id"] not in ids(next_turn)
     greedy = {**REQUIRED, "temperature": 0, "parallel_tool_calls": False}
     first, second = ids(greedy), ids(greedy)
     assert len(first) == len(second) == 1 and first != second
@@ -259,6 +269,14 @@ def test_response_format_with_tools(server):
     # required: the call follows its tool's schema, not the text one.
     (choice,) = same_both_ways(server, {**REQUIRED, "seed": ONE_CALL, "response_format": rf})
     check_calls(choice["message"]["tool_calls"])
+
+
+def test_a_text_answer_starting_with_the_tag_is_content_under_auto(server):
+    answers = ["<tool_call>no call", "<tool_call>[not one"]
+    for seed in (1, 2):
+        (choice,) = same_both_ways(server, {**BODY, "seed": seed, "guided_choice": answers})
+        assert choice["message"]["content"] in answers
+        assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
 
 
 def test_legacy_functions_answer_with_function_call(server):
@@ -318,7 +336,32 @@ def test_the_log_line_and_metrics_count_the_calls(server):
     assert counted() == before + made
 
 
+SELF_REF = {"$ref": "#"}
+DEFS_LOOP = {"$ref": "#/$defs/x", "$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "#/$defs/x"}}}
+
+
+def looping(parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": "a", "parameters": parameters}}
+
+
 REFUSALS = [
+    *(
+        (
+            {"tools": [WEATHER, looping(schema)], "tool_choice": choice},
+            "tools[1].function.parameters",
+        )
+        for schema in (SELF_REF, DEFS_LOOP)
+        for choice in ("required", "auto")
+    ),
+    ({"functions": [looping(SELF_REF)["function"]]}, "functions[0].parameters"),
+    (
+        {"tools": [WEATHER, looping({"properties": {"u": {"enum": ["\ud800"]}}})]},
+        "tools[1].function.parameters.properties.u.enum[0]",
+    ),
+    (
+        {"tools": [WEATHER], "messages": [*ASK, *called("get_weather", "{}", "18C", "\ud800")]},
+        "messages[1].tool_calls[0].id",
+    ),
     (
         {
             "tools": [
@@ -332,7 +375,21 @@ REFUSALS = [
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
     (
         {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-        "tool_choice",
+        "tool_choice.function.name",
+    ),
+    *(
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": choice,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+                },
+            },
+            "response_format",
+        )
+        for choice in ("required", "auto", "none")
     ),
     ({"tool_choice": "required"}, "tool_choice"),
     (

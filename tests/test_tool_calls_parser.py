@@ -132,6 +132,23 @@ def test_stop_strings_end_the_content_and_never_apply_inside_the_block():
     assert content_of(held, ["xa<tool_call>["]) == (["xa", ""], False)
 
 
+def test_under_auto_a_block_the_parser_cannot_read_is_content():
+    filt = CallFilter(StopMatcher(("!",)), CallParser())
+    out, stopped = content_of(filt, ["so <tool", "_call>[hi", " <tool_call> more!", "x"])
+    assert (out, stopped) == (["so ", "<tool_call>[hi", " <tool_call> more"], True)
+    assert filt.parser.calls == [] and not filt.in_block
+    # Once a call is read the block stays a block, whatever follows.
+    read = CallFilter(StopMatcher(()), CallParser())
+    assert content_of(read, ['<tool_call>[{"name":"f","arguments":{}}]</tool_call>x']) == (
+        ["", ""],
+        False,
+    )
+    assert [c.name for c in read.parser.calls] == ["f"]
+    # required / named: never content.
+    forced = CallFilter(StopMatcher(()), CallParser(), in_block=True)
+    assert content_of(forced, ["<tool_call>hi"]) == (["", ""], False)
+
+
 WEATHER = {
     "type": "function",
     "function": {

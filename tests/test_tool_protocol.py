@@ -140,7 +140,7 @@ def test_legacy_functions_map_onto_tools():
         ),
         (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
-            "tool_choice",
+            "tool_choice.function.name",
             "'tool_choice.function.name' names the function 'x', which is not among the tools.",
         ),
         (
@@ -160,6 +160,16 @@ def test_legacy_functions_map_onto_tools():
             "an object naming a function.",
         ),
         (
+            {"functions": [{"name": "f"}], "function_call": {"name": "g"}},
+            "function_call.name",
+            "'function_call.name' names the function 'g', which is not among the tools.",
+        ),
+        (
+            {"parallel_tool_calls": False},
+            "parallel_tool_calls",
+            "'parallel_tool_calls' is only allowed when 'tools' are given.",
+        ),
+        (
             {"tools": [WEATHER], "parallel_tool_calls": "no"},
             "parallel_tool_calls",
             "'parallel_tool_calls' must be a boolean.",
@@ -168,6 +178,32 @@ def test_legacy_functions_map_onto_tools():
 )
 def test_refusals_name_the_param(body, param, message):
     assert refused(body) == (param, message)
+
+
+LONE = "\ud800"
+
+
+def surrogate_tool(**function: Any) -> dict[str, Any]:
+    return {"tools": [TIME, {"type": "function", "function": {"name": "f", **function}}]}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (surrogate_tool(description=LONE), "tools[1].function.description"),
+        (
+            surrogate_tool(parameters={"type": "object", "properties": {LONE: {}}}),
+            "tools[1].function.parameters.properties.\\ud800",
+        ),
+        (
+            surrogate_tool(parameters={"properties": {"u": {"enum": ["c", f"f{LONE}"]}}}),
+            "tools[1].function.parameters.properties.u.enum[1]",
+        ),
+        ({"functions": [{"name": "f", "description": LONE}]}, "functions[0].description"),
+    ],
+)
+def test_a_lone_surrogate_in_a_tool_is_refused_by_its_path(body, param):
+    assert refused(body) == (param, f"'{param}' contains a lone surrogate code point.")
 
 
 CALL = {
@@ -271,12 +307,51 @@ def test_a_user_message_holding_tool_call_syntax_stays_content():
             [ASK, {"role": "tool", "tool_call_id": "a", "content": "x", "name": "f"}],
             "messages[1].name",
         ),
+        (
+            [ASK, {"role": "assistant", "tool_calls": [CALL, {**CALL, "id": "x"}, CALL]}],
+            "messages[1].tool_calls[2].id",
+        ),
+        (
+            [ASK, {"role": "assistant", "tool_calls": [{**CALL, "id": "\udfff"}]}],
+            "messages[1].tool_calls[0].id",
+        ),
+        (
+            [
+                ASK,
+                {
+                    "role": "assistant",
+                    "tool_calls": [{**CALL, "function": {"name": "\ud800", "arguments": "{}"}}],
+                },
+            ],
+            "messages[1].tool_calls[0].function.name",
+        ),
+        (
+            [
+                ASK,
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_abc\ud800", "content": "x"},
+            ],
+            "messages[2].tool_call_id",
+        ),
     ],
 )
 def test_bad_history_names_the_param(messages, param):
     with pytest.raises(ApiError) as info:
         parse_messages(messages, 16)
     assert info.value.param == param
+
+
+def test_an_id_reused_by_a_later_message_answers_the_latest_call():
+    again = {**CALL, "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [
+        ASK,
+        {"role": "assistant", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "18C"},
+        {"role": "assistant", "tool_calls": [again]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "12:00"},
+    ]
+    parsed = parse_messages(messages, 16)
+    assert [m.get("name") for m in parsed if m["role"] == "tool"] == ["get_weather", "get_time"]
 
 
 def test_well_formed_tools_and_history_reach_the_chat_request():

@@ -10,7 +10,14 @@ import pytest
 from model.grammar.compile import Constraint, GrammarCompiler
 from model.grammar.matcher import ConstraintError
 from model.tokenizer import ByteTokenizer
-from wsgi_app.api.tool_syntax import ParsedCall, call_grammar, call_id, parse_calls, split_text
+from wsgi_app.api.tool_syntax import (
+    ParsedCall,
+    call_grammar,
+    call_id,
+    parse_calls,
+    prompt_digest,
+    split_text,
+)
 from wsgi_app.api.tools import Tool
 
 WEATHER = Tool(
@@ -89,12 +96,15 @@ def test_parse_both_syntaxes():
         parse_calls("<tool_call>[]</tool_call>")
 
 
-def test_call_ids_derive_from_seed_choice_and_index():
+def test_call_ids_derive_from_seed_prompt_choice_and_index():
     ids = {call_id(7, c, i) for c in range(3) for i in range(3)}
     assert len(ids) == 9
     assert all(re.fullmatch(r"call_[A-Za-z0-9]{24}", i) for i in ids)
     assert call_id(7, 1, 2) == call_id(7, 1, 2) != call_id(8, 1, 2)
     assert call_id(None, 0, 0) != call_id(None, 0, 0)
+    turn1, turn2 = prompt_digest([1, 2, 3]), prompt_digest([1, 2, 3, 4])
+    assert turn1 == prompt_digest((1, 2, 3)) != turn2
+    assert call_id(7, 0, 0, turn1) == call_id(7, 0, 0, turn1) != call_id(7, 0, 0, turn2)
 
 
 def test_auto_lets_text_start_and_takes_over_at_the_opening_tag():

@@ -179,6 +179,7 @@ def _tool_message(message: dict, role: str, where: str, calls: dict[str, str]) -
     at = f"{where}.tool_call_id"
     if not isinstance(call_id, str):
         raise invalid(f"'{at}' is required and must be a string.", at)
+    check_unicode(call_id, at)
     if call_id not in calls:
         raise invalid(
             f"'{at}' {quote_name(call_id)!r} matches no tool call of an earlier assistant message.",
@@ -189,7 +190,13 @@ def _tool_message(message: dict, role: str, where: str, calls: dict[str, str]) -
 
 def _tool_calls(message: dict, where: str, calls: dict[str, str]) -> list[dict[str, Any]] | None:
     """An assistant's ``tool_calls`` (or legacy ``function_call``) in transformers' shape; each id
-    is noted in ``calls`` (a legacy call gets the id ``call_<n>``)."""
+    is noted in ``calls`` (a legacy call gets the id ``call_<n>``).
+
+    Two calls of one message with the same id are refused (``<where>.tool_calls[j].id``, the second
+    one): their results could not be told apart. An id an earlier message used is accepted, and a
+    ``tool`` message answers the latest call with it: models and servers that number their calls per
+    turn (``call_0``, ``name:index``) reuse ids across turns, and refusing their histories would
+    break agents that replay them."""
     value, legacy = message.get("tool_calls"), message.get("function_call")
     if value is not None and legacy is not None:
         raise invalid(f"'{where}' sends 'tool_calls' and 'function_call'; send one.", where)
@@ -210,11 +217,19 @@ def _tool_calls(message: dict, where: str, calls: dict[str, str]) -> list[dict[s
         call_id, function = call.get("id"), call.get("function")
         if not isinstance(call_id, str) or not call_id:
             raise invalid(f"'{at}.id' is required and must be a string.", f"{at}.id")
+        check_unicode(call_id, f"{at}.id")
+        if any(c["id"] == call_id for c in out):
+            raise invalid(
+                f"'{at}.id' {quote_name(call_id)!r} repeats the id of an earlier call of this "
+                "message; each call needs its own id.",
+                f"{at}.id",
+            )
         if call.get("type", "function") != "function" or not isinstance(function, dict):
             raise invalid(f"'{at}' must be a function call with a 'function' object.", at)
         name, arguments = function.get("name"), function.get("arguments")
         if not isinstance(name, str) or not name:
             raise invalid(f"'{at}.function.name' must be a string.", f"{at}.function.name")
+        check_unicode(name, f"{at}.function.name")
         if not isinstance(arguments, str):
             raise invalid(
                 f"'{at}.function.arguments' must be a string (JSON).", f"{at}.function.arguments"

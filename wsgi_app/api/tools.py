@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from wsgi_app.api.errors import invalid, quote_name
-from wsgi_app.api.fields import described_object
+from wsgi_app.api.fields import check_unicode, described_object
 
 MAX_TOOLS = 128  # OpenAI's documented limit on `tools`
 CHOICES = ("none", "auto", "required")
@@ -100,8 +100,10 @@ def parse_tools(body: dict[str, Any], max_tools: int = MAX_TOOLS) -> ToolRequest
         ApiError: 400 naming the param: ``tools`` and ``functions`` both given; a malformed or
             over-limit list (``tools``), a malformed tool (``tools[i]``, ``tools[i].function.name``,
             ``tools[i].function.parameters``...), a duplicate name; a malformed ``tool_choice`` /
-            ``function_call``, one given without tools, or one naming an unknown function;
-            ``parallel_tool_calls`` not a boolean.
+            ``function_call``, one given without tools, or one naming an unknown function
+            (``tool_choice.function.name``, ``function_call.name``); ``parallel_tool_calls`` not a
+            boolean or given without tools; a lone surrogate in a description or anywhere in
+            ``parameters`` (its path: :func:`check_strings`).
     """
     tools_value, functions_value = body.get("tools"), body.get("functions")
     if tools_value is not None and functions_value is not None:
@@ -122,10 +124,9 @@ def parse_tools(body: dict[str, Any], max_tools: int = MAX_TOOLS) -> ToolRequest
     value = functions_value if legacy else tools_value
     choice_value = body.get(choice_param)
     if value is None:
-        if choice_value is not None:
-            raise invalid(
-                f"'{choice_param}' is only allowed when '{param}' are given.", choice_param
-            )
+        for given in (choice_param, "parallel_tool_calls"):  # as OpenAI refuses them
+            if body.get(given) is not None:
+                raise invalid(f"'{given}' is only allowed when '{param}' are given.", given)
         return None
     if not isinstance(value, list) or not value:
         raise invalid(f"'{param}' must be a non-empty list.", param)
@@ -170,6 +171,8 @@ def _tool(value: Any, where: str, legacy: bool) -> Tool:
         if not isinstance(function, dict):
             raise invalid(f"'{fwhere}' is required and must be an object.", fwhere)
     named = described_object(function, fwhere, _FUNCTION_KEYS, name_required=True)
+    if named.description is not None:
+        check_unicode(named.description, f"{fwhere}.description")
     parameters = function.get("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
@@ -177,7 +180,28 @@ def _tool(value: Any, where: str, legacy: bool) -> Tool:
         raise invalid(
             f"'{fwhere}.parameters' must be a JSON Schema object.", f"{fwhere}.parameters"
         )
+    check_strings(parameters, f"{fwhere}.parameters")
     return Tool(named.name, named.description, parameters, bool(named.strict))
+
+
+def check_strings(value: Any, where: str) -> None:
+    """Refuse a lone surrogate in any string of the decoded JSON ``value``: object keys and
+    values, list items, at any depth (the tokenizer and the UTF-8 answer cannot carry one).
+
+    Raises:
+        ApiError: 400 naming the string's path (``tools[0].function.parameters.properties.x``,
+            ``...enum[1]``); a key is named by its own path, escaped (``quote_name``).
+    """
+    if isinstance(value, str):
+        check_unicode(value, where)
+    elif isinstance(value, dict):
+        for key, sub in value.items():
+            at = f"{where}.{quote_name(key)}"
+            check_unicode(key, at)
+            check_strings(sub, at)
+    elif isinstance(value, list):
+        for i, sub in enumerate(value):
+            check_strings(sub, f"{where}[{i}]")
 
 
 def _choice(value: Any, param: str, legacy: bool, names: dict[str, int]) -> tuple[str, str | None]:
@@ -208,6 +232,6 @@ def _choice(value: Any, param: str, legacy: bool, names: dict[str, int]) -> tupl
         raise invalid(f"'{at}' is required and must be a string.", at)
     if name not in names:
         raise invalid(
-            f"'{at}' names the function {quote_name(name)!r}, which is not among the tools.", param
+            f"'{at}' names the function {quote_name(name)!r}, which is not among the tools.", at
         )
     return "named", name

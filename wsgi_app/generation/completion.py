@@ -113,6 +113,8 @@ class Completion:
             calls = {"tools": req.tools, "tool_format": req.tool_format, "seed": req.seed}
         for prompt in req.prompts():
             echo_text, pending = _echo(prompt, req) if req.echo else ("", b"")
+            if calls:  # a seeded call id derives from its prompt too (``call_id``)
+                calls["prompt_ids"] = prompt.ids
             self.echo_texts.append(echo_text)
             for i in range(n):  # choice i of prompt p is index p*n + i, seeded as choice i
                 logprobs = None if req.logprobs is None else wire.new_logprobs(tokenizer)

@@ -70,6 +70,12 @@ class GrammarService:
         text = None if rc is None else rc.constraint
         if req.tools is not None:
             _check_keywords(req.tools)
+            self._check_tools(req.tools)
+            if rc is not None:
+                # Checked alone whatever the tool choice: "required" leaves it out of the grammar.
+                alone = self._grammar(rc.constraint)
+                if isinstance(alone, ConstraintError):
+                    raise _cannot(rc.param, alone)
             constraint = tool_constraint(req.tools, self.tool_format, text)
             req = dataclasses.replace(req, tool_format=self.tool_format)
         elif text is None:
@@ -96,22 +102,30 @@ class GrammarService:
             grammar = self._pool.apply(self.compiler.result, (constraint,))
         return grammar
 
+    def _check_tools(self, tools: ToolRequest) -> None:
+        """Compile each callable tool's ``parameters`` alone, as a ``response_format`` schema is
+        (cached; with its satisfiability check): the tool-call grammar's own check only computes
+        its first mask (the tag's ``<``), so a schema that only refers to itself (``{"$ref": "#"}``,
+        a ``$defs`` loop) would otherwise pass and fail while generating.
+
+        Raises:
+            ApiError: 400 naming the first failing tool's ``parameters`` (:func:`parameters_param`).
+        """
+        callable_tools = tools.callable_tools()
+        for i, tool in enumerate(tools.tools):
+            if tool in callable_tools:
+                alone = self._grammar(Constraint("json_schema", tool.parameters))
+                if isinstance(alone, ConstraintError):
+                    raise _cannot(parameters_param(tools, i), alone)
+
     def _refusal(
         self, req: CompletionRequest, constraint: Constraint, error: ConstraintError
     ) -> ApiError:
         """Return the 400 of a constraint that does not compile, naming the part at fault: for a
-        tool-call grammar, the first tool whose schema fails alone, else the text constraint if it
-        fails alone, else the tools together."""
+        tool-call grammar (whose tools' schemas and text constraint each compile alone, checked
+        first), the tools together."""
         rc, tools = req.constraint, req.tools
         if constraint.kind == "tool_calls" and tools is not None:
-            for i, tool in enumerate(tools.tools):
-                if tool in tools.callable_tools():
-                    alone = self._grammar(Constraint("json_schema", tool.parameters))
-                    if isinstance(alone, ConstraintError):
-                        return _cannot(parameters_param(tools, i), alone)
-            alone = None if rc is None else self._grammar(rc.constraint)
-            if isinstance(alone, ConstraintError):
-                return _cannot(rc.param, alone)
             return _cannot(tools.param, error)
         return _cannot(rc.param, error)
 

@@ -7,7 +7,9 @@ where the stop strings are matched: :class:`CallFilter` takes the stop matcher's
 byte of a possible tag, as a stop string is, and released once the tag cannot follow (at the end of
 the answer too); the request's stop strings apply to it, never to the block. ``required`` and a named
 choice answer a block from the first byte, never content. From the tag on, the text goes to the call
-parser (``wsgi_app.api.tool_syntax.CallParser``) and is never content. The calls read are both what a
+parser (``wsgi_app.api.tool_syntax.CallParser``) and is not content, unless under ``auto`` the
+parser cannot read it before the first call: then it was a text answer that starts with the tag, and
+it is released as content (:class:`CallFilter`). The calls read are both what a
 stream sends (as tool-call deltas) and what the JSON answer holds, so a stream's accumulation is the
 answer.
 
@@ -22,10 +24,11 @@ Source: OpenAI API reference, "Chat Completions" (``message.tool_calls``, ``fini
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from model.stop import StopMatcher
-from wsgi_app.api.tool_syntax import OPEN, Call, CallParser, call_id
+from wsgi_app.api.tool_syntax import OPEN, Call, CallParser, call_id, prompt_digest
 from wsgi_app.api.tools import ToolRequest
 from wsgi_app.generation.choice import Choice
 
@@ -41,6 +44,11 @@ def _tag_prefix(text: str) -> int:
 class CallFilter:
     """Split a choice's text into content and tool calls (the stop matcher's ``push``/``flush``).
 
+    Under ``auto``, a block whose text the call syntax cannot read before its first call (a text
+    constraint whose answer starts with the tag: ``regex`` ``<tool_call>hi``) is content after all:
+    its text is released from the tag on, through the stop strings, and the rest of the choice is
+    content too (no call can follow a text answer).
+
     Args:
         stop: the choice's stop matcher (the request's stop strings end the content; inside the
             block they do not apply: the grammar decides where it ends).
@@ -49,19 +57,23 @@ class CallFilter:
             named): no text is content, not even an opening tag cut by ``max_tokens``.
     """
 
-    __slots__ = ("_stop", "_held", "parser", "in_block")
+    __slots__ = ("_stop", "_held", "_block", "_text_only", "parser", "in_block")
 
     def __init__(self, stop: StopMatcher, parser: CallParser, in_block: bool = False) -> None:
         self._stop = stop
         self._held = ""  # a possible start of the opening tag
+        # Under auto, the block's text until its first call (None once it cannot become content).
+        self._block: str | None = None if in_block else ""
+        self._text_only = False  # a block turned out to be text: the rest is content
         self.parser = parser
         self.in_block = in_block
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add decoded text; return the content it releases and whether a stop string matched."""
         if self.in_block:
-            self.parser.feed(text)
-            return "", False
+            return self._feed(text)
+        if self._text_only:
+            return self._stop.push(text)
         pending = self._held + text
         at = pending.find(OPEN)
         if at < 0:
@@ -73,8 +85,25 @@ class CallFilter:
         if stopped:
             return out, True
         self.in_block = True
-        self.parser.feed(pending[at:])
-        return out + self._stop.flush(), False
+        out += self._stop.flush()
+        more, stopped = self._feed(pending[at:])
+        return out + more, stopped
+
+    def _feed(self, text: str) -> tuple[str, bool]:
+        """Give block text to the parser; release the block as content when it cannot be read
+        before its first call (under auto)."""
+        self.parser.feed(text)
+        if self._block is None:
+            return "", False
+        if self.parser.calls:
+            self._block = None  # a call was read (and streamed): the block stays a block
+            return "", False
+        self._block += text
+        if not self.parser.broken:
+            return "", False
+        block, self._block = self._block, None
+        self.in_block, self._text_only = False, True
+        return self._stop.push(block)
 
     def flush(self) -> str:
         """Release the held-back content at the end of the choice (no tag came)."""
@@ -90,7 +119,8 @@ class ToolChoice(Choice):
     Args: those of :class:`Choice` (a chat choice: no ``echo``), and:
         tools: the request's tools (the finish reason of an answer that calls them).
         tool_format: the syntax calls are written in (``TOOL_CALL_FORMAT``).
-        seed: the request's seed, or None: call ids derive from (seed, choice, call index).
+        seed: the request's seed, or None: call ids derive from (seed, prompt, choice, call index).
+        prompt_ids: the choice's prompt token ids (their digest goes into the call ids).
 
     Attributes:
         legacy: the request used ``functions`` (its call is a ``function_call``).
@@ -98,10 +128,18 @@ class ToolChoice(Choice):
 
     __slots__ = ("_filter", "_calls_reason", "legacy")
 
-    def __init__(self, *args: Any, tools: ToolRequest, tool_format: str, seed: int | None) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        tools: ToolRequest,
+        tool_format: str,
+        seed: int | None,
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
         super().__init__(*args)
         index = self.index
-        parser = CallParser(tool_format, lambda i: call_id(seed, index, i))
+        digest = 0 if seed is None else prompt_digest(prompt_ids)
+        parser = CallParser(tool_format, lambda i: call_id(seed, index, i, digest))
         self._filter = self._matcher = CallFilter(self._matcher, parser, tools.choice != "auto")
         self._stops = True
         self._calls_reason = tools.finish_reason()
