@@ -88,7 +88,7 @@ def test_a_prompt_read_beside_decoding_sequences_is_its_bits_alone(stories, monk
         got[name] = bits(steps)
         assert not any(d.done for d in decoders)  # they decoded all along
         reading = [r for r in rows if r[0]]
-        assert all(p <= BatchScheduler.prompt_rows(2) == 8 for p, _ in reading), reading
+        assert all(p <= BatchScheduler.prompt_rows(2, 420) == 8 for p, _ in reading), reading
         # at least half of every step, but where the prompt had fewer rows left than the decoders
         assert all(p >= d or p < 2 for p, d in reading), reading
         cached = steps[0].cached_tokens
@@ -96,6 +96,16 @@ def test_a_prompt_read_beside_decoding_sequences_is_its_bits_alone(stories, monk
         assert len(reading) == -(-(len(req.prompt_ids) - cached) // 8)  # 8 rows a step
     assert got == want
     assert any(d > 2 for _, d in rows)  # the decoders drafted beside the prompt
+
+
+def test_the_prompt_rows_halve_as_the_position_doubles_and_keep_half_the_step():
+    rows = BatchScheduler.prompt_rows
+    # 8 rows x 2,048 positions is the most a step attends over beside one or two streams
+    assert [rows(2, p) for p in (0, 1, 2048, 2049, 4096, 4097, 8191)] == [8, 8, 8, 4, 4, 2, 2]
+    assert [rows(1, p) for p in (2048, 4097, 8192, 16385, 100_000)] == [8, 2, 2, 1, 1]
+    # never fewer than the decoding sequences (a power of two: the pieces tile a chunk)
+    assert [rows(n, 8000) for n in (3, 5, 8, 9, 17, 32)] == [4, 8, 8, 16, 32, 32]
+    assert [rows(n, 0) for n in (8, 9, 16, 17)] == [8, 16, 16, 32]
 
 
 # -- end to end: SmolLM2 on a real gunicorn ---------------------------------------------------------

@@ -13,10 +13,10 @@ and only once the whole prompt of its sequence is in (a prefill that fails or is
 nothing, and blocks of a prefill still running are never hit).
 
 A partial last chunk is not a block (blocks are whole), but it is the end of exactly its own prompt:
-with the whole blocks, each prompt also keeps a *prompt end*, the KV of its last partial chunk (possibly empty) and the logits the
-cold run computed after its last position, keyed by its last block's key and the remaining ids. A
-request whose whole prompt is cached (the same request again) then computes nothing: its first token is
-drawn from those logits, the very bits of the cold run.
+with the whole blocks, each prompt also keeps a *prompt end*, the KV of its last partial chunk
+(possibly empty) and the logits the cold run computed after its last position, keyed by its last
+block's key and the remaining ids. A request whose whole prompt is cached (the same request again)
+then computes nothing: its first token is drawn from those logits, the very bits of the cold run.
 
 Keys chain: a block's key is a hash of (its parent block's key, the cache salt, its token ids), so a
 key names the whole prefix up to the block's end, and requests with different salts (API keys,

@@ -11,13 +11,11 @@ native thread. Each step is one pass over the weights (``Llama.forward``): one t
 sequence that is generating, plus prompt tokens of the oldest sequences still reading their prompts
 (so a burst of prompts costs no pass of its own, and a cancelled one stops within a chunk). A prompt's
 chunk boundaries are fixed (``prefill_chunk``, from position 0). While no sequence decodes, a step
-takes whole chunks, up to ``prefill_budget`` tokens. While some decode, the prompts get as many rows
-as the decoding sequences have, at least :data:`SHARE_ROWS` (:meth:`BatchScheduler.prompt_rows`), so
-at least half of every step, and a chunk is read over several steps: the decoding sequences wait
-for a few rows a step instead of up to 256 (a step of 256 prompt rows cost ~17 one-row steps, and
-more the longer the prompt). Its bits are the chunk's at once, as every row attends with the decode
-arithmetic at its own position (:mod:`model.llama.attend`). A sequence joins at the next step and
-leaves as soon as it finishes or is cancelled.
+takes whole chunks, up to ``prefill_budget`` tokens; while some decode, a few prompt rows, at least
+half the step (:meth:`BatchScheduler.prompt_rows`), so they wait for a few rows a step, not for up to
+256 (~17 one-row steps; issue 31): a chunk is read over several steps, with the bits of the chunk at
+once, as every row attends with the decode arithmetic at its own position (:mod:`model.llama.attend`).
+A sequence joins at the next step and leaves as soon as it finishes or is cancelled.
 
 A sequence's tokens never depend on its batch: ``Llama.forward`` gives each row the same bits whatever
 the other rows are (unless ``batch_invariant`` is turned off, which lets steps of few rows run one GEMV
@@ -61,7 +59,9 @@ from model.pcg32 import PCG32
 from model.sampling import sample
 
 PREFILL_CHUNK = 128  # prompt tokens a sequence prefills per step: the chunk grid (and prefix block)
-SHARE_ROWS = 8  # the fewest prompt rows a step beside decoding sequences takes (the ROW_TILE of 8)
+SHARE_ROWS = 8  # the most prompt rows a step beside a few decoding sequences takes (one ROW_TILE)
+# and the most rows x positions they attend over (SmolLM2: ~30 ms a step; bench/prefill_share.py)
+SHARE_POSITIONS = 16384
 
 
 class BatchScheduler:
@@ -302,15 +302,23 @@ class BatchScheduler:
         return ready
 
     @staticmethod
-    def prompt_rows(n_decoding: int) -> int:
+    def prompt_rows(n_decoding: int, position: int) -> int:
         """Return the most prompt tokens a step beside ``n_decoding`` decoding sequences takes.
 
-        The smallest power of two at least :data:`SHARE_ROWS` and at least their rows without
-        drafts, so that the pieces tile a chunk of :data:`PREFILL_CHUNK` (only a prompt's last one
-        is shorter); their drafts never outnumber the prompt rows (:meth:`_drafts`). So the prompts
-        get at least half of every step, and a decode step grows by a few rows, not by chunks.
+        A prompt row attends over every position before it, so a piece read at ``position`` costs
+        ~``rows * position`` besides its products: :data:`SHARE_ROWS` rows while that is within
+        :data:`SHARE_POSITIONS`, halved each time ``position`` doubles past it, but never fewer than
+        the decoding sequences' rows without drafts (their drafts never outnumber the prompt rows,
+        :meth:`_drafts`): the prompts get at least half of every step. A power of two, so that the
+        pieces tile a chunk of :data:`PREFILL_CHUNK`.
+
+        Args:
+            n_decoding: the decoding sequences (at least one).
+            position: the first position the step's prompt rows take.
         """
-        return 1 << (max(n_decoding, SHARE_ROWS) - 1).bit_length()
+        fewest = 1 << (n_decoding - 1).bit_length()
+        fit = 1 << max(0, (SHARE_POSITIONS // max(position, 1)).bit_length() - 1)
+        return max(fewest, min(fit, 1 << (max(n_decoding, SHARE_ROWS) - 1).bit_length()))
 
     def _prefill_spans(
         self, prefilling: list[Sequence], n_decoding: int
@@ -318,7 +326,9 @@ class BatchScheduler:
         """Return the sequences whose prompt tokens join this step, and those tokens: the oldest
         first, the rest of each one's chunk, within ``prefill_budget`` tokens (at least one chunk)
         while none decodes, else within :meth:`prompt_rows` (the first one's part of a chunk)."""
-        budget = self.prompt_rows(n_decoding) if n_decoding else self.prefill_budget
+        budget = self.prefill_budget
+        if n_decoding and prefilling:
+            budget = self.prompt_rows(n_decoding, prefilling[0].prefilled)
         chosen: list[Sequence] = []
         spans: list[abc.Sequence[int]] = []
         tokens = 0
