@@ -26,8 +26,9 @@ from model.llama.kv_cache import KV_BLOCK, KVCache
 from model.llama.ops import decode_attention, unseen_positions
 
 # Rows of one sequence per decode_attention call: bounds its scores to RUN_ROWS * n_heads * positions
-# floats (3.5 MB for SmolLM2 at 6,144 positions); a prompt chunk of 128 rows at 6,144 positions
-# costs about what one causal product over the chunk did (bench/results/...-prefill-share.json).
+# floats (3.5 MB for SmolLM2 at 6,144 positions). A cold prompt costs what one causal product per
+# chunk did: 1,561 SmolLM2 tokens in 7.7 s against 7.6 s (bench/prefill_share.py, "alone", in
+# bench/results/20261202T012753Z-prefill-share-after.json and ...T013336Z-prefill-share-before.json).
 RUN_ROWS = 16
 
 
