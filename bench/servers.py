@@ -117,6 +117,7 @@ def start(
     env: dict[str, str] | None = None,
     workers: int = 1,
     ready_s: float = 30.0,
+    root: Path = ROOT,
 ) -> Server:
     """Start server ``name`` pinned to the server core; return once ``/healthz`` answers.
 
@@ -126,6 +127,7 @@ def start(
         env: extra environment (greenserve settings such as ``MAX_SLOTS``).
         workers: greenserve's gunicorn workers (``WEB_CONCURRENCY``); the others have one.
         ready_s: how long it may take to become ready, seconds (a GGUF is hashed at each start).
+        root: the checkout whose code the server runs (another commit's worktree, for a "before").
 
     Raises:
         RuntimeError: the server exited or did not become ready within ``ready_s`` (with its log
@@ -133,11 +135,11 @@ def start(
     """
     port = free_port()
     health_port = free_port() if name == "greenserve" else None
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1", **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": str(root), "OPENBLAS_NUM_THREADS": "1", **(env or {})}
     if name == "greenserve":
         full_env.update(WEB_CONCURRENCY=str(workers), HOST="127.0.0.1", PORT=str(port))
         full_env["HEALTH_PORT"] = str(health_port)
-        argv = [sys.executable, "-m", "gunicorn", "-c", str(ROOT / "gunicorn.conf.py")]
+        argv = [sys.executable, "-m", "gunicorn", "-c", str(root / "gunicorn.conf.py")]
         argv.append("--no-control-socket")
     elif name == "pywsgi":
         # The same scheduling as greenserve's Pacer, so the ceiling differs only by the work done.
@@ -150,7 +152,7 @@ def start(
         argv += ["--backlog", "2048"]
     else:
         raise ValueError(f"unknown server {name!r}; choose from {NAMES}")
-    return _launch(name, argv, full_env, port, health_port, logdir, env or {}, ready_s=ready_s)
+    return _launch(name, argv, full_env, port, health_port, logdir, env or {}, ready_s, root)
 
 
 def start_llamacpp(python: str, model: Path, alias: str, logdir: Path) -> Server:
@@ -183,8 +185,9 @@ def _launch(
     health_port: int | None,
     logdir: Path,
     env: dict[str, str],
-    ready_path: str = "/healthz",
     ready_s: float = 30.0,
+    root: Path = ROOT,
+    ready_path: str = "/healthz",
 ) -> Server:
     """Run ``argv`` pinned to the server core; return once ``ready_path`` (and ``/healthz`` on
     ``health_port``) answer 200."""
@@ -195,7 +198,7 @@ def _launch(
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             argv,
-            cwd=ROOT,
+            cwd=root,
             env=full_env,
             stdout=log,
             stderr=subprocess.STDOUT,

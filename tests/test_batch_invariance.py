@@ -175,3 +175,36 @@ def test_smollm2_shaped_decode_beside_a_prompt_chunk_is_bit_identical(smollm2_sh
     mixed = model.forward([chunk] + [[t] for t in last], [pool.take(40)] + caches)
     assert np.array_equal(mixed[0], chunk_alone)
     assert np.array_equal(mixed[1:], alone)
+
+
+def test_smollm2_shaped_prompt_cut_any_way_is_the_bits_of_the_prompt_at_once(smollm2_shaped):
+    # 450 positions: past one attention chunk (384) and across KV blocks; the pieces of 8 and the
+    # random cuts are what the scheduler feeds beside decoding sequences (issue 31).
+    model = smollm2_shaped
+    rng = np.random.default_rng(11)
+    prompt = [int(t) for t in rng.integers(0, 49152, 450)]
+    other_prompt = [int(t) for t in rng.integers(0, 49152, 70)]
+
+    def fed(cuts: list[int], beside: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        cache, other = model.new_cache(512), model.new_cache(512)
+        model.prefill(other_prompt, other)
+        start, logits = 0, None
+        for end in [*cuts, len(prompt)]:
+            if beside:  # beside a decode row and a verify chunk of three rows
+                third = model.new_cache(512)
+                model.prefill(other_prompt[:9], third)
+                logits, _ = model.step(
+                    [prompt[start:end]], [cache], [[5], [6, 7, 8]], [other, third]
+                )
+            else:
+                logits = model.forward([prompt[start:end]], [cache])
+            start = end
+        return logits[0], cache.k[:, :, : len(prompt)], cache.v[:, :, : len(prompt)]
+
+    whole = fed([], beside=False)
+    random_cuts = sorted({int(c) for c in rng.integers(1, len(prompt), 30)})
+    for cuts in (list(range(128, 450, 128)), list(range(8, 450, 8)), random_cuts, [1, 2, 449]):
+        for beside in (False, True):
+            got = fed(cuts, beside)
+            for name, a, b in zip(("logits", "k", "v"), got, whole, strict=True):
+                assert np.array_equal(a, b), (name, cuts[:4], beside)

@@ -1,17 +1,18 @@
 """One forward pass's attention: where each sequence's new keys and values go, and who attends with whom.
 
 A pass (:meth:`model.llama.model.Llama.forward`) brings a chunk of tokens for each of several
-sequences. A prompt chunk of several tokens attends causally over its own cache
-(:func:`model.llama.ops.attention`). The one-token chunks of the decoding sequences are grouped by
-the slab their caches are lanes of (:mod:`model.llama.kv_cache`): each group attends in one
-:func:`model.llama.ops.decode_attention` call over the slab's lanes ``lo..hi`` (a lane in between
-that decodes nothing this step is computed and dropped), so a step of 32 sequences costs about 15
-numpy calls per layer instead of a dozen per sequence. A *verify* chunk (a decoding sequence's last
-token and the tokens drafted after it, :mod:`model.llama.speculative`) is several decode rows of one
-sequence: each row attends with the decode arithmetic at its own length, in one
-:func:`~model.llama.ops.decode_attention` call over the sequence's lane repeated once per row (a
-broadcast view, nothing copied), so every row has the bits a one-token decode at its position has.
-The plan is made once per pass and used for every layer.
+sequences, and every row of it attends with one arithmetic, :func:`model.llama.ops.decode_attention`
+at the row's own length: so a row's bits depend on its position and the keys before it, never on the
+chunk it came in, the rows beside it or how a prompt was cut into steps (a prompt fed a few rows
+per step is the bits of the prompt at once; docs/ARCHITECTURE.md §5). The one-token chunks of the
+decoding sequences are grouped by the slab their caches are lanes of (:mod:`model.llama.kv_cache`):
+each group attends in one call over the slab's lanes ``lo..hi`` (a lane in between that decodes
+nothing this step is computed and dropped), so a step of 32 sequences costs about 15 numpy calls per
+layer instead of a dozen per sequence. A chunk of several rows of one sequence (a prompt chunk, or a
+*verify* chunk: a decoding sequence's last token and the tokens drafted after it,
+:mod:`model.llama.speculative`) attends in calls of up to :data:`RUN_ROWS` rows over the sequence's
+lane repeated once per row (a broadcast view, nothing copied). The plan is made once per pass and
+used for every layer.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from model.llama.kv_cache import KV_BLOCK, KVCache
-from model.llama.ops import attention, decode_attention, unseen_positions
+from model.llama.ops import decode_attention, unseen_positions
+
+# Rows of one sequence per decode_attention call: bounds its scores to RUN_ROWS * n_heads * positions
+# floats (3.5 MB for SmolLM2 at 6,144 positions). A cold prompt costs what one causal product per
+# chunk did: 1,561 SmolLM2 tokens in 7.7 s against 7.6 s (bench/prefill_share.py, "alone", in
+# bench/results/20261202T012753Z-prefill-share-after.json and ...T013336Z-prefill-share-before.json).
+RUN_ROWS = 16
 
 
 @dataclass(slots=True)
@@ -60,31 +67,23 @@ class StepAttention:
         caches: one distinct cache per chunk, checked to have room for it.
         sizes: the chunks' token counts.
         ends: ``(len(sizes),)`` the rows of the pass where each chunk ends (exclusive).
-        verify: per chunk, whether its rows are decode rows (a verify chunk); None for none.
-            A one-token chunk is a decode row either way.
     """
 
-    def __init__(
-        self,
-        caches: Sequence[KVCache],
-        sizes: Sequence[int],
-        ends: np.ndarray,
-        verify: Sequence[bool] | None = None,
-    ) -> None:
-        self._prompts: list[tuple[KVCache, int, int, int]] = []  # (cache, row0, row1, start)
-        # (cache, row0, row1, lengths, unseen)
-        self._verifies: list[tuple[KVCache, int, int, np.ndarray, np.ndarray]] = []
+    def __init__(self, caches: Sequence[KVCache], sizes: Sequence[int], ends: np.ndarray) -> None:
+        self._chunks: list[tuple[KVCache, int, int]] = []  # (cache, row0, row1): several rows
+        # (cache, row0, row1, lengths, unseen): up to RUN_ROWS rows of a chunk, one call
+        self._runs: list[tuple[KVCache, int, int, np.ndarray, np.ndarray]] = []
         decoding: dict[int, list[tuple[KVCache, int]]] = {}  # id(slab_k) -> [(cache, row)]
-        flags = verify if verify is not None else [False] * len(sizes)
-        for cache, n, end, decode_rows in zip(caches, sizes, ends, flags, strict=True):
+        for cache, n, end in zip(caches, sizes, ends, strict=True):
             r0, r1 = int(end) - n, int(end)
             if n == 1:
                 decoding.setdefault(id(cache.slab_k), []).append((cache, r1 - 1))
-            elif decode_rows:
-                lengths = cache.length + np.arange(1, n + 1, dtype=np.int64)
-                self._verifies.append((cache, r0, r1, lengths, unseen_positions(lengths, KV_BLOCK)))
-            else:
-                self._prompts.append((cache, r0, r1, cache.length))
+                continue
+            self._chunks.append((cache, r0, r1))
+            for a in range(r0, r1, RUN_ROWS):
+                b = min(r1, a + RUN_ROWS)
+                lengths = cache.length + np.arange(a - r0 + 1, b - r0 + 1, dtype=np.int64)
+                self._runs.append((cache, a, b, lengths, unseen_positions(lengths, KV_BLOCK)))
         self._groups = [_group(members) for members in decoding.values()]
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -100,17 +99,12 @@ class StepAttention:
             ``(T, n_heads * head_dim)`` float32.
         """
         att = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=np.float32)
-        for cache, r0, r1, start in self._prompts:
-            end = start + r1 - r0
+        for cache, r0, r1 in self._chunks:  # every key of a chunk is in before any row attends
+            start = cache.length
             # (t, Hkv, hd) -> (Hkv, t, hd): the cache is head-major
-            cache.k[layer, :, start:end] = k[r0:r1].transpose(1, 0, 2)
-            cache.v[layer, :, start:end] = v[r0:r1].transpose(1, 0, 2)
-            kc, vc = cache.k[layer, :, :end], cache.v[layer, :, :end]
-            att[r0:r1] = attention(q[r0:r1], kc, vc, start)
-        for cache, r0, r1, lengths, unseen in self._verifies:
-            start = int(lengths[0]) - 1
             cache.k[layer, :, start : start + r1 - r0] = k[r0:r1].transpose(1, 0, 2)
             cache.v[layer, :, start : start + r1 - r0] = v[r0:r1].transpose(1, 0, 2)
+        for cache, r0, r1, lengths, unseen in self._runs:
             # (Hkv, rows, hd) -> (m, Hkv, rows, hd): the lane once per row, a stride-0 view
             ks = np.broadcast_to(cache.k[layer], (r1 - r0, *cache.k.shape[1:]))
             vs = np.broadcast_to(cache.v[layer], (r1 - r0, *cache.v.shape[1:]))

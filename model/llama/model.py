@@ -198,10 +198,11 @@ class Llama:
         chunk of their prompt. Chunk ``b`` takes positions ``caches[b].length ..``. The
         projections, the MLP and the head run once for all the rows
         (:func:`model.llama.matmul.matmul_t`: one GEMM streams each weight matrix from memory
-        once per step); a prompt chunk attends over its own cache, and the one-token chunks
-        attend together, per slab of caches (:mod:`model.llama.attend`). With
-        ``batch_invariant`` (the default) a sequence's results are the same bits whatever it
-        shares the pass with; without it, steps of fewer than
+        once per step); every row attends with the decode arithmetic at its own position, a
+        chunk's rows over its own cache and the one-token chunks together, per slab of caches
+        (:mod:`model.llama.attend`), so a prompt's bits do not depend on how it is cut into
+        chunks. With ``batch_invariant`` (the default) a sequence's results are the same bits
+        whatever it shares the pass with; without it, steps of fewer than
         :data:`~model.llama.matmul.GEMV_MAX_ROWS` rows run one GEMV per row instead (faster,
         but a sequence's last bits then depend on how many rows share its step).
 
@@ -234,7 +235,7 @@ class Llama:
         A decode chunk is a decoding sequence's newest token, optionally followed by tokens drafted
         after it (:mod:`model.llama.speculative`): its row ``i`` takes position
         ``cache.length + i`` and is computed with the arithmetic of a one-token decode at that
-        position (:class:`~model.llama.attend.StepAttention`), so its logits are the bits
+        position (:class:`~model.llama.attend.StepAttention`, as every row is), so its logits are the bits
         :meth:`decode` would give once the tokens before it had been decoded one by one. The
         cache's ``length`` advances by every chunk's size; a caller that rejects drafted rows
         takes them back (the keys and values past ``length`` are never read).
@@ -254,9 +255,8 @@ class Llama:
         Raises:
             ValueError: As :meth:`forward`.
         """
-        verify = [False] * len(prompts) + [True] * len(decodes)
         x, ends = self._hidden(
-            [*prompts, *decodes], [*prompt_caches, *decode_caches], batch_invariant, verify
+            [*prompts, *decodes], [*prompt_caches, *decode_caches], batch_invariant
         )
         p = len(prompts)
         first_decode_row = int(ends[p - 1]) if p else 0
@@ -269,11 +269,8 @@ class Llama:
         chunks: Sequence[Sequence[int]],
         caches: Sequence[KVCache],
         batch_invariant: bool,
-        verify: Sequence[bool] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Run the blocks over the chunks' tokens, concatenated.
-
-        ``verify`` marks the chunks whose rows are decode rows (see :meth:`step`).
 
         Returns:
             The ``(T, dim)`` hidden states and ``(len(chunks),)`` int64 end rows of the chunks.
@@ -291,7 +288,7 @@ class Llama:
         x = self.tok_embeddings[np.concatenate(ids)]  # (T, dim)
         positions = [s + np.arange(n) for s, n in zip(starts, sizes, strict=True)]
         cos, sin = self._rope(np.concatenate(positions))
-        attend = StepAttention(caches, sizes, ends, verify)
+        attend = StepAttention(caches, sizes, ends)
         for layer_index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin, batch_invariant)
             x = self._block_tail(layer, x, attend(layer_index, q, k, v), batch_invariant)

@@ -1,6 +1,8 @@
 """The numpy building blocks of the Llama forward pass: RMSNorm, SiLU, RoPE, attention.
 
-Pure functions of float32 arrays; ``model.llama.model`` composes them.
+Pure functions of float32 arrays; ``model.llama.model`` composes them. Every row of a pass attends
+with :func:`decode_attention` (:mod:`model.llama.attend`); :func:`attention` is the textbook causal
+formulation the tests hold it to.
 
 Source: Touvron et al. 2023, "Llama 2"; transformers `modeling_llama.py`.
 """
@@ -11,7 +13,7 @@ import math
 
 import numpy as np
 
-# Query rows per attention block during prefill: bounds the score matrix to
+# Query rows per block of attention(): bounds the score matrix to
 # n_heads * ATTN_BLOCK * seq_len floats however long the prompt is.
 ATTN_BLOCK = 256
 
@@ -75,6 +77,10 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
     """Causal grouped-query attention of new queries over a sequence's cached keys and values.
+
+    The reference formulation (one product per block of queries): the forward pass computes every
+    row with :func:`decode_attention` instead, whose bits do not depend on the rows beside it (a
+    product's bits here depend on its shape, so on how the prompt was cut).
 
     Query head ``h`` uses key/value head ``h // (n_heads / n_kv_heads)``; the query at row
     ``t`` sits at position ``start + t`` and sees keys ``0..start + t``.

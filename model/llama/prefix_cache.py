@@ -3,20 +3,20 @@
 A block is ``block_tokens`` consecutive prompt positions starting at a multiple of ``block_tokens``
 from position 0, and ``block_tokens`` is the scheduler's prefill chunk: the blocks *are* the chunks a
 cold prefill computes (:class:`model.llama.scheduler.BatchScheduler` starts a prompt's chunks at fixed
-multiples from position 0). A block's keys and values are therefore exactly the bits the cold run
-would compute for those positions, whatever came after them. A hit ends on a block boundary, so the
-rest of the prompt is computed chunk by chunk on the same grid, by the same arithmetic as cold; a full
-hit leaves its last block to be computed again, which yields the last position's logits as the cold
-run computed them. Only KV computed by prompt chunks is kept (never decoded positions), and only once
-the whole prompt of its sequence is in (a prefill that fails or is cancelled publishes nothing, and
-blocks of a prefill still running are never hit).
+multiples from position 0). A block's keys and values are exactly the bits the cold run would compute
+for those positions, whatever came after them: every prompt row attends with the decode arithmetic at
+its own position (:mod:`model.llama.attend`), so neither the chunk nor the step it was read in
+changes a bit. A hit ends on a block boundary, so the rest of the prompt is computed on the same
+grid; a full hit leaves its last block to be computed again, which yields the last position's logits
+as the cold run computed them. Only KV computed by prompt chunks is kept (never decoded positions),
+and only once the whole prompt of its sequence is in (a prefill that fails or is cancelled publishes
+nothing, and blocks of a prefill still running are never hit).
 
-A partial last chunk is no prefix of anything (a longer prompt computes those positions inside a larger
-chunk, by other arithmetic), but it is the end of exactly its own prompt: with the whole blocks, each
-prompt also keeps a *prompt end*, the KV of its last partial chunk (possibly empty) and the logits the
-cold run computed after its last position, keyed by its last block's key and the remaining ids. A
-request whose whole prompt is cached (the same request again) then computes nothing: its first token is
-drawn from those logits, the very bits of the cold run.
+A partial last chunk is not a block (blocks are whole), but it is the end of exactly its own prompt:
+with the whole blocks, each prompt also keeps a *prompt end*, the KV of its last partial chunk
+(possibly empty) and the logits the cold run computed after its last position, keyed by its last
+block's key and the remaining ids. A request whose whole prompt is cached (the same request again)
+then computes nothing: its first token is drawn from those logits, the very bits of the cold run.
 
 Keys chain: a block's key is a hash of (its parent block's key, the cache salt, its token ids), so a
 key names the whole prefix up to the block's end, and requests with different salts (API keys,

@@ -8,11 +8,14 @@ scheduler with one sequence.
 
 Pure and single-threaded: the serving layer calls :meth:`BatchScheduler.step` in a loop on its own
 native thread. Each step is one pass over the weights (``Llama.forward``): one token for every
-sequence that is generating, plus the next chunk of the oldest sequences still reading their prompts, up
-to ``prefill_budget`` prompt tokens (so a burst of prompts costs no pass of its own, a long prompt never
-holds up the others for long, and a cancelled one stops within a chunk). A prompt's chunk boundaries are
-fixed (``prefill_chunk``). A sequence joins at the next step and leaves as soon as it finishes or is
-cancelled.
+sequence that is generating, plus prompt tokens of the oldest sequences still reading their prompts
+(so a burst of prompts costs no pass of its own, and a cancelled one stops within a chunk). A prompt's
+chunk boundaries are fixed (``prefill_chunk``, from position 0). While no sequence decodes, a step
+takes whole chunks, up to ``prefill_budget`` tokens; while some decode, a few prompt rows, at least
+half the step (:meth:`BatchScheduler.prompt_rows`), so they wait for a few rows a step, not for up to
+256 (~17 one-row steps; issue 31): a chunk is read over several steps, with the bits of the chunk at
+once, as every row attends with the decode arithmetic at its own position (:mod:`model.llama.attend`).
+A sequence joins at the next step and leaves as soon as it finishes or is cancelled.
 
 A sequence's tokens never depend on its batch: ``Llama.forward`` gives each row the same bits whatever
 the other rows are (unless ``batch_invariant`` is turned off, which lets steps of few rows run one GEMV
@@ -56,6 +59,9 @@ from model.pcg32 import PCG32
 from model.sampling import sample
 
 PREFILL_CHUNK = 128  # prompt tokens a sequence prefills per step: the chunk grid (and prefix block)
+SHARE_ROWS = 8  # the most prompt rows a step beside a few decoding sequences takes (one ROW_TILE)
+# and the most rows x positions they attend over (SmolLM2: ~30 ms a step; bench/prefill_share.py)
+SHARE_POSITIONS = 16384
 
 
 class BatchScheduler:
@@ -66,8 +72,9 @@ class BatchScheduler:
         eos_ids: ids that end a sequence unless the request sets ``ignore_eos``.
         max_batch: most sequences generating at once (``MAX_SLOTS``).
         prefill_chunk: most prompt tokens one sequence prefills per step.
-        prefill_budget: most prompt tokens prefilled per step over all sequences (the oldest
-            first; at least one chunk).
+        prefill_budget: most prompt tokens prefilled per step over all sequences while none
+            decodes (the oldest first; at least one chunk). Beside decoding sequences, see
+            :meth:`prompt_rows`.
         batch_invariant: decode each sequence to the same bits whatever the batch
             (``BATCH_INVARIANT``; see :meth:`model.llama.model.Llama.decode`).
         speculative_tokens: most tokens a decoding sequence drafts per step
@@ -94,7 +101,7 @@ class BatchScheduler:
         if prefix_cache is not None and prefix_cache.block_tokens != prefill_chunk:
             raise ValueError(
                 f"prefix cache blocks of {prefix_cache.block_tokens} tokens off the prefill chunk "
-                f"grid of {prefill_chunk}: a hit would change the answer's bits"
+                f"grid of {prefill_chunk}: the blocks are the chunks a prompt is read in"
             )
         self._prefix_cache = prefix_cache
         self.model = model
@@ -227,12 +234,12 @@ class BatchScheduler:
         # A full hit that has not emitted yet has nothing to feed: only sequences with a token decode.
         decoding = [s for s in self.live if s.produced and not s.done]
         chosen, spans = self._prefill_spans(
-            [s for s in self.live if s.prefilled < len(s.req.prompt_ids)]
+            [s for s in self.live if s.prefilled < len(s.req.prompt_ids)], len(decoding)
         )
         if not decoding and not chosen:
             self.live = [s for s in self.live if not s.done]
             return touched
-        drafts = self._drafts(decoding, sum(len(span) for span in spans))
+        drafts = self._drafts(decoding, sum(len(span) for span in spans), bool(chosen))
         t0 = time.perf_counter()
         prompt_logits, decode_logits = self.model.step(
             spans,
@@ -271,13 +278,17 @@ class BatchScheduler:
         self.live = [s for s in self.live if not s.done]
         return touched
 
-    def _drafts(self, decoding: list[Sequence], prompt_rows: int) -> list[list[int]]:
-        """Return each decoding sequence's drafted tokens for this step (see :class:`Speculator`)."""
+    def _drafts(
+        self, decoding: list[Sequence], prompt_rows: int, prompting: bool
+    ) -> list[list[int]]:
+        """Return each decoding sequence's drafted tokens for this step (see :class:`Speculator`);
+        beside a prompt, no more rows than it has (it keeps at least half the step)."""
         if not self.speculator.max_tokens or not decoding:
             return [[] for _ in decoding]
         budgets = [s.n_tokens - s.produced - 1 for s in decoding]  # the last token is never fed
         states = [s.spec for s in decoding]
-        return self.speculator.plan(states, budgets, prompt_rows + len(decoding))  # type: ignore[arg-type]
+        most = prompt_rows - len(decoding) if prompting else None
+        return self.speculator.plan(states, budgets, prompt_rows + len(decoding), most)  # type: ignore[arg-type]
 
     def _emit_cached(self) -> list[Sequence]:
         """Emit the first token of the sequences whose whole prompt came from the prefix cache (from
@@ -290,21 +301,47 @@ class BatchScheduler:
             self._emit(seq, seq.prefix.logits)
         return ready
 
+    @staticmethod
+    def prompt_rows(n_decoding: int, position: int) -> int:
+        """Return the most prompt tokens a step beside ``n_decoding`` decoding sequences takes.
+
+        A prompt row attends over every position before it, so a piece read at ``position`` costs
+        ~``rows * position`` besides its products: :data:`SHARE_ROWS` rows while that is within
+        :data:`SHARE_POSITIONS`, halved each time ``position`` doubles past it, but never fewer than
+        the decoding sequences' rows without drafts (their drafts never outnumber the prompt rows,
+        :meth:`_drafts`): the prompts get at least half of every step. A power of two, so that the
+        pieces tile a chunk of :data:`PREFILL_CHUNK`.
+
+        Args:
+            n_decoding: the decoding sequences (at least one).
+            position: the first position the step's prompt rows take.
+        """
+        fewest = 1 << (n_decoding - 1).bit_length()
+        fit = 1 << max(0, (SHARE_POSITIONS // max(position, 1)).bit_length() - 1)
+        return max(fewest, min(fit, 1 << (max(n_decoding, SHARE_ROWS) - 1).bit_length()))
+
     def _prefill_spans(
-        self, prefilling: list[Sequence]
+        self, prefilling: list[Sequence], n_decoding: int
     ) -> tuple[list[Sequence], list[abc.Sequence[int]]]:
-        """Return the sequences whose next prompt chunk joins this step, and those chunks: the
-        oldest first, within ``prefill_budget`` tokens (at least one chunk)."""
+        """Return the sequences whose prompt tokens join this step, and those tokens: the oldest
+        first, the rest of each one's chunk, within ``prefill_budget`` tokens (at least one chunk)
+        while none decodes, else within :meth:`prompt_rows` (the first one's part of a chunk)."""
+        budget = self.prefill_budget
+        if n_decoding and prefilling:
+            budget = self.prompt_rows(n_decoding, prefilling[0].prefilled)
         chosen: list[Sequence] = []
         spans: list[abc.Sequence[int]] = []
         tokens = 0
         for seq in prefilling:  # oldest first: the order they joined
-            end = min(len(seq.req.prompt_ids), seq.prefilled + self.prefill_chunk)
-            if chosen and tokens + end - seq.prefilled > self.prefill_budget:
+            start, n_prompt = seq.prefilled, len(seq.req.prompt_ids)
+            end = min(n_prompt, (start // self.prefill_chunk + 1) * self.prefill_chunk)
+            if n_decoding:
+                end = min(end, start + budget - tokens)
+            if chosen and (end == start or tokens + end - start > budget):
                 break
             chosen.append(seq)
-            spans.append(seq.req.prompt_ids[seq.prefilled : end])
-            tokens += end - seq.prefilled
+            spans.append(seq.req.prompt_ids[start:end])
+            tokens += end - start
         return chosen, spans
 
     def _emit(self, seq: Sequence, logits: np.ndarray) -> None:

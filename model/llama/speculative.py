@@ -186,7 +186,9 @@ class Speculator:
         """Return the cost of a step of ``rows`` rows relative to one of 1..``ROW_PAD`` rows."""
         return self._costs[min(-(-rows // ROW_PAD), len(self._costs) - 1)] + ROW_COST * rows
 
-    def plan(self, states: list[SpecState], budgets: list[int], base_rows: int) -> list[list[int]]:
+    def plan(
+        self, states: list[SpecState], budgets: list[int], base_rows: int, most: int | None = None
+    ) -> list[list[int]]:
         """Return each decoding sequence's draft for this step (``[]``: decode one token).
 
         Args:
@@ -194,11 +196,12 @@ class Speculator:
             budgets: For each, the most tokens it may draft (its tokens left, less one).
             base_rows: The step's rows without drafts (prompt tokens and one per decoding
                 sequence).
+            most: The most drafted tokens over all sequences, or None for no limit but the gate.
         """
         drafts: list[list[int]] = [[] for _ in states]
-        if not self.max_tokens or base_rows >= GATE_ROWS:
+        room = GATE_ROWS - base_rows if most is None else min(GATE_ROWS - base_rows, most)
+        if not self.max_tokens or room <= 0:
             return drafts
-        room = GATE_ROWS - base_rows
         # (gain, sequence): the j-th drafted token adds rate^j expected tokens
         offers: list[tuple[float, int]] = []
         for i, (state, budget) in enumerate(zip(states, budgets, strict=True)):
