@@ -183,20 +183,20 @@ GOLDEN: dict[str, tuple[str, int]] = {
         32764,
     ),
     "llama-chat": (
-        "6d257c652292383e7908f6bf0a991e56129d909c3e286624835a929ea727db2a",
-        26639,
+        "4d3662f785f6565fe0cbaad81f0e799712d664b6aa8a4311b479f471eaf5a4c1",
+        26641,
     ),
     "llama-chat-stream": (
-        "464b6f00d2a3e212b552f507ae90bd9e7bd51abafecd68e5eaab00f7a81b3ba3",
-        31189,
+        "8bcc60a08e06b418bd09f43761e0dcff1f91de998a7bb605dcb8a2740ae4a4c6",
+        31191,
     ),
     "llama-cmpl-echo": (
-        "66bbab6ea996c5a7728aa311f006fa0ef12411e276a25bc8e2f5a53990adf5f9",
-        10857,
+        "b689836fd577600cae663c7edaaaf9ca71999adadd4852bb99190cad8a01e5c8",
+        10835,
     ),
     "llama-cmpl-echo-stream": (
-        "be406b69be82386d32503c5f07230480dd82cd39547b932ac6c0bc045c107d37",
-        19450,
+        "35d00582d1adff2f770e707a2fd2997a5c73f79f0875c1571782fc6ed4ff3e9e",
+        19428,
     ),
 }
 

@@ -36,8 +36,9 @@ def guarded(succ_dir, tmp_path_factory):
 def generated(srv: GunicornServer) -> int:
     """Return how many completion tokens the access log shows generated so far."""
     total = 0
-    for line in srv.log_text().splitlines():
-        if line.startswith("{"):
+    # Only whole lines: the server may be writing the last one while it is read.
+    for line in srv.log_text().splitlines(keepends=True):
+        if line.startswith("{") and line.endswith("\n"):
             total += json.loads(line).get("completion_tokens") or 0
     return total
 
