@@ -29,7 +29,8 @@ from typing import Any
 
 from model.grammar.compile import MAX_CHOICES, Constraint
 from wsgi_app.api.errors import invalid, quote_name
-from wsgi_app.api.fields import described_object, loads_strict
+from wsgi_app.api.fields import loads_strict
+from wsgi_app.api.naming import described_object
 from wsgi_app.api.table import Field
 
 # Every top-level field that carries an output constraint (each endpoint's field table holds them, so

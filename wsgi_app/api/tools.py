@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from wsgi_app.api.errors import invalid, quote_name
-from wsgi_app.api.fields import check_unicode, described_object
+from wsgi_app.api.fields import check_unicode
+from wsgi_app.api.naming import described_object
 
 MAX_TOOLS = 128  # OpenAI's documented limit on `tools`
 CHOICES = ("none", "auto", "required")
