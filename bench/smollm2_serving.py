@@ -50,6 +50,7 @@ import os
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -103,15 +104,22 @@ def begin(model: Path | None, kind: str) -> Start:
     return Start(model, model.stem, server_cores, client_cores, log, work, eog_ids(model))
 
 
-def finish(result: dict[str, Any], kind: str, markdown: str, log: ElapsedLog, work: Path) -> None:
+def finish(
+    result: dict[str, Any],
+    kind: str,
+    markdown: Callable[[dict[str, Any]], str],
+    log: ElapsedLog,
+    work: Path,
+) -> None:
     """End a SmolLM2 benchmark begun with ``begin``: the load average at the end and the run's
-    seconds into ``result["meta"]``, then ``bench/results/<time>-<kind>.json`` and its ``markdown``
-    (``.md``) written and the Markdown printed."""
+    seconds into ``result["meta"]``, then ``bench/results/<time>-<kind>.json`` and its Markdown
+    (``.md``, ``markdown(result)``, made after the end's figures are in) written and printed."""
     result["meta"]["loadavg_end"] = list(os.getloadavg())
     result["meta"]["duration_s"] = log.elapsed_s()
     path = RESULTS / f"{utc_stamp()}-{kind}.json"
-    write_pair(path, result, markdown)
-    print(markdown)
+    text = markdown(result)
+    write_pair(path, result, text)
+    print(text)
     log(f"wrote {path} and .md; server logs in {work}")
 
 
@@ -321,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     two_env = {**env, "STATS_DB": str(work / "stats2.db")}
     result["two_workers"] = serving.two_workers(work / "two", two_env, short_ours, 16, weights_kib)
     result["targets"] = smollm2_report.targets(result)
-    finish(result, "smollm2", smollm2_report.markdown(result), log, work)
+    finish(result, "smollm2", smollm2_report.markdown, log, work)
     return result
 
 

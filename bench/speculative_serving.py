@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["llamacpp"]["failed"] = repr(exc)
         finally:
             srv.stop()
-    smollm2_serving.finish(result, "speculative", markdown(result), log, work)
+    smollm2_serving.finish(result, "speculative", markdown, log, work)
     return result
 
 
