@@ -5,7 +5,7 @@ frames of the same shape and size as greenserve's (one ``data:`` event per token
 ``"finish_reason":"length"``, then ``[DONE]``), pre-formatted once per request. Like greenserve it
 gives the hub a turn once a stream has run for its slice (``REF_HUB_SLICE_S``, shrunk to
 ``REF_HUB_ROUND_S`` divided by the running streams) with greenserve's own
-``wsgi_app.generation.hubturn.HubTurn`` (``REF_HUB_POLL_S``; the benchmark passes greenserve's values), so the
+``wsgi_app.server.hubturn.HubTurn`` (``REF_HUB_POLL_S``; the benchmark passes greenserve's values), so the
 comparison is the same scheduling with no model, no Flask and no gunicorn. ``GET /healthz`` answers
 ``{"status":"ok"}``.
 
@@ -22,7 +22,7 @@ import time
 
 from gevent.pywsgi import WSGIHandler, WSGIServer
 
-from wsgi_app.generation.hubturn import POLL_S, HubTurn
+from wsgi_app.server.hubturn import POLL_S, HubTurn
 
 HUB_SLICE_S = float(os.environ.get("REF_HUB_SLICE_S", "0.0005"))
 HUB_ROUND_S = float(os.environ.get("REF_HUB_ROUND_S", "0.02"))

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import procstat
-from wsgi_app.generation.hubturn import POLL_S
 from wsgi_app.generation.pacer import HUB_ROUND_S, HUB_SLICE_S
+from wsgi_app.server.hubturn import POLL_S
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ("greenserve", "pywsgi", "fastapi")

@@ -1,13 +1,18 @@
-"""HubTurn: a generating greenlet lets pending work go first, and is never starved."""
+"""HubTurn: a generating greenlet lets pending work go first, and is never starved; new connections'
+set-ups (setup_turn) go first in each pass, a poll's share at a time."""
 
 import time
 
 import gevent
 import pytest
 
+from telemetry.spans import start_server_span
 from tests.server import wait_until
-from wsgi_app.generation.hubturn import MAX_SHARE_S, HubTurn
-from wsgi_app.generation.pacer import HUB_ROUND_S, HUB_SLICE_S, hub_slice
+from wsgi_app.generation.admission import Admission
+from wsgi_app.generation.context import StopClock
+from wsgi_app.generation.pacer import HUB_ROUND_S, HUB_SLICE_S, Pacer, hub_slice
+from wsgi_app.generation.record import RequestRecord
+from wsgi_app.server.hubturn import MAX_SHARE_S, SETUP_SHARE_S, HubTurn, setup_turn
 
 
 def test_pending_greenlets_run_before_the_turn_returns():
@@ -182,3 +187,99 @@ def test_streams_take_turns_in_order():
 def test_the_slice_shrinks_with_the_busy_slots(busy, expected):
     assert hub_slice(busy) == expected
     assert hub_slice(1000) == HUB_ROUND_S / 1000
+
+
+def test_set_ups_run_a_poll_share_at_a_time_not_all_between_two_polls():
+    # 60 new connections whose set-up takes 1 ms each, and a timer (a probe, another connection's
+    # I/O) due 5 ms in: started straight from the hub's callbacks, as gevent starts a spawned
+    # greenlet, at least 50 set-ups run before the loop looks at its timers again (gevent checks the
+    # time every 50 callbacks); queued with setup_turn, the hub polls after each share.
+    done: list[int] = []
+    fired_after: list[int] = []
+
+    def connection(i: int) -> None:
+        setup_turn()
+        spin(SLICE_S)
+        done.append(i)
+
+    timer = gevent.spawn_later(0.005, lambda: fired_after.append(len(done)))
+    gs = [gevent.spawn(connection, i) for i in range(60)]
+    gevent.joinall([*gs, timer])
+    assert done == list(range(60))  # in arrival order
+    # 5 set-ups are due; at most one MAX_SHARE_S share more per poll, never the 50 of a callback run.
+    assert fired_after[0] <= 5 + 2 * MAX_SHARE_S / SLICE_S, fired_after
+
+
+def test_set_ups_go_before_the_streams_in_a_pass():
+    order: list[str] = []
+    stop = []
+
+    def stream(i: int) -> None:
+        turn = HubTurn()
+        while not stop:
+            order.append(f"stream {i}")
+            turn()
+
+    def connection(i: int) -> None:
+        setup_turn()
+        order.append(f"set-up {i}")
+
+    streams = [gevent.spawn(stream, i) for i in range(3)]
+    wait_until(lambda: len(order) >= 6, 5, "two rounds of the streams", sleep=gevent.sleep)
+    first = len(order)
+    connections = [gevent.spawn(connection, i) for i in range(2)]
+    gevent.joinall(connections)
+    stop.append(True)
+    gevent.joinall(streams)
+    # The next pass served both, in arrival order, before any stream's next turn (in a queue of
+    # their own; behind the streams' they would come after a round of all three).
+    assert order[first : first + 2] == ["set-up 0", "set-up 1"], order[first:]
+
+
+def test_a_stream_gives_the_hub_a_turn_right_after_its_first_token():
+    # A burst of new connections must wait only for each earlier one's set-up, not for its first
+    # slice of tokens too: the first token's pacer call yields; later ones wait for their slice.
+    ran: list[str] = []
+    record = RequestRecord("r", start_server_span("POST /v1/completions", None, {}))
+    pacer = Pacer(record, time.perf_counter() + 60, StopClock(), Admission(4, 4), 60.0)
+    pacer.start_stream(None)
+    gevent.spawn(ran.append, "other")
+    pacer()  # the first token
+    assert ran == ["other"]
+    gevent.spawn(ran.append, "later")
+    pacer()  # the second, well inside its slice: no turn
+    assert ran == ["other"]
+    gevent.sleep(0)
+    assert ran == ["other", "later"]
+
+
+def test_streams_keep_a_share_of_every_pass_while_connections_keep_arriving():
+    # A flood of set-ups (each 1 ms, a new one arriving as soon as one is served) must not stop the
+    # streams: after each pass's arrivals (up to SETUP_SHARE_S) the streams get at least POLL_S.
+    stop = []
+    counts = {"set-up": 0, "stream": 0}
+
+    def connection() -> None:
+        setup_turn()
+        if stop:
+            return
+        gevent.spawn(connection)  # the next one arrives while this one is set up
+        spin(SLICE_S)
+        counts["set-up"] += 1
+
+    def stream() -> None:
+        turn = HubTurn()
+        while not stop:
+            spin(SLICE_S)
+            counts["stream"] += 1
+            turn()
+
+    streams = [gevent.spawn(stream) for _ in range(3)]
+    flood = [gevent.spawn(connection) for _ in range(4)]
+    wait_until(lambda: counts["set-up"] >= 200, 30, "200 set-ups", sleep=gevent.sleep)
+    stop.append(True)
+    gevent.joinall(streams + flood)
+    # Per pass: at most SETUP_SHARE_S of set-ups (plus the one that crosses it), then >= one slice
+    # of the streams.
+    most_setups_per_slice = SETUP_SHARE_S / SLICE_S + 1
+    assert counts["stream"] >= counts["set-up"] / most_setups_per_slice - 3, counts

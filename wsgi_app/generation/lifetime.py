@@ -242,7 +242,7 @@ class Generation:
         failure: ApiError | None = None
         try:
             yield completion.framing.opening()
-            self.pacer.stream_peer = self.sock  # a closed end seen on a tick is written to at once
+            self.pacer.start_stream(self.sock)  # a closed end seen on a tick is written to at once
             for _ in queue_heartbeats(self.ticket, self.pacer, completion.waiting_heartbeat_s):
                 yield sse.QUEUED  # a write: a client that left is noticed here
             yield from completion.chunks()

@@ -3,22 +3,23 @@
 One :class:`Pacer` per request, called after every generated token (and told about engine ticks and
 long slices of work): it stamps the token times, enforces the request's and the worker's deadlines,
 notices a non-streamed request's vanished client, and gives the gevent hub a turn
-(:class:`~wsgi_app.generation.hubturn.HubTurn`) once the request has run for its slice.
+(:class:`~wsgi_app.server.hubturn.HubTurn`) once the request has run for its slice.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import typing
 
 import gevent
 
 from wsgi_app.api.errors import timeout_error, unavailable
-from wsgi_app.generation.hubturn import HubTurn
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.server.connection import peer_closed
 from wsgi_app.server.end_reason import DEADLINE, SHUTDOWN
+from wsgi_app.server.hubturn import HubTurn
 
 if typing.TYPE_CHECKING:
     import socket
@@ -29,7 +30,7 @@ if typing.TYPE_CHECKING:
 # The bigram engine runs inline in the request's greenlet: give the hub a turn at least this often, so
 # one fast stream never holds the other connections (and /healthz) for more than about a millisecond.
 HUB_SLICE_S = 0.0005
-# Streams yield with a HubTurn (wsgi_app/generation/hubturn.py), which queues them in order and resumes them
+# Streams yield with a HubTurn (wsgi_app/server/hubturn.py), which queues them in order and resumes them
 # between the hub's I/O polls, a millisecond's worth at a time (hubturn.POLL_S): new connections,
 # /healthz probes and other I/O wait at most about that long per step, however many streams run. So
 # that a round of all the streams (each one's inter-token gap) stays near HUB_ROUND_S, the slice shrinks
@@ -56,7 +57,7 @@ class ClientGone(Exception):
 class Pacer:
     """The pacer of one request. Called after every generated token: stamps its time, enforces the
     request's deadline and the shutdown deadline, and yields the gevent hub a turn
-    (:class:`~wsgi_app.generation.hubturn.HubTurn`: pending I/O and new requests first) once this greenlet has
+    (:class:`~wsgi_app.server.hubturn.HubTurn`: pending I/O and new requests first) once this greenlet has
     run for its slice (:func:`hub_slice`: ``HUB_SLICE_S``, less when many streams run). Every
     token's ``perf_counter`` is appended to ``record.token_times`` (8 bytes a token); TTFT and the
     inter-token statistics are computed from it once, when the request ends.
@@ -141,6 +142,16 @@ class Pacer:
             self._slice = hub_slice(self._admission.busy)
             if self.peer is not None:
                 self._check_peer(self._since)
+
+    def start_stream(self, sock: socket.socket | None) -> None:
+        """Mark this request a stream on ``sock`` (looked at on every tick, see ``stream_peer``),
+        and make it give the hub a turn right after its first token. Each stream's set-up (head parse,
+        validation, admission, the first write) runs in one go; a burst of new connections therefore
+        queues behind every earlier one's set-up, and without this turn also behind its first slice
+        of tokens: the burst's last first token came ~(set-up + slice) x burst late instead of
+        ~set-up x burst (docs/ARCHITECTURE.md §4)."""
+        self.stream_peer = sock
+        self._since = -math.inf
 
     def tick(self) -> bool:
         """Called while the engine has no token yet (a tick): enforce the deadlines, and notice a

@@ -41,6 +41,7 @@ from gunicorn.workers import ggevent
 
 from wsgi_app.server import probes, response
 from wsgi_app.server.end_reason import SHUTDOWN
+from wsgi_app.server.hubturn import setup_turn
 from wsgi_app.server.request_head import HeadLimits, HeadTimeout, install
 from wsgi_app.server.stream_socket import SendTimeout, StreamSocket
 from wsgi_app.settings import ServerSettings
@@ -165,14 +166,18 @@ class GeventWorker(ggevent.GeventWorker):
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> bool:
         """Serve one request: a plain health probe from the worker (``wsgi_app.server.probes``),
-        anything else through the app. A reader cut by the send timeout closes the connection
-        quietly (the app logs the request), where gunicorn would log a socket-error traceback."""
+        anything else through the app once the hub's next pass gives it a set-up turn
+        (``wsgi_app.server.hubturn.setup_turn``: a burst of set-ups never holds the hub's polls).
+        A reader cut by the send timeout closes the connection quietly (the app logs the
+        request), where gunicorn would log a socket-error traceback."""
         if isinstance(sock, StreamSocket):
             sock.request = req
         try:
             responder = self.probes
             if responder is not None and self._http and probes.plain_probe(req):
                 return probes.answer(self, responder, req, sock, addr)
+            # The app's set-up runs a poll's worth at a time, ahead of the streams (hubturn).
+            setup_turn()
             return super().handle_request(listener_name, req, sock, addr)
         except SendTimeout as exc:
             raise StopIteration(str(exc)) from None  # gunicorn's "close this connection"

@@ -8,6 +8,14 @@ an idle watcher never runs while every loop iteration has some event pending: un
 short requests the streams starved, then a catch-up timer ran a whole round at once, and new
 connections waited 50-100 ms (measured with ``bench.run``).
 
+A new connection's set-up (its head parse, the app until the first write: ~0.5-1 ms) would otherwise
+run in the hub's callback phase, where gevent starts every spawned greenlet and checks the time only
+every 50 callbacks: under churn a few dozen set-ups ran back to back between two polls, and a probe
+accepted meanwhile waited for all of them. :func:`setup_turn` queues such a greenlet in the same
+watcher's queue of arrivals, served first in each pass for up to ``SETUP_SHARE_S``: a new request's set-up
+still goes ahead of the streams' tokens (its TTFT), the hub polls between passes, and the streams still
+get at least ``poll_s`` of every pass however many connections arrive.
+
 :class:`HubTurn` puts the greenlet in one FIFO queue per hub, served by a *check* watcher, which libev
 runs once in every loop iteration right after the I/O poll and its callbacks, whether or not events
 were pending: each iteration resumes waiting streams, in order (each runs its slice and queues again),
@@ -36,6 +44,9 @@ from gevent.hub import Waiter, get_hub
 POLL_S = 0.001
 # The most the streams are given in one pass when the rest of an iteration took long, seconds.
 MAX_SHARE_S = 0.01
+# The most the arrivals' set-ups are given in one pass, seconds: with the streams' share after them,
+# the longest a probe's accept waits for the hub (~12 ms when both queues are full).
+SETUP_SHARE_S = 0.01
 
 
 def _nothing() -> None:
@@ -43,20 +54,24 @@ def _nothing() -> None:
 
 
 class _Turns:
-    """The greenlets of one hub waiting for a turn, resumed in FIFO order, ``poll_s`` at a time."""
+    """The greenlets of one hub waiting for a turn, resumed in FIFO order, ``poll_s`` at a time:
+    arrivals (connections about to be set up) before the rest."""
 
     def __init__(self, hub: Any, poll_s: float) -> None:
         self.poll_s = poll_s
+        self.arriving: deque[Waiter] = deque()
         self.waiting: deque[Waiter] = deque()
         self.hub = hub
         self.check = hub.loop.check()
         self.idle = hub.loop.idle()
         self.last_end = 0.0  # perf_counter when the last pass ended
 
-    def wait(self) -> None:
-        """Queue the current greenlet; return when the hub resumes it."""
+    def wait(self, arriving: bool = False) -> None:
+        """Queue the current greenlet (with the arrivals when ``arriving``); return when the hub
+        resumes it."""
         waiter = Waiter(self.hub)
-        self.waiting.append(waiter)
+        queue = self.arriving if arriving else self.waiting
+        queue.append(waiter)
         if not self.check.active:  # the first to wait starts the watchers
             self.check.start(self._resume)
             self.idle.start(_nothing)
@@ -65,31 +80,40 @@ class _Turns:
             waiter.get()
         except BaseException:  # killed or timed out while waiting: leave the queue
             try:
-                self.waiting.remove(waiter)
+                queue.remove(waiter)
             except ValueError:
                 pass
-            if not self.waiting:
+            if not self.arriving and not self.waiting:
                 self._stop()
             raise
 
     def _resume(self) -> None:
-        """Resume waiting greenlets (in the hub) for their share of the iteration (see the module
-        docstring); stop the watchers when none is left waiting."""
-        waiting = self.waiting
-        now = time.perf_counter()
-        until = now + min(max(self.poll_s, now - self.last_end), MAX_SHARE_S)
+        """Resume waiting greenlets (in the hub): the arrivals for up to ``SETUP_SHARE_S``, then the
+        streams for their share of the iteration (see the module docstring); stop the watchers when
+        none is left waiting."""
+        start = time.perf_counter()
+        rest = start - self.last_end  # the poll and its callbacks since the last pass
         # Only those waiting now: a greenlet that queues again during this pass waits for the next.
-        for _ in range(len(waiting)):
-            waiting.popleft().switch(None)  # returns when that greenlet gives the hub back
-            if not waiting or time.perf_counter() >= until:
-                break
+        _serve(self.arriving, start + SETUP_SHARE_S)
+        now = time.perf_counter()
+        # The streams get at least poll_s whatever the set-ups took: never starved by arrivals.
+        _serve(self.waiting, now + min(max(self.poll_s, rest), MAX_SHARE_S))
         self.last_end = time.perf_counter()
-        if not waiting:
+        if not self.arriving and not self.waiting:
             self._stop()
 
     def _stop(self) -> None:
         self.check.stop()
         self.idle.stop()
+
+
+def _serve(queue: deque[Waiter], until: float) -> None:
+    """Resume the greenlets queued now, in order, until ``until`` (``perf_counter`` seconds) has
+    passed (at least one)."""
+    for _ in range(len(queue)):
+        queue.popleft().switch(None)  # returns when that greenlet gives the hub back
+        if time.perf_counter() >= until:
+            return
 
 
 _TURNS: weakref.WeakKeyDictionary[Any, dict[float, _Turns]] = weakref.WeakKeyDictionary()
@@ -116,10 +140,26 @@ class HubTurn:
         """Switch to the hub; return when this greenlet's turn comes."""
         turns = self._turns
         if turns is None:
-            hub = get_hub()
-            per_hub = _TURNS.setdefault(hub, {})
-            turns = per_hub.get(self.poll_s)
-            if turns is None:
-                turns = per_hub[self.poll_s] = _Turns(hub, self.poll_s)
-            self._turns = turns
+            turns = self._turns = _turns_of(get_hub(), self.poll_s)
         turns.wait()
+
+
+def _turns_of(hub: Any, poll_s: float) -> _Turns:
+    """Return the hub's queues of turns for ``poll_s`` (made on first use)."""
+    per_hub = _TURNS.setdefault(hub, {})
+    turns = per_hub.get(poll_s)
+    if turns is None:
+        turns = per_hub[poll_s] = _Turns(hub, poll_s)
+    return turns
+
+
+def setup_turn(poll_s: float = POLL_S) -> None:
+    r"""Wait for the hub's next pass over the waiting greenlets, ahead of those that generate.
+
+    Called by a new connection's greenlet before it is set up (see the module docstring): returns
+    after the hub has polled for I/O once more, at the front of that pass.
+
+    Args:
+        poll_s: the queues' ``poll_s`` (the streams' :class:`HubTurn`\ s use :data:`POLL_S`).
+    """
+    _turns_of(get_hub(), poll_s).wait(arriving=True)
