@@ -333,6 +333,15 @@ def test_a_user_message_holding_tool_call_syntax_stays_content():
             ],
             "messages[2].tool_call_id",
         ),
+        (
+            [
+                ASK,
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_abc", "content": "x"},
+                {"role": "tool", "tool_call_id": "call_abc", "content": "y"},
+            ],
+            "messages[3].tool_call_id",
+        ),
     ],
 )
 def test_bad_history_names_the_param(messages, param):

@@ -11,7 +11,8 @@ or text) and a ``tool`` message answers one by ``tool_call_id``; the legacy ``fu
 ``function`` role map onto the same. The template gets transformers' shapes: ``tool_calls`` as
 ``[{"id", "type": "function", "function": {"name", "arguments": {...}}}]`` (arguments decoded from
 their JSON string when they are an object) and ``{"role": "tool", "tool_call_id", "content"}``.
-A ``tool_call_id`` that matches no earlier call is a 400 naming it.
+A ``tool_call_id`` that matches no earlier call is a 400 naming it, and so is a second ``tool``
+message answering the same call (OpenAI's "Duplicate value for 'tool_call_id'").
 
 Source: OpenAI API reference, "Chat Completions" (the message objects); Hugging Face transformers,
 "Chat templates".
@@ -61,7 +62,8 @@ def parse_messages(value: Any, max_messages: int) -> tuple[dict[str, Any], ...]:
 
     Raises:
         ApiError: 400 naming ``messages`` or the message's field at fault
-            (``messages[2].content[0].type``, ``messages[3].tool_call_id``).
+            (``messages[2].content[0].type``, ``messages[3].tool_call_id``), a second answer to
+            one call naming its own ``tool_call_id``.
     """
     if value is None:
         raise invalid("'messages' is required.", "messages")
@@ -76,10 +78,13 @@ def parse_messages(value: Any, max_messages: int) -> tuple[dict[str, Any], ...]:
             "messages",
         )
     calls: dict[str, str] = {}  # tool_call id -> function name, of the calls so far
-    return tuple(_message(m, f"messages[{i}]", calls) for i, m in enumerate(value))
+    answered: dict[str, str] = {}  # tool_call id -> the message that answered its latest call
+    return tuple(_message(m, f"messages[{i}]", calls, answered) for i, m in enumerate(value))
 
 
-def _message(message: Any, where: str, calls: dict[str, str]) -> dict[str, Any]:
+def _message(
+    message: Any, where: str, calls: dict[str, str], answered: dict[str, str]
+) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise invalid(f"'{where}' must be an object.", where)
     role = message.get("role")
@@ -92,7 +97,7 @@ def _message(message: Any, where: str, calls: dict[str, str]) -> dict[str, Any]:
             f"{where}.role",
         )
     if role in ("tool", "function"):
-        return _tool_message(message, role, where, calls)
+        return _tool_message(message, role, where, calls, answered)
     allowed = ASSISTANT_FIELDS if role == "assistant" else MESSAGE_FIELDS
     for key in message:
         if key not in allowed:
@@ -105,7 +110,7 @@ def _message(message: Any, where: str, calls: dict[str, str]) -> dict[str, Any]:
             if not isinstance(message[key], str):
                 raise invalid(f"'{where}.{key}' must be a string.", f"{where}.{key}")
             check_unicode(message[key], f"{where}.{key}")
-    tool_calls = _tool_calls(message, where, calls) if role == "assistant" else None
+    tool_calls = _tool_calls(message, where, calls, answered) if role == "assistant" else None
     content = message.get("content")
     out: dict[str, Any] = {
         "role": ROLES[role],
@@ -157,9 +162,16 @@ def _content(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def _tool_message(message: dict, role: str, where: str, calls: dict[str, str]) -> dict[str, Any]:
+def _tool_message(
+    message: dict, role: str, where: str, calls: dict[str, str], answered: dict[str, str]
+) -> dict[str, Any]:
     """A ``tool`` message (``tool_call_id``), or a legacy ``function`` one (``name``): the result
-    of an earlier call, as the template's ``{"role": "tool", "tool_call_id", "content"}``."""
+    of an earlier call, as the template's ``{"role": "tool", "tool_call_id", "content"}``.
+
+    A second ``tool`` message for a call already answered is refused as OpenAI refuses it, naming
+    both messages, ``param`` the second one's ``tool_call_id``. A ``function`` message is not: it
+    answers by name, and calls of one function (parallel ones, or legacy histories that call it
+    each turn) share it, so a repeat cannot be told from the answer to another call."""
     allowed = TOOL_FIELDS if role == "tool" else FUNCTION_FIELDS
     for key in message:
         if key not in allowed:
@@ -185,18 +197,27 @@ def _tool_message(message: dict, role: str, where: str, calls: dict[str, str]) -
             f"'{at}' {quote_name(call_id)!r} matches no tool call of an earlier assistant message.",
             at,
         )
+    if call_id in answered:
+        raise invalid(
+            f"Invalid parameter: Duplicate value for 'tool_call_id' of {quote_name(call_id)!r}, "
+            f"in {answered[call_id]} and {where}.",
+            at,
+        )
+    answered[call_id] = where
     return {"role": "tool", "tool_call_id": call_id, "name": calls[call_id], "content": content}
 
 
-def _tool_calls(message: dict, where: str, calls: dict[str, str]) -> list[dict[str, Any]] | None:
+def _tool_calls(
+    message: dict, where: str, calls: dict[str, str], answered: dict[str, str]
+) -> list[dict[str, Any]] | None:
     """An assistant's ``tool_calls`` (or legacy ``function_call``) in transformers' shape; each id
-    is noted in ``calls`` (a legacy call gets the id ``call_<n>``).
+    is noted in ``calls`` (a legacy call gets the id ``call_<n>``) as not yet answered.
 
     Two calls of one message with the same id are refused (``<where>.tool_calls[j].id``, the second
     one): their results could not be told apart. An id an earlier message used is accepted, and a
-    ``tool`` message answers the latest call with it: models and servers that number their calls per
-    turn (``call_0``, ``name:index``) reuse ids across turns, and refusing their histories would
-    break agents that replay them."""
+    ``tool`` message answers the latest call with it (answering that call once more is no repeat):
+    models and servers that number their calls per turn (``call_0``, ``name:index``) reuse ids
+    across turns, and refusing their histories would break agents that replay them."""
     value, legacy = message.get("tool_calls"), message.get("function_call")
     if value is not None and legacy is not None:
         raise invalid(f"'{where}' sends 'tool_calls' and 'function_call'; send one.", where)
@@ -240,6 +261,9 @@ def _tool_calls(message: dict, where: str, calls: dict[str, str]) -> list[dict[s
         except ValueError:
             decoded = None
         calls[call_id] = name
+        answered.pop(
+            call_id, None
+        )  # a new call: an answer to an earlier one with its id is no repeat
         out.append(
             {
                 "id": call_id,

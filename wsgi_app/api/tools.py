@@ -7,7 +7,7 @@ most (the legacy answer holds one ``function_call``); :attr:`ToolRequest.legacy`
 answer shape. Every refusal is a 400 naming the param, down to the tool
 (``tools[2].function.name``), before any byte. A ``parameters`` schema is checked for shape here and
 compiled later with the structured-output machinery (``wsgi_app.generation.grammars``), which refuses
-one llguidance cannot enforce, naming ``tools[i].function.parameters``.
+one llguidance cannot enforce, naming ``tools[i].function.parameters``, whatever ``tool_choice``.
 
 Source: OpenAI API reference, "Chat Completions" (create: ``tools``, ``tool_choice``,
 ``parallel_tool_calls``, the deprecated ``functions`` and ``function_call``); the "Function calling"

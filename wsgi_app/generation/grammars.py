@@ -10,7 +10,9 @@ refusal is a 400 before any byte, and nothing holds a slot meanwhile.
 
 A request with ``tools`` is constrained by its tool-call grammar (``wsgi_app.api.tool_syntax``
 ``tool_constraint``: the tools' ``parameters`` schemas, the request's text constraint for a text
-answer); a schema llguidance cannot enforce is a 400 naming that tool's ``parameters``.
+answer); a schema llguidance cannot enforce is a 400 naming that tool's ``parameters``. Every tool's
+schema is checked so, whatever ``tool_choice`` says (as OpenAI validates them): each compiles alone
+(cached, ~1 ms for a typical schema), while only the callable tools join the tool-call grammar.
 
 Source: docs/ARCHITECTURE.md §6 (where the mask sits), §14 (tool calls), §15 (heavy work off the hub).
 """
@@ -103,20 +105,21 @@ class GrammarService:
         return grammar
 
     def _check_tools(self, tools: ToolRequest) -> None:
-        """Compile each callable tool's ``parameters`` alone, as a ``response_format`` schema is
-        (cached; with its satisfiability check): the tool-call grammar's own check only computes
-        its first mask (the tag's ``<``), so a schema that only refers to itself (``{"$ref": "#"}``,
-        a ``$defs`` loop) would otherwise pass and fail while generating.
+        """Compile each tool's ``parameters`` alone, as a ``response_format`` schema is (cached;
+        with its satisfiability check): the tool-call grammar's own check only computes its first
+        mask (the tag's ``<``), so a schema that only refers to itself (``{"$ref": "#"}``, a
+        ``$defs`` loop) would otherwise pass and fail while generating. The tools a named or
+        ``"none"`` choice leaves out are checked too, so a request is refused the same way
+        whatever its ``tool_choice`` (OpenAI validates every tool): they compile alone, as under
+        ``"auto"`` (cached, on the pool), and join no tool-call grammar.
 
         Raises:
             ApiError: 400 naming the first failing tool's ``parameters`` (:func:`parameters_param`).
         """
-        callable_tools = tools.callable_tools()
         for i, tool in enumerate(tools.tools):
-            if tool in callable_tools:
-                alone = self._grammar(Constraint("json_schema", tool.parameters))
-                if isinstance(alone, ConstraintError):
-                    raise _cannot(parameters_param(tools, i), alone)
+            alone = self._grammar(Constraint("json_schema", tool.parameters))
+            if isinstance(alone, ConstraintError):
+                raise _cannot(parameters_param(tools, i), alone)
 
     def _refusal(
         self, req: CompletionRequest, constraint: Constraint, error: ConstraintError
@@ -143,15 +146,15 @@ def _cannot(param: str, error: ConstraintError) -> ApiError:
 
 
 def _check_keywords(tools: ToolRequest) -> None:
-    """Refuse a callable tool whose schema uses a key that is no JSON Schema keyword enforced here
-    (llguidance would skip it silently; ``model.grammar.compile.unknown_keyword``).
+    """Refuse a tool whose schema uses a key that is no JSON Schema keyword enforced here
+    (llguidance would skip it silently; ``model.grammar.compile.unknown_keyword``), callable under
+    this ``tool_choice`` or not.
 
     Raises:
         ApiError: 400 naming the tool's ``parameters``.
     """
-    callable_tools = tools.callable_tools()
     for i, tool in enumerate(tools.tools):
-        unknown = unknown_keyword(tool.parameters) if tool in callable_tools else None
+        unknown = unknown_keyword(tool.parameters)
         if unknown is not None:
             param = parameters_param(tools, i)
             raise invalid(
