@@ -261,9 +261,8 @@ def _tool_calls(
         except ValueError:
             decoded = None
         calls[call_id] = name
-        answered.pop(
-            call_id, None
-        )  # a new call: an answer to an earlier one with its id is no repeat
+        # A new call: an answer to an earlier call with its id is no repeat.
+        answered.pop(call_id, None)
         out.append(
             {
                 "id": call_id,
