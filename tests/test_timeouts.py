@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import struct
 import time
 
 import pytest
@@ -141,3 +142,28 @@ def test_graceful_timeout_ends_streams_then_the_server(serve, succ_dir):
     # Streams end END_STREAMS_S (1.5 s) before the grace period does; the master is gone by its end.
     assert abs(ended_s - 1.5) <= TOLERANCE_S, ended_s
     assert ended_s < exited_s <= 3.0 + TOLERANCE_S, exited_s
+
+
+def test_a_client_that_resets_during_its_body_is_a_499_not_a_server_error(default_server):
+    # Half a body, then a reset (SO_LINGER 0): the read fails with ECONNRESET. Nobody reads the
+    # answer; the request is logged 499 at INFO, with no traceback (it was a 500 with one).
+    body = json.dumps({"model": "bigram", "prompt": "x" * 200, "max_tokens": 1}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        f"X-Request-Id: reset-mid-body\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    sock = socket.create_connection(("127.0.0.1", default_server.port), timeout=5)
+    sock.sendall(head + body[:-10])
+    time.sleep(0.2)  # the server is in its body read
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+    wait_until(lambda: "reset-mid-body" in default_server.log_text(), 10, "the request's log line")
+    line = next(ln for ln in default_server.log_text().splitlines() if "reset-mid-body" in ln)
+    record = json.loads(line)
+    assert (record["status"], record["level"], record["endpoint"]) == (
+        499,
+        "INFO",
+        "/v1/completions",
+    )
+    assert "Traceback" not in default_server.log_text()
+    assert "Connection reset by peer" not in default_server.log_text()

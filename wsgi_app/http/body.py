@@ -64,14 +64,23 @@ def read_body(environ: Mapping[str, Any], limit: int, timeout_s: float | None = 
             ``limit`` (the rest of the body is not read); 408 ``request_timeout`` when the body has
             not arrived within ``timeout_s`` (answered ``Connection: close``, and the connection
             closes).
+        ApiError: 499 ``client_closed`` when the client reset the connection before the body's end
+            (nobody reads it: the status is for the log line and the span).
         gunicorn.http.errors.ParseException: a malformed chunked body (answered 400 by
             ``error_handlers.py``).
     """
-    if timeout_s is None:
-        return _read(environ, limit)
     try:
+        if timeout_s is None:
+            return _read(environ, limit)
         with gevent.Timeout(max(timeout_s, 0.001)):
             return _read(environ, limit)
+    except (ConnectionResetError, BrokenPipeError):
+        # The client reset its connection before its body was all sent: it reads no answer, and
+        # the 499 is for the log line and the span, not a server error with a traceback.
+        close_after_response(environ.get("gunicorn.socket"))
+        raise ApiError(
+            499, "Client closed the connection while sending the body.", code="client_closed"
+        ) from None
     except gevent.Timeout:
         # The rest of the body may still come: where the next request would start is unknown.
         close_after_response(environ.get("gunicorn.socket"))
