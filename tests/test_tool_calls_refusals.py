@@ -3,6 +3,10 @@ the default bigram: a second ``tool`` message answering one call (``Duplicate va
 'tool_call_id'``), and a tool's ``parameters`` schema that cannot be enforced, refused with the same
 400 whatever ``tool_choice`` says (a named choice of another tool, or ``"none"``), as under ``auto``.
 
+Legacy ``function_call`` history beside the client's own ids: the server's id of a legacy call equals
+no client id, so a history with a client call named ``call_0`` is taken (its prompt as with any other
+id), a template that renders ids sees each call's own, and the refusals still hold.
+
 The neighbouring refusals (by param only) are tests/test_tool_calls.py's ``REFUSALS``."""
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import json
 import pytest
 
 from tests.toolcalls import ASK, PATH, TIME, WEATHER
+
+SEEDED_CONTENT = " \nShe s?\n*K* har"  # seed 7's 16 tokens after the colliding history's prompt
 
 
 def calls(*ids: str, name: str = "get_weather") -> dict:
@@ -114,6 +120,139 @@ def test_legacy_function_results_answer_by_name_and_are_not_refused_as_repeats(d
     status, doc = post(default_server, body)
     assert status == 200, doc
     assert doc["choices"][0]["finish_reason"] == "length"
+
+
+# -- legacy function calls beside the client's ids ---------------------------------------------------
+
+LEGACY = {
+    "role": "assistant",
+    "content": None,
+    "function_call": {"name": "get_weather", "arguments": "{}"},
+}
+LEGACY_RESULT = {"role": "function", "name": "get_weather", "content": "18C"}
+# Renders every call's and result's id and function name, as a template that reads them does (it
+# reads ``tools``, so the history reaches it as transformers passes it, not rewritten as text).
+IDS_TEMPLATE = (
+    "{% if tools %}{% endif %}{% for m in messages %}{{ m.role }}"
+    "{% for c in m.tool_calls or [] %} {{ c.id }}={{ c.function.name }}{% endfor %}"
+    "{% if m.tool_call_id %} {{ m.tool_call_id }}={{ m.name }}{% endif %}"
+    ": {{ m.content or '' }}\n{% endfor %}assistant:"
+)
+
+
+@pytest.fixture(scope="module")
+def logged(serve_module):
+    """The bigram with its default template, logging prompts."""
+    return serve_module(LOG_PROMPTS="1")
+
+
+@pytest.fixture(scope="module")
+def ids_shown(serve_module, tmp_path_factory):
+    """The bigram with :data:`IDS_TEMPLATE`, logging prompts."""
+    path = tmp_path_factory.mktemp("ids-template") / "chat.jinja"
+    path.write_text(IDS_TEMPLATE)
+    return serve_module(LOG_PROMPTS="1", CHAT_TEMPLATE=str(path))
+
+
+def logged_prompt(srv, body: dict, rid: str) -> tuple[dict, str]:
+    """Return the JSON answer to ``body`` (asserting a 200) and the prompt its log line shows."""
+    status, _, raw = srv.post(PATH, body, headers={"X-Request-Id": rid})
+    assert status == 200, raw
+    srv.wait_idle()
+    (line,) = [json.loads(x) for x in srv.log_text().splitlines() if f'"{rid}"' in x]
+    return json.loads(raw), line["prompt"]
+
+
+def colliding(call_id: str) -> list:
+    """A legacy call, then the client's call ``call_id`` of get_time, then both results: a valid
+    history (each result answers its own call), which before the fix gave the legacy call the id
+    ``call_0`` too and refused the legacy result (get_weather no longer called)."""
+    return [*ASK, LEGACY, calls(call_id, name="get_time"), LEGACY_RESULT, result(call_id, "10:00")]
+
+
+def test_a_client_id_like_the_legacy_calls_is_accepted_with_the_prompt_unchanged(logged):
+    body = {"model": "m", "tools": [WEATHER, TIME], "max_tokens": 16, "seed": 7}
+    answers = {}
+    for call_id in ("call_0", "call_x"):
+        doc, prompt = logged_prompt(logged, {**body, "messages": colliding(call_id)}, call_id)
+        answers[call_id] = (doc["choices"], doc["usage"], prompt)
+    # The default tool prompt shows no ids: the id the client chose changes nothing.
+    assert answers["call_0"] == answers["call_x"]
+    choices, usage, prompt = answers["call_0"]
+    assert choices == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": SEEDED_CONTENT, "refusal": None},
+            "logprobs": None,
+            "finish_reason": "length",
+        }
+    ]
+    assert usage["completion_tokens"] == 16 and usage["prompt_tokens"] == len(prompt.encode())
+    assert prompt.endswith(
+        '\nUser: What is the weather in Paris?\nAssistant: <tool_call>[{"name": "get_weather", '
+        '"arguments": {}}]</tool_call>\nAssistant: <tool_call>[{"name": "get_time", "arguments": '
+        "{}}]</tool_call>\nUser: <tool_response>\n18C\n</tool_response>\n<tool_response>\n"
+        "10:00\n</tool_response>\nAssistant:"
+    )
+
+
+@pytest.mark.parametrize(
+    ("messages", "shown"),
+    [
+        (
+            colliding("call_0"),
+            "assistant call_1=get_weather: \nassistant call_0=get_time: \n"
+            "tool call_1=get_weather: 18C\ntool call_0=get_time: 10:00\n",
+        ),
+        (  # the client's call_1 first: its result was shown as get_weather's, with the legacy id
+            [
+                *ASK,
+                calls("call_1", name="get_time"),
+                LEGACY,
+                result("call_1", "10:00"),
+                LEGACY_RESULT,
+            ],
+            "assistant call_1=get_time: \nassistant call_2=get_weather: \n"
+            "tool call_1=get_time: 10:00\ntool call_2=get_weather: 18C\n",
+        ),
+    ],
+    ids=["client-id-after", "client-id-before"],
+)
+def test_a_template_that_reads_ids_sees_each_call_with_its_own(ids_shown, request, messages, shown):
+    body = {"model": "m", "messages": messages, "max_tokens": 1}
+    _, prompt = logged_prompt(ids_shown, body, f"ids-{request.node.callspec.id}")
+    assert prompt == f"user: {ASK[0]['content']}\n{shown}assistant:"
+
+
+def test_a_legacy_call_does_not_hide_a_second_answer_to_the_clients_call(default_server):
+    messages = [
+        *ASK,
+        calls("call_1", name="get_time"),
+        result("call_1", "10:00"),
+        LEGACY,
+        LEGACY_RESULT,
+        result("call_1", "10:00"),
+    ]
+    for stream in (False, True):
+        body = {"tools": [WEATHER, TIME], "messages": messages, "stream": stream}
+        status, doc = post(default_server, body)
+        assert status == 400
+        assert doc == refusal(
+            "Invalid parameter: Duplicate value for 'tool_call_id' of 'call_1', in messages[2] "
+            "and messages[5].",
+            "messages[5].tool_call_id",
+        )
+
+
+def test_a_legacy_call_is_answered_by_name_not_by_a_guessed_id(default_server):
+    """The legacy call's id is the server's: a ``tool`` message naming it answers nothing."""
+    body = {"functions": [WEATHER["function"]], "messages": [*ASK, LEGACY, result("call_0")]}
+    status, doc = post(default_server, body)
+    assert status == 400
+    assert doc == refusal(
+        "'messages[2].tool_call_id' 'call_0' matches no tool call of an earlier assistant message.",
+        "messages[2].tool_call_id",
+    )
 
 
 def tool(name: str, parameters: dict) -> dict:

@@ -264,6 +264,88 @@ def test_legacy_function_history_maps_onto_tool_messages():
     }
 
 
+def legacy_call(name: str = "get_weather") -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": None,
+        "function_call": {"name": name, "arguments": "{}"},
+    }
+
+
+def client_call(*ids: str, name: str = "get_time") -> dict[str, Any]:
+    calls = [
+        {"id": i, "type": "function", "function": {"name": name, "arguments": "{}"}} for i in ids
+    ]
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+def answers(messages: tuple[dict[str, Any], ...]) -> list[tuple[str, str]]:
+    """Return each call's (id, function) and each result's (call id, function), in order."""
+    out = []
+    for m in messages:
+        out += [(c["id"], c["function"]["name"]) for c in m.get("tool_calls", ())]
+        if m["role"] == "tool":
+            out.append((m["tool_call_id"], m["name"]))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("messages", "expected"),
+    [
+        (  # the client's call_0 came after the legacy call and before its result: was a 400
+            [
+                ASK,
+                legacy_call(),
+                client_call("call_0"),
+                {"role": "function", "name": "get_weather", "content": "18C"},
+                {"role": "tool", "tool_call_id": "call_0", "content": "10:00"},
+            ],
+            [("call_1", "get_weather"), ("call_0", "get_time")] * 2,
+        ),
+        (  # the client's call_1 came first: its result was named get_weather
+            [
+                ASK,
+                client_call("call_1"),
+                legacy_call(),
+                {"role": "tool", "tool_call_id": "call_1", "content": "10:00"},
+                {"role": "function", "name": "get_weather", "content": "18C"},
+            ],
+            [("call_1", "get_time"), ("call_2", "get_weather")] * 2,
+        ),
+        (  # ids call_2 and call_3 are the client's: two legacy calls skip them, and each other
+            [ASK, client_call("call_2", "call_3"), legacy_call(), legacy_call("get_time")],
+            [
+                ("call_2", "get_time"),
+                ("call_3", "get_time"),
+                ("call_4", "get_weather"),
+                ("call_5", "get_time"),
+            ],
+        ),
+    ],
+    ids=["client-id-after", "client-id-before", "several"],
+)
+def test_a_legacy_call_gets_an_id_that_no_client_id_equals(messages, expected):
+    assert answers(parse_messages(messages, 16)) == expected
+
+
+def test_a_legacy_call_does_not_hide_a_repeated_answer_to_the_clients_call():
+    messages = [
+        ASK,
+        client_call("call_1"),
+        {"role": "tool", "tool_call_id": "call_1", "content": "10:00"},
+        legacy_call(),
+        {"role": "function", "name": "get_weather", "content": "18C"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "10:00"},
+    ]
+    with pytest.raises(ApiError) as info:
+        parse_messages(messages, 16)
+    assert (info.value.param, info.value.message) == (
+        "messages[5].tool_call_id",
+        "Invalid parameter: Duplicate value for 'tool_call_id' of 'call_1', in messages[2] and "
+        "messages[5].",
+    )
+
+
 def test_a_user_message_holding_tool_call_syntax_stays_content():
     text = '<tool_call>[{"name": "get_weather", "arguments": {}}]</tool_call>'
     assert parse_messages([{"role": "user", "content": text}], 4) == (

@@ -8,9 +8,11 @@ documented keys this server does not implement (audio, image parts) are a 400 sa
 
 Tool-call history (issue 27): an assistant message may carry ``tool_calls`` (its ``content`` then null
 or text) and a ``tool`` message answers one by ``tool_call_id``; the legacy ``function_call`` and
-``function`` role map onto the same. The template gets transformers' shapes: ``tool_calls`` as
-``[{"id", "type": "function", "function": {"name", "arguments": {...}}}]`` (arguments decoded from
-their JSON string when they are an object) and ``{"role": "tool", "tool_call_id", "content"}``.
+``function`` role map onto the same (the legacy call gets an id of the server's, ``call_<n>``, that no
+id the client wrote in the request equals; its result answers it by ``name``). The template gets
+transformers' shapes: ``tool_calls`` as ``[{"id", "type": "function", "function": {"name",
+"arguments": {...}}}]`` (arguments decoded from their JSON string when they are an object) and
+``{"role": "tool", "tool_call_id", "content"}``.
 A ``tool_call_id`` that matches no earlier call is a 400 naming it, and so is a second ``tool``
 message answering the same call (OpenAI's "Duplicate value for 'tool_call_id'").
 
@@ -79,11 +81,48 @@ def parse_messages(value: Any, max_messages: int) -> tuple[dict[str, Any], ...]:
         )
     calls: dict[str, str] = {}  # tool_call id -> function name, of the calls so far
     answered: dict[str, str] = {}  # tool_call id -> the message that answered its latest call
-    return tuple(_message(m, f"messages[{i}]", calls, answered) for i, m in enumerate(value))
+    taken = _client_ids(value)  # a legacy call's id is none of these (see _legacy_id)
+    return tuple(_message(m, f"messages[{i}]", calls, answered, taken) for i, m in enumerate(value))
+
+
+def _client_ids(messages: list) -> set[str]:
+    """Return every id the client wrote in ``messages``: its calls' ``tool_calls[j].id`` and its
+    ``tool`` messages' ``tool_call_id`` (read before any message is checked; malformed ones are
+    left to the checks)."""
+    ids = set()
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        if isinstance(message.get("tool_call_id"), str):
+            ids.add(message["tool_call_id"])
+        tool_calls = message.get("tool_calls")
+        for call in tool_calls if isinstance(tool_calls, list) else ():
+            if isinstance(call, dict) and isinstance(call.get("id"), str):
+                ids.add(call["id"])
+    return ids
+
+
+def _legacy_id(calls: dict[str, str], taken: set[str]) -> str:
+    """Return the id of a legacy ``function_call``: ``call_<n>``, ``n`` the number of call ids so
+    far, or the next ``n`` whose id the client did not write anywhere in the request nor an earlier
+    legacy call got. A ``function_call`` has no id on the wire (its result answers it by name), so
+    this one is the server's own: were it a client's id too, the client's call and the legacy one
+    would be one key of ``calls``, the later overwriting the earlier (its results then named after
+    the wrong function, a repeated answer taken as new, a legacy result refused as answering no
+    call)."""
+    n = len(calls)
+    while f"call_{n}" in taken:
+        n += 1
+    taken.add(f"call_{n}")
+    return f"call_{n}"
 
 
 def _message(
-    message: Any, where: str, calls: dict[str, str], answered: dict[str, str]
+    message: Any,
+    where: str,
+    calls: dict[str, str],
+    answered: dict[str, str],
+    taken: set[str],
 ) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise invalid(f"'{where}' must be an object.", where)
@@ -110,7 +149,9 @@ def _message(
             if not isinstance(message[key], str):
                 raise invalid(f"'{where}.{key}' must be a string.", f"{where}.{key}")
             check_unicode(message[key], f"{where}.{key}")
-    tool_calls = _tool_calls(message, where, calls, answered) if role == "assistant" else None
+    tool_calls = (
+        _tool_calls(message, where, calls, answered, taken) if role == "assistant" else None
+    )
     content = message.get("content")
     out: dict[str, Any] = {
         "role": ROLES[role],
@@ -208,10 +249,11 @@ def _tool_message(
 
 
 def _tool_calls(
-    message: dict, where: str, calls: dict[str, str], answered: dict[str, str]
+    message: dict, where: str, calls: dict[str, str], answered: dict[str, str], taken: set[str]
 ) -> list[dict[str, Any]] | None:
     """An assistant's ``tool_calls`` (or legacy ``function_call``) in transformers' shape; each id
-    is noted in ``calls`` (a legacy call gets the id ``call_<n>``) as not yet answered.
+    is noted in ``calls`` (a legacy call gets an id no client id equals: :func:`_legacy_id`) as not
+    yet answered.
 
     Two calls of one message with the same id are refused (``<where>.tool_calls[j].id``, the second
     one): their results could not be told apart. An id an earlier message used is accepted, and a
@@ -222,7 +264,7 @@ def _tool_calls(
     if value is not None and legacy is not None:
         raise invalid(f"'{where}' sends 'tool_calls' and 'function_call'; send one.", where)
     if legacy is not None:
-        value = [{"id": f"call_{len(calls)}", "type": "function", "function": legacy}]
+        value = [{"id": _legacy_id(calls, taken), "type": "function", "function": legacy}]
         at_of = lambda j: f"{where}.function_call"  # noqa: E731
     elif value is None:
         return None
