@@ -120,3 +120,46 @@ SCHEMAS: dict[str, dict] = {
     ),
     "date": obj({"d": {"type": "string", "format": "date"}}),
 }
+
+# Valid JSON Schemas that no value satisfies, each with the reason its refusal gives (after
+# "'<param>' cannot be enforced: "): llguidance's own, found when it compiles the schema, or (the
+# endless ones) found on the forced start of the grammar, whose mask llguidance cannot compute.
+_NODE = {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}
+NO_VALUE = "can never be satisfied: no output can match it"
+UNSATISFIABLE: dict[str, tuple[dict, str]] = {
+    "string-lengths": (
+        {"type": "string", "minLength": 5, "maxLength": 2},
+        "Unsatisfiable schema: minLength (5) is greater than maxLength (2)",
+    ),
+    "integer-bounds": (
+        {"type": "integer", "minimum": 5, "maximum": 2},
+        "Unsatisfiable schema: minimum (5) is greater than maximum (2)",
+    ),
+    "array-lengths": (
+        {"type": "array", "minItems": 3, "maxItems": 1},
+        "Unsatisfiable schema: minItems (3) is greater than maxItems (1)",
+    ),
+    "empty-enum": ({"enum": []}, "Unsatisfiable schema: anyOf is empty"),
+    "required-forbidden": (
+        obj({"a": {"type": "string"}}, required=["b"]),
+        "Unsatisfiable schema: required property 'b' is unsatisfiable",
+    ),
+    "required-unsatisfiable": (
+        obj({"a": {"type": "integer", "minimum": 5, "maximum": 2}}),
+        "Unsatisfiable schema: required property 'a' is unsatisfiable",
+    ),
+    "endless-object": ({"$defs": {"node": _NODE}, "$ref": "#/$defs/node"}, NO_VALUE),
+    "endless-array": (
+        {
+            "$defs": {"list": {"type": "array", "items": {"$ref": "#/$defs/list"}, "minItems": 1}},
+            "$ref": "#/$defs/list",
+        },
+        NO_VALUE,
+    ),
+}
+# Satisfiable as far as anything can tell before generating (its forced start is `{"a":`, then a
+# choice), none once "a" is written: "b" must follow, an endless object. Found while generating.
+ENDLESS_AFTER_A_CHOICE = {
+    **obj({"a": {"type": "boolean"}, "b": {"$ref": "#/$defs/node"}}),
+    "$defs": {"node": _NODE},
+}

@@ -10,12 +10,14 @@ from model.grammar.compile import (
     Constraint,
     ConstraintError,
     GrammarCompiler,
+    MaskViolation,
 )
 from model.loader import load_model
 from model.pcg32 import PCG32
 from model.sampling import SamplingParams, sample
 from model.tokenizer import ByteTokenizer
 from tests.llamafiles import convert_stories
+from tests.schemas import ENDLESS_AFTER_A_CHOICE, UNSATISFIABLE, obj
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +86,61 @@ def test_what_cannot_be_enforced_is_refused(constraint):
     with pytest.raises(ConstraintError) as info:
         GrammarCompiler(ByteTokenizer()).compile(constraint)
     assert "\n" not in str(info.value) and len(str(info.value)) <= 300
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        Constraint("json_schema", {"const": "abc"}),  # all forced, then complete
+        Constraint("json_schema", {"enum": ["only"]}),
+        Constraint("json_schema", obj({"k": {"const": "v"}})),
+        Constraint("json_schema", obj({"a": {"type": "integer"}, "b": {"type": "boolean"}})),
+        Constraint("choice", ("yes",)),
+        Constraint("regex", "abc"),
+        Constraint("regex", "abc(d)?"),
+        Constraint("grammar", 'start: "hello"'),
+        # Recursive, with an end: a tree whose "kids" may be empty.
+        Constraint(
+            "json_schema",
+            {
+                "$defs": {"t": obj({"kids": {"type": "array", "items": {"$ref": "#/$defs/t"}}})},
+                "$ref": "#/$defs/t",
+            },
+        ),
+    ],
+)
+def test_a_forced_start_that_can_end_is_no_refusal(constraint):
+    """The check follows a grammar's forced tokens (``compile._check_satisfiable``): one that is
+    forced to its end, or through a required property, compiles."""
+    grammar, _ = GrammarCompiler(ByteTokenizer()).compile(constraint)
+    assert grammar.kind == constraint.kind
+
+
+@pytest.mark.parametrize("case", ["endless-object", "endless-array"])
+def test_a_forced_start_into_a_value_with_no_end_is_refused(case):
+    schema, why = UNSATISFIABLE[case]
+    with pytest.raises(ConstraintError) as info:
+        GrammarCompiler(ByteTokenizer()).compile(Constraint("json_schema", schema))
+    assert str(info.value) == why
+
+
+def test_a_token_the_mask_forbade_is_a_mask_violation_one_it_allowed_is_the_constraints():
+    compiler = GrammarCompiler(ByteTokenizer())
+    m = compiler.compile(Constraint("regex", "ab"))[0].matcher()
+    m.allowed()
+    with pytest.raises(MaskViolation):
+        m.consume(ord("z"))
+    # Past the choice of "a"'s value, "r" is allowed; after it, the rest is forced ('ue,"b":{...')
+    # into the endless object, and llguidance's parser runs out of items.
+    grammar, _ = compiler.compile(Constraint("json_schema", ENDLESS_AFTER_A_CHOICE))
+    m = grammar.matcher()
+    for byte in b'{"a":t':
+        assert m.allowed()[byte]
+        m.consume(byte)
+    assert m.allowed()[ord("r")]
+    with pytest.raises(ConstraintError) as info:
+        m.consume(ord("r"))
+    assert type(info.value) is ConstraintError
 
 
 @pytest.mark.parametrize("temperature, top_k", [(0.0, 0), (0.8, 0), (1.3, 40)])

@@ -32,6 +32,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from model.grammar import tokens
 from model.grammar.matcher import ConstraintError, TokenMatcher
+from model.grammar.matcher import MaskViolation as MaskViolation  # the server's door to it
 from model.tokenizer import TextTokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
@@ -39,6 +40,7 @@ MAX_CONSTRAINT_BYTES = 64 * 1024  # canonical JSON of a schema, or a regex/gramm
 MAX_CHOICES = 1024
 MAX_GRAMMAR_SIZE = 100_000  # llguidance grammar symbols (its default is 500 000)
 CACHE_SIZE = 256  # compiled grammars kept per worker
+FORCED_RUNS = 8  # runs of forced tokens followed when a grammar is checked (one mask each)
 # JSON output options that no schema's "x-guidance" may change: compact, strict, exact.
 JSON_OPTIONS = {
     "whitespace_flexible": False,
@@ -326,16 +328,29 @@ class GrammarCompiler:
 
 
 def _check_satisfiable(grammar: Grammar) -> None:
-    """Compute ``grammar``'s first mask once, so a constraint that can never be met (a schema that
-    only refers to itself, a regex past llguidance's lexer limits) is refused when compiled, not
-    found while generating.
+    """Compute ``grammar``'s first mask, and its mask after each run of tokens every output must
+    start with (llguidance's forced tokens, up to :data:`FORCED_RUNS` runs), so a constraint that
+    can never be met is refused when compiled, not found while generating: a schema that only
+    refers to itself, a regex past llguidance's lexer limits, and a schema whose forced start leads
+    into a value with no end (an object whose one required property refers back to the object, an
+    array of itself with ``minItems`` 1: llguidance's parser runs out of items right after the
+    ``{``). What needs a choice first (a second property before the endless one) is found only
+    while generating, where it ends the choice with a 400 naming the constraint (see
+    ``wsgi_app.generation.grammars.constraint_failure``).
 
     Raises:
-        ConstraintError: the first mask is an error or allows no token of the model.
+        ConstraintError: a mask on the forced path is an error or allows no token of the model.
     """
     probe = grammar.matcher()
     try:
         probe.allowed()
+        for _ in range(FORCED_RUNS):
+            run = probe.forced()
+            if not run:
+                break
+            if any(probe.consume(token_id) for token_id in run):
+                break  # complete: nothing can follow (a const, a choice of one)
+            probe.allowed()
     except ConstraintError:
         why = probe.error()
         if not why or "non-verbose" in why:  # errors are built without state (verbose_errors off)

@@ -25,7 +25,16 @@ _executor: llguidance.LLExecutor | None = None
 
 
 class ConstraintError(ValueError):
-    """A constraint that cannot be enforced exactly; the message is short and echoes no state."""
+    """A constraint that cannot be enforced exactly; the message is short and echoes no state.
+
+    Raised while generating, it is the constraint's doing: its grammar allows no next token (it has
+    no finite completion from here, or llguidance's parser limits ran out), or refused a token its
+    own mask allowed. :class:`MaskViolation` is the other case."""
+
+
+class MaskViolation(ConstraintError):
+    """A token the last mask forbade was fed to the matcher: the engine's fault, not the
+    constraint's (only allowed tokens are ever sampled; the ``matcher_fail_at`` fault feeds one)."""
 
 
 def _words(vocab_size: int) -> int:
@@ -56,7 +65,7 @@ class TokenMatcher:
             0 for never.
     """
 
-    __slots__ = ("_m", "vocab_size", "tokens", "mask_s", "fault_at", "_words")
+    __slots__ = ("_m", "vocab_size", "tokens", "mask_s", "fault_at", "_words", "_row")
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, bridge_size: int) -> None:
         self._m = matcher
@@ -65,6 +74,7 @@ class TokenMatcher:
         self.mask_s = 0.0
         self.fault_at = 0
         self._words = _words(bridge_size)
+        self._row: np.ndarray | None = None  # the last mask handed out (:meth:`check`)
 
     def allowed(self) -> np.ndarray:
         """Return the `(vocab_size,)` bool mask of the ids the grammar allows next.
@@ -92,20 +102,30 @@ class TokenMatcher:
             raise ConstraintError("the output constraint failed while generating")
         if not row.any():
             raise ConstraintError("the output constraint allows no token of this model here")
+        self._row = row
         return row
 
     def consume(self, token_id: int) -> bool:
         """Advance past ``token_id``; return True when the grammar is complete (nothing can follow).
 
         Raises:
-            ConstraintError: llguidance refused the token or is in an error state.
+            MaskViolation: the last mask (:meth:`check`) forbade ``token_id``.
+            ConstraintError: llguidance refused a token its mask allowed, or is in an error state.
         """
         self.tokens += 1
         if self.tokens == self.fault_at:
             token_id = self._forbidden()
         if not self._m.consume_token(token_id) or self._m.is_error():
+            row = self._row
+            if row is not None and not (0 <= token_id < len(row) and row[token_id]):
+                raise MaskViolation("a token the output constraint forbids was fed to it")
             raise ConstraintError("the output constraint failed while generating")
         return self._m.is_stopped()
+
+    def forced(self) -> list[int]:
+        """Return the tokens every output the grammar allows goes on with from here (llguidance's
+        fast-forward tokens; empty where there is a choice, or the grammar is complete)."""
+        return self._m.compute_ff_tokens()
 
     def _forbidden(self) -> int:
         bitmask = np.full((1, self._words), -1, np.int32)
