@@ -1,14 +1,19 @@
 """Structured outputs fail closed: what cannot be enforced exactly is a 400 naming its field before any
-byte, never a 200 with unconstrained text; a matcher that fails mid-stream ends that stream with an
-error event (or a 500 answer) and frees its slot, and its neighbours carry on."""
+byte, never a 200 with unconstrained text; a valid schema that no value satisfies is refused so too,
+with llguidance's reason, or, where that shows only once generating, ends the choice with a 400 (an
+``invalid_request_error`` event in a stream) naming it and frees its slot; a matcher fed a token its
+mask forbade (the engine's fault) ends that stream with an error event (or a 500 answer) and frees its
+slot, and its neighbours carry on."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
 
+from tests.schemas import ENDLESS_AFTER_A_CHOICE, UNSATISFIABLE
 from tests.server import concurrently
 from tests.sse import sse_events
 
@@ -206,4 +211,89 @@ def test_matcher_fault_mid_stream_is_an_error_event_and_frees_the_slot(faulty):
     assert status == 500 and json.loads(raw)["error"]["code"] == "engine_error"
     faulty.wait_idle()
     assert faulty.get("/ready")[0] == 200
-    assert "ConstraintError" in faulty.log_text()
+    # The token fed was one its mask forbade: the engine's fault (a ConstraintError's subclass).
+    assert "model.grammar.matcher.MaskViolation" in faulty.log_text()
+
+
+def chat_body(schema: dict, stream: bool, **extra) -> dict:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 200,
+        "temperature": 0,
+        "stream": stream,
+        "response_format": _rf(schema),
+        **extra,
+    }
+
+
+def cannot(param: str, why: str) -> dict:
+    message = f"'{param}' cannot be enforced: {why}"
+    return {
+        "error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("case", list(UNSATISFIABLE))
+def test_a_schema_no_value_satisfies_is_refused_before_any_byte(default_server, case, path, stream):
+    schema, why = UNSATISFIABLE[case]
+    body = chat_body(schema, stream)
+    if path == "/v1/completions":
+        del body["messages"]
+        body["prompt"] = "x"
+    status, headers, raw = default_server.post(path, body)
+    assert (status, headers["content-type"]) == (400, "application/json")
+    assert json.loads(raw) == cannot("response_format", why)
+
+
+@pytest.fixture(scope="module")
+def each_family(family, serve_module):
+    """A server on each model family in turn (the bigram, stories260K's Llama engine)."""
+    return serve_module(**family[1])
+
+
+GENERATING = (
+    r"no output can match it after the (\d+) tokens generated \(a required property or item whose "
+    r"schema refers back to its own object or array has no finite value\)"
+)
+
+
+def test_a_schema_found_empty_while_generating_ends_with_a_400_naming_it(each_family, family):
+    srv = each_family
+    status, _, raw = srv.post("/v1/chat/completions", chat_body(ENDLESS_AFTER_A_CHOICE, True))
+    assert status == 200
+    payloads = sse_events(raw)
+    assert payloads[-1] == b"[DONE]"
+    *chunks, error = [json.loads(p) for p in payloads[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    # The forced start, then "a"'s value: the token that ends it has no next token ("b" has no end).
+    assert any(f'{{"a":{v},'.startswith(text) for v in ("true", "false")), text
+    assert len(text) >= len('{"a":')
+    (tokens,) = re.fullmatch(GENERATING, error["error"]["message"].split(": ", 1)[1]).groups()
+    if family[0] == "bigram":
+        assert int(tokens) == len(text.encode())  # one token a byte
+    why = GENERATING.replace(r"(\d+)", tokens).replace("\\", "")
+    assert error == cannot("response_format", why)
+    # The JSON answer: the same failure, before any byte, as a 400.
+    status, _, raw = srv.post(
+        "/v1/chat/completions",
+        chat_body(ENDLESS_AFTER_A_CHOICE, False),
+        headers={"X-Request-Id": f"endless-{family[0]}"},
+    )
+    assert (status, json.loads(raw)) == (400, error)
+    # Both freed their slot; the worker serves on, ready, with no traceback logged.
+    assert srv.wait_idle()["slots"]["busy"] == 0
+    status, _, raw = srv.complete({"model": "m", "prompt": "x", "max_tokens": 3})
+    assert status == 200
+    assert srv.get("/ready")[0] == 200
+    log = srv.log_text()
+    (line,) = [json.loads(x) for x in log.splitlines() if f'"endless-{family[0]}"' in x]
+    assert (line["status"], line["finish_reason"], line["end_reason"]) == (
+        400,
+        "error",
+        "engine_error",
+    )
+    assert line["error"] == error["error"]["message"]
+    assert "Traceback" not in log

@@ -222,6 +222,13 @@ class CallParser:
         self._name = ""  # the name of the call being read, until its arguments start
         self._depth, self._quoted, self._escaped = 0, False, False
 
+    @property
+    def open_call(self) -> str | None:
+        """The name of the call whose arguments are being read (or are next), else None."""
+        if self._state == "value":
+            return self.calls[-1].name
+        return self._name if self._state == "arguments" else None
+
     def take_events(self) -> list[tuple[int, str | None]]:
         """Return the events since the last call, and forget them."""
         events, self.events = self.events, []

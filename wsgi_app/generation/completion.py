@@ -16,10 +16,12 @@ from itertools import cycle
 from typing import Protocol
 
 from model.engine import Engine, GenerationRequest
+from model.grammar.compile import ConstraintError, MaskViolation
 from model.tokenizer import TextTokenizer
 from model.utf8 import Utf8Decoder
 from wsgi_app.api.completions import CompletionRequest, Prompt
 from wsgi_app.generation.choice import BYTE_TOKENIZER, Choice, token_start
+from wsgi_app.generation.grammars import constraint_failure
 from wsgi_app.generation.tool_calls import ToolChoice
 from wsgi_app.wire.encoder import TEXT_COMPLETION, ChunkEncoder, WireFormat
 from wsgi_app.wire.logprobs import Logprobs
@@ -250,7 +252,10 @@ class Completion:
             events: False to build no events (a non-streamed answer; only pings are yielded).
 
         Raises:
-            Exception: whatever the engine or the pacer raises; the caller answers with an error.
+            ApiError: 400 naming the output constraint that failed while generating
+                (``wsgi_app.generation.grammars.constraint_failure``).
+            Exception: whatever else the engine or the pacer raises; the caller answers with an
+                error.
         """
         self._score_echo()
         chunk, pace = self.encoder.chunk, self.pacer
@@ -261,22 +266,27 @@ class Completion:
                 if event:
                     yield event
         live = [c for c in self.choices if c.finish_reason is None]
-        while live:
-            for c in cycle(live):  # round after round, with no per-round work
-                text = c.advance()
-                if text is None:
-                    yield from self._tick()
-                    continue
-                if events:
-                    event = chunk(c, text)
-                    if event:
-                        yield event
-                pace()
-                if c.finish_reason is not None:
-                    break
-            # Only the choice that just advanced can have ended: the next round goes on after it.
-            k = live.index(c)
-            live = live[k + 1 :] + live[:k]
+        try:
+            while live:
+                for c in cycle(live):  # round after round, with no per-round work
+                    text = c.advance()
+                    if text is None:
+                        yield from self._tick()
+                        continue
+                    if events:
+                        event = chunk(c, text)
+                        if event:
+                            yield event
+                    pace()
+                    if c.finish_reason is not None:
+                        break
+                # Only the choice that just advanced can have ended: the next round goes on after it.
+                k = live.index(c)
+                live = live[k + 1 :] + live[:k]
+        except MaskViolation:
+            raise  # the engine's fault: a 500
+        except ConstraintError as exc:  # the constraint's: a 400 naming it (only c.advance raises)
+            raise constraint_failure(self.req, c) from exc
 
     def usage_chunk(self) -> bytes:
         """Return the ``stream_options.include_usage`` event: no choices, the usage."""

@@ -14,6 +14,10 @@ answer); a schema llguidance cannot enforce is a 400 naming that tool's ``parame
 schema is checked so, whatever ``tool_choice`` says (as OpenAI validates them): each compiles alone
 (cached, ~1 ms for a typical schema), while only the callable tools join the tool-call grammar.
 
+A constraint that compiles but is found to admit no output only while generating (past a choice:
+``model.grammar.compile`` checks its forced start) ends the request with the same kind of 400
+(:func:`constraint_failure`), raised from ``Completion.chunks``.
+
 Source: docs/ARCHITECTURE.md §6 (where the mask sits), §14 (tool calls), §15 (heavy work off the hub).
 """
 
@@ -141,8 +145,41 @@ def parameters_param(tools: ToolRequest, i: int) -> str:
     return f"{tools.param}[{i}].function.parameters"
 
 
-def _cannot(param: str, error: ConstraintError) -> ApiError:
+def _cannot(param: str, error: ConstraintError | str) -> ApiError:
     return invalid(f"'{param}' cannot be enforced: {error}", param)
+
+
+def constraint_failure(req: CompletionRequest, choice: Any) -> ApiError:
+    """Return the 400 that ends a request whose output constraint failed while ``choice`` was
+    generated (``model.grammar.matcher.ConstraintError``, not a ``MaskViolation``): its grammar
+    allows no next token after the choice's tokens so far, though it compiled and its forced start
+    was checked (``model.grammar.compile``). Such a constraint admits no output from there: a
+    schema whose required value has no end past a choice (a first property's value, then a
+    required one that refers back to its own object), a grammar whose rules recurse without end
+    past one, or one past llguidance's parser limits. The param is the constraint the choice was
+    in: the tool whose call's arguments it was writing (``tools[i].function.parameters``), else
+    the request's text constraint, else its ``tools``; a schema's message says what to look for.
+
+    Args:
+        req: the request.
+        choice: the failed choice (a ``Choice``; a ``ToolChoice`` knows its open call).
+    """
+    tools, name = req.tools, getattr(choice, "open_call", None)
+    called = [i for i, t in enumerate(tools.tools) if t.name == name] if tools is not None else []
+    rc, schema = req.constraint, bool(called)
+    if called:
+        param = parameters_param(tools, called[0])
+    elif rc is not None:
+        param, schema = rc.param, rc.constraint.kind == "json_schema"
+    else:  # a grammar comes from a text constraint or tools: tools here
+        param = tools.param if tools is not None else "response_format"
+    why = f"no output can match it after the {choice.tokens} tokens generated"
+    if schema:
+        why += (
+            " (a required property or item whose schema refers back to its own object or array "
+            "has no finite value)"
+        )
+    return _cannot(param, why)
 
 
 def _check_keywords(tools: ToolRequest) -> None:

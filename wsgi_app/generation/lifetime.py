@@ -290,8 +290,11 @@ class Generation:
             record.end(CLIENT_LEFT)
             record.error = str(exc)
             raise
-        except ApiError:
-            raise  # the pacer's deadline or shutdown, named by it
+        except ApiError as exc:
+            # The pacer's deadline or shutdown (named by it), or a constraint that failed.
+            record.end(ENGINE_ERROR)
+            record.error = record.error or exc.message
+            raise
         except Exception as exc:
             record.end(ENGINE_ERROR)
             err = engine_error(self._ctx, exc)

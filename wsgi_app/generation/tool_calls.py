@@ -150,6 +150,11 @@ class ToolChoice(Choice):
         """The calls so far (the last one's arguments may be incomplete)."""
         return self._filter.parser.calls
 
+    @property
+    def open_call(self) -> str | None:
+        """The function whose call's arguments are being generated, else None."""
+        return self._filter.parser.open_call
+
     def take_events(self) -> list[tuple[int, str | None]]:
         """Return the call events since the last call (``CallParser.events``), and forget them."""
         return self._filter.parser.take_events()
