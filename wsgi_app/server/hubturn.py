@@ -14,7 +14,8 @@ every 50 callbacks: under churn a few dozen set-ups ran back to back between two
 accepted meanwhile waited for all of them. :func:`setup_turn` queues such a greenlet in the same
 watcher's queue of arrivals, served first in each pass for up to ``SETUP_SHARE_S``: a new request's set-up
 still goes ahead of the streams' tokens (its TTFT), the hub polls between passes, and the streams still
-get at least ``poll_s`` of every pass however many connections arrive.
+get at least ``poll_s`` of every pass however many connections arrive (and only that while arrivals
+still wait: a burst of 128 new connections otherwise waited for up to ``MAX_SHARE_S`` of tokens a pass).
 
 :class:`HubTurn` puts the greenlet in one FIFO queue per hub, served by a *check* watcher, which libev
 runs once in every loop iteration right after the I/O poll and its callbacks, whether or not events
@@ -96,8 +97,10 @@ class _Turns:
         # Only those waiting now: a greenlet that queues again during this pass waits for the next.
         _serve(self.arriving, start + SETUP_SHARE_S)
         now = time.perf_counter()
-        # The streams get at least poll_s whatever the set-ups took: never starved by arrivals.
-        _serve(self.waiting, now + min(max(self.poll_s, rest), MAX_SHARE_S))
+        # The streams get at least poll_s whatever the set-ups took: never starved by arrivals; while
+        # arrivals still wait, only that, so a burst's last first token is not held by the streams.
+        share = self.poll_s if self.arriving else min(max(self.poll_s, rest), MAX_SHARE_S)
+        _serve(self.waiting, now + share)
         self.last_end = time.perf_counter()
         if not self.arriving and not self.waiting:
             self._stop()
