@@ -1,5 +1,6 @@
 """SIGTERM with idle keep-alive connections: closed at once (as nginx does), in-flight requests answered
-``Connection: close``, and the worker's exit hooks always run within the grace period.
+``Connection: close``, a SIGTERM that comes while a worker boots stopping it as gracefully as a late
+one, and the worker's exit hooks always running within the grace period.
 
 Source: RFC 9112 §9.6 (tear-down); gunicorn's ``graceful_timeout`` and ``worker_exit`` hook.
 """
@@ -9,9 +10,13 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import re
 import signal
 import socket
 import time
+from pathlib import Path
+
+import pytest
 
 from tests.collector import FakeCollector
 from tests.server import wait_until
@@ -86,3 +91,60 @@ def test_sigterm_closes_connections_that_sent_nothing_and_ends_a_stalled_head_qu
         log = srv.log_text()
         assert "Worker exiting" in log
         assert "Internal Server Error" not in log and "GreenletExit" not in log, srv.log_tail()
+
+
+# A configuration that runs greenserve's, with the new worker paused (PAUSE_S) in the window between
+# its fork and gunicorn's installing its signal handlers: before the ``post_fork`` hook (the master's
+# handler still in place) or after it (the stop signals held). The window is the real one, widened.
+PAUSED_BOOT = """
+import time
+
+import wsgi_app.gunicorn_config as greenserve
+from wsgi_app.gunicorn_config import *  # noqa: F403
+
+PAUSE_S = 1.0
+
+
+def post_fork(server, worker):
+    if {before}:
+        time.sleep(PAUSE_S)
+    greenserve.post_fork(server, worker)
+    if not {before}:
+        time.sleep(PAUSE_S)
+"""
+_BOOTING = re.compile(r"Booting worker with pid: (\d+)")
+
+
+@pytest.mark.parametrize(
+    "pause",
+    [None, "before post_fork", "after post_fork"],
+    ids=["natural window", "paused before post_fork", "paused after post_fork"],
+)
+def test_sigterm_as_a_worker_boots_stops_it_gracefully(serve, succ_dir, tmp_path: Path, pause):
+    args: tuple[str, ...] = ()
+    if pause is not None:
+        config = tmp_path / "paused_boot.py"
+        config.write_text(PAUSED_BOOT.format(before=pause.startswith("before")))
+        args = ("-c", str(config))  # the last -c is gunicorn's configuration
+    grace_s = 12
+    srv = serve(args=args, MODEL_DIR=str(succ_dir), GRACEFUL_TIMEOUT_S=str(grace_s))
+    booted = len(_BOOTING.findall(srv.log_text()))
+
+    def new_worker() -> str | None:
+        """The pid of the worker forked after ``booted`` others, once it logged its boot."""
+        found = _BOOTING.findall(srv.log_text())
+        return found[booted] if len(found) > booted else None
+
+    srv.signal(signal.SIGTTIN)  # one worker more: the master forks it now
+    # Without a pause, the window after its boot line is the natural one (~0.1 s, gevent's patching
+    # most of it): the log is polled every 20 ms.
+    pid = int(wait_until(new_worker, 10, "the new worker to boot"))
+    srv.signal(signal.SIGTERM)  # the master stops, and SIGTERMs the new worker in its window
+    stopped = time.monotonic()
+    assert srv.wait(grace_s + 10) == 0
+    # Halfway to the grace period's end, where the arbiter kills a worker that missed the signal.
+    assert time.monotonic() - stopped < grace_s / 2, srv.log_tail()
+    log = srv.log_text()
+    # Its exit path ran: gunicorn logs this line, then runs the worker_exit hook.
+    assert f"Worker exiting (pid: {pid})" in log, srv.log_tail()
+    assert "SIGKILL" not in log and "graceful timeout" not in log, srv.log_tail()

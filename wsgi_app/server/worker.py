@@ -13,9 +13,10 @@ On SIGTERM, as nginx does: idle keep-alive connections are closed at once, reque
 answered ``Connection: close``; ``END_STREAMS_S`` before ``graceful_timeout`` ends the app ends its
 streams with a final error event (``Runtime.begin_shutdown``), writes still blocked on a reader that
 stopped are cut ``CUT_WRITES_S`` before it, and whatever still runs is ended ``EXIT_RESERVE_S`` before
-it, so the exit hooks (spans, history, metrics) always run before the arbiter kills the worker. A
-connection the worker cuts or ends is marked ``end_reason = "shutdown"`` first, one the send timeout
-cuts ``"send_timeout"``, so that the request's log line says who ended it.
+it, so the exit hooks (spans, history, metrics) always run before the arbiter kills the worker (a
+SIGTERM sent while the worker still boots is held for its handlers: ``wsgi_app.server.early_signals``).
+A connection the worker cuts or ends is marked ``end_reason = "shutdown"`` first, one the send
+timeout cuts ``"send_timeout"``, so that the request's log line says who ended it.
 
 This module is imported by the arbiter (``worker_class`` in ``gunicorn.conf.py``): it imports gevent
 and gunicorn only, never Flask.
@@ -39,7 +40,7 @@ from gunicorn import util
 from gunicorn.sock import ssl_context
 from gunicorn.workers import ggevent
 
-from wsgi_app.server import probes, response
+from wsgi_app.server import early_signals, probes, response
 from wsgi_app.server.end_reason import SHUTDOWN
 from wsgi_app.server.hubturn import setup_turn
 from wsgi_app.server.request_head import HeadLimits, HeadTimeout, install
@@ -128,6 +129,7 @@ class GeventWorker(ggevent.GeventWorker):
         # The app's answers to health probes, registered at start (``gunicorn_config``), or None:
         # probes then go to the app like any request.
         self.probes: probes.ProbeResponder | None = None
+        self.held_signals: frozenset[int] = frozenset()  # blocked from the fork to init_signals
 
     def init_process(self) -> None:
         """Bound the request parser (``MAX_HEADER_BYTES``, ``HEADER_TIMEOUT_S``), send each
@@ -146,6 +148,17 @@ class GeventWorker(ggevent.GeventWorker):
         response.install()
         freeze_settings(self.cfg)
         super().init_process()
+
+    def hold_stop_signals(self, arbiter: Any) -> None:
+        """Keep a stop signal sent before :meth:`init_signals` for the worker's own handlers (called by
+        the ``post_fork`` hook, first thing in the child: ``wsgi_app.server.early_signals``)."""
+        self.held_signals = early_signals.hold(arbiter)
+
+    def init_signals(self) -> None:
+        """Install gunicorn's handlers, then let through a stop signal held since the fork."""
+        super().init_signals()
+        early_signals.release(self.held_signals)
+        self.held_signals = frozenset()
 
     def timeout_ctx(self) -> gevent.Timeout:
         """Bound the wait for the next request as a whole; its parts (the idle wait, the head) have
