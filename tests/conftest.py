@@ -95,7 +95,8 @@ Serve = Callable[..., GunicornServer]
 
 @contextlib.contextmanager
 def _servers(root: Path) -> Iterator[Serve]:
-    """Yield ``start(workers=1, health_port=True, args=(), **env)``; stop what it started on exit.
+    """Yield ``start(workers=1, health_port=True, args=(), reuse_port=False, **env)``; stop what it
+    started on exit.
 
     Each server gets its own directory under ``root`` (``server-0``, ``server-1``, ... in start
     order) for its log and history database.
@@ -104,10 +105,22 @@ def _servers(root: Path) -> Iterator[Serve]:
         servers: list[GunicornServer] = []
 
         def start(
-            *, workers: int = 1, health_port: bool = True, args: tuple[str, ...] = (), **env: str
+            *,
+            workers: int = 1,
+            health_port: bool = True,
+            args: tuple[str, ...] = (),
+            reuse_port: bool = False,
+            **env: str,
         ) -> GunicornServer:
             workdir = root / f"server-{len(servers)}"
-            srv = GunicornServer(workdir, env, workers=workers, health_port=health_port, args=args)
+            srv = GunicornServer(
+                workdir,
+                env,
+                workers=workers,
+                health_port=health_port,
+                args=args,
+                reuse_port=reuse_port,
+            )
             servers.append(srv)
             return stack.enter_context(srv)
 
@@ -116,8 +129,8 @@ def _servers(root: Path) -> Iterator[Serve]:
 
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[Serve]:
-    """Return ``serve(workers=1, health_port=True, args=(), **env)``: a started server (env: the
-    server's settings), stopped at the test's teardown."""
+    """Return ``serve(workers=1, health_port=True, args=(), reuse_port=False, **env)``: a started
+    server (env: the server's settings), stopped at the test's teardown."""
     with _servers(tmp_path) as start:
         yield start
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Self, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
-_LISTENING = re.compile(r"Listening at: (\S+)")
+# The master's "Listening at: <urls> (<pid>)"; no urls under --reuse-port (each worker binds its own).
+_LISTENING = re.compile(r"Listening at: (\S*) \(")
 T = TypeVar("T")
 
 
@@ -54,6 +55,8 @@ class GunicornServer(StartedWhileOpen):
         env: extra environment variables (the server's settings, as ``wsgi_app/settings.py`` reads them).
         workers: ``WEB_CONCURRENCY``.
         health_port: bind a second (health) port as well.
+        reuse_port: gunicorn's ``--reuse-port``: every worker binds sockets of its own (the master
+            none) to ports picked free here, as port 0 would give each worker another port.
         args: more gunicorn arguments.
         command: the launcher instead of ``python -m gunicorn -c gunicorn.conf.py`` (the binds and
             ``args`` follow a ``--``, as ``greenserve`` takes them).
@@ -69,6 +72,7 @@ class GunicornServer(StartedWhileOpen):
         args: tuple[str, ...] = (),
         command: list[str] | None = None,
         cwd: Path | None = None,
+        reuse_port: bool = False,
     ) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -87,7 +91,12 @@ class GunicornServer(StartedWhileOpen):
                 **(env or {}),
             }
         )
-        binds = ["--bind", "127.0.0.1:0"] + (["--bind", "127.0.0.1:0"] if health_port else [])
+        self.fixed_ports = [_free_port() for _ in range(1 + health_port)] if reuse_port else []
+        binds = [
+            a
+            for port in self.fixed_ports or [0] * (1 + health_port)
+            for a in ("--bind", f"127.0.0.1:{port}")
+        ] + (["--reuse-port"] if reuse_port else [])
         self.cmd = [
             sys.executable,
             "-m",
@@ -149,7 +158,8 @@ class GunicornServer(StartedWhileOpen):
                 left_s(),
                 "the server to bind",
             )
-            self.ports = [int(u.rsplit(":", 1)[1]) for u in bound.group(1).split(",")]
+            urls = [u for u in bound.group(1).split(",") if u]
+            self.ports = [int(u.rsplit(":", 1)[1]) for u in urls] or self.fixed_ports
             for port in self.ports:
                 wait_until(
                     lambda port=port: self._check_alive() or healthy(port),
@@ -291,6 +301,13 @@ class GunicornServer(StartedWhileOpen):
             timeout_s,
             lambda: f"{n} workers to answer; only {sorted(pids)} did",
         )
+
+
+def _free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def raw_request(body: dict, request_id: str = "", path: str = "/v1/completions") -> bytes:

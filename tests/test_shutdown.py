@@ -1,5 +1,8 @@
-"""SIGTERM with idle keep-alive connections: closed at once (as nginx does), in-flight requests answered
-``Connection: close``, and the worker's exit hooks always run within the grace period.
+"""SIGTERM: idle keep-alive connections closed at once (as nginx does), in-flight requests answered
+``Connection: close``, the listeners closed (new connections refused, the backlog reset, while the
+streams in flight finish), a worker stopping alone leaving the listeners to the others, a SIGTERM
+that comes while a worker boots stopping it as gracefully as a late one, and the worker's exit hooks
+always running within the grace period.
 
 Source: RFC 9112 §9.6 (tear-down); gunicorn's ``graceful_timeout`` and ``worker_exit`` hook.
 """
@@ -9,12 +12,19 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
+import re
 import signal
 import socket
 import time
+from pathlib import Path
+
+import pytest
 
 from tests.collector import FakeCollector
-from tests.server import wait_until
+from tests.server import SLACK_S, wait_until
+from tests.sse import open_stream
+from tests.test_end_reason import SHUTDOWN_END
 
 
 def test_sigterm_closes_idle_keepalive_connections_and_flushes(serve, succ_dir):
@@ -86,3 +96,171 @@ def test_sigterm_closes_connections_that_sent_nothing_and_ends_a_stalled_head_qu
         log = srv.log_text()
         assert "Worker exiting" in log
         assert "Internal Server Error" not in log and "GreenletExit" not in log, srv.log_tail()
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports of the listening sockets process ``pid`` holds a descriptor of (Linux's /proc)."""
+    listening: dict[str, int] = {}  # socket inode -> port
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            next(rows)
+            for row in rows:
+                fields = row.split()
+                if fields[3] == "0A":  # TCP_LISTEN
+                    listening[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
+    held = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:[") and target[8:-1] in listening:
+            held.add(listening[target[8:-1]])
+    return held
+
+
+def refused(port: int) -> bool:
+    """True when a connection to ``port`` is refused; a connection that is made is closed again."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_sigterm_refuses_new_connections_and_resets_the_backlog_while_a_stream_finishes(
+    serve, succ_dir
+):
+    srv = serve(
+        MODEL_DIR=str(succ_dir),
+        GREENSERVE_FAULTS="slow_step_s=0.02",
+        GRACEFUL_TIMEOUT_S="5",  # the stream is ended 3.5 s after SIGTERM
+        WORKER_CONNECTIONS="1",  # the stream fills the API port's one place: a backlog forms
+    )
+    body = {"model": "m", "prompt": "a", "max_tokens": 1000, "stream": True}
+    stream = open_stream(srv.port, body, "in-flight")
+    assert stream.next_frame() == b": ok\n"
+    assert stream.next_frame().startswith(b"data: {")  # generating
+    # Connected (the kernel's handshake) and sent, but never accepted: the worker has no place.
+    waiting = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    waiting.sendall(b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n")
+    srv.signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    # Both ports refuse at once (the master and the worker closed them): a load balancer tries the
+    # next host now, not after the grace period. Within SLACK_S, far short of the stream's 3.5 s.
+    for port in srv.ports:
+        wait_until(lambda port=port: refused(port), SLACK_S, f"port {port} to refuse")
+    # What waited in the backlog is reset, not left hanging until the worker exits.
+    with pytest.raises(ConnectionResetError):
+        waiting.recv(1)
+    waiting.close()
+    assert time.monotonic() - stopped < SLACK_S
+    # The stream in flight still ends as a stop ends it: the final error event and [DONE].
+    rest = stream.resp.read()
+    assert rest.endswith(SHUTDOWN_END), rest[-300:]
+    assert time.monotonic() - stopped > 5 - 1.5 - 0.5  # at END_STREAMS_S before the grace ends
+    stream.close()
+    assert srv.wait(10) == 0
+    log = srv.log_text()
+    assert "Worker exiting" in log and "graceful timeout" not in log, srv.log_tail()
+    assert "Socket error" not in log and "Traceback" not in log, srv.log_tail()
+
+
+@pytest.mark.parametrize("reuse_port", [False, True], ids=["shared sockets", "reuse_port"])
+def test_a_worker_that_stops_alone_leaves_the_listeners_to_the_others(serve, succ_dir, reuse_port):
+    # Shared sockets: the worker closes its copy only, and the others keep accepting on them. Under
+    # --reuse-port each worker has sockets of its own, and the kernel spreads new connections over
+    # them: the stopping worker's, left open, would take a share and leave it hanging.
+    srv = serve(
+        workers=2,
+        reuse_port=reuse_port,
+        MODEL_DIR=str(succ_dir),
+        GREENSERVE_FAULTS="slow_step_s=0.02",
+        GRACEFUL_TIMEOUT_S="4",  # the stream is ended 2.5 s after its worker's SIGTERM
+    )
+    srv.wait_workers(2)
+    body = {"model": "m", "prompt": "a", "max_tokens": 1000, "stream": True}
+    stream = open_stream(srv.port, body, "draining")
+    assert stream.next_frame() == b": ok\n"
+
+    def streaming_worker() -> int | None:
+        s = srv.state()
+        return s["pid"] if any(r["request_id"] == "draining" for r in s["requests"]) else None
+
+    stopping = wait_until(streaming_worker, 10, "the stream's worker")
+    assert listening_ports(stopping) == set(srv.ports)
+    os.kill(stopping, signal.SIGTERM)  # as the master stops one worker (TTOU, a reload)
+    # It closes its listeners at once, not when its stream is done (2.5 s later)...
+    wait_until(lambda: not listening_ports(stopping), SLACK_S, "the worker to close its listeners")
+    # ... while the other worker answers every new connection on both ports: nothing refused,
+    # nothing left hanging.
+    for _ in range(10):
+        for port in srv.ports:
+            status, _, answer = srv.get("/ready", port=port, timeout_s=1)
+            assert (status, json.loads(answer)) == (200, {"status": "ready"})
+        status, _, answer = srv.complete(
+            {"model": "m", "prompt": "a", "max_tokens": 3, "temperature": 0}, timeout_s=1
+        )
+        assert (status, json.loads(answer)["choices"][0]["text"]) == (200, "bcd")
+        assert srv.state()["pid"] != stopping
+    assert stream.resp.read().endswith(SHUTDOWN_END)
+    stream.close()
+    wait_until(lambda: f"Worker exiting (pid: {stopping})" in srv.log_text(), 10, "its exit")
+    assert "graceful timeout" not in srv.log_text(), srv.log_tail()
+
+
+# A configuration that runs greenserve's, with the new worker paused (PAUSE_S) in the window between
+# its fork and gunicorn's installing its signal handlers: before the ``post_fork`` hook (the master's
+# handler still in place) or after it (the stop signals held). The window is the real one, widened.
+PAUSED_BOOT = """
+import time
+
+import wsgi_app.gunicorn_config as greenserve
+from wsgi_app.gunicorn_config import *  # noqa: F403
+
+PAUSE_S = 1.0
+
+
+def post_fork(server, worker):
+    if {before}:
+        time.sleep(PAUSE_S)
+    greenserve.post_fork(server, worker)
+    if not {before}:
+        time.sleep(PAUSE_S)
+"""
+_BOOTING = re.compile(r"Booting worker with pid: (\d+)")
+
+
+@pytest.mark.parametrize(
+    "pause",
+    [None, "before post_fork", "after post_fork"],
+    ids=["natural window", "paused before post_fork", "paused after post_fork"],
+)
+def test_sigterm_as_a_worker_boots_stops_it_gracefully(serve, succ_dir, tmp_path: Path, pause):
+    args: tuple[str, ...] = ()
+    if pause is not None:
+        config = tmp_path / "paused_boot.py"
+        config.write_text(PAUSED_BOOT.format(before=pause.startswith("before")))
+        args = ("-c", str(config))  # the last -c is gunicorn's configuration
+    grace_s = 12
+    srv = serve(args=args, MODEL_DIR=str(succ_dir), GRACEFUL_TIMEOUT_S=str(grace_s))
+    booted = len(_BOOTING.findall(srv.log_text()))
+
+    def new_worker() -> str | None:
+        """The pid of the worker forked after ``booted`` others, once it logged its boot."""
+        found = _BOOTING.findall(srv.log_text())
+        return found[booted] if len(found) > booted else None
+
+    srv.signal(signal.SIGTTIN)  # one worker more: the master forks it now
+    # Without a pause, the window after its boot line is the natural one (~0.1 s, gevent's patching
+    # most of it): the log is polled every 20 ms.
+    pid = int(wait_until(new_worker, 10, "the new worker to boot"))
+    srv.signal(signal.SIGTERM)  # the master stops, and SIGTERMs the new worker in its window
+    stopped = time.monotonic()
+    assert srv.wait(grace_s + 10) == 0
+    # Halfway to the grace period's end, where the arbiter kills a worker that missed the signal.
+    assert time.monotonic() - stopped < grace_s / 2, srv.log_tail()
+    log = srv.log_text()
+    # Its exit path ran: gunicorn logs this line, then runs the worker_exit hook.
+    assert f"Worker exiting (pid: {pid})" in log, srv.log_tail()
+    assert "SIGKILL" not in log and "graceful timeout" not in log, srv.log_tail()

@@ -220,6 +220,15 @@ def on_starting(server):
     os.environ.setdefault("CLIENT_HASH_SALT", secrets.token_hex(16))
 
 
+def post_fork(server, worker):
+    """Hold the stop signals in the new worker until its own handlers are in place: one sent before
+    (the master stopping as the worker boots) is then delivered to them
+    (``wsgi_app.server.early_signals``)."""
+    hold = getattr(worker, "hold_stop_signals", None)  # a worker class that also releases them
+    if hold is not None:
+        hold(server)
+
+
 def child_exit(server, worker):
     """Drop a dead worker's live gauges (running, queued) from /metrics, however it died."""
     from prometheus_client import multiprocess

@@ -9,13 +9,16 @@ worker runs). A plain health probe is answered by the worker from the app's regi
 (``wsgi_app.server.probes``), and a new connection that opens with a whole probe head is served from
 the accept itself, ahead of the set-up of every connection accepted before it.
 
-On SIGTERM, as nginx does: idle keep-alive connections are closed at once, requests in flight are
-answered ``Connection: close``; ``END_STREAMS_S`` before ``graceful_timeout`` ends the app ends its
-streams with a final error event (``Runtime.begin_shutdown``), writes still blocked on a reader that
-stopped are cut ``CUT_WRITES_S`` before it, and whatever still runs is ended ``EXIT_RESERVE_S`` before
-it, so the exit hooks (spans, history, metrics) always run before the arbiter kills the worker. A
-connection the worker cuts or ends is marked ``end_reason = "shutdown"`` first, one the send timeout
-cuts ``"send_timeout"``, so that the request's log line says who ended it.
+On SIGTERM the worker closes its listeners (the master has closed its own copies: new connections
+are then refused, and those waiting in the backlog reset), and, as nginx does: idle keep-alive
+connections are closed at once, requests in flight are answered ``Connection: close``;
+``END_STREAMS_S`` before ``graceful_timeout`` ends the app ends its streams with a final error event
+(``Runtime.begin_shutdown``), writes still blocked on a reader that stopped are cut ``CUT_WRITES_S``
+before it, and whatever still runs is ended ``EXIT_RESERVE_S`` before it, so the exit hooks (spans,
+history, metrics) always run before the arbiter kills the worker (a SIGTERM sent while the worker
+still boots is held for its handlers: ``wsgi_app.server.early_signals``). A connection the worker
+cuts or ends is marked ``end_reason = "shutdown"`` first, one the send timeout cuts
+``"send_timeout"``, so that the request's log line says who ended it.
 
 This module is imported by the arbiter (``worker_class`` in ``gunicorn.conf.py``): it imports gevent
 and gunicorn only, never Flask.
@@ -39,7 +42,7 @@ from gunicorn import util
 from gunicorn.sock import ssl_context
 from gunicorn.workers import ggevent
 
-from wsgi_app.server import probes, response
+from wsgi_app.server import early_signals, probes, response
 from wsgi_app.server.end_reason import SHUTDOWN
 from wsgi_app.server.hubturn import setup_turn
 from wsgi_app.server.request_head import HeadLimits, HeadTimeout, install
@@ -102,6 +105,21 @@ class _Server(StreamServer):
         greenlet.switch()
 
 
+class _Listener:
+    """A listening socket as its connections' handlers see it: its name, kept from the start, so
+    that a handler the server spawned just before the worker closed the listener still gets it
+    (gunicorn's ``handle`` asks ``listener.getsockname()`` for the WSGI environ)."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._name = sock.getsockname()
+
+    def getsockname(self) -> Any:
+        """The address the socket was bound to: ``(host, port)``, or a Unix socket's path."""
+        return self._name
+
+
 def _probe_waiting(sock: StreamSocket) -> bool:
     """True when the bytes waiting on a new connection are a whole probe head (a non-blocking peek)."""
     try:
@@ -128,6 +146,7 @@ class GeventWorker(ggevent.GeventWorker):
         # The app's answers to health probes, registered at start (``gunicorn_config``), or None:
         # probes then go to the app like any request.
         self.probes: probes.ProbeResponder | None = None
+        self.held_signals: frozenset[int] = frozenset()  # blocked from the fork to init_signals
 
     def init_process(self) -> None:
         """Bound the request parser (``MAX_HEADER_BYTES``, ``HEADER_TIMEOUT_S``), send each
@@ -146,6 +165,17 @@ class GeventWorker(ggevent.GeventWorker):
         response.install()
         freeze_settings(self.cfg)
         super().init_process()
+
+    def hold_stop_signals(self, arbiter: Any) -> None:
+        """Keep a stop signal sent before :meth:`init_signals` for the worker's own handlers (called by
+        the ``post_fork`` hook, first thing in the child: ``wsgi_app.server.early_signals``)."""
+        self.held_signals = early_signals.hold(arbiter)
+
+    def init_signals(self) -> None:
+        """Install gunicorn's handlers, then let through a stop signal held since the fork."""
+        super().init_signals()
+        early_signals.release(self.held_signals)
+        self.held_signals = frozenset()
 
     def timeout_ctx(self) -> gevent.Timeout:
         """Bound the wait for the next request as a whole; its parts (the idle wait, the head) have
@@ -257,15 +287,19 @@ class GeventWorker(ggevent.GeventWorker):
         return max(0.0, min(cap_s, self.exit_by - time.monotonic() - 0.1))
 
     def run(self) -> None:
-        """Serve until SIGTERM, then wait for the open connections until ``EXIT_RESERVE_S`` before
-        the grace ends, and end those left (gunicorn's loop, checking every 50 ms, not every second,
-        and never past the point where the exit hooks would be killed)."""
+        """Serve until SIGTERM, then close the listeners and wait for the open connections until
+        ``EXIT_RESERVE_S`` before the grace ends, and end those left (gunicorn's loop, checking
+        every 50 ms, not every second, and never past the point where the exit hooks would be
+        killed)."""
         ssl_args = {"ssl_context": ssl_context(self.cfg)} if self.cfg.is_ssl else {}
         servers = []
         for s in self.sockets:
             s.setblocking(1)
             server = (StreamServer if ssl_args else _Server)(
-                s, handle=partial(self.handle, s), spawn=Pool(self.worker_connections), **ssl_args
+                s,
+                handle=partial(self.handle, _Listener(s)),
+                spawn=Pool(self.worker_connections),
+                **ssl_args,
             )
             if self.cfg.workers > 1:
                 server.max_accept = 1
@@ -281,8 +315,12 @@ class GeventWorker(ggevent.GeventWorker):
             self.notify()
             self.stop_requested.wait(1.0)
         for server in servers:
-            # Stop accepting, but keep the listener open: a handler just spawned still asks it its name.
-            server.stop_accepting()
+            # Close this worker's copy of the listener, not only stop accepting: once the master and
+            # every worker closed theirs (a whole stop), the kernel resets what waits in the backlog
+            # and refuses new connections at once, where they would hang until the worker exits. A
+            # worker stopping alone (a reload, TTOU) leaves the socket to the master and the others.
+            # Closed, the server also never resumes accepting when its full pool frees a place.
+            server.close()
         end_by = (self.exit_by or time.monotonic()) - EXIT_RESERVE_S
         while any(server.pool.free_count() != server.pool.size for server in servers):
             if time.monotonic() >= end_by:
