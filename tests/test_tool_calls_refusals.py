@@ -336,3 +336,44 @@ def test_a_tools_schema_found_empty_while_generating_ends_with_a_400_naming_it(d
     )
     assert post(default_server, body) == (400, error)
     assert default_server.wait_idle()["slots"]["busy"] == 0
+
+
+def test_arguments_nested_deeper_than_the_json_parser_goes_are_kept_as_text(default_server):
+    # json.loads raises RecursionError (not a ValueError) past ~1,000 levels: once a 500 with a
+    # traceback; such arguments are text like any other that is not a JSON object.
+    deep = '{"a":' * 3000 + "1" + "}" * 3000
+    history = [*ASK, calls("call_a"), result("call_a")]
+    history[1]["tool_calls"][0]["function"]["arguments"] = deep
+    status, body = post(default_server, {"messages": history, "seed": 1})
+    assert status == 200, body
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize(
+    ("function_call", "message", "param"),
+    [
+        (
+            {"name": "get_weather", "arguments": {}},
+            "'messages[1].function_call.arguments' must be a string (JSON).",
+            "messages[1].function_call.arguments",
+        ),
+        (
+            {"arguments": "{}"},
+            "'messages[1].function_call.name' must be a string.",
+            "messages[1].function_call.name",
+        ),
+        (
+            "get_weather",
+            "'messages[1].function_call' must be an object with 'name' and 'arguments'.",
+            "messages[1].function_call",
+        ),
+    ],
+    ids=["arguments-object", "no-name", "not-an-object"],
+)
+def test_a_bad_legacy_function_call_names_its_own_fields(
+    default_server, function_call, message, param
+):
+    legacy = {"role": "assistant", "content": None, "function_call": function_call}
+    status, body = post(default_server, {"messages": [*ASK, legacy]})
+    assert (status, body) == (400, refusal(message, param))

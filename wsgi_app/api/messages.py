@@ -266,15 +266,19 @@ def _tool_calls(
     if legacy is not None:
         value = [{"id": _legacy_id(calls, taken), "type": "function", "function": legacy}]
         at_of = lambda j: f"{where}.function_call"  # noqa: E731
+        fn_of = at_of  # its fields are the call's own: function_call.name, .arguments
     elif value is None:
         return None
     else:
         if not isinstance(value, list) or not value:
             raise invalid(f"'{where}.tool_calls' must be a non-empty list.", f"{where}.tool_calls")
         at_of = lambda j: f"{where}.tool_calls[{j}]"  # noqa: E731
+        fn_of = lambda j: f"{where}.tool_calls[{j}].function"  # noqa: E731
     out = []
     for j, call in enumerate(value):
-        at = at_of(j)
+        at, fn = at_of(j), fn_of(j)
+        if legacy is not None and not isinstance(legacy, dict):
+            raise invalid(f"'{at}' must be an object with 'name' and 'arguments'.", at)
         if not isinstance(call, dict):
             raise invalid(f"'{at}' must be an object.", at)
         call_id, function = call.get("id"), call.get("function")
@@ -291,16 +295,14 @@ def _tool_calls(
             raise invalid(f"'{at}' must be a function call with a 'function' object.", at)
         name, arguments = function.get("name"), function.get("arguments")
         if not isinstance(name, str) or not name:
-            raise invalid(f"'{at}.function.name' must be a string.", f"{at}.function.name")
-        check_unicode(name, f"{at}.function.name")
+            raise invalid(f"'{fn}.name' must be a string.", f"{fn}.name")
+        check_unicode(name, f"{fn}.name")
         if not isinstance(arguments, str):
-            raise invalid(
-                f"'{at}.function.arguments' must be a string (JSON).", f"{at}.function.arguments"
-            )
-        check_unicode(arguments, f"{at}.function.arguments")
+            raise invalid(f"'{fn}.arguments' must be a string (JSON).", f"{fn}.arguments")
+        check_unicode(arguments, f"{fn}.arguments")
         try:  # templates print a mapping with tojson; text that is not an object stays text
             decoded = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested deeper than the parser goes: text too
             decoded = None
         calls[call_id] = name
         # A new call: an answer to an earlier call with its id is no repeat.

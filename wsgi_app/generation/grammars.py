@@ -155,7 +155,7 @@ def constraint_failure(req: CompletionRequest, choice: Any) -> ApiError:
     allows no next token after the choice's tokens so far, though it compiled and its forced start
     was checked (``model.grammar.compile``). Such a constraint admits no output from there: a
     schema whose required value has no end past a choice (a first property's value, then a
-    required one that refers back to its own object), a grammar whose rules recurse without end
+    required one whose every value runs without end), a grammar whose rules recurse without end
     past one, or one past llguidance's parser limits. The param is the constraint the choice was
     in: the tool whose call's arguments it was writing (``tools[i].function.parameters``), else
     the request's text constraint, else its ``tools``; a schema's message says what to look for.
