@@ -10,7 +10,8 @@ client core) takes:
 - **json**: the same, non-streamed, C = 128: req/s;
 - **probes** (greenserve only): ``GET /healthz`` on a new connection every 10 ms, on the API port,
   while 50 closed-loop JSON clients run (sseload ``--no-stream -c 50``, not busy-polling: the
-  prober runs beside it on the client core): p50 / p99.
+  prober runs beside it on the client core): p50 / p99; then the same probe on both ports while
+  500 streams arrive at once (``-c 500 -n 500``): p50 / p99 / max.
 
 Between runs it waits for loopback's ``TIME_WAIT`` sockets to drain below ``--max-time-wait`` (the
 churn leaves tens of thousands, which slow the client's ``connect``; widen
@@ -108,7 +109,28 @@ def one_round(srv: servers.Server, path: str, probes: bool, settle: Any) -> dict
         row["healthz_ms_50_json"] = ms(lat, [0.5, 0.99])
         row["healthz_n"] = len(lat)
         row["json_clients_errors"] = clients["errors_total"]
+        settle()
+        row.update(burst_probes(srv, path))
     return row
+
+
+def burst_probes(srv: servers.Server, path: str, streams: int = 500) -> dict[str, Any]:
+    """Return the ``/healthz`` latencies on both ports while ``streams`` streams arrive at once."""
+    stop = threading.Event()
+    lat: dict[int, list[float]] = {srv.port: [], srv.health_port or srv.port: []}
+    probers = [threading.Thread(target=probe_latencies, args=(p, stop, v)) for p, v in lat.items()]
+    for prober in probers:
+        prober.start()
+    out = sseload(path, srv.port, "-c", str(streams), "-n", str(streams))
+    stop.set()
+    for prober in probers:
+        prober.join()
+    api, health = lat.values()
+    return {
+        f"healthz_ms_{streams}_at_once": ms(api, [0.5, 0.99, 1.0]),
+        f"health_port_ms_{streams}_at_once": ms(health, [0.5, 0.99, 1.0]),
+        f"errors_{streams}_at_once": out["errors_total"],
+    }
 
 
 def median_of(rows: list[dict[str, Any]], key: str, sub: str | None = None) -> float:
@@ -121,14 +143,16 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Connection churn, sseload --spin, C = 128 ({result['rounds']} rounds, medians)",
         "",
-        "| server | stream tok/s | TTFT p50 / p99 ms | JSON req/s | /healthz p99 ms, 50 JSON clients |",
-        "|---|---:|---:|---:|---:|",
+        "| server | stream tok/s | TTFT p50 / p99 ms | JSON req/s | /healthz p99 ms, 50 JSON clients "
+        "| /healthz max ms, 500 streams at once (API / health port) |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, m in result["medians"].items():
-        hz = m.get("healthz_p99_ms")
+        hz, burst = m.get("healthz_p99_ms"), m.get("burst_max_ms")
         lines.append(
             f"| {name} | {m['stream_tok_s']:,.0f} | {m['ttft_p50_ms']:.1f} / {m['ttft_p99_ms']:.1f} "
-            f"| {m['json_req_s']:,.0f} | {'–' if hz is None else f'{hz:.1f}'} |"
+            f"| {m['json_req_s']:,.0f} | {'–' if hz is None else f'{hz:.1f}'} "
+            f"| {'–' if burst is None else f'{burst[0]:.1f} / {burst[1]:.1f}'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -168,17 +192,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         for _, srv in started:
             srv.stop()
-    medians: dict[str, dict[str, float | None]] = {}
+    medians: dict[str, dict[str, Any]] = {}
     for name, rows in runs.items():
-        m: dict[str, float | None] = {
+        m: dict[str, Any] = {
             "stream_tok_s": median_of(rows, "stream_tok_s"),
             "ttft_p50_ms": median_of(rows, "ttft_ms", "p50"),
             "ttft_p99_ms": median_of(rows, "ttft_ms", "p99"),
             "json_req_s": median_of(rows, "json_req_s"),
             "healthz_p99_ms": None,
+            "burst_max_ms": None,
         }
         if "healthz_ms_50_json" in rows[0]:
             m["healthz_p99_ms"] = median_of(rows, "healthz_ms_50_json", "p99")
+            m["burst_max_ms"] = [
+                median_of(rows, "healthz_ms_500_at_once", "max"),
+                median_of(rows, "health_port_ms_500_at_once", "max"),
+            ]
         medians[name] = m
     result = {"rounds": args.rounds, "runs": runs, "medians": medians}
     ours = medians["greenserve"]
