@@ -264,3 +264,51 @@ def test_sigterm_as_a_worker_boots_stops_it_gracefully(serve, succ_dir, tmp_path
     # Its exit path ran: gunicorn logs this line, then runs the worker_exit hook.
     assert f"Worker exiting (pid: {pid})" in log, srv.log_tail()
     assert "SIGKILL" not in log and "graceful timeout" not in log, srv.log_tail()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGQUIT], ids=["SIGINT", "SIGQUIT"])
+def test_a_quick_stop_still_logs_the_requests_it_cuts(serve, succ_dir, sig):
+    # Ctrl-C (SIGINT) and SIGQUIT are gunicorn's quick stop: the worker exits within ~0.1 s, its
+    # streams cut without [DONE]. Each request it cuts still gets its access line (end_reason
+    # "shutdown"), where gunicorn's own quick exit left them unfinished and unlogged.
+    from tests.test_logs import request_line
+
+    srv = serve(
+        MODEL_DIR=str(succ_dir), GREENSERVE_FAULTS="slow_step_s=0.02", GRACEFUL_TIMEOUT_S="10"
+    )
+    body = {"model": "m", "prompt": "a", "max_tokens": 500, "stream": True, "temperature": 0}
+    stream = open_stream(srv.port, body, "quick-stream")
+    plain = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+    plain.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({**body, "stream": False}),
+        {"X-Request-Id": "quick-json"},
+    )
+    wait_until(
+        lambda: all(
+            (srv.in_flight(r) or {}).get("tokens", 0) > 0 for r in ("quick-stream", "quick-json")
+        ),
+        what="both requests to generate",
+    )
+    srv.signal(sig)
+    stopped = time.monotonic()
+    assert srv.wait(10) == 0
+    assert time.monotonic() - stopped < 2.0  # quick: not the 10 s grace period
+    with pytest.raises(http.client.IncompleteRead) as cut:  # the chunked body never ends
+        stream.resp.read()
+    assert not cut.value.partial.endswith(b"data: [DONE]\n\n")
+    with pytest.raises((http.client.IncompleteRead, http.client.RemoteDisconnected)):
+        plain.getresponse().read()  # the JSON answer never came
+    # The stream had sent its 200; the JSON request had no answer yet: a 503, as a span says too.
+    for rid, status, finish_reason in (
+        ("quick-stream", 200, "abort"),
+        ("quick-json", 503, "error"),
+    ):
+        line = request_line(srv, rid)
+        assert (line["status"], line["end_reason"], line["finish_reason"]) == (
+            status,
+            "shutdown",
+            finish_reason,
+        ), line
+    stream.close(), plain.close()

@@ -3,7 +3,8 @@ reason; finished when the response is closed.
 
 The record is made before routing and finished from the response's ``call_on_close`` callback, which
 gunicorn triggers after the last byte (or after a failed write), so a stream's span and log line carry
-its real end, its token counts and its finish reason.
+its real end, its token counts and its finish reason; a request killed before it had a response is
+finished at its teardown.
 
 Source: W3C Trace Context (``traceparent``); OpenTelemetry semantic conventions for HTTP server spans.
 """
@@ -17,6 +18,7 @@ import socket
 import time
 
 from flask import Flask, Response, g, request
+from gevent import GreenletExit
 
 from telemetry import traceparent
 from telemetry.logs import client_hash
@@ -27,6 +29,7 @@ from wsgi_app.api.errors import ApiError
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.http.client_identity import client_address
 from wsgi_app.http.runtime import runtime
+from wsgi_app.server.end_reason import SHUTDOWN
 
 # A client cut for not reading is the client's doing, not a failure: a warning, not an error.
 stall_log = logging.getLogger("greenserve.access")
@@ -163,7 +166,22 @@ def finish(
         log_request(record, elapsed)
 
 
+def _killed(error: BaseException | None) -> None:
+    """Finish a request whose greenlet the worker killed before it had an answer (a quick stop, the
+    end of the grace period): no response exists for ``call_on_close``, so its span and log line
+    are written here, ``503`` and ``end_reason`` as the worker marked its connection (``shutdown``)."""
+    record: RequestRecord | None = g.get("record")
+    if not isinstance(error, GreenletExit) or record is None or record.done:
+        return
+    sock = request.environ.get("gunicorn.socket")
+    record.end(getattr(sock, "end_reason", None) or SHUTDOWN)
+    record.status, record.error = 503, record.error or "The worker stopped before the answer."
+    rt = runtime()
+    finish(record, rt.exporter, rt.observer, sock)
+
+
 def install(app: Flask) -> None:
     """Register the per-request hooks on ``app``."""
     app.before_request(_begin)
     app.after_request(_headers)
+    app.teardown_request(_killed)
