@@ -27,6 +27,7 @@ Writes ``bench/results/<time>-churn-sseload.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import statistics
@@ -70,8 +71,6 @@ def sseload(path: str, port: int, *args: str, spin: bool = True) -> dict[str, An
 def probe_latencies(port: int, stop: threading.Event, out: list[float]) -> None:
     """Append the seconds each ``GET /healthz`` on a new connection took, one every 10 ms, until
     ``stop`` is set."""
-    import http.client
-
     while not stop.is_set():
         t0 = time.perf_counter()
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)

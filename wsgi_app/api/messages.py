@@ -264,6 +264,9 @@ def _tool_calls(
     if value is not None and legacy is not None:
         raise invalid(f"'{where}' sends 'tool_calls' and 'function_call'; send one.", where)
     if legacy is not None:
+        if not isinstance(legacy, dict):
+            at = f"{where}.function_call"
+            raise invalid(f"'{at}' must be an object with 'name' and 'arguments'.", at)
         value = [{"id": _legacy_id(calls, taken), "type": "function", "function": legacy}]
         at_of = lambda j: f"{where}.function_call"  # noqa: E731
         fn_of = at_of  # its fields are the call's own: function_call.name, .arguments
@@ -277,8 +280,6 @@ def _tool_calls(
     out = []
     for j, call in enumerate(value):
         at, fn = at_of(j), fn_of(j)
-        if legacy is not None and not isinstance(legacy, dict):
-            raise invalid(f"'{at}' must be an object with 'name' and 'arguments'.", at)
         if not isinstance(call, dict):
             raise invalid(f"'{at}' must be an object.", at)
         call_id, function = call.get("id"), call.get("function")

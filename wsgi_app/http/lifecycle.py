@@ -170,8 +170,10 @@ def _killed(error: BaseException | None) -> None:
     """Finish a request whose greenlet the worker killed before it had an answer (a quick stop, the
     end of the grace period): no response exists for ``call_on_close``, so its span and log line
     are written here, ``503`` and ``end_reason`` as the worker marked its connection (``shutdown``)."""
+    if not isinstance(error, GreenletExit):  # every other request: nothing to do
+        return
     record: RequestRecord | None = g.get("record")
-    if not isinstance(error, GreenletExit) or record is None or record.done:
+    if record is None or record.done:
         return
     sock = request.environ.get("gunicorn.socket")
     record.end(getattr(sock, "end_reason", None) or SHUTDOWN)

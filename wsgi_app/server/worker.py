@@ -249,9 +249,7 @@ class GeventWorker(ggevent.GeventWorker):
         the requests in flight, marked ``end_reason = "shutdown"``, so that each still gets its
         access line, metrics and span (gunicorn's own exits with them unfinished and unlogged)."""
         self.alive = False
-        self.mark_in_flight()
-        for server in self.servers:
-            server.pool.kill(block=False)  # each ends on the hub's next turn, before the exit
+        self.end_in_flight(block=False)  # each ends on the hub's next turn, before the exit
         super().handle_quit(sig, frame)  # a greenlet: worker_int, 0.1 s for the ends, exit
 
     def handle_exit(self, sig: int, frame: Any) -> None:
@@ -289,6 +287,13 @@ class GeventWorker(ggevent.GeventWorker):
         for conn in list(self.connections):
             if not conn.idle and conn.end_reason is None:
                 conn.end_reason = SHUTDOWN
+
+    def end_in_flight(self, block: bool) -> None:
+        """Mark the requests in flight (:meth:`mark_in_flight`) and kill their greenlets: waiting up
+        to 0.2 s for them to end when ``block``, else on the hub's next turn."""
+        self.mark_in_flight()
+        for server in self.servers:
+            server.pool.kill(block=block, timeout=0.2 if block else None)
 
     def exit_budget_s(self, cap_s: float) -> float:
         """Seconds an exit hook may still take: at most ``cap_s``, less when the arbiter's kill is
@@ -336,9 +341,7 @@ class GeventWorker(ggevent.GeventWorker):
         while any(server.pool.free_count() != server.pool.size for server in servers):
             if time.monotonic() >= end_by:
                 self.log.warning("Worker graceful timeout (pid:%s)", self.pid)
-                self.mark_in_flight()
-                for server in servers:
-                    server.pool.kill(block=True, timeout=0.2)
+                self.end_in_flight(block=True)
                 break
             self.notify()
             gevent.sleep(0.05)
