@@ -24,6 +24,7 @@ Source: GGUF specification, "tokenizer.chat_template"; Hugging Face transformers
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import time
@@ -43,7 +44,9 @@ from model.llama.gguf_cache import default_cache_dir, load_or_build
 from model.llama.gguf_tokenizer import tokenizer_from_gguf
 from model.llama.kv_cache import bytes_per_token, reservation_bytes
 from model.llama.kv_cache import can_ever_fit as can_ever_fit  # the contract's, for admission
+from model.llama.matmul import tiles_hold
 from model.llama.model import Llama
+from model.llama.ops import padded_attention_holds
 from model.llama.prefix_cache import PrefixCache
 from model.llama.scheduler import PREFILL_CHUNK, BatchScheduler
 from model.llama.tensors import check_tensors
@@ -65,6 +68,7 @@ GGUF_CHAT_TEMPLATE = "tokenizer.chat_template"
 BIGRAM = Family("bigram", inline=True, default_slots=1024, default_queue=1024)
 LLAMA = Family("llama", inline=False, default_slots=64, default_queue=256)
 FAMILIES = {family.name: family for family in (BIGRAM, LLAMA)}
+_log = logging.getLogger("greenserve.model")
 
 
 @dataclass(frozen=True, eq=False)
@@ -240,6 +244,7 @@ def load_model(
 def _load_llama(directory: Path) -> LoadedModel:
     """Load a Hugging Face Llama directory with its tokenizer and generation config."""
     model, weight_files = Llama.load_with_files(directory)
+    log_arithmetic(model)
     config = model.config
     gen_path = directory / GENERATION_CONFIG_NAME
     gen = read_json_object(gen_path) if gen_path.is_file() else {}
@@ -276,6 +281,19 @@ def _load_llama(directory: Path) -> LoadedModel:
         bos_token=bos_token,
         eos_token=eos_token,
     )
+
+
+def log_arithmetic(model: Llama) -> None:
+    """Check which batch-invariant arithmetic this process's BLAS allows and log it, once per load.
+
+    The checks (:func:`model.llama.matmul.tiles_hold`, :func:`model.llama.ops.padded_attention_holds`)
+    run here, at start-up, so no request pays for them and the operator sees the path taken.
+    """
+    c = model.config
+    products = "small-matrix tiles" if tiles_hold() else "one GEMV per row"
+    padded = padded_attention_holds(c.n_heads, c.n_kv_heads, c.head_dim)
+    attention = "padded blocks" if padded else "each row over its own length"
+    _log.info("batch-invariant arithmetic: products %s, attention %s", products, attention)
 
 
 def _hf_chat_template(directory: Path) -> tuple[str | None, str, str]:
@@ -324,6 +342,7 @@ def _load_gguf(path: Path, cache_dir: Path) -> LoadedModel:
     checksum = file_sha256(path)
     tensors, _ = load_or_build(cache_dir, checksum, gguf_model.dequantize)
     model = Llama(config, check_tensors(tensors, config, str(path)))
+    log_arithmetic(model)
     source = gguf_model.metadata.get(GGUF_CHAT_TEMPLATE)
     if source is not None and not isinstance(source, str):
         raise ValueError(f"{path}: {GGUF_CHAT_TEMPLATE} is not a string")

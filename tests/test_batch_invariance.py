@@ -3,17 +3,32 @@
 numpy's OpenBLAS runs a one-row product as GEMV, small products (``out * rows <= 1200``) with a
 small-matrix kernel and the rest as GEMM, each rounding differently; the batch sizes below cross
 every one of those lines for both stories260K's and SmolLM2-135M's matrices, and a row is checked
-at several places in its batch.
+at several places in its batch. Every test runs twice: with the path the start-up checks choose for
+this machine's BLAS, and with the fallback (GEMV rows, attention over each row's own length) that an
+AVX2-only CPU takes, so both are held to the same bits on any machine; one more test runs the
+checks themselves under OpenBLAS's Haswell kernels.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
+from model.llama import matmul, ops
 from model.llama.config import LlamaConfig
 from model.llama.kv_cache import KVPool
-from model.llama.matmul import GEMV_MAX_ROWS, matmul_t, out_tile, rows_matmul_t
+from model.llama.matmul import (
+    GEMV_MAX_ROWS,
+    matmul_t,
+    out_tile,
+    rows_matmul_t,
+    tiled_matmul_t,
+)
 from model.llama.model import Llama, tensor_shapes
 
 # (out, in) of every product: SmolLM2-135M (q/o, k/v, gate/up, down, head), then stories260K.
@@ -21,6 +36,15 @@ SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 SHAPES += [(64, 64), (32, 64), (172, 64), (64, 172), (512, 64)]
 SHAPES += [(145, 64), (9, 64)]  # a one-row remainder joins the last tile; fewer rows than a tile
 BATCHES = (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 18, 19, 32, 33, 40, 64)
+
+
+@pytest.fixture(autouse=True, params=["checked", "fallback"])
+def arithmetic(request, monkeypatch) -> str:
+    """Run each test with the start-up checks' choice, then with the AVX2-only fallback forced."""
+    if request.param == "fallback":
+        monkeypatch.setattr(matmul, "tiles_hold", lambda: False)
+        monkeypatch.setattr(ops, "padded_attention_holds", lambda *shape: False)
+    return request.param
 
 
 def random_llama(n_layers: int, seed: int = 0) -> Llama:
@@ -69,9 +93,12 @@ def test_without_invariance_one_or_two_rows_run_gemv_rows(shape):
     x = rng.standard_normal((GEMV_MAX_ROWS, shape[1]), dtype=np.float32)
     few = x[: GEMV_MAX_ROWS - 1]
     assert np.array_equal(matmul_t(few, w, batch_invariant=False), rows_matmul_t(few, w))
-    assert np.array_equal(matmul_t(x, w, batch_invariant=False), matmul_t(x, w))
-    # GEMV rows and the tiles round differently: hence the invariant mode never runs a GEMV.
-    assert not np.array_equal(rows_matmul_t(x[:1], w), matmul_t(x[:1], w))
+    assert np.array_equal(matmul_t(x, w, batch_invariant=False), tiled_matmul_t(x, w))
+    if matmul.tiles_hold():
+        # GEMV rows and the tiles round differently: the invariant mode never mixes them.
+        assert not np.array_equal(rows_matmul_t(x[:1], w), matmul_t(x[:1], w))
+    else:  # the fallback: every row its own GEMV, in any batch
+        assert np.array_equal(matmul_t(x, w), rows_matmul_t(x, w))
 
 
 def test_weight_tiles_stay_within_the_small_matrix_kernel():
@@ -208,3 +235,58 @@ def test_smollm2_shaped_prompt_cut_any_way_is_the_bits_of_the_prompt_at_once(smo
             got = fed(cuts, beside)
             for name, a, b in zip(("logits", "k", "v"), got, whole, strict=True):
                 assert np.array_equal(a, b), (name, cuts[:4], beside)
+
+
+def test_exact_attention_is_the_textbook_attention_at_each_rows_length():
+    rng = np.random.default_rng(3)
+    n_heads, n_kv, head_dim, seq = 9, 3, 64, 40
+    q = rng.standard_normal((seq, n_heads, head_dim), dtype=np.float32)
+    k = rng.standard_normal((n_kv, seq, head_dim), dtype=np.float32)
+    v = rng.standard_normal((n_kv, seq, head_dim), dtype=np.float32)
+    want = ops.attention(q, k, v, 0)  # (seq, H*hd): row t sees keys 0..t
+    lengths = np.arange(1, seq + 1, dtype=np.int64)
+    ks = np.broadcast_to(k, (seq, *k.shape))  # (seq, Hkv, seq, hd): the cache once per row
+    vs = np.broadcast_to(v, (seq, *v.shape))
+    got = ops.exact_attention(q, ks, vs, lengths)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+    assert np.array_equal(got[5:6], ops.exact_attention(q[5:6], ks[5:6], vs[5:6], lengths[5:6]))
+
+
+CHECKS_UNDER_HASWELL = textwrap.dedent(
+    """
+    import numpy as np
+    from model.llama import matmul, ops
+    from model.llama.model import Llama
+    from tests.test_batch_invariance import random_llama
+
+    model = random_llama(n_layers=1)
+    prompts = [[(7 + 131 * b + 17 * t) % 49152 for t in range(1 + 97 * b)] for b in range(9)]
+    caches = [model.new_cache(1024) for _ in prompts]
+    last = [int(np.argmax(model.prefill(p, c))) for p, c in zip(prompts, caches)]
+    state = [(c.k.copy(), c.v.copy(), c.length) for c in caches]
+    alone = [model.decode([last[b]], [caches[b]])[0] for b in range(len(prompts))]
+    for c, (k, v, n) in zip(caches, state):
+        c.k[:], c.v[:], c.length = k, v, n
+    together = model.decode(last, caches)
+    same = all(np.array_equal(together[b], alone[b]) for b in range(len(prompts)))
+    print(matmul.tiles_hold(), ops.padded_attention_holds(9, 3, 64), same)
+    """
+)
+
+
+def test_under_openblas_haswell_kernels_the_checks_choose_the_fallback_and_bits_hold():
+    # OpenBLAS's Haswell family (what an AVX2-only CPU gets, and runs on any AVX2 CPU) has no
+    # small-matrix path: the checks must see it and the decode stay bit-identical in a batch.
+    # BATCH_INVARIANT=0 keeps model/blas.py from asking for SkylakeX on an AVX-512 machine.
+    env = {**os.environ, "OPENBLAS_CORETYPE": "Haswell", "BATCH_INVARIANT": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", CHECKS_UNDER_HASWELL],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "False", "True"]

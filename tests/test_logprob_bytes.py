@@ -26,6 +26,8 @@ from typing import Any
 import pytest
 
 from model.engine import Step
+from model.llama.matmul import tiles_hold
+from model.llama.ops import padded_attention_holds
 from model.loader import LoadedModel, load_model
 from tests.llamafiles import write_tiny_llama
 from tests.sse import frames
@@ -281,6 +283,13 @@ def run_case(model: LoadedModel, endpoint: str, body: dict) -> tuple[bytes, Comp
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bytes_are_those_of_the_list_of_dicts_implementation(models, name):
     model, endpoint, body = CASES[name]
+    if model == "llama":
+        c = models["llama"].model.config
+        if not (tiles_hold() and padded_attention_holds(c.n_heads, c.n_kv_heads, c.head_dim)):
+            # the llama digests hold the logits' last bits as OpenBLAS's small-matrix tiles round
+            # them; a BLAS without those kernels (an AVX2-only CPU) takes the fallback path, whose
+            # bits differ. The reference test below still checks every byte against the Steps.
+            pytest.skip("llama digests recorded with the small-matrix tiles' arithmetic")
     out, _, _ = run_case(models[model], endpoint, body)
     assert (hashlib.sha256(out).hexdigest(), len(out)) == GOLDEN[name]
 

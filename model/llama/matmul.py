@@ -22,15 +22,24 @@ GEMM (ms)        86      88      95     157     267     934
 GEMV rows        45      64      87      --      --      --
 ============  ======  ======  ======  ======  ======  ======
 
+The tiles hold only where OpenBLAS runs its small-matrix kernel with that size rule (its SkylakeX
+family; ``model/blas.py`` asks for it on AVX-512F CPUs). Elsewhere (an AVX2-only CPU: the Haswell,
+Sandybridge and Prescott families have no small-matrix path) a tile's bits depend on the rows beside
+it. :func:`tiles_hold` checks at start, once per process, whether a row alone is the bits of that
+row in a batch; where it is not, the invariant path runs one GEMV per row (:func:`rows_matmul_t`):
+every row is then its own call of one shape, so its bits cannot depend on the batch.
+
 Without batch invariance (``BATCH_INVARIANT=0``) products of fewer than ``GEMV_MAX_ROWS`` rows
-run one GEMV per row (:func:`rows_matmul_t`), ~10 % faster for a lone sequence, but not the same
-bits as its rows in a larger step.
+run one GEMV per row too, ~10 % faster for a lone sequence than the tiles, but not the same
+bits as its rows in a larger (tiled) step.
 
 Source: OpenBLAS 0.3.x ``interface/gemm.c`` (GEMV forwarding, small-matrix dispatch) and
 ``kernel/x86_64/sgemm_small_kernel_permit_skylakex.c`` (the size rule above).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -40,6 +49,10 @@ ROW_TILE = 8  # rows of x per small product (4 for the last ones: the same bits)
 ROW_PAD = 4  # x is padded to a multiple of this many rows (2 or 3 rows take other kernels)
 SMALL_MAX_OUTPUTS = 1200  # the small-matrix kernel's limit on out_tile * rows
 SMALL_MAX_MACS = 1_000_000  # and on out_tile * rows * in
+# (out, in) of the self-check's products: SmolLM2-135M's widths (576 and 1536 in, a head-sized out)
+# and stories260K's; rows alone against batches that cross the kernels' size lines.
+CHECK_SHAPES = ((576, 576), (576, 1536), (1536, 576), (64, 64), (172, 64), (64, 172))
+CHECK_BATCHES = (2, 3, 4, 5, 8, 9, 13, 33)
 
 
 def out_tile(width: int) -> int:
@@ -119,18 +132,40 @@ def tiled_matmul_t(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out[:n] if rows != n else out
 
 
+@functools.cache
+def tiles_hold() -> bool:
+    """Return True when this process's BLAS gives a row of :func:`tiled_matmul_t` the same bits
+    alone and in any batch (checked once, on seeded random matrices of the models' widths).
+
+    The answer is a property of the kernels OpenBLAS picked when numpy loaded it (the CPU and
+    ``OPENBLAS_CORETYPE``), so it is computed once per process, in a few milliseconds.
+    """
+    rng = np.random.default_rng(20261204)
+    for out, width in CHECK_SHAPES:
+        w = rng.standard_normal((out, width), dtype=np.float32)
+        x = rng.standard_normal((max(CHECK_BATCHES), width), dtype=np.float32)
+        alone = np.concatenate([tiled_matmul_t(x[i : i + 1], w) for i in range(len(x))])
+        for n in CHECK_BATCHES:
+            if not np.array_equal(tiled_matmul_t(x[:n], w), alone[:n]):
+                return False
+    return True
+
+
 def matmul_t(x: np.ndarray, w: np.ndarray, batch_invariant: bool = True) -> np.ndarray:
     """Return ``x @ w.T`` (``(n, in) x (out, in) -> (n, out)`` float32) for the forward pass.
 
     Args:
         x: ``(n, in)`` float32, C-contiguous; one row per token.
         w: ``(out, in)`` float32, C-contiguous.
-        batch_invariant: Give every row the bits it has alone, whatever ``n`` (the tiles);
-            False runs GEMV rows below ``GEMV_MAX_ROWS`` (see the module docstring).
+        batch_invariant: Give every row the bits it has alone, whatever ``n`` (the tiles where
+            :func:`tiles_hold`, else one GEMV per row); False runs GEMV rows below
+            ``GEMV_MAX_ROWS`` and the tiles above (see the module docstring).
 
     Returns:
         ``(n, out)`` float32, C-contiguous.
     """
-    if not batch_invariant and x.shape[0] < GEMV_MAX_ROWS:
+    if batch_invariant:
+        return tiled_matmul_t(x, w) if tiles_hold() else rows_matmul_t(x, w)
+    if x.shape[0] < GEMV_MAX_ROWS:
         return rows_matmul_t(x, w)
     return tiled_matmul_t(x, w)
