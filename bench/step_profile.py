@@ -3,8 +3,9 @@
 Loads SmolLM2-135M (``python -m model.fetch smollm2``), prefills ``--prompt`` and decodes
 ``--tokens`` tokens of one sequence through :class:`model.llama.scheduler.BatchScheduler` (speculation
 off, so every step is one token), timing the pieces of each step by wrapping them: the weight
-products (``matmul_t``, the head's included), attention (``StepAttention.__call__``), RMSNorm,
-RoPE, SiLU, sampling and making the Step; "other" is the rest of the step (Python dispatch,
+products (:func:`model.kernels.products.matmul_t`, the head's included), attention
+(``StepAttention.__call__``), RMSNorm, RoPE, SiLU (``silu_mul``, with the up product's multiply),
+sampling and making the Step; "other" is the rest of the step (Python dispatch,
 embedding, concatenation, the scheduler's bookkeeping). The wrappers add ~1 µs a call.
 
     python -m bench.step_profile [--tokens 100] [--temperature 0] [--out FILE.json]
@@ -26,6 +27,8 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+import model.kernels.mathf as mathf  # noqa: E402
+import model.kernels.products as products  # noqa: E402
 import model.llama.attend as attend  # noqa: E402
 import model.llama.model as llama_model  # noqa: E402
 import model.llama.scheduler as scheduler  # noqa: E402
@@ -36,11 +39,11 @@ from model.loader import load_model  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
 
 PIECES = (
-    (llama_model, "matmul_t", "weight products"),
+    (products, "matmul_t", "weight products"),  # the model's own reference is replaced too
     (attend.StepAttention, "__call__", "attention"),
-    (llama_model, "rmsnorm", "rmsnorm"),
+    (llama_model.Llama, "_rmsnorm", "rmsnorm"),
     (llama_model, "apply_rope", "rope"),
-    (llama_model, "silu", "silu"),
+    (mathf, "silu_mul", "silu"),
     (scheduler, "sample", "sampling"),
     (scheduler, "make_step", "make_step"),
 )
@@ -70,6 +73,7 @@ def profile(prompt: str, tokens: int, temperature: float) -> dict[str, Any]:
     seconds: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
     instrument(seconds, calls)
+    loaded.model._matmul_t = products.matmul_t  # the model took the function when it was built
     sch = scheduler.BatchScheduler(loaded.model, loaded.tokenizer.eos_ids, 1)
     ids = tuple(loaded.tokenizer.encode(prompt, bos=False))
     params = SamplingParams(temperature=temperature)

@@ -8,8 +8,4 @@ generator, tokenizers, UTF-8 decoding and stop strings are shared by all of them
 server passes it on to ``X-Model-Version``, the OTLP instrumentation scope and ``greenserve --version``.
 """
 
-from model.blas import pin_coretype
-
-pin_coretype()  # before anything imports numpy (model/blas.py)
-
 __version__ = "0.1.0"

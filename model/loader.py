@@ -39,14 +39,12 @@ from model.engine import Engine, Family, Scheduler
 from model.files import CONFIG_NAME, file_sha256, read_json_object
 from model.llama.config import token_id_field, token_ids_field
 from model.llama.engine import LlamaEngine
-from model.llama.gguf import read_gguf
+from model.llama.gguf import GGUFModel, read_gguf
 from model.llama.gguf_cache import default_cache_dir, load_or_build
 from model.llama.gguf_tokenizer import tokenizer_from_gguf
 from model.llama.kv_cache import bytes_per_token, reservation_bytes
 from model.llama.kv_cache import can_ever_fit as can_ever_fit  # the contract's, for admission
-from model.llama.matmul import tiles_hold
 from model.llama.model import Llama
-from model.llama.ops import padded_attention_holds
 from model.llama.prefix_cache import PrefixCache
 from model.llama.scheduler import PREFILL_CHUNK, BatchScheduler
 from model.llama.tensors import check_tensors
@@ -244,7 +242,6 @@ def load_model(
 def _load_llama(directory: Path) -> LoadedModel:
     """Load a Hugging Face Llama directory with its tokenizer and generation config."""
     model, weight_files = Llama.load_with_files(directory)
-    log_arithmetic(model)
     config = model.config
     gen_path = directory / GENERATION_CONFIG_NAME
     gen = read_json_object(gen_path) if gen_path.is_file() else {}
@@ -283,17 +280,16 @@ def _load_llama(directory: Path) -> LoadedModel:
     )
 
 
-def log_arithmetic(model: Llama) -> None:
-    """Check which batch-invariant arithmetic this process's BLAS allows and log it, once per load.
-
-    The checks (:func:`model.llama.matmul.tiles_hold`, :func:`model.llama.ops.padded_attention_holds`)
-    run here, at start-up, so no request pays for them and the operator sees the path taken.
-    """
-    c = model.config
-    products = "small-matrix tiles" if tiles_hold() else "one GEMV per row"
-    padded = padded_attention_holds(c.n_heads, c.n_kv_heads, c.head_dim)
-    attention = "padded blocks" if padded else "each row over its own length"
-    _log.info("batch-invariant arithmetic: products %s, attention %s", products, attention)
+def _log_tensor_paths(gguf_model: GGUFModel) -> None:
+    """Log, per GGUF tensor type, how the kernels serve it (its own blocks, or dequantized)."""
+    counts: dict[str, int] = {}
+    for name, tensor in gguf_model.tensors.items():
+        stored, served = tensor.tensor_type.name, gguf_model.kernel_qtype(name)
+        how = "packed blocks" if stored == served else f"dequantized to {served}"
+        key = f"{stored}: {how}"
+        counts[key] = counts.get(key, 0) + 1
+    paths = "; ".join(f"{key} ({n} tensors)" for key, n in sorted(counts.items()))
+    _log.info("%s: weights served as %s", gguf_model.path.name, paths)
 
 
 def _hf_chat_template(directory: Path) -> tuple[str | None, str, str]:
@@ -340,9 +336,10 @@ def _load_gguf(path: Path, cache_dir: Path) -> LoadedModel:
     config = gguf_model.config
     info = tokenizer_from_gguf(gguf_model.metadata, config.vocab_size, str(path))
     checksum = file_sha256(path)
-    tensors, _ = load_or_build(cache_dir, checksum, gguf_model.dequantize)
-    model = Llama(config, check_tensors(tensors, config, str(path)))
-    log_arithmetic(model)
+    flat, _ = load_or_build(cache_dir, checksum, gguf_model.pack)
+    tensors = check_tensors(gguf_model.packed_tensors(flat), config, str(path))
+    model = Llama(config, tensors)
+    _log_tensor_paths(gguf_model)
     source = gguf_model.metadata.get(GGUF_CHAT_TEMPLATE)
     if source is not None and not isinstance(source, str):
         raise ValueError(f"{path}: {GGUF_CHAT_TEMPLATE} is not a string")

@@ -8,6 +8,8 @@ from typing import Protocol
 
 import numpy as np
 
+from model import expmath
+
 LOGPROB_FLOOR = -9999.0
 
 
@@ -147,7 +149,7 @@ def _tempered_probs(z: np.ndarray, temperature: float) -> np.ndarray:
         e = z - m
         if temperature != 1.0:  # x / 1.0 == x exactly, so skipping it changes no bit
             e /= temperature  # divide, not multiply by 1/T: part of the exactness contract
-        np.exp(e, out=e)
+        e = expmath.exp(e)  # numpy's exp rounds by CPU (model/expmath.py)
     else:
         e = _nonfinite_weights(z, temperature)
     # add.accumulate is strictly sequential; np.sum is pairwise and rounds differently.
@@ -170,7 +172,7 @@ def _nonfinite_weights(z: np.ndarray, temperature: float) -> np.ndarray:
     m = np.nanmax(z)
     if not math.isfinite(m):
         return (z == m).astype(np.float64)
-    e = np.exp((z - m) / temperature)
+    e = expmath.exp((z - m) / temperature)
     e[nan] = 0.0
     return e
 
@@ -294,10 +296,10 @@ def logprobs_of(logits: np.ndarray) -> np.ndarray:
     m = np.nanmax(z)
     if np.isfinite(m):
         shifted = z - m
-        lse = np.log(np.sum(np.exp(shifted[~nan])))
+        lse = expmath.log(np.array(np.sum(expmath.exp(shifted[~nan]))))
         lp = shifted - lse
     else:
         # +inf (or all -inf): the limit shares the mass equally among the ids at the maximum.
         top = z == m
-        lp = np.where(top, -np.log(np.count_nonzero(top)), -np.inf)
+        lp = np.where(top, -expmath.log(np.array(float(np.count_nonzero(top)))), -np.inf)
     return np.fmax(lp, LOGPROB_FLOOR)  # fmax also maps NaN to the floor

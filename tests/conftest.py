@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-import model  # noqa: F401  first: pins OpenBLAS's kernels before numpy loads (model/blas.py)
 from tests.collector import FakeCollector
 from tests.gguffiles import (  # noqa: F401 (session fixtures)
     gguf_cache_dir,

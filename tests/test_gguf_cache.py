@@ -1,4 +1,4 @@
-"""The float32 cache file of a GGUF: reused, keyed by the GGUF's SHA-256, written atomically.
+"""The packed-weights cache file of a GGUF: reused, keyed by the GGUF's SHA-256, written atomically.
 
 Source: POSIX ``rename(2)``; the XDG Base Directory Specification.
 """
@@ -10,11 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import safetensors.numpy
 
+from model.llama.gguf import GGUFModel
 from model.llama.gguf_cache import FORMAT_VERSION, cache_path, default_cache_dir
 from model.loader import load_model
 from tests.gguffiles import write_tiny_gguf
@@ -23,15 +23,15 @@ from tests.server import ROOT
 
 @pytest.fixture
 def count_dequantize(monkeypatch):
-    """Count calls of ``gguf.quants.dequantize`` (one per tensor when the cache is built)."""
+    """Count builds of the cache (``GGUFModel.pack``: once per build, never when mapped)."""
     calls = []
-    real = gguf.quants.dequantize
+    real = GGUFModel.pack
 
-    def counting(data, qtype):
-        calls.append(qtype)
-        return real(data, qtype)
+    def counting(self):
+        calls.append(self.path)
+        return real(self)
 
-    monkeypatch.setattr(gguf.quants, "dequantize", counting)
+    monkeypatch.setattr(GGUFModel, "pack", counting)
     return calls
 
 
@@ -39,7 +39,7 @@ def test_second_load_maps_the_cache_without_dequantizing(tmp_path, count_dequant
     path = write_tiny_gguf(tmp_path / "m.gguf")
     first = load_model(path, cache_dir=tmp_path / "cache")
     built = len(count_dequantize)
-    assert built == 11  # every tensor of the 1-block model (tied head), once
+    assert built == 1  # packed once
     cached = cache_path(tmp_path / "cache", first.checksum)
     assert cached.name == f"{first.checksum}.v{FORMAT_VERSION}.safetensors"
     before = cached.stat()
@@ -47,7 +47,9 @@ def test_second_load_maps_the_cache_without_dequantizing(tmp_path, count_dequant
     assert len(count_dequantize) == built  # nothing dequantized again
     after = cached.stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
-    np.testing.assert_array_equal(second.model.layers[0].wq, first.model.layers[0].wq)
+    np.testing.assert_array_equal(
+        second.model.layers[0].wq.dequantize(), first.model.layers[0].wq.dequantize()
+    )
 
 
 def test_a_changed_gguf_gets_its_own_cache_file(tmp_path, count_dequantize):
@@ -56,8 +58,10 @@ def test_a_changed_gguf_gets_its_own_cache_file(tmp_path, count_dequantize):
     write_tiny_gguf(path, seed=2)  # same name, other weights
     new = load_model(path, cache_dir=tmp_path / "cache")
     assert new.checksum != old.checksum
-    assert len(count_dequantize) == 22  # built twice
-    assert not np.array_equal(new.model.layers[0].wq, old.model.layers[0].wq)
+    assert len(count_dequantize) == 2  # built twice
+    assert not np.array_equal(
+        new.model.layers[0].wq.dequantize(), old.model.layers[0].wq.dequantize()
+    )
     files = sorted(p.name for p in (tmp_path / "cache" / "gguf").glob("*.safetensors"))
     assert files == sorted(f"{m.checksum}.v{FORMAT_VERSION}.safetensors" for m in (old, new))
 
@@ -72,12 +76,12 @@ def test_partial_files_are_never_loaded(tmp_path, count_dequantize):
     leftover = final.with_name(f".{final.name}.crash.tmp")
     leftover.write_bytes(good[: len(good) // 2])
     load_model(path, cache_dir=tmp_path / "cache")
-    assert len(count_dequantize) == 22  # rebuilt, the leftover ignored
+    assert len(count_dequantize) == 2  # rebuilt, the leftover ignored
     assert_same_tensors(final, cache_path(tmp_path / "first", sha))
     # A damaged file under the final name (e.g. written by hand) is rebuilt, not served.
     final.write_bytes(good[: len(good) // 2])
     loaded = load_model(path, cache_dir=tmp_path / "cache")
-    assert len(count_dequantize) == 33
+    assert len(count_dequantize) == 3
     assert_same_tensors(final, cache_path(tmp_path / "first", sha))
     assert loaded.model.layers[0].wq.shape == (256, 256)
 

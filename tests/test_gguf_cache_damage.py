@@ -1,4 +1,4 @@
-"""A damaged float32 cache of a GGUF is never served (issue 31, item 1).
+"""A damaged packed-weights cache of a GGUF is never served.
 
 The cache records a digest of its tensors when it is written; the master checks it when it maps the
 file. A file whose tensor bytes changed under a valid header, a truncated one and one with a bad header
@@ -100,7 +100,7 @@ DAMAGE = {
 
 def damage(file: Path, how: str) -> None:
     if how == "zero":
-        begin, end = tensor_span(file, "model.layers.0.self_attn.q_proj.weight")
+        begin, end = tensor_span(file, "model.layers.0.self_attn.q_proj.weight.qs")
         overwrite(file, begin, bytes(end - begin))
     elif how == "flip":
         begin, _ = tensor_span(file, "model.norm.weight")

@@ -161,10 +161,17 @@ def test_dequantized_through_the_cache_file(tmp_path, qtype):
     path = write_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", {NAME: value})
     loaded = load_model(path, cache_dir=tmp_path / "cache")
     got = loaded.model.layers[0].w2
-    assert got.dtype == np.float32 and got.shape == (ROWS, COLS)
-    np.testing.assert_array_equal(got, expected.astype(np.float32))
-    # The served array is the cache file's memory map, and the file holds the same floats.
-    cached = cache_path(tmp_path / "cache", loaded.checksum)
-    assert isinstance(got.base, np.memmap) or isinstance(got.base.base, np.memmap)
-    assert got.flags.writeable is False
-    np.testing.assert_array_equal(safetensors.numpy.load_file(cached)[HF_NAME], expected)
+    # the kernels read the file's own blocks (K-quants: dequantized to float32, as before)
+    assert got.qtype == (
+        qtype if qtype in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1") else "F32"
+    )
+    assert got.shape == (ROWS, COLS)
+    np.testing.assert_array_equal(got.dequantize(), expected.astype(np.float32))
+    # The served arrays are the cache file's memory map, holding the same packed arrays.
+    cached = safetensors.numpy.load_file(cache_path(tmp_path / "cache", loaded.checksum))
+    for part in ("qs", "d", "m"):
+        array = getattr(got, part)
+        if array.size:
+            assert isinstance(array.base, np.memmap) or isinstance(array.base.base, np.memmap)
+            assert array.flags.writeable is False
+            np.testing.assert_array_equal(cached[f"{HF_NAME}.{part}"], array)

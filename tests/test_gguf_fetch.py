@@ -90,7 +90,7 @@ def test_directory_holding_one_gguf_is_served_under_its_stem(tmp_path):
     assert loaded.model_dir == tmp_path / "models" / "tiny-chat.gguf"
     # llama.cpp stores each head's rows in rotary pairs (2i, 2i+1); served in rotate-half order
     # (i, i + head_dim/2). Two heads of 128 rows here.
-    got = loaded.model.layers[0].wq
+    got = loaded.model.layers[0].wq.dequantize()
     for head in range(2):
         base = head * 128
         for i in range(64):

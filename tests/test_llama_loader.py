@@ -119,12 +119,13 @@ def test_sharded_weights_equal_the_single_file(tiny_dir: Path, tmp_path: Path) -
     np.testing.assert_allclose(got, ref[0], rtol=0, atol=1e-4)
 
 
-def test_bf16_and_f16_weights_are_widened_to_float32(tiny_dir: Path) -> None:
+def test_f16_weights_stay_f16_for_the_kernels(tiny_dir: Path) -> None:
     tensors = safetensors.numpy.load_file(tiny_dir / "model.safetensors")
     half = tensors[Q0].astype(np.float16)
     edit_tensors(tiny_dir, **{Q0.replace(".", "__"): half})
-    assert Llama.load(tiny_dir).layers[0].wq.dtype == np.float32
-    np.testing.assert_array_equal(Llama.load(tiny_dir).layers[0].wq, half.astype(np.float32))
+    wq = Llama.load(tiny_dir).layers[0].wq
+    assert wq.qtype == "F16" and wq.nbytes == half.nbytes  # never widened: half the bytes
+    np.testing.assert_array_equal(wq.dequantize(), half.astype(np.float32))
 
 
 def test_bf16_bits_become_the_top_half_of_float32(tmp_path: Path) -> None:

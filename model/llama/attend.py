@@ -13,6 +13,11 @@ layer instead of a dozen per sequence. A chunk of several rows of one sequence (
 :mod:`model.llama.speculative`) attends in calls of up to :data:`RUN_ROWS` rows over the sequence's
 lane repeated once per row (a broadcast view, nothing copied). The plan is made once per pass and
 used for every layer.
+
+With ``kernels`` (batch invariance on, the default) every row attends instead with
+:func:`model.kernels.attention.attend`, one call per slab per layer: each row over exactly its own
+positions, every sum in an order fixed in our source, so its bits depend neither on the rows beside
+it nor on the CPU or BLAS (docs/ARCHITECTURE.md §5).
 """
 
 from __future__ import annotations
@@ -67,9 +72,22 @@ class StepAttention:
         caches: one distinct cache per chunk, checked to have room for it.
         sizes: the chunks' token counts.
         ends: ``(len(sizes),)`` the rows of the pass where each chunk ends (exclusive).
+        kernels: attend with our own kernel (:func:`model.kernels.attention.attend`) rather than
+            numpy's products (:func:`~model.llama.ops.decode_attention`).
     """
 
-    def __init__(self, caches: Sequence[KVCache], sizes: Sequence[int], ends: np.ndarray) -> None:
+    def __init__(
+        self,
+        caches: Sequence[KVCache],
+        sizes: Sequence[int],
+        ends: np.ndarray,
+        kernels: bool = False,
+    ) -> None:
+        self._kernels = kernels
+        # per slab: (slab_k, slab_v, rows, lanes, lengths), each (m,) int64: the kernel's entries
+        self._entries: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        if kernels:
+            self._entries = _kernel_entries(caches, sizes, ends)
         self._chunks: list[tuple[KVCache, int, int]] = []  # (cache, row0, row1): several rows
         # (cache, row0, row1, lengths, unseen): up to RUN_ROWS rows of a chunk, one call
         self._runs: list[tuple[KVCache, int, int, np.ndarray, np.ndarray]] = []
@@ -80,7 +98,9 @@ class StepAttention:
                 decoding.setdefault(id(cache.slab_k), []).append((cache, r1 - 1))
                 continue
             self._chunks.append((cache, r0, r1))
-            for a in range(r0, r1, RUN_ROWS):
+            for a in range(r0, r1, RUN_ROWS if not kernels else r1 - r0):
+                if kernels:
+                    break
                 b = min(r1, a + RUN_ROWS)
                 lengths = cache.length + np.arange(a - r0 + 1, b - r0 + 1, dtype=np.int64)
                 self._runs.append((cache, a, b, lengths, unseen_positions(lengths, KV_BLOCK)))
@@ -104,6 +124,15 @@ class StepAttention:
             # (t, Hkv, hd) -> (Hkv, t, hd): the cache is head-major
             cache.k[layer, :, start : start + r1 - r0] = k[r0:r1].transpose(1, 0, 2)
             cache.v[layer, :, start : start + r1 - r0] = v[r0:r1].transpose(1, 0, 2)
+        if self._kernels:
+            from model.kernels.attention import attend  # numba: only where kernels run
+
+            for g in self._groups:  # one (m, Hkv, hd) write per slab
+                g.slab_k[g.lanes, layer, :, g.positions] = k[g.rows]
+                g.slab_v[g.lanes, layer, :, g.positions] = v[g.rows]
+            for slab_k, slab_v, rows, lanes, lengths in self._entries:
+                attend(q, slab_k, slab_v, layer, rows, lanes, lengths, att)
+            return att
         for cache, r0, r1, lengths, unseen in self._runs:
             # (Hkv, rows, hd) -> (m, Hkv, rows, hd): the lane once per row, a stride-0 view
             ks = np.broadcast_to(cache.k[layer], (r1 - r0, *cache.k.shape[1:]))
@@ -134,3 +163,30 @@ def _group(members: list[tuple[KVCache, int]]) -> _Group:
     rows = np.array([r for _, r in members], dtype=np.int64)
     unseen = unseen_positions(lengths, KV_BLOCK)
     return _Group(first.slab_k, first.slab_v, lanes, rows, positions, lo, lengths, unseen)
+
+
+def _kernel_entries(
+    caches: Sequence[KVCache], sizes: Sequence[int], ends: np.ndarray
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Return the kernel's entries per slab: ``(slab_k, slab_v, rows, lanes, lengths)``.
+
+    A chunk's rows are consecutive entries of its lane (the kernel transposes that lane's keys once
+    for them); row ``i`` of a chunk sees ``cache.length + i + 1`` positions.
+    """
+    per_slab: dict[int, tuple[KVCache, list[int], list[int], list[int]]] = {}
+    for cache, n, end in zip(caches, sizes, ends, strict=True):
+        _, rows, lanes, lengths = per_slab.setdefault(id(cache.slab_k), (cache, [], [], []))
+        r0 = int(end) - n
+        rows.extend(range(r0, r0 + n))
+        lanes.extend([cache.lane] * n)
+        lengths.extend(range(cache.length + 1, cache.length + n + 1))
+    return [
+        (
+            first.slab_k,
+            first.slab_v,
+            np.array(rows, dtype=np.int64),
+            np.array(lanes, dtype=np.int64),
+            np.array(lengths, dtype=np.int64),
+        )
+        for first, rows, lanes, lengths in per_slab.values()
+    ]

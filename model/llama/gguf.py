@@ -1,8 +1,10 @@
-"""Read a llama.cpp GGUF file of the ``llama`` architecture into float32 Hugging Face tensors.
+"""Read a llama.cpp GGUF file of the ``llama`` architecture into the kernels' packed tensors.
 
-The file is read with the ``gguf`` package (llama.cpp's own reader) and every tensor is
-dequantized with ``gguf.quants.dequantize``. Everything is checked before any tensor is
-dequantized: the architecture, the hyper-parameters, and each tensor's presence, type and shape.
+The file is read with the ``gguf`` package (llama.cpp's own reader). Matrices of the types our
+kernels read (Q4_0, Q4_1, Q8_0, F16, BF16, F32) are repacked as they are quantized
+(:class:`model.kernels.packed.PackedWeight`, as many bytes as the GGUF's); K-quant matrices and the
+norm vectors are dequantized to float32 with ``gguf.quants.dequantize``. Everything is checked
+before any tensor is read: the architecture, the hyper-parameters, and each tensor's presence, type and shape.
 A problem is a ``ValueError`` naming the file, the tensor (or metadata key) and what is wrong.
 Declared lengths are bounded before the reader acts on them (strings and arrays by the bytes left
 in the file and ``gguf_reader.MAX_ARRAY_LEN``, dimensions by four, ``block_count`` by the blocks whose
@@ -30,9 +32,9 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from model.kernels.packed import QTYPES, PackedWeight
 from model.llama.config import LlamaConfig
 from model.llama.gguf_reader import open_reader, read_metadata
-from model.llama.llama2c import permute_rotary
 from model.llama.tensors import tensor_shapes
 
 GGUF_SUFFIX = ".gguf"
@@ -81,38 +83,108 @@ class GGUFModel:
     tensors: dict[str, gguf.ReaderTensor]
     quantization: str
 
-    def dequantize(self) -> dict[str, np.ndarray]:
-        """Return every tensor as a C-contiguous float32 array of its Hugging Face shape.
+    def kernel_qtype(self, name: str) -> str:
+        """Return the packed type a tensor is served as: its own (Q4_0, Q4_1, Q8_0, F16, BF16,
+        F32: the kernels read its blocks), else F32 (K-quants: dequantized, as before)."""
+        qtype = self.tensors[name].tensor_type.name
+        return qtype if qtype in QTYPES else "F32"
 
-        Returns:
-            Hugging Face name -> float32 array ``[out, in]`` (q/k rows in rotate-half order).
+    def pack(self) -> dict[str, np.ndarray]:
+        """Return every tensor in the kernels' layout, as flat arrays for the weights cache.
+
+        A matrix ``name`` becomes ``name.qs`` (its quants) and, for block types, ``name.d`` (f16
+        scale bits) and ``name.m`` (Q4_1's f16 min bits): :class:`~model.kernels.packed.PackedWeight`'s
+        arrays, as many bytes as the GGUF's. q/k rows are permuted to the rotate-half order. A
+        K-quant matrix is dequantized to float32 first (``gguf.quants.dequantize``). Vectors stay
+        float32 arrays under their own name.
 
         Raises:
-            ValueError: If a tensor's data cannot be dequantized or holds a NaN or an infinity
-                (names the file and tensor).
+            ValueError: If a tensor's data cannot be read or dequantized, or holds (or scales
+                by) a NaN or an infinity (names the file and tensor).
         """
         c = self.config
         heads = {"q_proj": c.n_heads, "k_proj": c.n_kv_heads}
-        out = {}
+        out: dict[str, np.ndarray] = {}
         for name, tensor in self.tensors.items():
             shape = _hf_shape(tensor)
+            qtype = self.kernel_qtype(name)
             try:
-                values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+                if len(shape) == 1 or qtype != tensor.tensor_type.name:
+                    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+                    values = np.asarray(values, dtype=np.float32).reshape(shape)
+                    if len(shape) == 1:
+                        _check_finite(values, self.path, tensor.name)
+                        out[name] = np.ascontiguousarray(values)
+                        continue
+                    packed = PackedWeight.from_array(values)
+                else:
+                    packed = PackedWeight.from_gguf(qtype, tensor.data, shape)
             except Exception as exc:  # the library raises several types for bad data
                 raise ValueError(
-                    f"{self.path}: tensor {tensor.name!r}: cannot dequantize "
+                    f"{self.path}: tensor {tensor.name!r}: cannot read "
                     f"{tensor.tensor_type.name}: {exc}"
                 ) from exc
-            values = np.asarray(values, dtype=np.float32).reshape(shape)
-            if not np.isfinite(values).all():  # every answer would be NaN: refuse at load
-                raise ValueError(
-                    f"{self.path}: tensor {tensor.name!r} holds NaN or infinite values"
-                )
             kind = name.rsplit(".", 2)[-2]
             if kind in heads:
-                values = permute_rotary(values, heads[kind])
-            out[name] = np.ascontiguousarray(values)
+                packed = packed.take_rows(rotary_rows(packed.out, heads[kind]))
+            for part in ("qs", "d", "m"):
+                array = getattr(packed, part)
+                if array.size:
+                    if part != "qs" or qtype in ("F32", "F16", "BF16"):
+                        _check_finite(_as_floats(array, part, qtype), self.path, tensor.name)
+                    out[f"{name}.{part}"] = array
         return out
+
+    def packed_tensors(self, flat: dict[str, np.ndarray]) -> dict[str, np.ndarray | PackedWeight]:
+        """Return the model's tensors from :meth:`pack`'s arrays (or the cache's maps of them).
+
+        Returns:
+            Hugging Face name -> float32 vector or :class:`~model.kernels.packed.PackedWeight`.
+
+        Raises:
+            ValueError: If an array is missing (names the file and tensor).
+        """
+        tensors: dict[str, np.ndarray | PackedWeight] = {}
+        for name, tensor in self.tensors.items():
+            shape = _hf_shape(tensor)
+            if len(shape) == 1:
+                tensors[name] = _required(flat, name, self.path)
+                continue
+            qs = _required(flat, f"{name}.qs", self.path)
+            empty = np.zeros(0, np.uint16)
+            d, m = flat.get(f"{name}.d", empty), flat.get(f"{name}.m", empty)
+            tensors[name] = PackedWeight(self.kernel_qtype(name), shape[0], shape[1], qs, d, m)
+        return tensors
+
+
+def rotary_rows(out: int, n_heads: int) -> np.ndarray:
+    """Return the row order that takes q/k rows from adjacent-pair RoPE to rotate-half order:
+    row ``i`` of the result is row ``perm[i]`` (as :func:`model.llama.llama2c.permute_rotary`)."""
+    half = out // n_heads // 2
+    # (n_heads, half, 2) -> (n_heads, 2, half): pair members become the two halves
+    return np.arange(out).reshape(n_heads, half, 2).transpose(0, 2, 1).reshape(-1)
+
+
+def _as_floats(array: np.ndarray, part: str, qtype: str) -> np.ndarray:
+    """Return a packed array's values as floats (f16 scale bits, or a float matrix's quants)."""
+    if part != "qs" or qtype == "F16":
+        return array.view(np.float16)
+    if qtype == "BF16":
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array
+
+
+def _check_finite(values: np.ndarray, path: Path, name: str) -> None:
+    """Refuse weights that would make every answer NaN, at load."""
+    if not np.isfinite(values).all():
+        raise ValueError(f"{path}: tensor {name!r} holds NaN or infinite values")
+
+
+def _required(flat: dict[str, np.ndarray], key: str, path: Path) -> np.ndarray:
+    """Return ``flat[key]``, or a ValueError naming what is missing."""
+    if key not in flat:
+        raise ValueError(f"{path}: the packed weights lack {key!r}")
+    return flat[key]
 
 
 def is_gguf(path: str | os.PathLike) -> bool:

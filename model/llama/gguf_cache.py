@@ -1,9 +1,10 @@
-"""Keep dequantized GGUF weights in a float32 safetensors cache file that workers memory-map.
+"""Keep a GGUF's weights, packed for our kernels, in a safetensors cache file that workers memory-map.
 
-Dequantizing takes a second or more and gives each worker a private copy; instead the float32
-tensors are written once to ``<cache dir>/gguf/<sha256 of the GGUF>.v<FORMAT_VERSION>.safetensors``
-and every worker maps that file read-only, so N workers share one copy in the page cache and a
-restart does not dequantize again.
+Repacking (:meth:`model.llama.gguf.GGUFModel.pack`: the GGUF's blocks regrouped by tiles of output
+rows, as many bytes as the GGUF's) would give each worker a private copy; instead the packed arrays
+are written once to ``<cache dir>/gguf/<sha256 of the GGUF>.v<FORMAT_VERSION>.safetensors`` and every
+worker maps that file read-only, so N workers share one copy in the page cache and a restart does not
+repack again. The arrays are stored as they are (U8 nibbles, I8 quants, U16 f16 scale bits, F32).
 
 The file is written atomically: in a build directory of its own beside the final name (never
 loaded), flushed with ``fsync``, then renamed over the final name, then the directory is synced.
@@ -16,7 +17,7 @@ a file whose bytes changed after it was written (a flipped or zeroed block under
 caught when it is mapped, not served: a damaged file (digest, truncation, header) is rebuilt from the
 GGUF with one warning saying why, or, when its directory cannot be written, the weights are
 dequantized in memory for this process with a warning. Checking costs one pass over the file
-(SmolLM2-135M, 538 MB: ~0.25 s on two cores, the tensors hashed in parallel), paid once per file per
+(SmolLM2-135M, 96 MB: well under 0.1 s, the tensors hashed in parallel), paid once per file per
 process tree: a process that verified a file remembers its identity (device, inode, size, mtime,
 ctime), and the gunicorn workers it forks inherit that, so they map without hashing again.
 
@@ -43,13 +44,21 @@ from pathlib import Path
 import numpy as np
 import safetensors.numpy
 
-from model.llama.weights import map_safetensors
+from model.files import check_safetensors_header, read_safetensors_head
 
 # Bump when the cached tensors change meaning (names, layout, permutation): old files are ignored.
 # Version 2: ``build`` refuses NaN and infinite weights, so a file of this version holds only
 # finite ones; a version-1 file (written unchecked) is rebuilt, and checked, instead of mapped.
 # A file written before content digests (no ``content_sha256`` in its metadata) is rebuilt once.
-FORMAT_VERSION = 2
+# Version 3: the kernels' packed arrays, not float32 (a version-2 file is ignored, and removed).
+FORMAT_VERSION = 3
+# safetensors dtypes of the packed arrays -> numpy dtype
+_DTYPES = {
+    "F32": np.dtype("<f4"),
+    "U8": np.dtype("u1"),
+    "I8": np.dtype("i1"),
+    "U16": np.dtype("<u2"),
+}
 _DIGEST_KEY = "content_sha256"
 CACHE_DIR_ENV = "GREENSERVE_CACHE_DIR"
 APP_NAME = "greenserve"
@@ -106,11 +115,12 @@ def load_or_build(
     Args:
         cache_dir: The cache directory (created when missing).
         sha256: Lower-case hex SHA-256 of the GGUF file: the cache key.
-        build: Returns the float32 tensors (called only when no valid cache file exists).
+        build: Returns the arrays to cache (called only when no valid cache file exists): F32,
+            uint8, int8 or uint16, any shape.
 
     Returns:
-        ``(tensors, path)``: name -> read-only float32 array mapped from the cache file (or
-        built in memory, see above), and that file.
+        ``(tensors, path)``: name -> read-only array mapped from the cache file (or built in
+        memory, see above), and that file.
 
     Raises:
         ValueError: If no cache file exists and none can be written, or the file just written
@@ -211,7 +221,7 @@ def _try_map(path: Path, sha256: str) -> tuple[dict[str, np.ndarray] | None, str
         return None, "not a regular file"
     try:
         identity = _identity(path)
-        tensors = map_safetensors(path)
+        tensors = _map(path)
     except (ValueError, OSError) as exc:
         return None, f"unreadable: {exc}"  # truncated or a bad header: rebuilt, never served
     metadata = _metadata(path) or {}
@@ -227,6 +237,26 @@ def _try_map(path: Path, sha256: str) -> tuple[dict[str, np.ndarray] | None, str
             return None, f"content digest {actual[:16]}… is not the recorded {recorded[:16]}…"
         _verified[str(path)] = identity
     return tensors, None
+
+
+def _map(path: Path) -> dict[str, np.ndarray]:
+    """Check a cache file's header and return its arrays as read-only views of one memory map.
+
+    Raises:
+        ValueError: If the header breaks a rule of the safetensors format or names a dtype other
+            than the packed arrays' (see :func:`model.files.check_safetensors_header`).
+        OSError: If the file cannot be read.
+    """
+    head, size = read_safetensors_head(path)
+    widths = {name: dtype.itemsize for name, dtype in _DTYPES.items()}
+    entries, data_start = check_safetensors_header(head, path, size, widths)
+    raw = np.asarray(np.memmap(path, dtype=np.uint8, mode="r")) if entries else None
+    return {
+        e.name: raw[data_start + e.begin : data_start + e.end]
+        .view(_DTYPES[e.dtype])
+        .reshape(e.shape)
+        for e in entries
+    }
 
 
 def _metadata(path: Path) -> dict[str, str] | None:
@@ -281,3 +311,8 @@ def _remove_stale_builds(directory: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     for stale in directory.glob(".*.safetensors.*.tmp"):  # left by builds before build dirs
         stale.unlink(missing_ok=True)
+    # files of other format versions are never read again (a running server that maps one keeps
+    # its pages: unlinking removes only the name); version 2's float32 were 5.6x the GGUF
+    for old in directory.glob("*.v*.safetensors"):
+        if not old.name.endswith(f".v{FORMAT_VERSION}.safetensors"):
+            old.unlink(missing_ok=True)

@@ -1,9 +1,15 @@
-"""The Llama architecture in numpy float32: prefill one prompt, decode a batch of sequences.
+"""The Llama architecture in float32: prefill one prompt, decode a batch of sequences.
 
-The model object is shared and read-only (weights memory-mapped from safetensors); every
-sequence brings its own :class:`~model.llama.kv_cache.KVCache`. Layout and names follow Hugging Face
-``LlamaForCausalLM`` (rotate-half RoPE, ``[out, in]`` weight matrices, ``y = x @ W.T``); the
-variable names follow llama2.c and nanoGPT.
+The model object is shared and read-only; every sequence brings its own
+:class:`~model.llama.kv_cache.KVCache`. Every weight matrix is a
+:class:`~model.kernels.packed.PackedWeight` (a GGUF's blocks as they are quantized, a checkpoint's
+float32, float16 or bfloat16 as stored) and every product runs in our own kernels
+(:func:`model.kernels.products.matmul_t`), never BLAS. With batch invariance on (the default) the
+rest of the token path is ours too: RMSNorm, SiLU and attention (:mod:`model.kernels`), so a
+sequence's bits depend neither on its batch nor on the CPU; off, those three run in numpy
+(:mod:`model.llama.ops`), faster over long contexts, with bits that may depend on both. Layout and
+names follow Hugging Face ``LlamaForCausalLM`` (rotate-half RoPE, ``[out, in]`` weight matrices,
+``y = x @ W.T``); the variable names follow llama2.c and nanoGPT.
 
 Source: Touvron et al. 2023, "Llama 2" (RMSNorm, RoPE, GQA, SwiGLU); transformers
 `modeling_llama.py` (the reference implementation the tests compare against); llama2.c `run.c`.
@@ -11,6 +17,7 @@ Source: Touvron et al. 2023, "Llama 2" (RMSNorm, RoPE, GQA, SwiGLU); transformer
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,10 +26,10 @@ from typing import Self
 import numpy as np
 
 from model.files import CONFIG_NAME, read_json_object
+from model.kernels.packed import PackedWeight
 from model.llama.attend import StepAttention
 from model.llama.config import LlamaConfig
 from model.llama.kv_cache import KVCache
-from model.llama.matmul import matmul_t
 from model.llama.ops import apply_rope, rmsnorm, silu
 from model.llama.tensors import LayerWeights, check_tensors, layer_weights, tensor_shapes
 from model.llama.weights import load_weights
@@ -35,19 +42,29 @@ class Llama:
 
     Attributes:
         config: The hyper-parameters.
-        tok_embeddings: ``(vocab_size, dim)`` float32 token embedding.
-        layers: One :class:`LayerWeights` per block.
-        rms_final: ``(dim,)`` final RMSNorm weight.
+        tok_embeddings: ``(vocab_size, dim)`` token embedding (packed; rows dequantized per token).
+        layers: One :class:`LayerWeights` per block, matrices packed.
+        rms_final: ``(dim,)`` float32 final RMSNorm weight.
         wcls: ``(vocab_size, dim)`` output head (the embedding itself when tied).
     """
 
-    def __init__(self, config: LlamaConfig, tensors: dict[str, np.ndarray]) -> None:
+    def __init__(self, config: LlamaConfig, tensors: dict[str, np.ndarray | PackedWeight]) -> None:
         """Build the model from checked tensors (see :func:`check_tensors`).
+
+        Imports the kernels (numba): only a Llama model needs them, so a bigram server never
+        loads numba.
 
         Args:
             config: The hyper-parameters.
-            tensors: Hugging Face name -> read-only float32 array of the right shape.
+            tensors: Hugging Face name -> read-only array of the right shape (vectors float32;
+                matrices float32, float16 or bfloat16 bits, packed here) or a
+                :class:`~model.kernels.packed.PackedWeight` (a GGUF's blocks).
         """
+        from model.kernels import mathf, products  # numba: compiled (or cached) on first import
+
+        self._matmul_t = products.matmul_t
+        self._mathf = mathf
+        tensors = {name: _packed(t) for name, t in tensors.items()}
         self.config = config
         self.tok_embeddings = tensors["model.embed_tokens.weight"]
         self.layers = tuple(
@@ -77,7 +94,7 @@ class Llama:
         """Load like :meth:`load`; also return the weight files read (for the checksum)."""
         config_path = model_dir / CONFIG_NAME
         config = LlamaConfig.from_hf(read_json_object(config_path), str(config_path))
-        tensors, files = load_weights(model_dir)
+        tensors, files = load_weights(model_dir, widen=False)
         return cls.from_tensors(config, tensors, str(model_dir)), files
 
     @classmethod
@@ -85,11 +102,11 @@ class Llama:
         """Build the model from tensors read from any container (safetensors, ...).
 
         This is the seam every loader of the family ends in: it maps its file's names to the
-        Hugging Face ones and its data to float32.
+        Hugging Face ones.
 
         Args:
             config: The hyper-parameters.
-            tensors: Hugging Face name -> read-only float32 array.
+            tensors: Hugging Face name -> read-only array or packed matrix (see ``__init__``).
             where: The source, named in error messages.
 
         Raises:
@@ -197,14 +214,13 @@ class Llama:
         This is one scheduling step: decoding sequences bring one token each, prefilling ones a
         chunk of their prompt. Chunk ``b`` takes positions ``caches[b].length ..``. The
         projections, the MLP and the head run once for all the rows
-        (:func:`model.llama.matmul.matmul_t`: one GEMM streams each weight matrix from memory
-        once per step); every row attends with the decode arithmetic at its own position, a
-        chunk's rows over its own cache and the one-token chunks together, per slab of caches
+        (:func:`model.kernels.products.matmul_t`: each weight block is read once per step and
+        reused for every row); every row attends with the decode arithmetic at its own position,
+        a chunk's rows over its own cache and the one-token chunks together, per slab of caches
         (:mod:`model.llama.attend`), so a prompt's bits do not depend on how it is cut into
-        chunks. With ``batch_invariant`` (the default) a sequence's results are the same bits
-        whatever it shares the pass with; without it, steps of fewer than
-        :data:`~model.llama.matmul.GEMV_MAX_ROWS` rows run one GEMV per row instead (faster,
-        but a sequence's last bits then depend on how many rows share its step).
+        chunks. With ``batch_invariant`` (the default) RMSNorm, SiLU and attention run in our
+        kernels too and a sequence's results are the same bits whatever it shares the pass with,
+        on any CPU; without it they run in numpy (see the module docstring).
 
         Args:
             chunks: One or more token ids per sequence.
@@ -285,10 +301,10 @@ class Llama:
         sizes = [len(chunk_ids) for chunk_ids in ids]
         ends = np.cumsum(sizes)
         starts = [c.length for c in caches]
-        x = self.tok_embeddings[np.concatenate(ids)]  # (T, dim)
+        x = self.tok_embeddings.rows(np.concatenate(ids))  # (T, dim) float32
         positions = [s + np.arange(n) for s, n in zip(starts, sizes, strict=True)]
         cos, sin = self._rope(np.concatenate(positions))
-        attend = StepAttention(caches, sizes, ends)
+        attend = StepAttention(caches, sizes, ends, kernels=batch_invariant)
         for layer_index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin, batch_invariant)
             x = self._block_tail(layer, x, attend(layer_index, q, k, v), batch_invariant)
@@ -306,41 +322,66 @@ class Llama:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Return RoPE'd queries ``(n, n_heads, hd)``, keys and values ``(n, n_kv_heads, hd)``."""
         c = self.config
-        xb = rmsnorm(x, layer.rms_att, c.norm_eps)
+        xb = self._rmsnorm(x, layer.rms_att, batch_invariant)
         n = x.shape[0]
-        q = matmul_t(xb, layer.wq, batch_invariant).reshape(
+        q = self._matmul_t(xb, layer.wq).reshape(
             n, c.n_heads, c.head_dim
         )  # (n, H*hd) -> (n, H, hd)
-        k = matmul_t(xb, layer.wk, batch_invariant).reshape(
-            n, c.n_kv_heads, c.head_dim
-        )  # (n, Hkv*hd) -> (n, Hkv, hd)
-        v = matmul_t(xb, layer.wv, batch_invariant).reshape(
-            n, c.n_kv_heads, c.head_dim
-        )  # (n, Hkv*hd) -> (n, Hkv, hd)
+        k = self._matmul_t(xb, layer.wk).reshape(n, c.n_kv_heads, c.head_dim)  # -> (n, Hkv, hd)
+        v = self._matmul_t(xb, layer.wv).reshape(n, c.n_kv_heads, c.head_dim)  # -> (n, Hkv, hd)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _block_tail(
         self, layer: LayerWeights, x: np.ndarray, att: np.ndarray, batch_invariant: bool
     ) -> np.ndarray:
         """Add the attention output and the SwiGLU MLP to the residual ``x`` ``(n, dim)`` (in place)."""
-        x += matmul_t(att, layer.wo, batch_invariant)
-        xb = rmsnorm(x, layer.rms_ffn, self.config.norm_eps)
-        gate = silu(matmul_t(xb, layer.w1, batch_invariant))
-        gate *= matmul_t(xb, layer.w3, batch_invariant)
-        x += matmul_t(gate, layer.w2, batch_invariant)
+        x += self._matmul_t(att, layer.wo)
+        xb = self._rmsnorm(x, layer.rms_ffn, batch_invariant)
+        gate = self._matmul_t(xb, layer.w1)
+        up = self._matmul_t(xb, layer.w3)
+        if batch_invariant:
+            self._mathf.silu_mul(gate, up, gate)  # in place: gate = silu(gate) * up
+        else:
+            gate = silu(gate)
+            gate *= up
+        x += self._matmul_t(gate, layer.w2)
         return x
 
     def _head(self, x: np.ndarray, batch_invariant: bool = True) -> np.ndarray:
         """Return ``(n, vocab_size)`` float32 logits of hidden states ``(n, dim)``."""
-        xb = rmsnorm(x, self.rms_final, self.config.norm_eps)
-        return matmul_t(xb, self.wcls, batch_invariant)
+        return self._matmul_t(self._rmsnorm(x, self.rms_final, batch_invariant), self.wcls)
+
+    def _rmsnorm(self, x: np.ndarray, weight: np.ndarray, batch_invariant: bool) -> np.ndarray:
+        """Return RMSNorm of ``x`` ``(n, dim)`` float32: our kernel, or numpy's without invariance."""
+        if not batch_invariant:
+            return rmsnorm(x, weight, self.config.norm_eps)
+        x = np.ascontiguousarray(x)
+        out = np.empty_like(x)
+        self._mathf.rmsnorm(x, weight, self.config.norm_eps, out)
+        return out
 
     def _rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Return ``(n, head_dim / 2)`` float32 cos and sin of the rotation angles."""
-        # The angle is a float32 product, as in both references; cos/sin are rounded once.
-        angles = positions.astype(np.float32)[:, None] * self._inv_freq[None, :]
-        angles = angles.astype(np.float64)
-        return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        # The angle is a float32 product, as in both references; cos/sin are rounded once, by the
+        # C library's double cos/sin: numpy's float64 cos/sin loops are chosen by CPU (AVX-512 has
+        # its own) and could round an angle differently on another machine.
+        angles = (positions.astype(np.float32)[:, None] * self._inv_freq[None, :]).ravel()
+        cos = np.array([math.cos(a) for a in angles.tolist()], dtype=np.float64)
+        sin = np.array([math.sin(a) for a in angles.tolist()], dtype=np.float64)
+        shape = (len(positions), len(self._inv_freq))
+        return cos.astype(np.float32).reshape(shape), sin.astype(np.float32).reshape(shape)
+
+    def weight_bytes(self) -> int:
+        """Return the bytes of every weight the model holds (packed matrices and norms)."""
+        seen: dict[int, int] = {}
+        for w in (self.tok_embeddings, self.wcls, self.rms_final, *self._layer_arrays()):
+            seen[id(w)] = w.nbytes
+        return sum(seen.values())
+
+    def _layer_arrays(self) -> list[np.ndarray | PackedWeight]:
+        """Return every block's weights, in order."""
+        fields = ("rms_att", "wq", "wk", "wv", "wo", "rms_ffn", "w1", "w2", "w3")
+        return [getattr(layer, f) for layer in self.layers for f in fields]
 
     def _check_ids(self, token_ids: Sequence[int]) -> np.ndarray:
         """Return the ids as an int64 array, refusing an empty list or an out-of-range id."""
@@ -362,3 +403,22 @@ class Llama:
             raise ValueError(
                 f"KV cache full: {cache.length} + {n_new} tokens exceed {cache.capacity}"
             )
+
+
+def _packed(t: np.ndarray | PackedWeight) -> np.ndarray | PackedWeight:
+    """Return a matrix packed for the kernels, a vector as float32 (F16 or BF16 bits widened), an
+    already packed matrix as it is."""
+    if isinstance(t, PackedWeight):
+        return t
+    if t.ndim == 2:
+        return PackedWeight.from_array(t)
+    if t.dtype == np.float32:
+        return t
+    # float16, or uint16 bfloat16 bits (the top half of a float32), both exact in float32
+    wide = (
+        t.astype(np.float32)
+        if t.dtype == np.float16
+        else (t.astype(np.uint32) << 16).view(np.float32)
+    )
+    wide.flags.writeable = False
+    return wide

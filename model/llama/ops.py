@@ -9,7 +9,6 @@ Source: Touvron et al. 2023, "Llama 2"; transformers `modeling_llama.py`.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -139,70 +138,6 @@ def unseen_positions(lengths: np.ndarray, block: int) -> np.ndarray:
     return np.arange(rows)[None, :] >= lengths[:, None]
 
 
-def exact_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Attention of one query per row over exactly that row's own ``lengths[i]`` positions.
-
-    The fallback of :func:`decode_attention` where the small-matrix kernel's rules do not hold
-    (:func:`padded_attention_holds`): each row is its own products, over no padding, so their
-    shapes (and so their bits) depend only on the row's length, never on the rows beside it.
-
-    Args:
-        q: ``(n, n_heads, head_dim)`` float32 queries (after RoPE).
-        k: ``(n, n_kv_heads, rows, head_dim)`` float32 keys, ``rows >= lengths.max()``.
-        v: ``(n, n_kv_heads, rows, head_dim)`` float32 values.
-        lengths: ``(n,)`` int: positions each row sees, at least 1.
-
-    Returns:
-        ``(n, n_heads * head_dim)`` float32, heads concatenated in order.
-
-    Source: Vaswani et al. 2017 (scaled dot-product attention); Ainslie et al. 2023 (GQA).
-    """
-    n, n_heads, head_dim = q.shape
-    n_kv = k.shape[1]
-    group = n_heads // n_kv
-    # (n, H, hd) -> (n, Hkv, group, hd)
-    qg = (q * np.float32(1.0 / math.sqrt(head_dim))).reshape(n, n_kv, group, head_dim)
-    out = np.empty((n, n_kv, group, head_dim), dtype=np.float32)
-    for i in range(n):
-        seen = int(lengths[i])
-        scores = np.matmul(qg[i], k[i, :, :seen].swapaxes(-1, -2))  # (Hkv, group, seen)
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        total = scores.sum(axis=-1, keepdims=True)  # (Hkv, group, 1)
-        np.matmul(scores, v[i, :, :seen], out=out[i])  # (Hkv, group, hd)
-        out[i] /= total
-    return out.reshape(n, n_heads * head_dim)  # (n, Hkv, group, hd) -> (n, H*hd)
-
-
-@functools.cache
-def padded_attention_holds(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
-    """Return True when :func:`decode_attention`'s padded products give a sequence of this head
-    shape the same bits alone and beside longer ones with this process's BLAS.
-
-    Checked once per shape and process on seeded random data (22 sequences beside the longest).
-    It depends on the shape as well as on the kernel family: with OpenBLAS's SkylakeX kernels
-    SmolLM2's heads (9, 3, 64) hold and stories260K's (8, 4, 8) do not.
-    """
-    rng = np.random.default_rng(20261204)
-    block = 16
-    # lengths on either side of blocks and chunks: a longest one past 600 makes every other row
-    # padded across chunks (seeded: with the Haswell, Sandybridge and Prescott families about a
-    # quarter of such rows differ, with SkylakeX none)
-    fixed = [1, 5, 16, 17, 100, 385, 450]
-    lengths = np.concatenate([fixed, rng.integers(1, 600, 15), [rng.integers(600, 1300)]])
-    rows = -(-int(lengths.max()) // block) * block
-    q = rng.standard_normal((len(lengths), n_heads, head_dim), dtype=np.float32)
-    k = rng.standard_normal((len(lengths), n_kv_heads, rows, head_dim), dtype=np.float32)
-    v = rng.standard_normal((len(lengths), n_kv_heads, rows, head_dim), dtype=np.float32)
-    together = _padded_attention(q, k, v, lengths, block, None)
-    for i in range(len(lengths)):
-        one = slice(i, i + 1)
-        alone = _padded_attention(q[one], k[one], v[one], lengths[one], block, None)
-        if not np.array_equal(alone, together[one]):
-            return False
-    return True
-
-
 def decode_attention(
     q: np.ndarray,
     k: np.ndarray,
@@ -233,27 +168,8 @@ def decode_attention(
     Returns:
         ``(n, n_heads * head_dim)`` float32, heads concatenated in order.
 
-    Where :func:`padded_attention_holds` is False for this head shape (a BLAS without that
-    small-matrix kernel, or a head too narrow for its rule), every row is computed by
-    :func:`exact_attention` instead.
-
     Source: Vaswani et al. 2017 (scaled dot-product attention); Ainslie et al. 2023 (GQA).
     """
-    n_heads, head_dim = q.shape[1], q.shape[2]
-    if not padded_attention_holds(n_heads, k.shape[1], head_dim):
-        return exact_attention(q, k, v, lengths)
-    return _padded_attention(q, k, v, lengths, block, unseen)
-
-
-def _padded_attention(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    lengths: np.ndarray,
-    block: int,
-    unseen: np.ndarray | None,
-) -> np.ndarray:
-    """:func:`decode_attention` over padded blocks (the small-matrix kernel's path)."""
     n, n_heads, head_dim = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv

@@ -1,13 +1,13 @@
 """Memory-map the safetensors weights of a Hugging Face model directory (single file or sharded).
 
-F32 tensors are read-only views into one ``numpy.memmap`` per file, so every gunicorn worker
-that maps the same file shares the same page-cache pages and nothing is copied at start-up.
-F16 and BF16 tensors are widened to float32 copies (private to each worker). Every header is
+Tensors are read-only views into one ``numpy.memmap`` per file; the Llama model keeps F16 and BF16
+as stored (its kernels read them, :mod:`model.kernels.packed`), other readers may have them widened
+to float32 copies. Every header is
 validated by :func:`model.files.check_safetensors_header`, the bigram's rules with F16 and BF16
 allowed too.
 
-This is the safetensors loader of the Llama family: it gives Hugging Face tensor names -> float32
-arrays, which is all :meth:`model.llama.model.Llama.from_tensors` needs, whatever the container.
+This is the safetensors loader of the Llama family: it gives Hugging Face tensor names -> arrays,
+which is all :meth:`model.llama.model.Llama.from_tensors` needs, whatever the container.
 
 Source: the safetensors format (huggingface/safetensors README); transformers' sharded
 checkpoint index (``model.safetensors.index.json``).
@@ -32,7 +32,9 @@ INDEX_NAME = "model.safetensors.index.json"
 DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
 
-def load_weights(model_dir: Path) -> tuple[dict[str, np.ndarray], tuple[Path, ...]]:
+def load_weights(
+    model_dir: Path, widen: bool = True
+) -> tuple[dict[str, np.ndarray], tuple[Path, ...]]:
     """Map every tensor of a model directory's safetensors weights.
 
     ``model.safetensors`` is used when present, else ``model.safetensors.index.json`` and the
@@ -40,10 +42,12 @@ def load_weights(model_dir: Path) -> tuple[dict[str, np.ndarray], tuple[Path, ..
 
     Args:
         model_dir: The model directory.
+        widen: Widen F16 and BF16 to float32 copies (else keep them as stored, see
+            :func:`map_safetensors`).
 
     Returns:
-        ``(tensors, files)``: name -> read-only float32 array of the stored shape; and the
-        weight files read, in a stable order.
+        ``(tensors, files)``: name -> read-only array of the stored shape; and the weight files
+        read, in a stable order.
 
     Raises:
         ValueError: If neither file exists, a file is malformed (see :func:`map_safetensors`),
@@ -51,13 +55,13 @@ def load_weights(model_dir: Path) -> tuple[dict[str, np.ndarray], tuple[Path, ..
     """
     single = model_dir / WEIGHTS_NAME
     if single.is_file():
-        return map_safetensors(single), (single,)
+        return map_safetensors(single, widen), (single,)
     index = model_dir / INDEX_NAME
     if not index.is_file():
         raise ValueError(f"{model_dir}: no {WEIGHTS_NAME} and no {INDEX_NAME}")
     weight_map = _read_weight_map(index)
     files = tuple(model_dir / name for name in sorted(set(weight_map.values())))
-    shards = {path.name: map_safetensors(path) for path in files}
+    shards = {path.name: map_safetensors(path, widen) for path in files}
     tensors = {}
     for name, shard in weight_map.items():
         if name not in shards[shard]:
@@ -84,15 +88,17 @@ def _read_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def map_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Validate one safetensors file and return its tensors as float32 arrays.
+def map_safetensors(path: Path, widen: bool = True) -> dict[str, np.ndarray]:
+    """Validate one safetensors file and return its tensors.
 
     Args:
         path: The file.
+        widen: Return F16 and BF16 tensors as float32 copies; else as read-only views of the
+            file's map, ``float16`` and ``uint16`` (bfloat16 bits) as the kernels read them.
 
     Returns:
-        Name -> read-only array: a view into the file's memory map for F32, a float32 copy for
-        F16 and BF16.
+        Name -> read-only array: a view into the file's memory map for F32 (and, unwidened, F16
+        and BF16), a float32 copy for F16 and BF16 when widened.
 
     Raises:
         ValueError: If the file cannot be read or breaks a rule of the safetensors format (header length,
@@ -107,7 +113,8 @@ def map_safetensors(path: Path) -> dict[str, np.ndarray]:
     tensors = {}
     for e in entries:
         stored = raw[data_start + e.begin : data_start + e.end].view(DTYPES[e.dtype])
-        tensors[e.name] = _as_float32(stored.reshape(e.shape), e.dtype)
+        stored = stored.reshape(e.shape)
+        tensors[e.name] = _as_float32(stored, e.dtype) if widen else stored
     return tensors
 
 

@@ -1,0 +1,42 @@
+"""numba, set up for greenserve's kernels: imported first by every kernel module.
+
+numba reads its environment once, when it is imported, so this module sets it and then imports
+numba:
+
+- ``NUMBA_DISABLE_INTEL_SVML=1``: SVML's vector ``exp`` rounds differently from the scalar one, so a
+  result would depend on whether a loop vectorised (and on the CPU); our kernels call no libm
+  function on the token path anyway (:mod:`model.kernels.mathf`).
+- ``NUMBA_CACHE_DIR``: compiled kernels are cached on disk (``cache=True``) in a directory of their
+  own, ``GREENSERVE_NUMBA_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/greenserve/numba`` (``~/.cache``
+  by default): not site-packages, which a hardened unit makes read-only, and not the model cache
+  directory, which tests point at a fresh temporary directory each.
+
+Source: numba's environment variables reference (``NUMBA_CACHE_DIR``, ``NUMBA_DISABLE_INTEL_SVML``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def numba_cache_dir(environ: dict[str, str] | None = None) -> Path:
+    """Return the directory numba caches compiled kernels in (created by numba when it writes).
+
+    Args:
+        environ: The environment to read (``os.environ`` by default).
+    """
+    env = os.environ if environ is None else environ
+    own = env.get("GREENSERVE_NUMBA_CACHE_DIR", "").strip()
+    if own:
+        return Path(own)
+    base = env.get("XDG_CACHE_HOME", "").strip() or str(Path.home() / ".cache")
+    return Path(base) / "greenserve" / "numba"
+
+
+os.environ["NUMBA_DISABLE_INTEL_SVML"] = "1"
+os.environ["NUMBA_CACHE_DIR"] = str(numba_cache_dir())
+
+import numba  # noqa: E402  (after the environment it reads)
+
+__all__ = ["numba", "numba_cache_dir"]
