@@ -193,7 +193,7 @@ def _log_gguf_loading(path):
     from model.loader import default_cache_dir
 
     logging.getLogger("greenserve.start").info(
-        "loading %s: hashing, float32 cache at %s",
+        "loading %s: hashing, packed weights cache at %s",
         path,
         default_cache_dir() / "gguf",
         extra={"model_file": str(path), "weights_cache_dir": str(default_cache_dir() / "gguf")},

@@ -9,15 +9,21 @@ numba:
 - ``NUMBA_CACHE_DIR``: compiled kernels are cached on disk (``cache=True``) in a directory of their
   own, ``GREENSERVE_NUMBA_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/greenserve/numba`` (``~/.cache``
   by default): not site-packages, which a hardened unit makes read-only, and not the model cache
-  directory, which tests point at a fresh temporary directory each.
+  directory, which tests point at a fresh temporary directory each. A directory that cannot be
+  written is replaced by a temporary one of this process, with a warning naming the setting: numba
+  itself would refuse to compile a cached kernel there, and every worker would pay the compile.
 
 Source: numba's environment variables reference (``NUMBA_CACHE_DIR``, ``NUMBA_DISABLE_INTEL_SVML``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import tempfile
 from pathlib import Path
+
+_log = logging.getLogger("greenserve.model")
 
 
 def numba_cache_dir(environ: dict[str, str] | None = None) -> Path:
@@ -34,8 +40,27 @@ def numba_cache_dir(environ: dict[str, str] | None = None) -> Path:
     return Path(base) / "greenserve" / "numba"
 
 
+def _writable_cache_dir() -> Path:
+    """Return :func:`numba_cache_dir`, created, or a new temporary directory when it cannot be."""
+    wanted = numba_cache_dir()
+    try:
+        wanted.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=wanted):
+            return wanted
+    except OSError as exc:
+        fallback = Path(tempfile.mkdtemp(prefix="greenserve-numba-"))
+        _log.warning(
+            "%s: cannot write compiled kernels there (%s); using %s for this process "
+            "(set GREENSERVE_NUMBA_CACHE_DIR to a writable directory)",
+            wanted,
+            exc.strerror or exc,
+            fallback,
+        )
+        return fallback
+
+
 os.environ["NUMBA_DISABLE_INTEL_SVML"] = "1"
-os.environ["NUMBA_CACHE_DIR"] = str(numba_cache_dir())
+os.environ["NUMBA_CACHE_DIR"] = str(_writable_cache_dir())
 
 import numba  # noqa: E402  (after the environment it reads)
 

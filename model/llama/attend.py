@@ -14,7 +14,7 @@ layer instead of a dozen per sequence. A chunk of several rows of one sequence (
 lane repeated once per row (a broadcast view, nothing copied). The plan is made once per pass and
 used for every layer.
 
-With ``kernels`` (batch invariance on, the default) every row attends instead with
+With a ``kernel`` (batch invariance on, the default) every row attends instead with
 :func:`model.kernels.attention.attend`, one call per slab per layer: each row over exactly its own
 positions, every sum in an order fixed in our source, so its bits depend neither on the rows beside
 it nor on the CPU or BLAS (docs/ARCHITECTURE.md §5).
@@ -22,7 +22,7 @@ it nor on the CPU or BLAS (docs/ARCHITECTURE.md §5).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,8 +72,9 @@ class StepAttention:
         caches: one distinct cache per chunk, checked to have room for it.
         sizes: the chunks' token counts.
         ends: ``(len(sizes),)`` the rows of the pass where each chunk ends (exclusive).
-        kernels: attend with our own kernel (:func:`model.kernels.attention.attend`) rather than
-            numpy's products (:func:`~model.llama.ops.decode_attention`).
+        kernel: attend with this kernel (:func:`model.kernels.attention.attend`, which the model
+            passes in: this module never imports numba) rather than numpy's products
+            (:func:`~model.llama.ops.decode_attention`); None for numpy.
     """
 
     def __init__(
@@ -81,9 +82,10 @@ class StepAttention:
         caches: Sequence[KVCache],
         sizes: Sequence[int],
         ends: np.ndarray,
-        kernels: bool = False,
+        kernel: Callable[..., None] | None = None,
     ) -> None:
-        self._kernels = kernels
+        kernels = kernel is not None
+        self._kernel = kernel
         # per slab: (slab_k, slab_v, rows, lanes, lengths), each (m,) int64: the kernel's entries
         self._entries: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         if kernels:
@@ -124,14 +126,12 @@ class StepAttention:
             # (t, Hkv, hd) -> (Hkv, t, hd): the cache is head-major
             cache.k[layer, :, start : start + r1 - r0] = k[r0:r1].transpose(1, 0, 2)
             cache.v[layer, :, start : start + r1 - r0] = v[r0:r1].transpose(1, 0, 2)
-        if self._kernels:
-            from model.kernels.attention import attend  # numba: only where kernels run
-
+        if self._kernel is not None:
             for g in self._groups:  # one (m, Hkv, hd) write per slab
                 g.slab_k[g.lanes, layer, :, g.positions] = k[g.rows]
                 g.slab_v[g.lanes, layer, :, g.positions] = v[g.rows]
             for slab_k, slab_v, rows, lanes, lengths in self._entries:
-                attend(q, slab_k, slab_v, layer, rows, lanes, lengths, att)
+                self._kernel(q, slab_k, slab_v, layer, rows, lanes, lengths, att)
             return att
         for cache, r0, r1, lengths, unseen in self._runs:
             # (Hkv, rows, hd) -> (m, Hkv, rows, hd): the lane once per row, a stride-0 view

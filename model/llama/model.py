@@ -60,10 +60,13 @@ class Llama:
                 matrices float32, float16 or bfloat16 bits, packed here) or a
                 :class:`~model.kernels.packed.PackedWeight` (a GGUF's blocks).
         """
-        from model.kernels import mathf, products  # numba: compiled (or cached) on first import
+        # numba: compiled (or loaded from its cache) on first import, all of them here, so a
+        # gunicorn master that loads the model hands every kernel compiled to the workers it forks
+        from model.kernels import attention, mathf, products
 
         self._matmul_t = products.matmul_t
         self._mathf = mathf
+        self._attend = attention.attend
         tensors = {name: _packed(t) for name, t in tensors.items()}
         self.config = config
         self.tok_embeddings = tensors["model.embed_tokens.weight"]
@@ -304,7 +307,7 @@ class Llama:
         x = self.tok_embeddings.rows(np.concatenate(ids))  # (T, dim) float32
         positions = [s + np.arange(n) for s, n in zip(starts, sizes, strict=True)]
         cos, sin = self._rope(np.concatenate(positions))
-        attend = StepAttention(caches, sizes, ends, kernels=batch_invariant)
+        attend = StepAttention(caches, sizes, ends, self._attend if batch_invariant else None)
         for layer_index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin, batch_invariant)
             x = self._block_tail(layer, x, attend(layer_index, q, k, v), batch_invariant)
