@@ -19,16 +19,15 @@ of decoding without speculation, in the same order: speculation changes how many
 yields, never which.
 
 Which sequences draft and how much (:class:`Speculator`) is a throughput decision only. A step's
-cost is nearly flat in its rows while the weights dominate (the tiles of
-:mod:`model.llama.matmul` cost the same for 1 to 4 rows, ~20 % more for 8), so spare rows are almost
-free; past :data:`GATE_ROWS` rows a step is compute-bound and a drafted row costs about what a real
-one does, so a step that big drafts nothing (a full batch is never slowed). Below it, each
-sequence's acceptance rate is tracked (decayed counts of drafted tokens tested and accepted) and the
-step takes the draft rows that maximise the expected tokens per unit of step cost. The cost of a
-step of so many rows is measured as the scheduler runs (a decayed mean of the seconds of its decode
-steps by rows in whole groups of :data:`ROW_PAD`, :meth:`Speculator.observe`), starting from a model
-of this machine's tiles (:func:`step_cost`): on a busy or a different machine the products become
-compute-bound sooner, and the drafts shrink with them.
+products read each weight block once and reuse it for every row (:mod:`model.kernels.products`), so
+a row past the first costs less than a step of its own (SmolLM2-135M: ~0.45 of a one-row step, the
+block decoding and the weights' bandwidth being shared); past :data:`GATE_ROWS` rows a step drafts
+nothing (a full batch is never slowed). Below it, each sequence's acceptance rate is tracked
+(decayed counts of drafted tokens tested and accepted) and the step takes the draft rows that
+maximise the expected tokens per unit of step cost: only drafts likely to be accepted pay. The cost
+of a step of so many rows is measured as the scheduler runs (a decayed mean of the seconds of its
+decode steps by rows, :meth:`Speculator.observe`), starting from a model of the kernels
+(:func:`step_cost`): on a busy or a different machine the drafts follow what steps really cost.
 
 Source: Saxena 2023, "Prompt Lookup Decoding" (n-gram drafts from the prompt); Leviathan et al.
 2023, "Fast Inference from Transformers via Speculative Decoding" (verify k drafts in one pass; with
@@ -46,8 +45,10 @@ MAX_NGRAM = 3  # longest suffix matched against the history, tokens
 GATE_ROWS = (
     16  # the most rows of a step with drafts; a step of this many without drafts drafts nothing
 )
-ROW_PAD = 4  # rows cost in whole groups of this many (model.llama.matmul.ROW_PAD)
-GROUP_COST = 0.2  # each group of ROW_PAD rows past the first, relative to a one-row step
+ROW_PAD = 1  # step costs are kept per this many rows (the kernels have no coarser grain)
+# each row past the first, relative to a one-row step: SmolLM2-135M's products on one core of an
+# AMD EPYC (AVX-512): 10.1 ms for 1 row, 23.7 for 4, 41.9 for 8, 80.8 for 16 (thread time)
+GROUP_COST = 0.45
 ROW_COST = 0.01  # and each row's own work (attention, sampling), likewise
 COST_DECAY = 0.9  # weight of the earlier steps in a row group's measured cost
 PRIOR_RATE = 0.5  # a new sequence's assumed acceptance rate
@@ -58,8 +59,8 @@ DECAY = 0.8  # weight of the previous steps' counts in the rate
 def step_cost(rows: int) -> float:
     """Return the modelled cost of a step's weight products for ``rows`` rows, relative to one row.
 
-    SmolLM2-135M on one quiet core (the table in :mod:`model.llama.matmul`): the tiles cost the same
-    for 1 to 4 rows and ~20 % more for each further 4 rows.
+    SmolLM2-135M on one quiet core (see :data:`GROUP_COST`): each further row of the products
+    costs ~0.45 of a one-row step.
     """
     return 1.0 + GROUP_COST * (-(-rows // ROW_PAD) - 1)
 
