@@ -1,4 +1,4 @@
-"""What checking the GGUF weights cache's digest costs a master at start (issue 31, item 1).
+"""What checking the GGUF weights cache's digest costs a master at start .
 
 Times, in fresh processes pinned to one CPU set: ``load_model`` of the SmolLM2 GGUF with its cache
 file already built (the master's start: hash the GGUF, read its header, map and check the cache),
@@ -31,9 +31,8 @@ from model.loader import load_model
 t = time.perf_counter()
 m = load_model(sys.argv[1], sys.argv[2])
 load_s = time.perf_counter() - t
-from model.llama.weights import map_safetensors
 path = gguf_cache.cache_path(Path(sys.argv[2]), m.checksum)
-tensors = map_safetensors(path)
+tensors = gguf_cache._map(path)
 t = time.perf_counter()
 gguf_cache.tensors_digest(tensors)
 digest_s = time.perf_counter() - t
