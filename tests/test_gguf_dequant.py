@@ -12,6 +12,8 @@ Q6_K); ``ggml-common.h`` (``block_*`` structs); the GGUF specification (tensor t
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -175,3 +177,15 @@ def test_dequantized_through_the_cache_file(tmp_path, qtype):
             assert isinstance(array.base, np.memmap) or isinstance(array.base.base, np.memmap)
             assert array.flags.writeable is False
             np.testing.assert_array_equal(cached[f"{HF_NAME}.{part}"], array)
+
+
+def test_the_log_says_per_tensor_type_which_path_serves_it(tmp_path, caplog):
+    raw, _ = pack_q4_k(np.random.default_rng(1))
+    path = write_tiny_gguf(tmp_path / "tiny-q4k.gguf", {NAME: (raw, Q.Q4_K)})
+    with caplog.at_level(logging.INFO, logger="greenserve.model"):
+        load_model(path, cache_dir=tmp_path / "cache")
+    lines = [r.getMessage() for r in caplog.records if "weights served as" in r.getMessage()]
+    assert lines == [
+        "tiny-q4k.gguf: weights served as F32: packed blocks (10 tensors); "
+        "Q4_K: dequantized to F32 (1 tensors)"
+    ]
