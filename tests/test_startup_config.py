@@ -253,7 +253,7 @@ def test_a_gguf_start_logs_one_loading_line_from_the_master(tmp_path, serve):
     loading, *serving = wait_until(start_lines, what="a loading line and 2 serving lines")
     assert {k: loading[k] for k in ("level", "message", "model_file", "weights_cache_dir")} == {
         "level": "INFO",
-        "message": f"loading {gguf}: hashing, float32 cache at {cache / 'gguf'}",
+        "message": f"loading {gguf}: hashing, packed weights cache at {cache / 'gguf'}",
         "model_file": str(gguf),
         "weights_cache_dir": str(cache / "gguf"),
     }
