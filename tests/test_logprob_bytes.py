@@ -184,20 +184,20 @@ GOLDEN: dict[str, tuple[str, int]] = {
         32771,
     ),
     "llama-chat": (
-        "a20bb4f445a8dea9054bd3f8c79aed5da28ae16d0b97db2e9477c036f40f9c82",
-        26636,
+        "a6c3e601e032d161283ffe0015f0239fed4def1871eb7c3561025fc487752a6e",
+        26631,
     ),
     "llama-chat-stream": (
-        "ef8f2b192e6a035157e66b2d8a4ba44675ae5583a87d3e535fd9eb1914dba378",
-        31186,
+        "192a35b9d9063b330851a0eb5006a945fa6025f4394358b0282a32723764cbeb",
+        31181,
     ),
     "llama-cmpl-echo": (
-        "07f37d52d5a459f1a78a0c0380d55c93d9a1b58886082718746dd2398005b25c",
-        10852,
+        "5fdc7d067617a7c1856edeb155a2b8bd6dc19685e01a3ed0c7d512c1447b98f2",
+        10834,
     ),
     "llama-cmpl-echo-stream": (
-        "951a4fbfba2390869cbc04e5b65eca0fdbbbfe23a84ea1a52f4c57f811a39b17",
-        19445,
+        "a8f802566800535a1da21e7645cd823bc58805eaa641e17d54b62cc4c2ca957a",
+        19427,
     ),
 }
 

@@ -3,15 +3,18 @@
 The reduction order of output ``Y[r, o]`` (the contract; no CPU, batch size or library changes it):
 
 - Q4_0, Q4_1, Q8_0, per block ``b`` of 32 columns: ``s_lo`` and ``s_hi`` are float32 chains
-  ``s = 0; s = s + w_j * x_j`` over elements ``j = 0..15`` and ``16..31`` in that order, where
+  ``s = 0; s = fma(w_j, x_j, s)`` over elements ``j = 0..15`` and ``16..31`` in that order, where
   ``w_j`` is the quant widened exactly to float32 (``q - 8`` for Q4_0, ``q`` for Q4_1, the int8 for
-  Q8_0); then ``t = d * (s_lo + s_hi)``, for Q4_1 ``t = t + m * xsum_b`` with ``xsum_b`` the
+  Q8_0); then ``t = d * (s_lo + s_hi)``, for Q4_1 ``t = fma(m, xsum_b, t)`` with ``xsum_b`` the
   float32 chain ``x_0 + ... + x_31`` of the block; then ``acc = acc + t``, blocks in order from
   ``acc = 0``.
-- F32, F16, BF16: ``acc = 0; acc = acc + w_k * x_k`` for ``k = 0 .. in - 1`` in order, the weight
-  widened exactly to float32.
+- F32, F16, BF16: ``acc = 0; acc = fma(w_k, x_k, acc)`` for ``k = 0 .. in - 1`` in order, the
+  weight widened exactly to float32.
 
-Every step is one IEEE float32 multiply or add (no fast-math, no FMA: :mod:`model.kernels.vec`).
+Every step is one IEEE 754 float32 operation, rounded once: a multiply, an add or a fused
+multiply-add, as written (no fast-math, no contraction LLVM chose: :mod:`model.kernels.vec`). The
+fused multiply-adds halve the arithmetic of a batched step, which is compute-bound (a core without FMA
+computes the same bits through the C library's ``fmaf``, slowly).
 Vector lanes are 16 output rows of a tile; a batch's rows are computed one after another from the
 same decoded block (loop order: tile, block, row), so a row's bits do not depend on the batch, and
 8 rows do not cost 8 passes over the weights.
@@ -74,6 +77,15 @@ def _put(acc, y, o0, tw):  # noqa: ANN001, ANN202
             y[r, o0 + t] = acc[r * TILE + t]
 
 
+@numba.njit(nogil=True, inline="always")
+def _finish(acc, r, dv, mv, xs, b, has_m, lo, hi):  # noqa: ANN001, ANN202
+    """Add row ``r``'s block to its sums: ``acc += d * (lo + hi)`` (``fma(m, xsum, ...)`` for Q4_1)."""
+    t = v.mul(dv, v.add(lo, hi))
+    if has_m:
+        t = v.fma(mv, v.splat(xs[r, b]), t)
+    v.store_f32(acc, r * TILE, v.add(v.load_f32(acc, r * TILE), t))
+
+
 @numba.njit(nogil=True)
 def _tile_q(x, xs, qs, qo, d, m, so, nq, bias, has_m, acc, wf):  # noqa: ANN001, ANN202
     """Set ``acc[16 r : 16 r + 16]`` to one tile's outputs for each row ``r`` (Q4_0/Q4_1/Q8_0).
@@ -101,11 +113,11 @@ def _tile_q(x, xs, qs, qo, d, m, so, nq, bias, has_m, acc, wf):  # noqa: ANN001,
                 else:
                     wl = v.load_i8(qs, base + j * TILE)
                     wh = v.load_i8(qs, base + (j + 16) * TILE)
-                lo = v.add(lo, v.mul(wl, v.splat(x[0, xo + j])))
-                hi = v.add(hi, v.mul(wh, v.splat(x[0, xo + 16 + j])))
+                lo = v.fma(wl, v.splat(x[0, xo + j]), lo)
+                hi = v.fma(wh, v.splat(x[0, xo + 16 + j]), hi)
             t = v.mul(dv, v.add(lo, hi))
             if has_m:
-                t = v.add(t, v.mul(mv, v.splat(xs[0, b])))
+                t = v.fma(mv, v.splat(xs[0, b]), t)
             a = v.add(a, t)
             continue
         for j in range(16):  # decode the block once for all rows
@@ -115,16 +127,34 @@ def _tile_q(x, xs, qs, qo, d, m, so, nq, bias, has_m, acc, wf):  # noqa: ANN001,
             else:
                 v.store_f32(wf, j * TILE, v.load_i8(qs, base + j * TILE))
                 v.store_f32(wf, (j + 16) * TILE, v.load_i8(qs, base + (j + 16) * TILE))
-        for r in range(rows):
+        r = 0
+        while r + 4 <= rows:  # four rows' chains side by side: each decoded vector loaded once
+            lo0, lo1, lo2, lo3 = v.zeros(), v.zeros(), v.zeros(), v.zeros()
+            hi0, hi1, hi2, hi3 = v.zeros(), v.zeros(), v.zeros(), v.zeros()
+            for j in range(16):
+                wl = v.load_f32(wf, j * TILE)
+                lo0 = v.fma(wl, v.splat(x[r, xo + j]), lo0)
+                lo1 = v.fma(wl, v.splat(x[r + 1, xo + j]), lo1)
+                lo2 = v.fma(wl, v.splat(x[r + 2, xo + j]), lo2)
+                lo3 = v.fma(wl, v.splat(x[r + 3, xo + j]), lo3)
+                wh = v.load_f32(wf, (j + 16) * TILE)
+                hi0 = v.fma(wh, v.splat(x[r, xo + 16 + j]), hi0)
+                hi1 = v.fma(wh, v.splat(x[r + 1, xo + 16 + j]), hi1)
+                hi2 = v.fma(wh, v.splat(x[r + 2, xo + 16 + j]), hi2)
+                hi3 = v.fma(wh, v.splat(x[r + 3, xo + 16 + j]), hi3)
+            _finish(acc, r, dv, mv, xs, b, has_m, lo0, hi0)
+            _finish(acc, r + 1, dv, mv, xs, b, has_m, lo1, hi1)
+            _finish(acc, r + 2, dv, mv, xs, b, has_m, lo2, hi2)
+            _finish(acc, r + 3, dv, mv, xs, b, has_m, lo3, hi3)
+            r += 4
+        while r < rows:
             lo = v.zeros()
             hi = v.zeros()
             for j in range(16):
-                lo = v.add(lo, v.mul(v.load_f32(wf, j * TILE), v.splat(x[r, xo + j])))
-                hi = v.add(hi, v.mul(v.load_f32(wf, (j + 16) * TILE), v.splat(x[r, xo + 16 + j])))
-            t = v.mul(dv, v.add(lo, hi))
-            if has_m:
-                t = v.add(t, v.mul(mv, v.splat(xs[r, b])))
-            v.store_f32(acc, r * TILE, v.add(v.load_f32(acc, r * TILE), t))
+                lo = v.fma(v.load_f32(wf, j * TILE), v.splat(x[r, xo + j]), lo)
+                hi = v.fma(v.load_f32(wf, (j + 16) * TILE), v.splat(x[r, xo + 16 + j]), hi)
+            _finish(acc, r, dv, mv, xs, b, has_m, lo, hi)
+            r += 1
     if one:
         v.store_f32(acc, 0, a)
 
@@ -185,7 +215,7 @@ def _tile_f(x, w, wo, kind, acc, wf):  # noqa: ANN001, ANN202
     if rows == 1:
         a = v.zeros()
         for k in range(n_in):
-            a = v.add(a, v.mul(_wload(w, wo + k * TILE, kind), v.splat(x[0, k])))
+            a = v.fma(_wload(w, wo + k * TILE, kind), v.splat(x[0, k]), a)
         v.store_f32(acc, 0, a)
         return
     for r in range(rows):
@@ -197,7 +227,7 @@ def _tile_f(x, w, wo, kind, acc, wf):  # noqa: ANN001, ANN202
         for r in range(rows):
             a = v.load_f32(acc, r * TILE)
             for k in range(kc):
-                a = v.add(a, v.mul(v.load_f32(wf, k * TILE), v.splat(x[r, k0 + k])))
+                a = v.fma(v.load_f32(wf, k * TILE), v.splat(x[r, k0 + k]), a)
             v.store_f32(acc, r * TILE, a)
 
 

@@ -5,13 +5,14 @@ cannot prove the local accumulators do not alias the weights, and numba leaves t
 off), so the kernels spell their vectors out: :data:`f32x16` is an LLVM ``<16 x float>`` and each
 function below emits one plain IR instruction per lane-wise step. Lanes are always *different
 output rows*; no operation here mixes lanes. Arithmetic is ``fmul`` / ``fadd`` with no fast-math
-flags, so LLVM neither reassociates nor contracts it into FMA, and LLVM splits the 16 lanes into
-whatever the CPU has (one zmm, two ymm, four xmm) without changing any lane's bits.
+flags, so LLVM neither reassociates nor contracts it, and the explicit ``llvm.fma`` (one rounding,
+where the kernels ask for it); LLVM splits the 16 lanes into whatever the CPU has (one zmm, two ymm,
+four xmm) without changing any lane's bits.
 
 The integer-to-float conversions are exact: every value converted (a nibble, an int8, a 16-bit
 pattern's 10-bit mantissa) fits float32's 24-bit significand.
 
-Source: the LLVM Language Reference (``fadd``, ``fmul``, ``uitofp``, ``sitofp``, vector types;
+Source: the LLVM Language Reference (``fadd``, ``fmul``, ``llvm.fma``, ``uitofp``, ``sitofp``, vector types;
 fast-math flags are opt-in); IEEE 754 binary16 / binary32 encodings.
 """
 
@@ -99,6 +100,25 @@ def _binary(op: str):  # noqa: ANN202
 
 add = _binary("fadd")
 mul = _binary("fmul")
+
+
+@intrinsic
+def fma(typingctx, a, b, c):  # noqa: ANN001, ANN201
+    """Return ``a * b + c`` in each lane, rounded once (IEEE 754 fusedMultiplyAdd).
+
+    ``llvm.fma`` is the exact operation on every target: one instruction where the CPU has FMA
+    (every x86-64 since Haswell and Piledriver), else a call to the C library's ``fmaf``, which is
+    correctly rounded too: the same bits, slower.
+    """
+    if a != f32x16 or b != f32x16 or c != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        fnty = ir.FunctionType(_VF, [_VF, _VF, _VF])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.v{LANES}f32")
+        return builder.call(fn, list(args))
+
+    return f32x16(f32x16, f32x16, f32x16), codegen
 
 
 @intrinsic
