@@ -36,7 +36,8 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 BATCHES = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64)
 # sha256 of matmul_t(GOLDEN_X, W) for the SmolLM2-135M-Instruct Q4_1 file's layer-0 q_proj (Q4_1)
 # and its tied embedding / output head (Q8_0), rows in the file's order (not RoPE-permuted),
-# recorded once on an AMD EPYC (AVX-512), with the fused multiply-adds; the CPU test shows other x86-64 code gives the same bits.
+# recorded once on an AMD EPYC (AVX-512), with the fused multiply-adds; the CPU test shows other
+# x86-64 code gives the same bits.
 GOLDEN = {
     "model.layers.0.self_attn.q_proj.weight": (
         "f5e6cc8b9cfaccd547d5b46dcf25fb34869eb0432b236ef3563102a3ba7f56ec"
