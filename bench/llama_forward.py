@@ -27,6 +27,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import safetensors.numpy  # noqa: E402
 
+from model.kernels.packed import PackedWeight  # noqa: E402
 from model.llama.config import LlamaConfig  # noqa: E402
 from model.llama.convert import convert_llama2c  # noqa: E402
 from model.llama.model import Llama, tensor_shapes  # noqa: E402
@@ -90,7 +91,7 @@ def prefill_tokens_per_s(model: Llama, prompt_len: int) -> float:
     return prompt_len / (time.perf_counter() - t0)
 
 
-def _weights(model: Llama) -> list[np.ndarray]:
+def _weights(model: Llama) -> list[np.ndarray | PackedWeight]:
     """Return every distinct weight array of the model."""
     arrays = [model.tok_embeddings, model.rms_final]
     if model.wcls is not model.tok_embeddings:
@@ -98,6 +99,11 @@ def _weights(model: Llama) -> list[np.ndarray]:
     for layer in model.layers:
         arrays += [getattr(layer, f) for f in layer.__slots__]
     return arrays
+
+
+def _size(w: np.ndarray | PackedWeight) -> int:
+    """Return a weight's parameters: a vector's size, a packed matrix's ``out * in``."""
+    return w.out * w.in_ if isinstance(w, PackedWeight) else w.size
 
 
 def main() -> None:
@@ -127,7 +133,7 @@ def main() -> None:
             model_dir = convert_llama2c(STORIES / "stories260K.bin", STORIES / "tok512.bin", tmp)
             name = "stories260K (converted)"
         model = Llama.load(model_dir)
-        result = {"model": name, "params": sum(w.size for w in _weights(model))}
+        result = {"model": name, "params": sum(_size(w) for w in _weights(model))}
         result["openblas_threads"] = os.environ["OPENBLAS_NUM_THREADS"]
         modes = {"1": [True], "0": [False], "both": [True, False]}[args.batch_invariant]
         for batch in (int(b) for b in args.batches.split(",")):
