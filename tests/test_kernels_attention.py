@@ -93,12 +93,23 @@ def _attend(q, k, v, layer, rows, lanes, lengths, n_rows=None):
 
 
 @pytest.mark.parametrize(
-    ("n_heads", "n_kv", "head_dim"), [(9, 3, 64), (8, 2, 32), (4, 4, 16), (6, 1, 64)]
+    ("n_heads", "n_kv", "head_dim", "positions"),
+    [
+        (9, 3, 64, 320),
+        (8, 2, 32, 320),
+        (4, 4, 16, 320),
+        (6, 1, 64, 320),
+        (4, 2, 8, 320),
+        (9, 3, 64, 250),
+    ],
 )
-def test_attention_matches_the_textbook_reference(n_heads, n_kv, head_dim):
-    """Causal GQA of a chunk at positions start..start+T-1 within 2e-6 of ops.attention."""
+def test_attention_matches_the_textbook_reference(n_heads, n_kv, head_dim, positions):
+    """Causal GQA of a chunk at positions start..start+T-1 within 2e-6 of ops.attention.
+
+    head_dim 8 takes the scalar path; 250 positions end the slab inside a tile of 16.
+    """
     rng = np.random.default_rng(3)
-    k, v = _slab(rng, 2, 2, n_kv, 320, head_dim)
+    k, v = _slab(rng, 2, 2, n_kv, positions, head_dim)
     start, t = 90, 150
     q = rng.standard_normal((t, n_heads, head_dim), dtype=np.float32)
     out = _attend(q, k, v, 1, np.arange(t), np.ones(t), start + 1 + np.arange(t))
@@ -122,6 +133,21 @@ def test_a_row_is_the_same_bits_alone_or_in_any_batch():
     assert np.array_equal(grouped, alone)
     shuffled = rng.permutation(12)
     assert np.array_equal(_attend(q, k, v, 1, shuffled, lanes[shuffled], lengths[shuffled]), alone)
+
+
+def test_transpose16_copies_a_block_transposed():
+    from model.kernels import vec
+    from model.kernels.jit import numba
+
+    @numba.njit
+    def transpose(src, dst):
+        vec.transpose16(src, 3, 20, dst, 1, 17)
+
+    src = np.arange(20 * 20, dtype=np.float32)
+    dst = np.zeros(17 * 17 + 1, dtype=np.float32)
+    transpose(src, dst)
+    block = src[3 : 3 + 16 * 20].reshape(16, 20)[:, :16]
+    assert np.array_equal(dst[1 : 1 + 16 * 17].reshape(16, 17)[:, :16], block.T)
 
 
 def test_a_prompt_is_the_same_bits_in_one_call_row_by_row_or_in_chunks():

@@ -184,20 +184,20 @@ GOLDEN: dict[str, tuple[str, int]] = {
         32771,
     ),
     "llama-chat": (
-        "a6c3e601e032d161283ffe0015f0239fed4def1871eb7c3561025fc487752a6e",
-        26631,
+        "fbc693d421366f439ffef55ba001c898bed422c58438176438dfc23423d47156",
+        26643,
     ),
     "llama-chat-stream": (
-        "192a35b9d9063b330851a0eb5006a945fa6025f4394358b0282a32723764cbeb",
-        31181,
+        "fc097b4e793eaf3be7d489a8e3f4e7e707021310273b5f7afb69ae4729404520",
+        31193,
     ),
     "llama-cmpl-echo": (
-        "5fdc7d067617a7c1856edeb155a2b8bd6dc19685e01a3ed0c7d512c1447b98f2",
-        10834,
+        "52cce383c3859c5b5f9fcd6406fd02b912986469d2569f1ee8708d0422061a6d",
+        10804,
     ),
     "llama-cmpl-echo-stream": (
-        "a8f802566800535a1da21e7645cd823bc58805eaa641e17d54b62cc4c2ca957a",
-        19427,
+        "511ce5a55f77eca26068858231db1d1295b3b2dc7d7d8f1463a9639f460c4173",
+        19397,
     ),
 }
 

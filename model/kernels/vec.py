@@ -205,3 +205,88 @@ def load_f16(typingctx, ary, idx):  # noqa: ANN001, ANN201
         return builder.bitcast(builder.or_(builder.bitcast(mag, _VI), sign), _VF)
 
     return f32x16(ary, idx), codegen
+
+
+_I64 = ir.IntType(64)
+
+
+@intrinsic
+def div(typingctx, a, b):  # noqa: ANN001, ANN201
+    """Return ``a / b`` in each lane (IEEE ``fdiv``, correctly rounded)."""
+    if a != f32x16 or b != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        return builder.fdiv(args[0], args[1])
+
+    return f32x16(f32x16, f32x16), codegen
+
+
+@intrinsic
+def maximum(typingctx, a, b):  # noqa: ANN001, ANN201
+    """Return ``a if a > b else b`` in each lane: one of the two inputs, exactly (a select)."""
+    if a != f32x16 or b != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
+
+    return f32x16(f32x16, f32x16), codegen
+
+
+@intrinsic
+def fma1(typingctx, a, b, c):  # noqa: ANN001, ANN201
+    """Return the float32 scalar ``a * b + c`` rounded once: one lane of :func:`fma`."""
+    if a != types.float32 or b != types.float32 or c != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        fnty = ir.FunctionType(_F32, [_F32, _F32, _F32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.fma.f32")
+        return builder.call(fn, list(args))
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
+def transpose16(typingctx, src, i, si, dst, j, sj):  # noqa: ANN001, ANN201
+    """Copy a 16x16 float32 block transposed: ``dst[j + a sj + b] = src[i + b si + a]``.
+
+    ``src`` and ``dst`` are C-contiguous float32 arrays of any rank indexed flat from their first
+    element (no bounds check). Sixteen row loads, four stages of two-input shuffles (stage ``k``
+    exchanges bit ``k`` of the row and column indices), sixteen stores: no arithmetic, so the
+    copy is exact on every CPU.
+    """
+    ints = (i, si, j, sj)
+    if not all(isinstance(x, types.Integer) for x in ints):
+        return None
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        s_ary = context.make_array(sig.args[0])(context, builder, args[0])
+        d_ary = context.make_array(sig.args[3])(context, builder, args[3])
+        i0, s0, j0, t0 = (
+            context.cast(builder, args[n], sig.args[n], types.int64) for n in (1, 2, 4, 5)
+        )
+        rows = []
+        for b in range(LANES):
+            idx = builder.add(i0, builder.mul(s0, ir.Constant(_I64, b)))
+            ptr = builder.bitcast(cgutils.gep_inbounds(builder, s_ary.data, idx), _VF.as_pointer())
+            rows.append(builder.load(ptr, align=1))
+        for k in range(4):
+            bit = 1 << k
+            lo = [c if not c & bit else LANES + (c ^ bit) for c in range(LANES)]
+            hi = [c ^ bit if not c & bit else LANES + c for c in range(LANES)]
+            new = list(rows)
+            for r in range(LANES):
+                if not r & bit:
+                    a, b = rows[r], rows[r | bit]
+                    new[r] = builder.shuffle_vector(a, b, ir.Constant(_VI, lo))
+                    new[r | bit] = builder.shuffle_vector(a, b, ir.Constant(_VI, hi))
+            rows = new
+        for a in range(LANES):
+            idx = builder.add(j0, builder.mul(t0, ir.Constant(_I64, a)))
+            ptr = builder.bitcast(cgutils.gep_inbounds(builder, d_ary.data, idx), _VF.as_pointer())
+            builder.store(rows[a], ptr, align=1)
+        return context.get_dummy_value()
+
+    return types.void(src, i, si, dst, j, sj), codegen
