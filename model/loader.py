@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -102,27 +100,6 @@ class LoadedModel:
     chat_template_source: str | None = None
     bos_token: str = ""
     eos_token: str = ""
-
-    def measure_decode_tokens_per_s(self, repeats: int = 3) -> float:
-        """Measure how many tokens per second one sequence decodes at best on this process.
-
-        The best of ``repeats`` one-token decode steps on a fresh cache (after one warm-up step):
-        what an idle worker reaches for a short context, before sampling and scheduling. The
-        bigram has no such bound (a token costs microseconds): ``math.inf``.
-
-        Returns:
-            Tokens per second, > 0 (``math.inf`` for the bigram).
-        """
-        if not isinstance(self.model, Llama):
-            return math.inf
-        cache = self.model.new_cache(repeats + 1)
-        self.model.decode([0], [cache])  # warm-up: first touch of the mapped weights
-        best = math.inf
-        for _ in range(repeats):
-            t = time.perf_counter()
-            self.model.decode([0], [cache])
-            best = min(best, time.perf_counter() - t)
-        return 1.0 / max(best, 1e-9)
 
     def chat_template(self, source: str | None = None) -> ChatTemplate:
         """Return the chat template to serve: ``source`` (a ``CHAT_TEMPLATE`` file's text) if given,

@@ -116,18 +116,18 @@ def test_long_prompt_is_prefilled_in_chunks(stories):
     assert s.step() == [] and s.idle and seq.prefilled == 4
 
 
-def test_prefill_budget_takes_the_oldest_prompts_first(stories):
+def test_prefill_budget_takes_the_shortest_prompts_first(stories):
+    # Issue 39: a short prompt behind long ones is read first (the fewest tokens left), so it is
+    # not starved by them; ties keep the order the sequences joined.
     s = BatchScheduler(stories.model, eos(stories), max_batch=4, prefill_chunk=4, prefill_budget=8)
     seqs = [s.add(request(stories, i), i) for i in (2, 7, 4)]
     assert [len(q.req.prompt_ids) for q in seqs] == [10, 13, 6]
     assert s.step() == []
-    assert [q.prefilled for q in seqs] == [4, 4, 0]  # one pass of 8 tokens: the two oldest
-    assert s.step() == []
-    assert [q.prefilled for q in seqs] == [8, 8, 0]
-    assert s.step() == [seqs[0]]  # 2 + 4 tokens; the third's 4 would pass the budget
-    assert [q.prefilled for q in seqs] == [10, 12, 0]
-    assert set(s.step()) == {seqs[0], seqs[1]}  # seqs[0] decodes; 1 + 4 tokens prefill
-    assert [q.prefilled for q in seqs] == [10, 13, 4]
+    assert [q.prefilled for q in seqs] == [4, 0, 4]  # one pass of 8 tokens: the two shortest
+    assert s.step() == [seqs[2]]  # 2 + 4 tokens; the longest's 4 would pass the budget
+    assert [q.prefilled for q in seqs] == [8, 0, 6]
+    assert set(s.step()) == {seqs[0], seqs[2]}  # seqs[2] decodes; seqs[0] read its last 2
+    assert [q.prefilled for q in seqs] == [10, 4, 6]
 
 
 def test_threaded_engine_streams_without_blocking_the_hub(stories):

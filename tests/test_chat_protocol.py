@@ -377,10 +377,12 @@ def test_completion_request_default_max_tokens_and_stop() -> None:
         seed=1,
         stop=("X", "\nUser:"),
         logprobs=3,
+        max_tokens_asked=False,  # the server's default: a cap, never judged by a pace
     )
     assert completion(chat, 10, 1000).max_tokens == 100
     assert completion(chat, 10, None).max_tokens == 100
     assert completion(parse(body(max_tokens=40)), 10, 50).max_tokens == 40
+    assert completion(parse(body(max_tokens=40)), 10, 50).max_tokens_asked
 
 
 @pytest.mark.parametrize(

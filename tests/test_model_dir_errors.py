@@ -100,3 +100,14 @@ def test_a_number_too_large_for_a_double_says_so(default_server, field, wanted):
     assert error["message"].endswith(
         "got a number too large to represent (it overflows a 64-bit float)."
     )
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_model_dir_set_but_empty_is_refused_not_the_default_model(tmp_path, value):
+    # Issue 39, item 3: MODEL_DIR=$(python -m model.fetch smollm2) leaves it empty when the fetch
+    # fails; that served the packaged bigram without a word.
+    _, lines = failed_start(tmp_path, {"MODEL_DIR": value})
+    assert lines == [
+        "greenserve: cannot start: MODEL_DIR is set but empty (did the command that was to print "
+        "the model's path fail?); unset it to serve the packaged default model"
+    ]

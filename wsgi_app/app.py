@@ -156,11 +156,11 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     )
     rt = app.extensions[EXTENSION]
     rt.after_answers = AfterAnswers(lambda: not rt.admission.tickets)
-    # What a choice can generate before its deadline follows from this pace (Runtime.feasible_max_tokens).
-    # Measured on a native thread: the steps take ~0.3 s (SmolLM2), which the hub must not stall for.
-    rt.generation.decode_tokens_per_s = settings.decode_tokens_per_s or rt.offload(
-        model.measure_decode_tokens_per_s, ()
-    )
+    # Only the operator's pace refuses a request (Runtime.feasible_max_tokens) or ends a queued one
+    # early: a pace measured here would depend on the load at this worker's start, and two workers
+    # would decide the same request differently (docs/ARCHITECTURE.md §9).
+    if settings.decode_tokens_per_s is not None:
+        rt.generation.decode_tokens_per_s = settings.decode_tokens_per_s
 
     prefix_seen = [0, 0, 0]
 

@@ -21,14 +21,43 @@ from wsgi_app.settings import ServerSettings, usable_cpus
 _made_metrics_dir = None  # the metrics dir this process made, removed if the start fails
 
 
-def _cannot_start(exc: ValueError) -> NoReturn:
-    """Stop the master with one line naming the bad setting, and exit code 1 (no traceback)."""
+def _remove_made_metrics_dir() -> None:
+    """Remove the metrics dir this master made (never the operator's own directory)."""
     if _made_metrics_dir:
         import shutil
 
         shutil.rmtree(_made_metrics_dir, ignore_errors=True)
+
+
+def _cannot_start(exc: ValueError) -> NoReturn:
+    """Stop the master with one line naming the bad setting, and exit code 1 (no traceback)."""
+    _remove_made_metrics_dir()
     print(f"greenserve: cannot start: {exc}", file=sys.stderr)
     sys.exit(1)
+
+
+def _own_metrics_dir() -> str | None:
+    """Make this master's own metrics directory and return it (None: the base is unusable, which
+    the settings check then names).
+
+    Every master gets a fresh one, whatever it inherits: a master re-executed by ``USR2`` after a
+    ``SIGHUP`` reload inherits ``PROMETHEUS_MULTIPROC_DIR`` from the environment gunicorn saved at
+    the reload, and sharing it would let the old master's exit delete it (and the new master's start
+    empty the old workers' files). The base is what the operator set (``PROMETHEUS_MULTIPROC_DIR``,
+    kept for the lineage in ``GREENSERVE_METRICS_BASE``): a ``master-*`` subdirectory of it; unset, a
+    ``greenserve-metrics-*`` directory in the temp dir. Removed when the master exits.
+    """
+    base = os.environ.get("GREENSERVE_METRICS_BASE")
+    if base is None:  # the first master of this lineage: what the operator set, or nothing
+        base = os.environ.get("PROMETHEUS_MULTIPROC_DIR", "").strip()
+        os.environ["GREENSERVE_METRICS_BASE"] = base
+    try:
+        if base:
+            return tempfile.mkdtemp(prefix="master-", dir=base)
+        return tempfile.mkdtemp(prefix="greenserve-metrics-")
+    except OSError:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = base  # Settings.from_env names it
+        return None
 
 
 # gunicorn's settings are checked as this file is read: a bad one is one line and exit code 1, not
@@ -43,18 +72,20 @@ try:
 except ValueError as exc:
     _cannot_start(exc)
 
-# When this server started (Unix seconds), for /stats' "since start" percentiles: set once per master
-# and kept across reloads and upgrades (SIGHUP, SIGUSR2), as the metrics dir below is.
-os.environ.setdefault("GREENSERVE_STARTED_AT", repr(time.time()))
+# When this master started (Unix seconds), for /stats' "since start" percentiles: one per master, as
+# its metrics dir below is (kept across SIGHUP reloads, which do not re-run this file; a USR2 upgrade's
+# new master counts from its own start).
+os.environ["GREENSERVE_STARTED_AT"] = repr(time.time())
 
 # numpy reads this at import; one BLAS thread per worker, the workers are the parallelism.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR): every worker writes its metrics to
 # files here and /metrics sums them. prometheus_client decides at import, so this is set before any
-# worker imports it; when unset, a private temp dir is made and removed when the master exits.
-if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    _made_metrics_dir = tempfile.mkdtemp(prefix="greenserve-metrics-")
+# worker imports it. Each master has its own directory (see _own_metrics_dir), removed when it
+# exits; the drain marker and the default STATS_DB live in it, so they go with their master.
+_made_metrics_dir = _own_metrics_dir()
+if _made_metrics_dir is not None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = _made_metrics_dir
     os.environ["GREENSERVE_OWN_METRICS_DIR"] = _made_metrics_dir
 
@@ -201,23 +232,39 @@ def _log_gguf_loading(path):
 
 
 def on_starting(server):
-    """Check the settings and the model, start from empty metrics (counters count from this start)
-    and pick the client-hash salt that every worker shares (CLIENT_HASH_SALT, else a new random one
-    per server start)."""
-    import glob
+    """Check the settings and the model, clear what earlier servers left in the operator's metrics
+    directory, and pick the client-hash salt that every worker shares (CLIENT_HASH_SALT, else a new
+    random one per server start). Whatever fails, the metrics dir this master made is removed (a
+    restart loop must not fill the temp dir)."""
     import secrets
 
-    _check_ports_free(server.cfg.address)
-    _check_config_or_exit()
-
-    metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"]
-    for path in glob.glob(os.path.join(metrics_dir, "*.db")):
-        os.remove(path)
-    # A new start is never drained (a SIGHUP reload does not come here, so a drain outlives it).
-    drained = os.path.join(metrics_dir, "greenserve-drained")
-    if os.path.exists(drained):
-        os.remove(drained)
+    try:
+        _check_ports_free(server.cfg.address)
+        _check_config_or_exit()
+        _clear_metrics_base()
+    except BaseException:
+        _remove_made_metrics_dir()
+        raise
     os.environ.setdefault("CLIENT_HASH_SALT", secrets.token_hex(16))
+
+
+def _clear_metrics_base() -> None:
+    """On a fresh start (not a ``USR2`` upgrade, whose old master still serves beside this one),
+    remove what earlier servers left in the operator's ``PROMETHEUS_MULTIPROC_DIR``: other masters'
+    ``master-*`` directories and files of the older flat layout (``*.db``, the drain marker). This
+    master's counters count from its start in its own directory whatever it finds."""
+    import glob
+    import shutil
+
+    base = os.environ.get("GREENSERVE_METRICS_BASE")
+    if not base or os.environ.get("GUNICORN_PID") or not os.path.isdir(base):
+        return
+    for path in glob.glob(os.path.join(base, "master-*")):
+        if path != _made_metrics_dir:
+            shutil.rmtree(path, ignore_errors=True)
+    for path in [*glob.glob(os.path.join(base, "*.db")), os.path.join(base, "greenserve-drained")]:
+        if os.path.isfile(path):
+            os.remove(path)
 
 
 def post_fork(server, worker):
@@ -230,9 +277,17 @@ def post_fork(server, worker):
 
 
 def child_exit(server, worker):
-    """Drop a dead worker's live gauges (running, queued) from /metrics, however it died."""
+    """Count the requests a worker that died without its exit hook was serving (one log line, and
+    ``greenserve_requests_total{end_reason="worker_lost"}``: ``telemetry.lost``), then drop its
+    live gauges (running, queued) from /metrics, however it died."""
     from prometheus_client import multiprocess
 
+    from telemetry.lost import count_lost
+    from wsgi_app.server.end_reason import WORKER_LOST
+
+    metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if metrics_dir:
+        count_lost(metrics_dir, worker.pid, WORKER_LOST)
     multiprocess.mark_process_dead(worker.pid)
 
 
@@ -256,6 +311,9 @@ def worker_exit(server, worker):
         state.exporter.shutdown(budget(5.0))
         if state.observer is not None:
             state.observer.close()
+            # Every request of a worker that reaches this hook was answered or logged: none is
+            # lost with it (the master counts a dead worker's last running and queued gauges).
+            state.observer.metrics.set_load(0, 0)
 
 
 def _address(sock, scheme):

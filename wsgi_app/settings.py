@@ -34,14 +34,39 @@ from wsgi_app.setting_values import (
 
 
 def default_stats_db(env: Mapping[str, str] | None = None) -> str:
-    """Return the default ``STATS_DB``: ``greenserve-stats-<PORT>.db`` in the system temp directory.
+    """Return the default ``STATS_DB``: one server start's own history.
 
-    One file per API port: the workers of one server share it, two servers on a host do not mix
-    their histories.
+    Under gunicorn, ``greenserve-stats.sqlite3`` in the master's own metrics directory
+    (``GREENSERVE_OWN_METRICS_DIR``, made per master by ``wsgi_app.gunicorn_config`` and removed when
+    it exits): the workers of one master share it, and no later server on the same port inherits
+    it. Outside gunicorn (``create_app`` in a script), ``greenserve-stats-<PORT>.db`` in the system
+    temp directory. A configured ``STATS_DB`` is kept across restarts instead.
     """
     env = os.environ if env is None else env
+    own = env.get("GREENSERVE_OWN_METRICS_DIR", "").strip()
+    if own and own == env.get("PROMETHEUS_MULTIPROC_DIR", "").strip():
+        # not "*.db": prometheus_client reads every *.db file of this directory as metrics
+        return os.path.join(own, "greenserve-stats.sqlite3")
     port = env.get("PORT", "").strip() or "8000"
     return os.path.join(tempfile.gettempdir(), f"greenserve-stats-{port}.db")
+
+
+def env_model_dir(env: Mapping[str, str]) -> str | None:
+    """Return ``MODEL_DIR``, or None when it is unset (the packaged default model).
+
+    Raises:
+        ValueError: ``MODEL_DIR`` is set but empty or blank, as ``MODEL_DIR=$(python -m model.fetch
+            smollm2)`` leaves it when the fetch fails: a refusal naming it, never the default model.
+    """
+    if "MODEL_DIR" not in env:
+        return None
+    value = env["MODEL_DIR"].strip()
+    if not value:
+        raise ValueError(
+            "MODEL_DIR is set but empty (did the command that was to print the model's path fail?); "
+            "unset it to serve the packaged default model"
+        )
+    return value
 
 
 def otlp_traces_endpoint(env: Mapping[str, str]) -> str | None:
@@ -188,7 +213,7 @@ class Settings:
         d = field_defaults(cls)
         storage_uri = env_str(env, "RATE_LIMIT_STORAGE_URI", d["rate_limit_storage_uri"])
         return cls(
-            model_dir=env.get("MODEL_DIR", "").strip() or None,
+            model_dir=env_model_dir(env),
             max_slots=env_int(env, "MAX_SLOTS", d["max_slots"], 1, 100_000),
             max_queue=env_int(env, "MAX_QUEUE", d["max_queue"], 0, 1_000_000),
             kv_cache_budget_mb=env_int(

@@ -31,10 +31,12 @@ the XDG Base Directory Specification (``$XDG_CACHE_HOME``, default ``~/.cache``)
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
@@ -42,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import safetensors
 import safetensors.numpy
 
 from model.files import check_safetensors_header, read_safetensors_head
@@ -148,10 +151,15 @@ def load_or_build(
                 tensors, damage = _try_map(path, sha256)
     except OSError as exc:
         if damage is None:
+            hint = (
+                "free space there or set GREENSERVE_CACHE_DIR to another directory"
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                else "set GREENSERVE_CACHE_DIR to a writable directory"
+            )
             raise ValueError(
                 f"{path}: cannot write the weights cache in {path.parent}: "
-                f"{exc.strerror or exc} (set GREENSERVE_CACHE_DIR to a writable directory)"
-            ) from exc
+                f"{exc.strerror or exc} ({hint})"
+            ) from None
         # A damaged file that cannot be replaced is never mapped: this process dequantizes.
         _log.warning(
             "%s: weights cache damaged (%s) and cannot be rebuilt (%s: %s); "
@@ -289,7 +297,10 @@ def _write_atomically(path: Path, tensors: dict[str, np.ndarray], sha256: str) -
     tmp = build_dir / path.name
     metadata = {**_expected_metadata(sha256), _DIGEST_KEY: tensors_digest(tensors)}
     try:
-        safetensors.numpy.save_file(tensors, str(tmp), metadata=metadata)
+        try:
+            safetensors.numpy.save_file(tensors, str(tmp), metadata=metadata)
+        except safetensors.SafetensorError as exc:  # its I/O errors (a full disk) are not OSErrors
+            raise _os_error(exc, sum(a.nbytes for a in tensors.values())) from None
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         # Read-only for everyone (workers may run as another user than the builder): the file
@@ -303,6 +314,14 @@ def _write_atomically(path: Path, tensors: dict[str, np.ndarray], sha256: str) -
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
+
+
+def _os_error(exc: Exception, nbytes: int) -> OSError:
+    """Return safetensors' write error as the ``OSError`` it wraps (its ``os error N``), naming
+    the bytes the file needs, so a full disk is one line like an unwritable directory."""
+    found = re.search(r"os error (\d+)", str(exc))
+    code = int(found.group(1)) if found else errno.EIO
+    return OSError(code, f"{os.strerror(code)}; the file needs {nbytes / 1e6:.0f} MB")
 
 
 def _remove_stale_builds(directory: Path) -> None:

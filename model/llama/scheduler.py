@@ -8,9 +8,10 @@ scheduler with one sequence.
 
 Pure and single-threaded: the serving layer calls :meth:`BatchScheduler.step` in a loop on its own
 native thread. Each step is one pass over the weights (``Llama.forward``): one token for every
-sequence that is generating, plus prompt tokens of the oldest sequences still reading their prompts
-(so a burst of prompts costs no pass of its own, and a cancelled one stops within a chunk). A prompt's
-chunk boundaries are fixed (``prefill_chunk``, from position 0). While no sequence decodes, a step
+sequence that is generating, plus prompt tokens of the sequences still reading their prompts, the
+fewest tokens left first (a short prompt never waits behind long ones; a burst of prompts costs no
+pass of its own, and a cancelled one stops within a chunk). A prompt's chunk boundaries are fixed
+(``prefill_chunk``, from position 0). While no sequence decodes, a step
 takes whole chunks, up to ``prefill_budget`` tokens; while some decode, a few prompt rows, at least
 half the step (:meth:`BatchScheduler.prompt_rows`), so they wait for a few rows a step, not for up to
 256 (~17 one-row steps; issue 31): a chunk is read over several steps, with the bits of the chunk at
@@ -323,16 +324,22 @@ class BatchScheduler:
     def _prefill_spans(
         self, prefilling: list[Sequence], n_decoding: int
     ) -> tuple[list[Sequence], list[abc.Sequence[int]]]:
-        """Return the sequences whose prompt tokens join this step, and those tokens: the oldest
-        first, the rest of each one's chunk, within ``prefill_budget`` tokens (at least one chunk)
-        while none decodes, else within :meth:`prompt_rows` (the first one's part of a chunk)."""
+        """Return the sequences whose prompt tokens join this step, and those tokens: the fewest
+        prompt tokens left first (then the oldest), the rest of each one's chunk, within
+        ``prefill_budget`` tokens (at least one chunk) while none decodes, else within
+        :meth:`prompt_rows` (the first one's part of a chunk).
+
+        Shortest remaining prompt first, so a short prompt that joins behind long ones is read at
+        the next step rather than after them (issue 39); the bits of every prompt are the same in
+        any order (:mod:`model.llama.attend`)."""
+        prefilling = sorted(prefilling, key=lambda q: len(q.req.prompt_ids) - q.prefilled)
         budget = self.prefill_budget
         if n_decoding and prefilling:
             budget = self.prompt_rows(n_decoding, prefilling[0].prefilled)
         chosen: list[Sequence] = []
         spans: list[abc.Sequence[int]] = []
         tokens = 0
-        for seq in prefilling:  # oldest first: the order they joined
+        for seq in prefilling:  # the fewest tokens left first; ties keep the order they joined
             start, n_prompt = seq.prefilled, len(seq.req.prompt_ids)
             end = min(n_prompt, (start // self.prefill_chunk + 1) * self.prefill_chunk)
             if n_decoding:

@@ -259,6 +259,7 @@ def completion_request(
         ignored_fields=chat.ignored_fields,
         constraint=chat.constraint,
         tools=chat.tools,
+        max_tokens_asked=chat.max_tokens is not None,
     )
 
 

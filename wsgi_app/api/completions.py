@@ -99,6 +99,9 @@ class CompletionRequest:
         tools: a chat request's tools and tool choice (``wsgi_app.api.tools``), or None.
         tool_format: the syntax its calls are written in (``TOOL_CALL_FORMAT``), set with the
             grammar.
+        max_tokens_asked: False when ``max_tokens`` is the server's default for a chat answer
+            (the rest of the context up to ``CHAT_MAX_TOKENS``): a cap, never refused by the
+            operator's pace, never a reason to leave the queue early.
     """
 
     model: str
@@ -122,6 +125,7 @@ class CompletionRequest:
     grammar: Any = None
     tools: ToolRequest | None = None
     tool_format: str = "smollm2"
+    max_tokens_asked: bool = True
 
     @property
     def calls_tools(self) -> bool:

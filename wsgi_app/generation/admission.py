@@ -1,15 +1,19 @@
-"""Admission control: a bounded number of generation slots per worker and a bounded FIFO wait queue.
+"""Admission control: a bounded number of generation slots per worker and a bounded wait queue.
 
 A request either gets a slot at once, waits in the queue, or is refused with ``429 server_busy`` and a
-``Retry-After`` computed from the observed service time. A released slot is handed straight to the oldest
-waiter, so the queue is fair and nobody races for it. Every ticket is released exactly once, whatever path
-the request takes (finished, disconnected, timed out, failed, shut down).
+``Retry-After`` computed from the observed service time. What a release frees is handed straight to the
+waiters, so nobody races for it. Every ticket is released exactly once, whatever path the request takes
+(finished, disconnected, timed out, failed, shut down).
 
 A request also reserves the KV-cache bytes its sequences may hold (``KV_CACHE_BUDGET_MB``, see
-:meth:`model.loader.LoadedModel.kv_reservation_bytes`): it runs only when a slot and its bytes are both free,
-waits in the same queue otherwise (the oldest waiter first, so a large request is never starved by small
-ones), and one that could not fit even in an idle worker is a 400. The default slots and queue are the
-model family's (:meth:`model.engine.Family.limits`).
+:meth:`model.loader.LoadedModel.kv_reservation_bytes`): it runs only when a slot and its bytes are both
+free, and one that could not fit even in an idle worker is a 400. **Order: first fit in arrival order.**
+Freed room goes to the oldest waiter it fits; a waiter whose bytes are not free yet (a long prompt) is
+passed by later ones that fit beside the running requests (a short chat), so short requests are never
+held behind long ones. A passed waiter keeps its place: it runs as soon as its bytes are free, before
+any later request that needs them; its deadline bounds its wait (with ``DECODE_TOKENS_PER_S`` set it
+leaves the queue once its deadline is unreachable: ``lifetime.queue_heartbeats``). The default slots
+and queue are the model family's (:meth:`model.engine.Family.limits`).
 
 Source: docs/ARCHITECTURE.md §9 (admission and stream lifetime).
 """
@@ -42,6 +46,9 @@ class Ticket:
         started: ``perf_counter`` when the slot was granted, or None.
         progress: an object with ``completion_tokens`` (the live completion), or None.
         kv_bytes: the KV-cache bytes reserved while running.
+        latest_start: ``perf_counter`` value after which the request can no longer finish before
+            its deadline even at the operator's decode pace (``DECODE_TOKENS_PER_S``), in seconds;
+            None when no pace is set (it then waits until its deadline).
     """
 
     __slots__ = (
@@ -53,6 +60,7 @@ class Ticket:
         "deadline",
         "started",
         "progress",
+        "latest_start",
         "_granted",
     )
 
@@ -67,6 +75,7 @@ class Ticket:
         self.deadline = deadline
         self.started: float | None = None
         self.progress: Any = None
+        self.latest_start: float | None = None
         self._granted = Event()
 
     @property
@@ -156,7 +165,7 @@ class Admission:
                 "max_tokens",
             )
         ticket = Ticket(self, request_id, deadline, kv_bytes)
-        if not self._waiters and self._fits(ticket):
+        if self._fits(ticket):  # every waiter already failed to fit: first fit runs it at once
             self._run(ticket)
         elif len(self._waiters) < self.max_queue:
             self._waiters.append(ticket)
@@ -195,9 +204,13 @@ class Admission:
             self.kv_reserved -= ticket.kv_bytes
             if self.on_room is not None:
                 self.on_room(self.kv_budget_bytes - self.kv_reserved)
-        # Hand what is free to the oldest waiters, in order (also after a queued one left the head).
-        while self._waiters and self._fits(self._waiters[0]):
-            self._run(self._waiters.popleft())
+        # Hand what is free to the waiters in arrival order, each that fits (first fit).
+        for waiter in list(self._waiters):
+            if self.busy >= self.max_slots:
+                break
+            if self._fits(waiter):  # each run takes room: the next waiter is judged after it
+                self._waiters.remove(waiter)
+                self._run(waiter)
         ticket.state = RELEASED
         self.tickets.pop(id(ticket), None)
         if self.on_change is not None:

@@ -21,7 +21,7 @@ from model.loader import LoadedModel
 from wsgi_app.generation.admission import Admission
 from wsgi_app.settings import Settings
 
-# The share of REQUEST_TIMEOUT_S that decoding at the measured best pace may fill: a request needing
+# The share of REQUEST_TIMEOUT_S that decoding at the operator's best pace may fill: a request needing
 # more cannot finish in time (a served token also costs sampling, scheduling and shared steps).
 DEADLINE_HEADROOM = 0.75
 
@@ -58,8 +58,9 @@ class GenerationContext:
         stop: when in-flight generations must end.
         engine_ok: False once the engine failed in a way that leaves it untrustworthy (readiness
             turns off).
-        decode_tokens_per_s: the best decode pace of one sequence, tokens per second
-            (``DECODE_TOKENS_PER_S``, else measured at worker start; ``math.inf`` for the bigram).
+        decode_tokens_per_s: the best decode pace of one sequence, tokens per second: the
+            operator's ``DECODE_TOKENS_PER_S``, else ``math.inf`` (nothing is refused by a pace;
+            a pace measured by a worker would depend on its load and differ between workers).
     """
 
     settings: Settings
@@ -83,6 +84,15 @@ class GenerationContext:
             return None
         budget_s = self.settings.request_timeout_s * DEADLINE_HEADROOM
         return max(1, int(self.decode_tokens_per_s * budget_s))
+
+    def latest_start(self, deadline: float, max_tokens: int) -> float | None:
+        """Return the last ``perf_counter`` time at which a request may still start and finish
+        ``max_tokens`` before ``deadline``, by the rule of :attr:`feasible_max_tokens` (the decode
+        at the operator's pace fills at most ``DEADLINE_HEADROOM`` of the time left); None when no
+        pace is set (``DECODE_TOKENS_PER_S`` unset: no guess ends a request early)."""
+        if math.isinf(self.decode_tokens_per_s):
+            return None
+        return deadline - max_tokens / self.decode_tokens_per_s / DEADLINE_HEADROOM
 
     def stop_in(self, stop_in_s: float) -> None:
         """Set the stop time ``stop_in_s`` seconds from now (once: a second call changes nothing),

@@ -65,9 +65,10 @@ def engine_error(ctx: GenerationContext, exc: BaseException) -> ApiError:
 def _refuse_infeasible(ctx: GenerationContext, max_tokens: int) -> None:
     """Refuse a request whose ``max_tokens`` cannot be generated before its deadline.
 
-    Even at the worker's best decode pace (measured at start, ``DECODE_TOKENS_PER_S``) such a
-    request would run until ``REQUEST_TIMEOUT_S`` and end in a 504 (or a stream's error event)
-    after a minute of work; it is a 400 before any instead.
+    Even at the best decode pace the operator set (``DECODE_TOKENS_PER_S``; unset, nothing is
+    refused) such a request would run until ``REQUEST_TIMEOUT_S`` and end in a 504 (or a stream's
+    error event) after a minute of work; it is a 400 before any instead. Every worker decides the
+    same request the same way.
 
     Raises:
         ApiError: 400 naming ``max_tokens``, with the pace and the most that fits.
@@ -128,12 +129,15 @@ def admit(
     if ctx.stop.passed(time.perf_counter()):
         raise unavailable("Server is shutting down.")
     deadline = record.started + settings.request_timeout_s
-    _refuse_infeasible(ctx, req.max_tokens)
+    if req.max_tokens_asked:  # a chat answer's default is a cap, not what the client needs
+        _refuse_infeasible(ctx, req.max_tokens)
     # Every prompt of a batch runs its n choices at once: the reservation is their sum.
     kv_bytes = sum(
         ctx.model.kv_reservation_bytes(len(p.ids), req.max_tokens, req.n) for p in req.prompts()
     )
     ticket = ctx.admission.admit(record.request_id, deadline, kv_bytes)
+    if req.max_tokens_asked:
+        ticket.latest_start = ctx.latest_start(deadline, req.max_tokens)
     tune_socket(sock, settings.send_timeout_s)
     pacer = Pacer.make(record, deadline, ctx.stop, ctx.admission, settings.request_timeout_s)
     try:
@@ -166,19 +170,28 @@ def queue_heartbeats(ticket: Ticket, pacer: Pacer, heartbeat_s: float) -> Iterat
     A wait ends early at the deadline or the worker's stop time, or when the stop wakes the queue
     (``Admission.wake_queued``); the clock decides what follows, so a wake a moment before the stop
     time waits out that moment rather than sending a heartbeat. A slot granted past the stop time (a
-    running stream ended by the stop freed it) starts nothing: the request ends as the stop says.
+    running stream ended by the stop freed it) starts nothing: the request ends as the stop says. A
+    request still queued at its ``latest_start`` (its deadline unreachable at the operator's pace,
+    ``DECODE_TOKENS_PER_S``) leaves the queue then, as a 504, instead of holding its place until
+    the deadline.
 
     Raises:
-        ApiError: 504 past the deadline, 503 when the worker is stopping.
+        ApiError: 504 past the deadline or the latest start, 503 when the worker is stopping.
     """
     beat_at = time.perf_counter() + heartbeat_s
+    latest = ticket.latest_start
     while True:
         now = time.perf_counter()
-        if ticket.wait(min(beat_at - now, pacer.time_left_s(now))):
+        wait_s = min(beat_at - now, pacer.time_left_s(now))
+        if latest is not None:
+            wait_s = min(wait_s, latest - now)
+        if ticket.wait(wait_s):
             pacer.check(time.perf_counter())
             return
         now = time.perf_counter()
         pacer.check(now)
+        if latest is not None and now >= latest:
+            pacer.unreachable()
         if now >= beat_at:
             beat_at = now + heartbeat_s
             yield

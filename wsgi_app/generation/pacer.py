@@ -12,10 +12,11 @@ import logging
 import math
 import time
 import typing
+from typing import NoReturn
 
 import gevent
 
-from wsgi_app.api.errors import timeout_error, unavailable
+from wsgi_app.api.errors import ApiError, timeout_error, unavailable
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.server.connection import peer_closed
 from wsgi_app.server.end_reason import DEADLINE, SHUTDOWN
@@ -191,6 +192,22 @@ class Pacer:
         if self._stop.passed(now):
             self._record.end(SHUTDOWN)
             raise unavailable("Server is shutting down; generation was ended early.")
+
+    def unreachable(self) -> NoReturn:
+        """End a queued request whose deadline can no longer be met (``end_reason`` ``deadline``).
+
+        Raises:
+            ApiError: always, the 504 ``timeout`` saying why it ends before its deadline.
+        """
+        self._record.end(DEADLINE)
+        raise ApiError(
+            504,
+            f"Request cannot finish within {self._timeout_s:g} s (REQUEST_TIMEOUT_S): it waited "
+            "for a slot until its 'max_tokens' no longer fit before its deadline at this server's "
+            "decode pace (DECODE_TOKENS_PER_S); retry later or with a lower 'max_tokens'.",
+            type="server_error",
+            code="timeout",
+        )
 
     def time_left_s(self, now: float) -> float:
         """Seconds from ``now`` until :meth:`check` raises (the deadline or the worker's stop time)."""

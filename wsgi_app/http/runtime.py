@@ -94,11 +94,6 @@ class Runtime:
         return self.generation.engine_ok
 
     @property
-    def feasible_max_tokens(self) -> int | None:
-        """Return the most tokens a choice can generate before its deadline (``GenerationContext``)."""
-        return self.generation.feasible_max_tokens
-
-    @property
     def stop_at(self) -> float | None:
         """``perf_counter`` time by which in-flight streams must end (set on SIGTERM), or None."""
         return self.generation.stop.stop_at

@@ -89,10 +89,9 @@ def _completion_request(
         rt.chat_template,
         rt.model,
         max_prompt_tokens=settings.max_prompt_tokens,
-        # A default answer never asks for more than its deadline lets it generate.
-        chat_max_tokens=min(
-            settings.chat_max_tokens, rt.feasible_max_tokens or settings.chat_max_tokens
-        ),
+        # A default answer may use the rest of the context (OpenAI's rule) up to CHAT_MAX_TOKENS,
+        # never a number fitted to a pace; the deadline still bounds it.
+        chat_max_tokens=settings.chat_max_tokens,
         offload=rt.offload,
         kv_budget_bytes=settings.kv_cache_budget_mb << 20,
         max_logprob_entries=settings.max_logprob_entries,
