@@ -202,6 +202,7 @@ def run_inprocess(parallel: int, trace: bool) -> dict[str, Any]:
     from wsgi_app.api.chat import parse_chat_request
     from wsgi_app.api.completions import parse_completion_request
     from wsgi_app.generation.completion import Completion
+    from wsgi_app.generation.inputs import generation_input
     from wsgi_app.generation.pacer import Unpaced
     from wsgi_app.http.chat import chat_completion_request
     from wsgi_app.wire.chat import CHAT_COMPLETION
@@ -215,7 +216,7 @@ def run_inprocess(parallel: int, trace: bool) -> dict[str, Any]:
         chat, template, loaded, max_prompt_tokens=32768, chat_max_tokens=4096
     )
     reqs = {
-        "completions": (parse_completion_request(COMPLETIONS), TEXT_COMPLETION),
+        "completions": (generation_input(parse_completion_request(COMPLETIONS)), TEXT_COMPLETION),
         "chat": (chat_req, CHAT_COMPLETION),
     }
     out: dict[str, Any] = {}

@@ -22,6 +22,7 @@ from model.bigram.engine import BigramEngine
 from model.bigram.model import Bigram
 from wsgi_app.api.completions import parse_completion_request
 from wsgi_app.generation.completion import Completion
+from wsgi_app.generation.inputs import generation_input
 from wsgi_app.generation.pacer import Unpaced
 
 PROMPT = "ROMEO:"
@@ -37,7 +38,7 @@ def _completion(engine: BigramEngine, temperature: float, seed: int) -> Completi
         "seed": seed,
         "stream": True,
     }
-    req = parse_completion_request(body)
+    req = generation_input(parse_completion_request(body))
     return Completion(engine, req, seed, "cmpl-" + "0" * 24, 1_700_000_000, Unpaced())
 
 

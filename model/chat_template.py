@@ -40,16 +40,24 @@ from model.chat_text import (
 )
 from model.chat_tools import (
     DEFAULT_TOOL_TEMPLATE,
-    TOOL_CALL_FORMATS,
     TOOL_MACROS,
     has_tool_content,
     reads_tools,
     rewrite_for_tools,
 )
+from model.tool_formats import (
+    DEFAULT,
+    SAMPLE_CALL,
+    SAMPLE_TOOLS,
+    ToolFormat,
+    format_of_rendered,
+)
+from model.tool_formats import tool_format as tool_format_named
 
-__all__ = ["DEFAULT_STOP", "DEFAULT_TEMPLATE", "TOOL_CALL_FORMATS", "ChatTemplate", "TemplateError"]
+__all__ = ["DEFAULT_STOP", "DEFAULT_TEMPLATE", "ChatTemplate", "TemplateError"]
 Messages = Sequence[dict[str, Any]]
 Tools = Sequence[dict[str, Any]] | None
+Format = ToolFormat | str | None
 
 # For models without a template of their own (the embedded bigram, llama2.c's stories models): plain
 # "User:"/"Assistant:" turns, a system message as a leading paragraph. The answer ends where the
@@ -129,6 +137,10 @@ class ChatTemplate:
             then renders tools and tool-call history itself, else the tool template writes them.
         tool_source: the tool template's source (``model.chat_tools.DEFAULT_TOOL_TEMPLATE`` unless
             replaced, see :meth:`with_tool_template`).
+        tool_format: the format tool calls are written in, asked for and read back in
+            (``model.tool_formats``): a template that renders tools writes its own (read from its
+            render of ``model.tool_formats.SAMPLE_CALL``; when it shows none known here, the
+            given one); any other gets the tool template's, the given one (``TOOL_CALL_FORMAT``).
     """
 
     def __init__(
@@ -141,6 +153,7 @@ class ChatTemplate:
         max_chars: int = MAX_PROMPT_CHARS,
         max_render_s: float = MAX_RENDER_S,
         tool_source: str = DEFAULT_TOOL_TEMPLATE,
+        tool_format: str = DEFAULT,
     ) -> None:
         """Compile ``source``; prefer :meth:`from_source` and :meth:`default`.
 
@@ -153,10 +166,12 @@ class ChatTemplate:
             max_render_s: how long one render may take, seconds.
             tool_source: the tool template (Jinja2 defining the macros ``system``, ``assistant`` and
                 ``tool_results``, see ``model/templates/tools.jinja``).
+            tool_format: the name of the tool template's format (``model.tool_formats.FORMATS``).
 
         Raises:
             TemplateError: a source is too long or does not compile, or the tool template lacks one
                 of its macros.
+            ValueError: ``tool_format`` names no format.
         """
         env = _environment()
         self._template = _compile(env, source, "chat template")
@@ -173,6 +188,18 @@ class ChatTemplate:
         self._eos_token = eos_token
         self._max_chars = max_chars
         self._max_render_s = max_render_s
+        self._given_format = tool_format
+        self.tool_format = tool_format_named(tool_format)
+        if self.handles_tools:
+            self.tool_format = self._own_tool_format() or self.tool_format
+
+    def _own_tool_format(self) -> ToolFormat | None:
+        """Return the format this template (which renders tools) writes calls in, or None."""
+        try:
+            text = self._render([dict(m) for m in SAMPLE_CALL], SAMPLE_TOOLS, self.tool_format)
+        except TemplateError:  # a template that refuses the sample: the given format stands
+            return None
+        return format_of_rendered(text)
 
     @classmethod
     def from_source(
@@ -190,11 +217,15 @@ class ChatTemplate:
         """Return :data:`DEFAULT_TEMPLATE` with its stop string :data:`DEFAULT_STOP`."""
         return cls(DEFAULT_TEMPLATE, bos_token, eos_token, stop=(DEFAULT_STOP,), **limits)
 
-    def with_tool_template(self, tool_source: str) -> ChatTemplate:
-        """Return this template with ``tool_source`` as its tool template (``TOOL_TEMPLATE``).
+    def with_tool_template(
+        self, tool_source: str | None = None, tool_format: str | None = None
+    ) -> ChatTemplate:
+        """Return this template with ``tool_source`` as its tool template (``TOOL_TEMPLATE``) and
+        ``tool_format`` as the tool template's format (``TOOL_CALL_FORMAT``); None keeps either.
 
         Raises:
             TemplateError: as :meth:`__init__`, for ``tool_source``.
+            ValueError: ``tool_format`` names no format.
         """
         return ChatTemplate(
             self.source,
@@ -203,11 +234,12 @@ class ChatTemplate:
             stop=self.stop,
             max_chars=self._max_chars,
             max_render_s=self._max_render_s,
-            tool_source=tool_source,
+            tool_source=self.tool_source if tool_source is None else tool_source,
+            tool_format=self._given_format if tool_format is None else tool_format,
         )
 
     def render(
-        self, messages: Messages, tools: Tools = None, tool_call_format: str = "smollm2"
+        self, messages: Messages, tools: Tools = None, tool_call_format: Format = None
     ) -> str:
         """Return the prompt text for ``messages``, ending with the assistant's generation prompt.
 
@@ -218,24 +250,29 @@ class ChatTemplate:
                 (``wsgi_app.api.messages`` shapes), all passed to the template.
             tools: the OpenAI tool dicts ``{"type": "function", "function": {"name", "description",
                 "parameters"}}`` (``wsgi_app.api.tools.Tool.openai``), or None.
-            tool_call_format: ``"smollm2"`` or ``"hermes"`` (``TOOL_CALL_FORMAT``): how the tool
-                template writes calls and asks for them; unused by a template that handles tools.
+            tool_call_format: the format (or its name in ``model.tool_formats.FORMATS``) the tool
+                template writes calls in and asks for; None for :attr:`tool_format`. Unused by a
+                template that handles tools.
 
         Raises:
             TemplateError: the template called ``raise_exception`` (its message, verbatim), failed,
                 or went over its time or size budget.
-            ValueError: ``tool_call_format`` is not one of ``model.chat_tools.TOOL_CALL_FORMATS``.
+            ValueError: ``tool_call_format`` names no format (``model.tool_formats.tool_format``).
         """
-        if tool_call_format not in TOOL_CALL_FORMATS:
-            raise ValueError(f"tool_call_format must be one of {TOOL_CALL_FORMATS}")
-        return self._render([dict(m) for m in messages], tools, tool_call_format)
+        return self._render([dict(m) for m in messages], tools, self._format(tool_call_format))
+
+    def _format(self, fmt: Format) -> ToolFormat:
+        """Return the format ``fmt`` stands for (None: :attr:`tool_format`)."""
+        if fmt is None:
+            return self.tool_format
+        return fmt if isinstance(fmt, ToolFormat) else tool_format_named(fmt)
 
     def encode(
         self,
         messages: Messages,
         tokenizer: ChatTokenizer,
         tools: Tools = None,
-        tool_call_format: str = "smollm2",
+        tool_call_format: Format = None,
     ) -> list[int]:
         """Return the prompt's token ids: the template's added tokens as their ids, client text as text.
 
@@ -260,7 +297,7 @@ class ChatTemplate:
         messages: Messages,
         tokenizer: ChatTokenizer,
         tools: Tools = None,
-        tool_call_format: str = "smollm2",
+        tool_call_format: Format = None,
     ) -> tuple[str, list[int]]:
         """Return :meth:`render`'s text and :meth:`encode`'s ids of ``messages``, rendering once.
 
@@ -268,11 +305,12 @@ class ChatTemplate:
             TemplateError: as :meth:`encode`.
             ValueError: as :meth:`render`.
         """
-        text = self.render(messages, tools, tool_call_format)
-        return text, self._encode(messages, tools, tool_call_format, text, tokenizer)
+        fmt = self._format(tool_call_format)
+        text = self.render(messages, tools, fmt)
+        return text, self._encode(messages, tools, fmt, text, tokenizer)
 
     def _encode(
-        self, messages: Messages, tools: Tools, fmt: str, text: str, tokenizer: ChatTokenizer
+        self, messages: Messages, tools: Tools, fmt: ToolFormat, text: str, tokenizer: ChatTokenizer
     ) -> list[int]:
         if not tokenizer.added_tokens:
             return tokenizer.encode(text, special=False, bos=False)
@@ -291,7 +329,7 @@ class ChatTemplate:
             "text inside a message be kept as text; remove it from the message."
         )
 
-    def _render(self, messages: list[dict[str, Any]], tools: Tools, fmt: str) -> str:
+    def _render(self, messages: list[dict[str, Any]], tools: Tools, fmt: ToolFormat) -> str:
         tools = list(tools) if tools else None  # transformers passes None without tools
         tokens = {"bos_token": self._bos_token, "eos_token": self._eos_token}
         rewrite = not self.handles_tools and has_tool_content(messages, tools)
@@ -299,7 +337,7 @@ class ChatTemplate:
         def generate() -> Any:  # called inside the budget: the tool macros are bounded too
             seen = messages
             if rewrite:
-                module = self._tool_template.make_module({"tool_call_format": fmt, **tokens})
+                module = self._tool_template.make_module({"tool_call_format": fmt.name, **tokens})
                 seen = rewrite_for_tools(messages, tools, lambda name: getattr(module, name))
             return self._template.generate(
                 messages=seen, tools=tools, documents=None, add_generation_prompt=True, **tokens

@@ -15,7 +15,7 @@ This module only rewrites; rendering, budgets and keeping client text as text ar
 ``model.chat_template``'s.
 
 Source: Hugging Face transformers, "Chat templates" (tool use); Ollama's ``smollm2`` template; Qwen2.5
-Instruct's chat template (the ``hermes`` format).
+Instruct's chat template (the ``hermes`` format). The formats themselves: ``model.tool_formats``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import jinja2.meta
 
 __all__ = [
     "DEFAULT_TOOL_TEMPLATE",
-    "TOOL_CALL_FORMATS",
     "TOOL_MACROS",
     "has_tool_content",
     "reads_tools",
@@ -37,8 +36,6 @@ __all__ = [
 ]
 
 DEFAULT_TOOL_TEMPLATE = (Path(__file__).parent / "templates" / "tools.jinja").read_text("utf-8")
-# "smollm2": one <tool_call> block holding a JSON array of calls; "hermes": one object per block.
-TOOL_CALL_FORMATS = ("smollm2", "hermes")
 TOOL_MACROS = ("system", "assistant", "tool_results")
 
 

@@ -23,6 +23,7 @@ from model.utf8 import Utf8Decoder
 from tests.modelfiles import pattern_weight
 from wsgi_app.api.completions import parse_completion_request
 from wsgi_app.generation.completion import Completion
+from wsgi_app.generation.inputs import generation_input
 from wsgi_app.generation.pacer import Unpaced
 from wsgi_app.wire.encoder import JOIN_LIMIT_BYTES
 from wsgi_app.wire.sse import EventIds
@@ -221,7 +222,9 @@ def test_utf8_fast_path_matches_the_decoder_on_mixed_streams():
 
 
 def _completion(body: dict, framing=None) -> Completion:
-    req = parse_completion_request({"model": "m", "prompt": "ab", "stream": True, **body})
+    req = generation_input(
+        parse_completion_request({"model": "m", "prompt": "ab", "stream": True, **body})
+    )
     engine = BigramEngine(Bigram.load())
     kwargs = {} if framing is None else {"framing": framing}
     return Completion(engine, req, 7, "cmpl-x", 1700000000, Unpaced(), **kwargs)

@@ -42,6 +42,9 @@ MODEL_DOOR = frozenset(
         "model.pcg32",
         "model.files",
         "model.grammar.compile",  # structured outputs: constraints, compiled grammars, their errors
+        "model.tool_formats",  # tool calls: each format's grammar, parser and hold-back; the registry
+        "model.tool_formats.base",
+        "model.tool_formats.ids",
     }
 )
 

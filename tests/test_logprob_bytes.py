@@ -33,6 +33,7 @@ from wsgi_app.api.chat import parse_chat_request
 from wsgi_app.api.completions import parse_completion_request
 from wsgi_app.api.errors import json_bytes
 from wsgi_app.generation.completion import Completion
+from wsgi_app.generation.inputs import generation_input
 from wsgi_app.generation.pacer import Unpaced
 from wsgi_app.http.chat import chat_completion_request
 from wsgi_app.wire.chat import CHAT_COMPLETION
@@ -245,8 +246,8 @@ def run_case(model: LoadedModel, endpoint: str, body: dict) -> tuple[bytes, Comp
     completion and the recorded Steps."""
     engine = Recording(model.make_engine())
     if endpoint == "cmpl":
-        req = parse_completion_request(
-            {"model": "m", "seed": 11, **body}, tokenizer=model.tokenizer
+        req = generation_input(
+            parse_completion_request({"model": "m", "seed": 11, **body}, tokenizer=model.tokenizer)
         )
         wire = TEXT_COMPLETION
     else:

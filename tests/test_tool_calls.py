@@ -16,6 +16,7 @@ from urllib.parse import urlencode
 import openai
 import pytest
 
+from model.tool_formats import FORMATS
 from tests.contract import Contract
 from tests.server import ROOT, concurrently
 from tests.test_client_libraries import run_readme_python
@@ -33,7 +34,6 @@ from tests.toolcalls import (
     plain,
     stream,
 )
-from wsgi_app.api.tool_syntax import FORMATS
 from wsgi_app.settings import Settings
 
 BODY = {"model": "m", "messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 300}

@@ -11,13 +11,14 @@ from model.grammar.compile import Constraint
 from model.sampling import SamplingParams
 from model.stop import StopMatcher
 from model.tokenizer import ByteTokenizer
+from model.tool_formats import tool_format
 from telemetry.spans import start_server_span
 from wsgi_app.api.completions import CompletionRequest
 from wsgi_app.api.errors import ApiError
 from wsgi_app.api.structured import RequestConstraint
-from wsgi_app.api.tool_syntax import CallParser, tool_constraint
 from wsgi_app.api.tools import parse_tools
-from wsgi_app.generation.grammars import GrammarService
+from wsgi_app.generation.grammars import GrammarService, tool_constraint
+from wsgi_app.generation.inputs import generation_input
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.generation.tool_calls import CallFilter
 
@@ -32,7 +33,11 @@ HERMES_TWO = (
 WEATHER_ARGS = '{"city":"P\\"a}ris","n":[1,{"a":2}]}'
 
 
-def feed(parser: CallParser, text: str, size: int) -> list[tuple[int, str | None]]:
+def CallParser(fmt="smollm2", new_id=lambda i: ""):  # noqa: N802 - the parser's former class
+    return tool_format(fmt).parser(new_id)
+
+
+def feed(parser, text: str, size: int) -> list[tuple[int, str | None]]:
     events = []
     for i in range(0, len(text), size):
         parser.feed(text[i : i + size])
@@ -170,16 +175,16 @@ def prepared(service: GrammarService, body: dict, constraint: Constraint | None 
         max_tokens=8,
         sampling=SamplingParams(),
         seed=None,
-        tools=parse_tools(body),
         constraint=None if constraint is None else RequestConstraint(constraint, "response_format"),
     )
+    req = generation_input(req, parse_tools(body), tool_format("hermes"))
     record = RequestRecord("r", start_server_span("POST /v1/chat/completions", None, {}))
-    return service.prepare(req, record), record
+    return req, service.prepare(req, record), record
 
 
 @pytest.fixture(scope="module")
 def service():
-    return GrammarService(ByteTokenizer(), "hermes")
+    return GrammarService(ByteTokenizer())
 
 
 @pytest.mark.parametrize(
@@ -217,12 +222,16 @@ def test_the_text_constraint_is_named_when_it_alone_fails(service):
 
 
 def test_a_tool_request_gets_its_grammar_and_format(service):
-    req, record = prepared(service, {"tools": [WEATHER], "tool_choice": "required"})
-    assert (req.tool_format, req.calls_tools, record.constraint) == ("hermes", True, "tool_calls")
-    assert req.grammar is not None and record.grammar is req.grammar
+    req, grammar, record = prepared(service, {"tools": [WEATHER], "tool_choice": "required"})
+    assert (req.tool_format.name, req.calls_tools, record.constraint) == (
+        "hermes",
+        True,
+        "tool_calls",
+    )
+    assert grammar is not None and record.grammar is grammar
     # "none" with a text constraint is that constraint alone; without one, text without the tag.
     text = Constraint("json_object")
     none = parse_tools({"tools": [WEATHER], "tool_choice": "none"})
-    assert tool_constraint(none, "smollm2", text) is text
-    req, record = prepared(service, {"tools": [WEATHER], "tool_choice": "none"})
+    assert tool_constraint(none, tool_format("smollm2"), text) is text
+    req, _, record = prepared(service, {"tools": [WEATHER], "tool_choice": "none"})
     assert (req.calls_tools, record.constraint) == (False, "tool_calls")

@@ -10,14 +10,8 @@ import pytest
 from model.grammar.compile import Constraint, GrammarCompiler
 from model.grammar.matcher import ConstraintError
 from model.tokenizer import ByteTokenizer
-from wsgi_app.api.tool_syntax import (
-    ParsedCall,
-    call_grammar,
-    call_id,
-    parse_calls,
-    prompt_digest,
-    split_text,
-)
+from model.tool_formats import ParsedCall, tool_format
+from model.tool_formats.ids import call_id, prompt_digest
 from wsgi_app.api.tools import Tool
 
 WEATHER = Tool(
@@ -46,6 +40,18 @@ def accepts(grammar: str, text: str) -> bool:
     except ConstraintError:
         return False
     return matcher.accepting
+
+
+def call_grammar(tools, fmt="smollm2", **kwargs):
+    return tool_format(fmt).grammar(tools, **kwargs)
+
+
+def parse_calls(block, fmt="smollm2"):
+    return tool_format(fmt).parse_calls(block)
+
+
+def split_text(text):
+    return tool_format("smollm2").split_text(text)
 
 
 ONE = '<tool_call>[{"name":"get_weather","arguments":{"city":"Paris"}}]</tool_call>'

@@ -86,6 +86,11 @@ def otlp_traces_endpoint(env: Mapping[str, str]) -> str | None:
     return _http_url("OTEL_EXPORTER_OTLP_ENDPOINT", base).rstrip("/") + "/v1/traces"
 
 
+# model.tool_formats.FORMATS, named here so that reading the settings imports no model code (the
+# gunicorn master reads them first); tests/test_tool_calls.py checks that both agree.
+TOOL_CALL_FORMATS = ("smollm2", "hermes")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Immutable server settings (docs/ARCHITECTURE.md §11).
@@ -152,9 +157,11 @@ class Settings:
             without ``max_tokens`` an answer may use the rest of the context up to this, in tokens.
         max_chat_messages: the most messages one chat request may hold (``MAX_CHAT_MESSAGES``);
             checked before the template renders them (400 ``messages`` beyond).
-        tool_call_format: the syntax tool calls are constrained to and read from
+        tool_call_format: the tool-call format of a chat template that does not render tools
             (``TOOL_CALL_FORMAT``: ``smollm2``, one ``<tool_call>`` block holding a JSON array of
-            calls, or ``hermes``, one JSON object per block; ``wsgi_app.api.tool_syntax``).
+            calls, or ``hermes``, one JSON object per block; ``model.tool_formats``): the tool
+            template writes tools and calls in it, and calls are constrained to it and read in it.
+            A template that renders tools itself names its own (``ChatTemplate.tool_format``).
         server_started_at: when the gunicorn master started, Unix seconds (``GREENSERVE_STARTED_AT``,
             set by gunicorn.conf.py), or None outside gunicorn.
     """
@@ -263,7 +270,7 @@ class Settings:
             chat_max_tokens=env_int(env, "CHAT_MAX_TOKENS", d["chat_max_tokens"], 1, 4096),
             max_chat_messages=env_int(env, "MAX_CHAT_MESSAGES", d["max_chat_messages"], 1, 1 << 20),
             tool_call_format=env_choice(
-                env, "TOOL_CALL_FORMAT", d["tool_call_format"], ("smollm2", "hermes")
+                env, "TOOL_CALL_FORMAT", d["tool_call_format"], TOOL_CALL_FORMATS
             ),
             server_started_at=(
                 env_float(env, "GREENSERVE_STARTED_AT", 0.0, 0.0, 1e12)

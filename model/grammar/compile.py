@@ -59,7 +59,7 @@ class Constraint:
         kind: one of :data:`KINDS`.
         value: the schema (a dict) for ``json_schema``; None for ``json_object``; the pattern for
             ``regex``; a tuple of strings for ``choice``; the Lark text for ``grammar``; for
-            ``tool_calls`` (``wsgi_app.api.tool_syntax``) ``(lark, text)``: the tool-call grammar's
+            ``tool_calls`` (``model.tool_formats``) ``(lark, text)``: the tool-call grammar's
             Lark text, and the constraint its ``@text`` rule stands for (None when it has none).
     """
 

@@ -258,7 +258,6 @@ def completion_request(
         cache_salt=chat.cache_salt,
         ignored_fields=chat.ignored_fields,
         constraint=chat.constraint,
-        tools=chat.tools,
         max_tokens_asked=chat.max_tokens is not None,
     )
 

@@ -31,7 +31,6 @@ from wsgi_app.api.fields import (
 )
 from wsgi_app.api.structured import STRUCTURED_FIELDS, RequestConstraint, parse_constraint
 from wsgi_app.api.table import BOOLEAN, NUMBER, SHARED_FIELDS, TEXT, Field, FieldTable
-from wsgi_app.api.tools import ToolRequest
 
 MAX_TOKENS_LIMIT = 4096
 MAX_LOGPROBS = 5
@@ -72,7 +71,8 @@ class Prompt:
 
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
-    """A validated ``POST /v1/completions`` request.
+    """A validated ``POST /v1/completions`` request (its generation input:
+    ``wsgi_app.generation.inputs.generation_input``).
 
     Attributes:
         model: the requested model name, echoed in every answer.
@@ -94,11 +94,6 @@ class CompletionRequest:
         ignored_fields: the unknown top-level fields the request sent, sorted, as the
             ``X-Ignored-Fields`` header lists them (``wsgi_app.api.fields.shown_names``).
         constraint: the output constraint (structured outputs, ``wsgi_app.api.structured``), or None.
-        grammar: ``constraint`` compiled (``model.grammar.compile.RequestGrammar``), set once
-            compiled (``wsgi_app.generation.grammars``); None without a constraint.
-        tools: a chat request's tools and tool choice (``wsgi_app.api.tools``), or None.
-        tool_format: the syntax its calls are written in (``TOOL_CALL_FORMAT``), set with the
-            grammar.
         max_tokens_asked: False when ``max_tokens`` is the server's default for a chat answer
             (the rest of the context up to ``CHAT_MAX_TOKENS``): a cap, never refused by the
             operator's pace, never a reason to leave the queue early.
@@ -122,15 +117,7 @@ class CompletionRequest:
     cache_salt: str = ""
     ignored_fields: tuple[str, ...] = ()
     constraint: RequestConstraint | None = None
-    grammar: Any = None
-    tools: ToolRequest | None = None
-    tool_format: str = "smollm2"
     max_tokens_asked: bool = True
-
-    @property
-    def calls_tools(self) -> bool:
-        """Whether the answer may hold tool calls (tools given, ``tool_choice`` not ``none``)."""
-        return self.tools is not None and self.tools.choice != "none"
 
     def prompts(self) -> tuple[Prompt, ...]:
         """Return every prompt of the request, in order (prompt ``p`` has choices ``p*n .. p*n+n-1``)."""

@@ -15,13 +15,14 @@ from collections.abc import Callable, Iterator
 from itertools import cycle
 from typing import Protocol
 
-from model.engine import Engine, GenerationRequest
+from model.engine import Engine, GenerationRequest, GrammarSource
 from model.grammar.compile import ConstraintError, MaskViolation
 from model.tokenizer import TextTokenizer
 from model.utf8 import Utf8Decoder
-from wsgi_app.api.completions import CompletionRequest, Prompt
+from wsgi_app.api.completions import Prompt
 from wsgi_app.generation.choice import BYTE_TOKENIZER, Choice, token_start
 from wsgi_app.generation.grammars import constraint_failure
+from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.tool_calls import ToolChoice
 from wsgi_app.wire.encoder import TEXT_COMPLETION, ChunkEncoder, WireFormat
 from wsgi_app.wire.logprobs import Logprobs
@@ -61,7 +62,7 @@ class Completion:
 
     Args:
         engine: the model's engine (the choices' token streams, the prompt's scores).
-        req: the validated request.
+        req: the request's generation input.
         seed: the effective seed, 0..2**64-1.
         completion_id: the id (``cmpl-…``), the same for every chunk.
         created: Unix time in seconds.
@@ -75,12 +76,13 @@ class Completion:
         fingerprint: the model version, for wire formats that carry ``system_fingerprint``.
         cache_salt: the prefix-cache salt of every choice (the API key's digest and the request's
             ``cache_salt``; see :class:`model.engine.GenerationRequest`).
+        grammar: the output constraint every choice keeps to (``GrammarService.prepare``), or None.
     """
 
     def __init__(
         self,
         engine: Engine,
-        req: CompletionRequest,
+        req: GenerationInput,
         seed: int,
         completion_id: str,
         created: int,
@@ -92,6 +94,7 @@ class Completion:
         wire: WireFormat = TEXT_COMPLETION,
         fingerprint: str | None = None,
         cache_salt: str = "",
+        grammar: GrammarSource | None = None,
     ) -> None:
         self.req = req
         self._engine = engine
@@ -113,7 +116,7 @@ class Completion:
         if req.calls_tools:
             choice_type = ToolChoice
             calls = {"tools": req.tools, "tool_format": req.tool_format, "seed": req.seed}
-        for prompt in req.prompts():
+        for prompt in req.prompts:
             echo_text, pending = _echo(prompt, req) if req.echo else ("", b"")
             if calls:  # a seeded call id derives from its prompt too (``call_id``)
                 calls["prompt_ids"] = prompt.ids
@@ -128,7 +131,7 @@ class Completion:
                     seq=54 + i,
                     logprobs=req.logprobs,
                     ignore_eos=req.ignore_eos,
-                    grammar=req.grammar,
+                    grammar=grammar,
                     cache_salt=cache_salt,
                 )
                 choice = choice_type(
@@ -215,7 +218,7 @@ class Completion:
             return
         self._echo_scored = True
         req, pause, n = self.req, self.pacer.pause, self.req.n
-        for p, prompt in enumerate(req.prompts()):
+        for p, prompt in enumerate(req.prompts):
             scored = self._engine.score(prompt.ids, req.logprobs, pause)
             entries = Logprobs(self._tokenizer.token_str)
             offsets = _offsets(prompt, self._tokenizer.token_bytes, pause)
@@ -300,7 +303,7 @@ class Completion:
         return self.encoder.answer(self.choices, self.usage(), self.pacer.pause)
 
 
-def _echo(prompt: Prompt, req: CompletionRequest) -> tuple[str, bytes]:
+def _echo(prompt: Prompt, req: GenerationInput) -> tuple[str, bytes]:
     """Return the text an echoing choice starts with, and the bytes its decoder starts with.
 
     Prompt and completion are one byte stream: a token-id prompt ending inside a character (its

@@ -8,11 +8,12 @@ engine thread: other requests and running streams do not wait for it. A grammar 
 (``model.grammar.compile``) is taken on the hub at once. Everything happens before admission, so a
 refusal is a 400 before any byte, and nothing holds a slot meanwhile.
 
-A request with ``tools`` is constrained by its tool-call grammar (``wsgi_app.api.tool_syntax``
-``tool_constraint``: the tools' ``parameters`` schemas, the request's text constraint for a text
-answer); a schema llguidance cannot enforce is a 400 naming that tool's ``parameters``. Every tool's
-schema is checked so, whatever ``tool_choice`` says (as OpenAI validates them): each compiles alone
-(cached, ~1 ms for a typical schema), while only the callable tools join the tool-call grammar.
+A request with ``tools`` is constrained by its tool-call grammar (:func:`tool_constraint`, written
+by the model's tool-call format, ``model.tool_formats``: the tools' ``parameters`` schemas, the
+request's text constraint for a text answer); a schema llguidance cannot enforce is a 400 naming
+that tool's ``parameters``. Every tool's schema is checked so, whatever ``tool_choice`` says (as
+OpenAI validates them): each compiles alone (cached, ~1 ms for a typical schema), while only the
+callable tools join the tool-call grammar.
 
 A constraint that compiles but is found to admit no output only while generating (past a choice:
 ``model.grammar.compile`` checks its forced start) ends the request with the same kind of 400
@@ -23,7 +24,6 @@ Source: docs/ARCHITECTURE.md §6 (where the mask sits), §14 (tool calls), §15 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -37,10 +37,10 @@ from model.grammar.compile import (
     RequestGrammar,
     unknown_keyword,
 )
-from wsgi_app.api.completions import CompletionRequest
+from model.tool_formats import ToolFormat
 from wsgi_app.api.errors import ApiError, invalid
-from wsgi_app.api.tool_syntax import tool_constraint
 from wsgi_app.api.tools import ToolRequest
+from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.record import RequestRecord
 
 COMPILE_THREADS = 2  # a slow grammar does not hold up the next one; the hub competes with two
@@ -51,18 +51,16 @@ class GrammarService:
 
     Args:
         tokenizer: the served tokenizer (``LoadedModel.tokenizer``).
-        tool_format: the tool-call syntax (``TOOL_CALL_FORMAT``, ``wsgi_app.api.tool_syntax``).
     """
 
-    def __init__(self, tokenizer: Any, tool_format: str = "smollm2") -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.compiler = GrammarCompiler(tokenizer)
-        self.tool_format = tool_format
         self._pool: ThreadPool | None = None
 
-    def prepare(self, req: CompletionRequest, record: RequestRecord) -> CompletionRequest:
-        """Return ``req`` with its constraint compiled (``req`` itself when it has none).
+    def prepare(self, req: GenerationInput, record: RequestRecord) -> RequestGrammar | None:
+        """Return the grammar every choice of ``req`` keeps to, or None when it has no constraint.
 
-        A request with tools gets its tool-call grammar and :attr:`tool_format`. Notes the
+        A request with tools gets the tool-call grammar of its ``tool_format``. Notes the
         constraint's kind (``tool_calls`` for a tool-call grammar) and the seconds waited for its
         grammar on ``record`` (the log line and the ``greenserve_structured_*`` metrics).
 
@@ -82,10 +80,9 @@ class GrammarService:
                 alone = self._grammar(rc.constraint)
                 if isinstance(alone, ConstraintError):
                     raise _cannot(rc.param, alone)
-            constraint = tool_constraint(req.tools, self.tool_format, text)
-            req = dataclasses.replace(req, tool_format=self.tool_format)
+            constraint = tool_constraint(req.tools, req.tool_format, text)
         elif text is None:
-            return req
+            return None
         else:
             constraint = text
         record.constraint = constraint.kind
@@ -96,7 +93,7 @@ class GrammarService:
         record.compile_s = time.perf_counter() - start
         use = RequestGrammar(grammar)
         record.grammar = use
-        return dataclasses.replace(req, grammar=use)
+        return use
 
     def _grammar(self, constraint: Constraint) -> Grammar | ConstraintError:
         """Return the compiled grammar or the refusal: from the cache on the hub, else compiled on
@@ -126,7 +123,7 @@ class GrammarService:
                 raise _cannot(parameters_param(tools, i), alone)
 
     def _refusal(
-        self, req: CompletionRequest, constraint: Constraint, error: ConstraintError
+        self, req: GenerationInput, constraint: Constraint, error: ConstraintError
     ) -> ApiError:
         """Return the 400 of a constraint that does not compile, naming the part at fault: for a
         tool-call grammar (whose tools' schemas and text constraint each compile alone, checked
@@ -135,6 +132,35 @@ class GrammarService:
         if constraint.kind == "tool_calls" and tools is not None:
             return _cannot(tools.param, error)
         return _cannot(rc.param, error)
+
+
+def tool_constraint(
+    tools: ToolRequest, fmt: ToolFormat, text: Constraint | None = None
+) -> Constraint:
+    """Return the constraint of an answer to a request with ``tools`` (compiled like any other).
+
+    ``none`` is the request's text constraint alone, or text without the opening tag; ``required``
+    and a named choice are a block of calls (a named one: exactly one call, as OpenAI forces it;
+    the text constraint does not apply to a call); ``auto`` is text (the text constraint's, when
+    there is one) or a block.
+
+    Args:
+        tools: the request's tools and tool choice.
+        fmt: the format the model writes its calls in.
+        text: the request's output constraint (``response_format``...), or None.
+    """
+    if tools.choice == "none":
+        if text is not None:
+            return text
+        return Constraint("tool_calls", (fmt.grammar((), choice="none"), None))
+    auto = tools.choice == "auto"
+    lark = fmt.grammar(
+        tools.callable_tools(),
+        parallel=tools.parallel and tools.choice != "named",
+        choice="auto" if auto else "required",
+        text=auto and text is not None,
+    )
+    return Constraint("tool_calls", (lark, text if auto else None))
 
 
 def parameters_param(tools: ToolRequest, i: int) -> str:
@@ -149,7 +175,7 @@ def _cannot(param: str, error: ConstraintError | str) -> ApiError:
     return invalid(f"'{param}' cannot be enforced: {error}", param)
 
 
-def constraint_failure(req: CompletionRequest, choice: Any) -> ApiError:
+def constraint_failure(req: GenerationInput, choice: Any) -> ApiError:
     """Return the 400 that ends a request whose output constraint failed while ``choice`` was
     generated (``model.grammar.matcher.ConstraintError``, not a ``MaskViolation``): its grammar
     allows no next token after the choice's tokens so far, though it compiled and its forced start
@@ -205,5 +231,5 @@ def grammar_service(rt: Any) -> GrammarService:
     """Return the worker's :class:`GrammarService` (made on first use, kept on the runtime)."""
     service = rt.grammars
     if service is None:
-        service = rt.grammars = GrammarService(rt.model.tokenizer, rt.settings.tool_call_format)
+        service = rt.grammars = GrammarService(rt.model.tokenizer)
     return service

@@ -22,12 +22,13 @@ import time
 from collections.abc import Generator, Iterator
 from itertools import chain
 
-from wsgi_app.api.completions import CompletionRequest
+from model.engine import GrammarSource
 from wsgi_app.api.errors import ApiError, error_body, invalid, unavailable
 from wsgi_app.generation.admission import Ticket
 from wsgi_app.generation.completion import Completion
 from wsgi_app.generation.context import GenerationContext
 from wsgi_app.generation.faults import EngineFailure
+from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.pacer import ClientGone, Pacer
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.server.connection import peer_closed, tune_socket
@@ -87,7 +88,7 @@ def _refuse_infeasible(ctx: GenerationContext, max_tokens: int) -> None:
 
 def admit(
     ctx: GenerationContext,
-    req: CompletionRequest,
+    req: GenerationInput,
     record: RequestRecord,
     seed: int,
     sock: socket.socket | None,
@@ -95,6 +96,7 @@ def admit(
     wire: WireFormat = TEXT_COMPLETION,
     completion_id: str | None = None,
     cache_salt: str = "",
+    grammar: GrammarSource | None = None,
 ) -> Generation:
     """Take a place in the worker's slots or queue for ``req`` and set up its generation.
 
@@ -103,7 +105,7 @@ def admit(
 
     Args:
         ctx: what the worker's generations run with.
-        req: the validated request.
+        req: the request's generation input.
         record: the request's record (counts and span attributes are stamped on it).
         seed: the effective seed, 0..2**64-1.
         sock: the client's connection (tuned for streaming), or None.
@@ -111,6 +113,7 @@ def admit(
         wire: the wire format of the answer (``TEXT_COMPLETION``, the chat completion's).
         completion_id: the answer's id; None for a fresh random one.
         cache_salt: the prefix-cache salt of its choices (``wsgi_app.http.auth.cache_salt``).
+        grammar: the request's compiled output constraint (``GrammarService.prepare``), or None.
 
     Raises:
         ApiError: 400 when the request's KV cache could never fit the budget, 429 ``server_busy`` when
@@ -133,7 +136,7 @@ def admit(
         _refuse_infeasible(ctx, req.max_tokens)
     # Every prompt of a batch runs its n choices at once: the reservation is their sum.
     kv_bytes = sum(
-        ctx.model.kv_reservation_bytes(len(p.ids), req.max_tokens, req.n) for p in req.prompts()
+        ctx.model.kv_reservation_bytes(len(p.ids), req.max_tokens, req.n) for p in req.prompts
     )
     ticket = ctx.admission.admit(record.request_id, deadline, kv_bytes)
     if req.max_tokens_asked:
@@ -154,6 +157,7 @@ def admit(
             wire=wire,
             fingerprint=ctx.model_version,
             cache_salt=cache_salt,
+            grammar=grammar,
         )
     except BaseException:
         ticket.release()

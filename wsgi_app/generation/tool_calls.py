@@ -7,7 +7,7 @@ where the stop strings are matched: :class:`CallFilter` takes the stop matcher's
 byte of a possible tag, as a stop string is, and released once the tag cannot follow (at the end of
 the answer too); the request's stop strings apply to it, never to the block. ``required`` and a named
 choice answer a block from the first byte, never content. From the tag on, the text goes to the call
-parser (``wsgi_app.api.tool_syntax.CallParser``) and is not content, unless under ``auto`` the
+parser (the format's ``model.tool_formats.CallParser``) and is not content, unless under ``auto`` the
 parser cannot read it before the first call: then it was a text answer that starts with the tag, and
 it is released as content (:class:`CallFilter`). The calls read are both what a
 stream sends (as tool-call deltas) and what the JSON answer holds, so a stream's accumulation is the
@@ -28,15 +28,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from model.stop import StopMatcher
-from wsgi_app.api.tool_syntax import OPEN, Call, CallParser, call_id, prompt_digest
+from model.tool_formats import CallParser, ToolFormat
+from model.tool_formats.base import Call
+from model.tool_formats.ids import call_id, prompt_digest
 from wsgi_app.api.tools import ToolRequest
 from wsgi_app.generation.choice import Choice
 
 
-def _tag_prefix(text: str) -> int:
-    """Return the length of the longest suffix of ``text`` that is a proper prefix of the tag."""
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-k:]):
+def _tag_prefix(text: str, tag: str) -> int:
+    """Return the length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
             return k
     return 0
 
@@ -52,12 +54,13 @@ class CallFilter:
     Args:
         stop: the choice's stop matcher (the request's stop strings end the content; inside the
             block they do not apply: the grammar decides where it ends).
-        parser: the call parser the block's text goes to.
+        parser: the call parser the block's text goes to (its format's ``open_tag`` starts a
+            block; its possible start is held back).
         in_block: the answer is a block from its first byte (``tool_choice`` ``required`` or
             named): no text is content, not even an opening tag cut by ``max_tokens``.
     """
 
-    __slots__ = ("_stop", "_held", "_block", "_text_only", "parser", "in_block")
+    __slots__ = ("_stop", "_held", "_block", "_text_only", "_tag", "parser", "in_block")
 
     def __init__(self, stop: StopMatcher, parser: CallParser, in_block: bool = False) -> None:
         self._stop = stop
@@ -65,6 +68,7 @@ class CallFilter:
         # Under auto, the block's text until its first call (None once it cannot become content).
         self._block: str | None = None if in_block else ""
         self._text_only = False  # a block turned out to be text: the rest is content
+        self._tag = parser.fmt.open_tag
         self.parser = parser
         self.in_block = in_block
 
@@ -75,9 +79,9 @@ class CallFilter:
         if self._text_only:
             return self._stop.push(text)
         pending = self._held + text
-        at = pending.find(OPEN)
+        at = pending.find(self._tag)
         if at < 0:
-            keep = _tag_prefix(pending)
+            keep = _tag_prefix(pending, self._tag)
             self._held = pending[len(pending) - keep :]
             return self._stop.push(pending[: len(pending) - keep])
         self._held = ""
@@ -118,7 +122,7 @@ class ToolChoice(Choice):
 
     Args: those of :class:`Choice` (a chat choice: no ``echo``), and:
         tools: the request's tools (the finish reason of an answer that calls them).
-        tool_format: the syntax calls are written in (``TOOL_CALL_FORMAT``).
+        tool_format: the format calls are written in (``ChatTemplate.tool_format``).
         seed: the request's seed, or None: call ids derive from (seed, prompt, choice, call index).
         prompt_ids: the choice's prompt token ids (their digest goes into the call ids).
 
@@ -132,14 +136,14 @@ class ToolChoice(Choice):
         self,
         *args: Any,
         tools: ToolRequest,
-        tool_format: str,
+        tool_format: ToolFormat,
         seed: int | None,
         prompt_ids: Sequence[int] = (),
     ) -> None:
         super().__init__(*args)
         index = self.index
         digest = 0 if seed is None else prompt_digest(prompt_ids)
-        parser = CallParser(tool_format, lambda i: call_id(seed, index, i, digest))
+        parser = tool_format.parser(lambda i: call_id(seed, index, i, digest))
         self._filter = self._matcher = CallFilter(self._matcher, parser, tools.choice != "auto")
         self._stops = True
         self._calls_reason = tools.finish_reason()

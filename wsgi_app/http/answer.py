@@ -16,9 +16,9 @@ from typing import Any
 
 from flask import Response, request
 
-from wsgi_app.api.completions import CompletionRequest
 from wsgi_app.api.errors import ApiError, invalid
 from wsgi_app.generation.grammars import grammar_service
+from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.lifetime import admit, random_seed
 from wsgi_app.generation.pacer import ClientGone
 from wsgi_app.generation.record import RequestRecord
@@ -34,7 +34,7 @@ from wsgi_app.wire.sse import PLAIN, EventIds
 
 def answer(
     rt: Runtime,
-    req: CompletionRequest,
+    req: GenerationInput,
     record: RequestRecord,
     wire: WireFormat = TEXT_COMPLETION,
     query: dict[str, Any] | None = None,
@@ -44,7 +44,7 @@ def answer(
 
     Args:
         rt: the worker's runtime.
-        req: the validated request.
+        req: the request's generation input (``wsgi_app.generation.inputs``).
         record: the request's record.
         wire: the answer's wire format (``TEXT_COMPLETION``, the chat completion's).
         query: for the ``GET`` stream, the request as its query string gave it (with the seed it
@@ -57,7 +57,7 @@ def answer(
             and queue are full, 503 when stopping or out of memory, 504 when the deadline passes
             before the answer, 500 ``engine_error``.
     """
-    req = grammar_service(rt).prepare(req, record)  # structured outputs: 400 before any byte
+    grammar = grammar_service(rt).prepare(req, record)  # structured outputs: 400 before any byte
     framing, completion_id = PLAIN, None
     if query is None:
         seed = req.seed if req.seed is not None else random_seed()
@@ -86,6 +86,7 @@ def answer(
         wire,
         completion_id,
         cache_salt=cache_salt(req.cache_salt),
+        grammar=grammar,
     )
     if req.stream:
         return EventStreamResponse(generation)

@@ -17,11 +17,12 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from model.chat_template import TOOL_CALL_FORMATS, ChatTemplate, TemplateError
+from model.chat_template import ChatTemplate, TemplateError
 from model.loader import LoadedModel
+from model.tool_formats import FORMATS, SAMPLE_CALL, SAMPLE_TOOLS, tool_format
 from wsgi_app.api.chat import ChatRequest, completion_request
-from wsgi_app.api.completions import CompletionRequest
 from wsgi_app.api.errors import invalid
+from wsgi_app.generation.inputs import GenerationInput, generation_input
 from wsgi_app.settings import Settings
 
 # Turns every template accepts: alternating user and assistant, no system message (some templates
@@ -31,33 +32,8 @@ SAMPLE_CONVERSATION = (
     {"role": "assistant", "content": "Hello. How can I help?"},
     {"role": "user", "content": "Name a colour."},
 )
-# A tool, a call of it and its result: what a TOOL_TEMPLATE must render.
-SAMPLE_TOOLS = (
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city.",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    },
-)
-SAMPLE_TOOL_CONVERSATION = (
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "The weather in Paris?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 C"},
-)
+# A tool, a call of it and its result after a system message: what a TOOL_TEMPLATE must render.
+SAMPLE_TOOL_CONVERSATION = ({"role": "system", "content": "Be brief."}, *SAMPLE_CALL)
 
 
 def serving_template(model: LoadedModel, settings: Settings) -> ChatTemplate:
@@ -77,10 +53,8 @@ def serving_template(model: LoadedModel, settings: Settings) -> ChatTemplate:
         where = settings.model_dir or "the embedded default model"
         raise ValueError(f"MODEL_DIR ({where}): {exc}") from None
     tool_source = settings.tool_template_source()
-    if tool_source is None:
-        return template
     try:
-        return template.with_tool_template(tool_source)
+        return template.with_tool_template(tool_source, settings.tool_call_format)
     except TemplateError as exc:
         raise ValueError(f"TOOL_TEMPLATE ({settings.tool_template}): {exc}") from None
 
@@ -106,7 +80,7 @@ def check_chat_template(model: LoadedModel, settings: Settings) -> None:
             ) from None
     if settings.tool_template is not None:
         tools = ChatTemplate.default().with_tool_template(template.tool_source)
-        for fmt in TOOL_CALL_FORMATS:
+        for fmt in FORMATS:
             try:
                 tools.encode(SAMPLE_TOOL_CONVERSATION, model.tokenizer, SAMPLE_TOOLS, fmt)
             except TemplateError as exc:
@@ -146,9 +120,9 @@ def chat_completion_request(
     offload: Callable[[Callable[..., Any], Sequence[Any]], Any] = _inline,
     kv_budget_bytes: int | None = None,
     max_logprob_entries: int | None = None,
-    tool_call_format: str = "smollm2",
-) -> CompletionRequest:
-    """Render ``chat``'s conversation, with its tools, and return the generation request it stands for.
+    tool_call_format: str | None = None,
+) -> GenerationInput:
+    """Render ``chat``'s conversation, with its tools, and return the generation input it stands for.
 
     The tools are rendered whatever ``tool_choice`` says (with ``"none"`` the model sees them and
     cannot call them), so ``usage.prompt_tokens`` counts them.
@@ -166,8 +140,9 @@ def chat_completion_request(
             without ``max_tokens``, the default answer is capped so the request fits it.
         max_logprob_entries: the request's budget of ``logprobs`` entries
             (``MAX_LOGPROB_ENTRIES``), or None (see ``wsgi_app.api.chat.completion_request``).
-        tool_call_format: ``"smollm2"`` or ``"hermes"`` (``TOOL_CALL_FORMAT``): how a chat template
-            that does not render tools gets them written (``ChatTemplate.render``).
+        tool_call_format: the name of the format a chat template that does not render tools gets
+            them written in (``ChatTemplate.render``); None for the template's
+            (``ChatTemplate.tool_format``: its own, or ``TOOL_CALL_FORMAT``'s).
 
     Raises:
         ApiError: 400 ``messages`` when the contents are longer than any acceptable prompt
@@ -198,7 +173,7 @@ def chat_completion_request(
             "messages",
         )
     per_token = model.kv_bytes_per_token
-    return completion_request(
+    req = completion_request(
         chat,
         prompt_ids,
         prompt_text,
@@ -210,3 +185,5 @@ def chat_completion_request(
         ),
         max_logprob_entries=max_logprob_entries,
     )
+    fmt = template.tool_format if tool_call_format is None else tool_format(tool_call_format)
+    return generation_input(req, chat.tools, fmt)

@@ -20,7 +20,7 @@ from typing import Any
 from flask import Blueprint, Response, g, request
 
 from wsgi_app.api.chat import ChatRequest, parse_chat_request
-from wsgi_app.api.completions import CompletionRequest
+from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.http.answer import answer
 from wsgi_app.http.body import json_body
@@ -69,8 +69,8 @@ def stream_chat_completion() -> Response:
 
 def _completion_request(
     rt: Runtime, record: RequestRecord, body: dict[str, Any]
-) -> CompletionRequest:
-    """Validate a chat body, note its hashed ``user``, and render it into a completion request.
+) -> GenerationInput:
+    """Validate a chat body, note its hashed ``user``, and render it into its generation input.
 
     Raises:
         ApiError: 400 naming the invalid field (see :func:`~wsgi_app.api.chat.parse_chat_request`
@@ -95,5 +95,4 @@ def _completion_request(
         offload=rt.offload,
         kv_budget_bytes=settings.kv_cache_budget_mb << 20,
         max_logprob_entries=settings.max_logprob_entries,
-        tool_call_format=settings.tool_call_format,  # the calls' syntax in the prompt too
     )

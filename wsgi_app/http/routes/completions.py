@@ -10,6 +10,7 @@ from __future__ import annotations
 from flask import Blueprint, Response, g
 
 from wsgi_app.api.completions import parse_completion_request
+from wsgi_app.generation.inputs import generation_input
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.http.answer import answer
 from wsgi_app.http.body import json_body
@@ -30,4 +31,4 @@ def create_completion() -> Response:
     rt = runtime()
     record: RequestRecord = g.record
     req = parse_completion_request(json_body(rt, record), **rt.parse_limits)
-    return answer(rt, req, record)
+    return answer(rt, generation_input(req), record)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from flask import Blueprint, Response, g, request
 
 from wsgi_app.api.completions import parse_completion_request
+from wsgi_app.generation.inputs import generation_input
 from wsgi_app.http.answer import answer
 from wsgi_app.http.event_source import check_event_source
 from wsgi_app.http.query import query_body
@@ -45,4 +46,4 @@ def stream_completion() -> Response:
     check_event_source("/v1/completions")
     body = query_body(request.args)
     req = parse_completion_request(body, **rt.parse_limits)
-    return answer(rt, req, g.record, query=body)
+    return answer(rt, generation_input(req), g.record, query=body)
