@@ -77,15 +77,6 @@ def _put(acc, y, o0, tw):  # noqa: ANN001, ANN202
             y[r, o0 + t] = acc[r * TILE + t]
 
 
-@numba.njit(nogil=True, inline="always")
-def _finish(acc, r, dv, mv, xs, b, has_m, lo, hi):  # noqa: ANN001, ANN202
-    """Add row ``r``'s block to its sums: ``acc += d * (lo + hi)`` (``fma(m, xsum, ...)`` for Q4_1)."""
-    t = v.mul(dv, v.add(lo, hi))
-    if has_m:
-        t = v.fma(mv, v.splat(xs[r, b]), t)
-    v.store_f32(acc, r * TILE, v.add(v.load_f32(acc, r * TILE), t))
-
-
 @numba.njit(nogil=True)
 def _tile_q(x, xs, qs, qo, d, m, so, nq, bias, has_m, acc, wf):  # noqa: ANN001, ANN202
     """Set ``acc[16 r : 16 r + 16]`` to one tile's outputs for each row ``r`` (Q4_0/Q4_1/Q8_0).
@@ -142,10 +133,21 @@ def _tile_q(x, xs, qs, qo, d, m, so, nq, bias, has_m, acc, wf):  # noqa: ANN001,
                 hi1 = v.fma(wh, v.splat(x[r + 1, xo + 16 + j]), hi1)
                 hi2 = v.fma(wh, v.splat(x[r + 2, xo + 16 + j]), hi2)
                 hi3 = v.fma(wh, v.splat(x[r + 3, xo + 16 + j]), hi3)
-            _finish(acc, r, dv, mv, xs, b, has_m, lo0, hi0)
-            _finish(acc, r + 1, dv, mv, xs, b, has_m, lo1, hi1)
-            _finish(acc, r + 2, dv, mv, xs, b, has_m, lo2, hi2)
-            _finish(acc, r + 3, dv, mv, xs, b, has_m, lo3, hi3)
+            # each row's block: acc += d * (lo + hi) (fma(m, xsum, ...) first for Q4_1), written
+            # out here: a helper taking the arrays costs NRT calls that spill every accumulator
+            t0 = v.mul(dv, v.add(lo0, hi0))
+            t1 = v.mul(dv, v.add(lo1, hi1))
+            t2 = v.mul(dv, v.add(lo2, hi2))
+            t3 = v.mul(dv, v.add(lo3, hi3))
+            if has_m:
+                t0 = v.fma(mv, v.splat(xs[r, b]), t0)
+                t1 = v.fma(mv, v.splat(xs[r + 1, b]), t1)
+                t2 = v.fma(mv, v.splat(xs[r + 2, b]), t2)
+                t3 = v.fma(mv, v.splat(xs[r + 3, b]), t3)
+            v.store_f32(acc, r * TILE, v.add(v.load_f32(acc, r * TILE), t0))
+            v.store_f32(acc, (r + 1) * TILE, v.add(v.load_f32(acc, (r + 1) * TILE), t1))
+            v.store_f32(acc, (r + 2) * TILE, v.add(v.load_f32(acc, (r + 2) * TILE), t2))
+            v.store_f32(acc, (r + 3) * TILE, v.add(v.load_f32(acc, (r + 3) * TILE), t3))
             r += 4
         while r < rows:
             lo = v.zeros()
@@ -153,7 +155,10 @@ def _tile_q(x, xs, qs, qo, d, m, so, nq, bias, has_m, acc, wf):  # noqa: ANN001,
             for j in range(16):
                 lo = v.fma(v.load_f32(wf, j * TILE), v.splat(x[r, xo + j]), lo)
                 hi = v.fma(v.load_f32(wf, (j + 16) * TILE), v.splat(x[r, xo + 16 + j]), hi)
-            _finish(acc, r, dv, mv, xs, b, has_m, lo, hi)
+            t = v.mul(dv, v.add(lo, hi))
+            if has_m:
+                t = v.fma(mv, v.splat(xs[r, b]), t)
+            v.store_f32(acc, r * TILE, v.add(v.load_f32(acc, r * TILE), t))
             r += 1
     if one:
         v.store_f32(acc, 0, a)
