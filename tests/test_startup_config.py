@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from model.files import file_sha256
+from model.llama.gguf_cache import FORMAT_VERSION
 from model.loader import load_model
 from tests.gguffiles import write_tiny_gguf
 from tests.server import ROOT, GunicornServer, wait_until
@@ -260,6 +262,18 @@ def test_a_gguf_start_logs_one_loading_line_from_the_master(tmp_path, serve):
     assert loading["pid"] == srv.proc.pid  # the master, before any worker is forked
     assert [line["message"] for line in serving] == ["serving", "serving"]
     assert len(list((cache / "gguf").glob("*.safetensors"))) == 1  # built once, by the master
+    # and it says so before the two silent steps of a first start: packing, loading the kernels
+    lines = [json.loads(line) for line in srv.log_text().splitlines() if "{" in line]
+    model_lines = [
+        (line["pid"], line["message"]) for line in lines if line["logger"] == "greenserve.model"
+    ]
+    packed = cache / "gguf" / f"{file_sha256(gguf)}.v{FORMAT_VERSION}.safetensors"
+    kernels = [m for pid, m in model_lines if m.startswith("loading greenserve's kernels from ")]
+    assert (
+        srv.proc.pid,
+        f"packing the GGUF's weights into {packed} (once per GGUF)",
+    ) in model_lines
+    assert len(kernels) == 1 and ("compiled there first when missing" in kernels[0])
 
 
 def test_greenserve_help_says_what_zero_workers_means():

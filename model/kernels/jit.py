@@ -61,6 +61,12 @@ def _writable_cache_dir() -> Path:
 
 os.environ["NUMBA_DISABLE_INTEL_SVML"] = "1"
 os.environ["NUMBA_CACHE_DIR"] = str(_writable_cache_dir())
+# Compiling takes 10-20 s of CPU the first time (the process is silent meanwhile), loading the
+# cached kernels well under a second: say which directory before either.
+_log.info(
+    "loading greenserve's kernels from %s (compiled there first when missing: 10-20 s of CPU)",
+    os.environ["NUMBA_CACHE_DIR"],
+)
 
 import numba  # noqa: E402  (after the environment it reads)
 

@@ -140,6 +140,11 @@ def load_or_build(
             tensors, _ = _try_map(path, sha256)  # another process may have rebuilt it meanwhile
             if tensors is None:
                 _remove_stale_builds(path.parent)
+                _log.info(
+                    "packing the GGUF's weights into %s (once per GGUF)",
+                    path,
+                    extra={"weights_cache": str(path)},
+                )
                 _write_atomically(path, build(), sha256)
                 if damage is not None:  # one line, once the outcome is known
                     _log.warning(
