@@ -60,6 +60,10 @@ from model.pcg32 import PCG32
 from model.sampling import sample
 
 PREFILL_CHUNK = 128  # prompt tokens a sequence prefills per step: the chunk grid (and prefix block)
+# Prompt tokens scored per pass for echo: bounds the logits held to SCORE_CHUNK x vocab_size floats
+# (SmolLM2: 50 MB, where a 7,000-token prompt at once held 1.4 GB) and lets the caller look at its
+# deadline and its client between chunks. Every row's bits are those of the prompt at once.
+SCORE_CHUNK = 256
 SHARE_ROWS = 8  # the most prompt rows a step beside a few decoding sequences takes (one ROW_TILE)
 # and the most rows x positions they attend over (SmolLM2: ~30 ms a step; bench/prefill_share.py)
 SHARE_POSITIONS = 16384
@@ -142,25 +146,50 @@ class BatchScheduler:
         """Return one ``Step`` per prompt token with its logprob under the model (for ``echo``).
 
         The first token has no context, so its ``logprob`` and ``top_logprobs`` are None; token
-        ``t`` is scored with the raw logits after tokens ``0..t-1`` (one prefill pass of its own,
-        outside the batch; safe on another thread, as it touches no sequence).
+        ``t`` is scored with the raw logits after tokens ``0..t-1`` (prefill passes of its own,
+        outside the batch, :data:`SCORE_CHUNK` tokens each: :meth:`score_chunks`; safe on another
+        thread, as it touches no sequence).
 
         Args:
             prompt_ids: The prompt's token ids.
             top_n: How many top alternatives to report per token (0..vocab_size).
-            pause: accepted for the engine contract and not called: the pass is one numpy call
-                per layer, run where nothing waits for a pause.
+            pause: called between chunks (it may raise to end the scoring: a deadline, a client
+                that left); None for never.
 
         Raises:
             ValueError: If the prompt is empty, longer than the context, or has an id outside
                 the vocabulary.
         """
-        check_prompt(prompt_ids, self.model.vocab_size, self.context_length)
-        logits = self.model.prompt_logits(prompt_ids, self.model.new_cache(len(prompt_ids)))
-        steps = [Step(prompt_ids[0])]
-        for t in range(1, len(prompt_ids)):
-            steps.append(make_step(prompt_ids[t], logits[t - 1], top_n))
+        steps: list[Step] = []
+        for chunk in self.score_chunks(prompt_ids, top_n):
+            steps += chunk
+            if pause is not None:
+                pause()
         return steps
+
+    def score_chunks(self, prompt_ids: abc.Sequence[int], top_n: int) -> abc.Iterator[list[Step]]:
+        """Yield :meth:`score`'s Steps :data:`SCORE_CHUNK` prompt tokens at a time, in order.
+
+        The prompt is checked before the first chunk; each chunk is one prefill pass continuing
+        the same cache, so the logits are the bits of the prompt at once (docs/ARCHITECTURE.md §5)
+        and at most ``SCORE_CHUNK x vocab_size`` float32 are held at a time.
+
+        Raises:
+            ValueError: As :meth:`score`.
+        """
+        check_prompt(prompt_ids, self.model.vocab_size, self.context_length)
+        cache = self.model.new_cache(len(prompt_ids))
+        prev = Step(prompt_ids[0])  # no context: no logprob
+        for c0 in range(0, len(prompt_ids), SCORE_CHUNK):
+            chunk = prompt_ids[c0 : c0 + SCORE_CHUNK]
+            logits = self.model.prompt_logits(chunk, cache)  # (len(chunk), vocab_size)
+            steps = [prev]
+            # row i predicts token c0 + i + 1; the chunk's last row scores the next chunk's first
+            for i in range(len(chunk) - 1):
+                steps.append(make_step(prompt_ids[c0 + i + 1], logits[i], top_n))
+            if c0 + len(chunk) < len(prompt_ids):
+                prev = make_step(prompt_ids[c0 + len(chunk)], logits[-1], top_n)
+            yield steps
 
     def add(self, req: GenerationRequest, handle: Any) -> Sequence:
         """Add a validated request; it starts prefilling at the next step.

@@ -23,6 +23,7 @@ from wsgi_app.api.completions import Prompt
 from wsgi_app.generation.choice import BYTE_TOKENIZER, Choice, token_start
 from wsgi_app.generation.grammars import constraint_failure
 from wsgi_app.generation.inputs import GenerationInput
+from wsgi_app.generation.pacer import ClientGone
 from wsgi_app.generation.tool_calls import ToolChoice
 from wsgi_app.wire.encoder import TEXT_COMPLETION, ChunkEncoder, WireFormat
 from wsgi_app.wire.logprobs import Logprobs
@@ -219,7 +220,7 @@ class Completion:
         self._echo_scored = True
         req, pause, n = self.req, self.pacer.pause, self.req.n
         for p, prompt in enumerate(req.prompts):
-            scored = self._engine.score(prompt.ids, req.logprobs, pause)
+            scored = self._engine.score(prompt.ids, req.logprobs, self._score_checkpoint)
             entries = Logprobs(self._tokenizer.token_str)
             offsets = _offsets(prompt, self._tokenizer.token_bytes, pause)
             for i, (offset, step) in enumerate(zip(offsets, scored, strict=True)):
@@ -228,6 +229,18 @@ class Completion:
                     pause()
             for choice in self.choices[p * n : (p + 1) * n]:
                 choice.logprobs.extend(entries)  # array copies: n choices cost one scoring
+
+    def _score_checkpoint(self) -> None:
+        """Between chunks of a prompt's scoring: enforce the deadline and the stop time, and end
+        the scoring of a client that left (a long prompt's scoring is minutes of CPU).
+
+        Raises:
+            ApiError: as ``Pacer.check``.
+            ClientGone: the client closed its end.
+        """
+        if self.pacer.tick():
+            raise ClientGone("client disconnected while its prompt was scored")
+        self.pacer.pause()
 
     def _tick(self) -> Iterator[bytes]:
         """Handle an engine tick: enforce deadlines, and stream a ``: ping`` every

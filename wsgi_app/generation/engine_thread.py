@@ -140,9 +140,19 @@ class ThreadedEngine:
     def score(
         self, prompt_ids: Sequence[int], top_n: int, pause: Callable[[], None] | None = None
     ) -> list[Step]:
-        """Score the prompt's tokens (for ``echo`` with ``logprobs``) on a native thread (the hub
-        runs meanwhile, so ``pause`` is never needed)."""
-        return self._score_pool.apply(self._scheduler.score, (prompt_ids, top_n))
+        """Score the prompt's tokens (for ``echo`` with ``logprobs``) on a native thread, a chunk
+        at a time (``BatchScheduler.score_chunks``): the hub runs meanwhile, ``pause`` is called
+        between chunks on the caller's greenlet (it raises to end the scoring: a deadline, a client
+        that left), and other requests' chunks take their turns on the scoring thread."""
+        chunks = self._scheduler.score_chunks(prompt_ids, top_n)
+        steps: list[Step] = []
+        while True:
+            chunk = self._score_pool.apply(next, (chunks, None))
+            if chunk is None:
+                return steps
+            steps += chunk
+            if pause is not None:
+                pause()
 
     def shutdown(self) -> None:
         """Stop the engine thread after its current step."""

@@ -265,6 +265,9 @@ class Generation:
             yield from completion.chunks()
             if completion.req.include_usage:
                 yield completion.usage_chunk()
+        except ClientGone as exc:  # its prompt's scoring saw it leave: nobody reads the rest
+            record.end(CLIENT_LEFT)
+            record.error = str(exc)
         except Exception as exc:  # noqa: BLE001 - every failure must end the stream cleanly
             failure = engine_error(self._ctx, exc)
             record.end(ENGINE_ERROR)  # unless the pacer named it (deadline, shutdown)
