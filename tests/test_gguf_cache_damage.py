@@ -163,4 +163,4 @@ def test_a_damaged_cache_in_a_read_only_directory_is_dequantized_in_memory(tmp_p
         assert f"cannot be rebuilt ({cache / 'gguf'}: Read-only file system" in w["message"] or (
             "Permission denied" in w["message"]
         )
-        assert w["message"].endswith("dequantizing in memory, each worker its own copy")
+        assert w["message"].endswith("packing in memory, each worker its own copy")

@@ -57,3 +57,30 @@ def test_a_llama_servers_workers_never_compile_not_even_after_a_reload(tmp_path,
             status, _, body = srv.complete({"model": "m", "prompt": "Once", "max_tokens": 4})
             assert status == 200, body
         assert [p for p in cache.rglob("*") if p.is_file()] == []  # nothing was compiled again
+
+
+def test_an_unwritable_kernels_cache_falls_back_to_a_temporary_one_removed_at_exit(
+    tmp_path, stories_dir
+):
+    blocker = tmp_path / "afile"
+    blocker.write_text("a file where the setting expects a directory")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {
+        "MODEL_DIR": str(stories_dir),
+        "GREENSERVE_NUMBA_CACHE_DIR": str(blocker / "numba"),
+        "TMPDIR": str(temp),
+    }
+    srv = GunicornServer(tmp_path / "server", env).start(timeout_s=180)  # compiles: ~25 s
+    try:
+        status, _, body = srv.complete({"model": "m", "prompt": "Once", "max_tokens": 4})
+        assert status == 200, body
+        made = [p.name for p in temp.iterdir() if p.name.startswith("greenserve-numba-")]
+        assert len(made) == 1  # one for the server: the master's, its workers use it
+        warnings = [
+            line for line in srv.log_text().splitlines() if "cannot write compiled kernels" in line
+        ]
+        assert len(warnings) == 1 and "GREENSERVE_NUMBA_CACHE_DIR" in warnings[0]
+    finally:
+        assert srv.stop() == 0
+    assert [p.name for p in temp.iterdir() if p.name.startswith("greenserve-numba-")] == []

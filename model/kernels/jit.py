@@ -10,16 +10,19 @@ numba:
   own, ``GREENSERVE_NUMBA_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/greenserve/numba`` (``~/.cache``
   by default): not site-packages, which a hardened unit makes read-only, and not the model cache
   directory, which tests point at a fresh temporary directory each. A directory that cannot be
-  written is replaced by a temporary one of this process, with a warning naming the setting: numba
-  itself would refuse to compile a cached kernel there, and every worker would pay the compile.
+  written is replaced by a temporary one of this process, with a warning naming the setting (numba
+  itself would refuse to compile a cached kernel there); the process that made it removes it when it
+  exits.
 
 Source: numba's environment variables reference (``NUMBA_CACHE_DIR``, ``NUMBA_DISABLE_INTEL_SVML``).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -40,6 +43,12 @@ def numba_cache_dir(environ: dict[str, str] | None = None) -> Path:
     return Path(base) / "greenserve" / "numba"
 
 
+def _remove_if_owner(path: Path, owner: int) -> None:
+    """Remove a fallback cache directory, in the process that made it only."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _writable_cache_dir() -> Path:
     """Return :func:`numba_cache_dir`, created, or a new temporary directory when it cannot be."""
     wanted = numba_cache_dir()
@@ -49,6 +58,9 @@ def _writable_cache_dir() -> Path:
             return wanted
     except OSError as exc:
         fallback = Path(tempfile.mkdtemp(prefix="greenserve-numba-"))
+        # removed when the process that made it exits (a gunicorn master: its forked workers
+        # inherit the handler, and must not remove what their siblings still use)
+        atexit.register(_remove_if_owner, fallback, os.getpid())
         _log.warning(
             "%s: cannot write compiled kernels there (%s); using %s for this process "
             "(set GREENSERVE_NUMBA_CACHE_DIR to a writable directory)",

@@ -16,7 +16,7 @@ Its metadata carries a SHA-256 of its tensors (:func:`tensors_digest`: names, sh
 a file whose bytes changed after it was written (a flipped or zeroed block under a valid header) is
 caught when it is mapped, not served: a damaged file (digest, truncation, header) is rebuilt from the
 GGUF with one warning saying why, or, when its directory cannot be written, the weights are
-dequantized in memory for this process with a warning. Checking costs one pass over the file
+packed in memory for this process with a warning. Checking costs one pass over the file
 (SmolLM2-135M, 96 MB: well under 0.1 s, the tensors hashed in parallel), paid once per file per
 process tree: a process that verified a file remembers its identity (device, inode, size, mtime,
 ctime), and the gunicorn workers it forks inherit that, so they map without hashing again.
@@ -53,7 +53,8 @@ from model.files import check_safetensors_header, read_safetensors_head
 # Version 2: ``build`` refuses NaN and infinite weights, so a file of this version holds only
 # finite ones; a version-1 file (written unchecked) is rebuilt, and checked, instead of mapped.
 # A file written before content digests (no ``content_sha256`` in its metadata) is rebuilt once.
-# Version 3: the kernels' packed arrays, not float32 (a version-2 file is ignored, and removed).
+# Version 3: the kernels' packed arrays, not float32 (a version-2 file is never read; the next
+# build removes it).
 FORMAT_VERSION = 3
 # safetensors dtypes of the packed arrays -> numpy dtype
 _DTYPES = {
@@ -165,10 +166,10 @@ def load_or_build(
                 f"{path}: cannot write the weights cache in {path.parent}: "
                 f"{exc.strerror or exc} ({hint})"
             ) from None
-        # A damaged file that cannot be replaced is never mapped: this process dequantizes.
+        # A damaged file that cannot be replaced is never mapped: this process packs in memory.
         _log.warning(
             "%s: weights cache damaged (%s) and cannot be rebuilt (%s: %s); "
-            "dequantizing in memory, each worker its own copy",
+            "packing in memory, each worker its own copy",
             path,
             damage,
             path.parent,
