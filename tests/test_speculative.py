@@ -59,11 +59,11 @@ def test_acceptance_rate_follows_the_counts():
 def test_plan_gates_on_rows_and_budgets():
     spec = Speculator(7)
     state = SpecState((1, 2, 3) * 9 + (1, 2))
-    # a new sequence (its prior rate 0.5) drafts one token: a row costs ~0.45 of a one-row step
+    # a new sequence (its prior rate 0.5) drafts one token: a row costs ~0.3 of a one-row step
     assert spec.plan([state], [20], 1) == [[3]]
     for _ in range(5):
         state.acceptance.update(7, 7)
-    assert spec.plan([state], [20], 1) == [[3, 1, 2, 3, 1, 2]]  # now worth several rows more
+    assert spec.plan([state], [20], 1) == [[3, 1, 2, 3, 1, 2, 3]]  # now worth all seven
     assert spec.plan([state], [2], 1) == [[3, 1]]  # never more than the tokens left
     assert spec.plan([state], [20], GATE_ROWS) == [[]]  # a big step drafts nothing
     assert Speculator(0).plan([state], [20], 1) == [[]]

@@ -149,6 +149,23 @@ def _tile_q(x, xs, qs, qo, d, m, so, nq, bias, has_m, acc, wf):  # noqa: ANN001,
             v.store_f32(acc, (r + 2) * TILE, v.add(v.load_f32(acc, (r + 2) * TILE), t2))
             v.store_f32(acc, (r + 3) * TILE, v.add(v.load_f32(acc, (r + 3) * TILE), t3))
             r += 4
+        if r + 2 <= rows:  # two rows left (a step of 2, 3, 6, 7 rows: a verify chunk's)
+            lo0, lo1, hi0, hi1 = v.zeros(), v.zeros(), v.zeros(), v.zeros()
+            for j in range(16):
+                wl = v.load_f32(wf, j * TILE)
+                lo0 = v.fma(wl, v.splat(x[r, xo + j]), lo0)
+                lo1 = v.fma(wl, v.splat(x[r + 1, xo + j]), lo1)
+                wh = v.load_f32(wf, (j + 16) * TILE)
+                hi0 = v.fma(wh, v.splat(x[r, xo + 16 + j]), hi0)
+                hi1 = v.fma(wh, v.splat(x[r + 1, xo + 16 + j]), hi1)
+            t0 = v.mul(dv, v.add(lo0, hi0))
+            t1 = v.mul(dv, v.add(lo1, hi1))
+            if has_m:
+                t0 = v.fma(mv, v.splat(xs[r, b]), t0)
+                t1 = v.fma(mv, v.splat(xs[r + 1, b]), t1)
+            v.store_f32(acc, r * TILE, v.add(v.load_f32(acc, r * TILE), t0))
+            v.store_f32(acc, (r + 1) * TILE, v.add(v.load_f32(acc, (r + 1) * TILE), t1))
+            r += 2
         while r < rows:
             lo = v.zeros()
             hi = v.zeros()

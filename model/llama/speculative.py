@@ -20,7 +20,7 @@ yields, never which.
 
 Which sequences draft and how much (:class:`Speculator`) is a throughput decision only. A step's
 products read each weight block once and reuse it for every row (:mod:`model.kernels.products`), so
-a row past the first costs less than a step of its own (SmolLM2-135M: ~0.45 of a one-row step, the
+a row past the first costs less than a step of its own (SmolLM2-135M: ~0.3 of a one-row step, the
 block decoding and the weights' bandwidth being shared); past :data:`GATE_ROWS` rows a step drafts
 nothing (a full batch is never slowed). Below it, each sequence's acceptance rate is tracked
 (decayed counts of drafted tokens tested and accepted) and the step takes the draft rows that
@@ -46,9 +46,9 @@ GATE_ROWS = (
     16  # the most rows of a step with drafts; a step of this many without drafts drafts nothing
 )
 ROW_PAD = 1  # step costs are kept per this many rows (the kernels have no coarser grain)
-# each row past the first, relative to a one-row step: SmolLM2-135M's products on one core of an
-# AMD EPYC (AVX-512): 10.1 ms for 1 row, 23.7 for 4, 41.9 for 8, 80.8 for 16 (thread time)
-GROUP_COST = 0.45
+# each row past the first, relative to a one-row step: SmolLM2-135M's whole verify step on one core
+# of an AMD EPYC (AVX-512): 11.7 ms for 1 row, 16.7 for 2, 23.5 for 4, 37.1 for 8
+GROUP_COST = 0.3
 ROW_COST = 0.01  # and each row's own work (attention, sampling), likewise
 COST_DECAY = 0.9  # weight of the earlier steps in a row group's measured cost
 PRIOR_RATE = 0.5  # a new sequence's assumed acceptance rate
@@ -59,8 +59,8 @@ DECAY = 0.8  # weight of the previous steps' counts in the rate
 def step_cost(rows: int) -> float:
     """Return the modelled cost of a step's weight products for ``rows`` rows, relative to one row.
 
-    SmolLM2-135M on one quiet core (see :data:`GROUP_COST`): each further row of the products
-    costs ~0.45 of a one-row step.
+    SmolLM2-135M on one quiet core (see :data:`GROUP_COST`): each further row costs ~0.3 of a
+    one-row step.
     """
     return 1.0 + GROUP_COST * (-(-rows // ROW_PAD) - 1)
 
