@@ -100,9 +100,9 @@ class StepAttention:
                 decoding.setdefault(id(cache.slab_k), []).append((cache, r1 - 1))
                 continue
             self._chunks.append((cache, r0, r1))
-            for a in range(r0, r1, RUN_ROWS if not kernels else r1 - r0):
-                if kernels:
-                    break
+            if kernels:  # the kernel's entries are made below: no numpy runs
+                continue
+            for a in range(r0, r1, RUN_ROWS):
                 b = min(r1, a + RUN_ROWS)
                 lengths = cache.length + np.arange(a - r0 + 1, b - r0 + 1, dtype=np.int64)
                 self._runs.append((cache, a, b, lengths, unseen_positions(lengths, KV_BLOCK)))

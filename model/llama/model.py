@@ -374,18 +374,6 @@ class Llama:
         shape = (len(positions), len(self._inv_freq))
         return cos.astype(np.float32).reshape(shape), sin.astype(np.float32).reshape(shape)
 
-    def weight_bytes(self) -> int:
-        """Return the bytes of every weight the model holds (packed matrices and norms)."""
-        seen: dict[int, int] = {}
-        for w in (self.tok_embeddings, self.wcls, self.rms_final, *self._layer_arrays()):
-            seen[id(w)] = w.nbytes
-        return sum(seen.values())
-
-    def _layer_arrays(self) -> list[np.ndarray | PackedWeight]:
-        """Return every block's weights, in order."""
-        fields = ("rms_att", "wq", "wk", "wv", "wo", "rms_ffn", "w1", "w2", "w3")
-        return [getattr(layer, f) for layer in self.layers for f in fields]
-
     def _check_ids(self, token_ids: Sequence[int]) -> np.ndarray:
         """Return the ids as an int64 array, refusing an empty list or an out-of-range id."""
         ids = np.asarray(token_ids, dtype=np.int64)
