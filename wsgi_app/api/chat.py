@@ -212,15 +212,7 @@ def completion_request(
             ``top_logprobs`` when the answer's logprobs could exceed ``max_logprob_entries``.
     """
     n_prompt = len(prompt_ids)
-    if n_prompt == 0:
-        raise invalid("The chat template rendered an empty prompt for 'messages'.", "messages")
-    room = None if context_length is None else context_length - n_prompt
-    if room is not None and room <= 0:
-        raise invalid(
-            f"This model's maximum context length is {context_length} tokens; the rendered "
-            f"conversation has {n_prompt} tokens, which leaves no room for an answer.",
-            "messages",
-        )
+    room = prompt_room(n_prompt, context_length)
     max_tokens = chat.max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens if room is None else min(default_max_tokens, room)
@@ -233,13 +225,8 @@ def completion_request(
                     "messages",
                 )
             max_tokens = min(max_tokens, kv_tokens_per_choice - n_prompt)
-    elif room is not None and max_tokens > room:
-        raise invalid(
-            f"This model's maximum context length is {context_length} tokens; you requested "
-            f"{n_prompt + max_tokens} ({n_prompt} in the rendered conversation, {max_tokens} for "
-            f"the answer). Reduce the messages or '{chat.max_tokens_param}'.",
-            chat.max_tokens_param,
-        )
+    else:
+        check_answer_fits(n_prompt, max_tokens, room, context_length, chat.max_tokens_param)
     if chat.logprobs is not None and max_logprob_entries is not None:
         max_tokens = _logprob_budget(chat, max_tokens, max_logprob_entries)
     return CompletionRequest(
@@ -260,6 +247,43 @@ def completion_request(
         constraint=chat.constraint,
         max_tokens_asked=chat.max_tokens is not None,
     )
+
+
+def prompt_room(n_prompt: int, context_length: int | None) -> int | None:
+    """Return the tokens a rendered prompt of ``n_prompt`` tokens leaves for an answer (None for a
+    model without a context limit).
+
+    Raises:
+        ApiError: 400 ``messages`` when the prompt is empty or fills the context.
+    """
+    if n_prompt == 0:
+        raise invalid("The chat template rendered an empty prompt for 'messages'.", "messages")
+    room = None if context_length is None else context_length - n_prompt
+    if room is not None and room <= 0:
+        raise invalid(
+            f"This model's maximum context length is {context_length} tokens; the rendered "
+            f"conversation has {n_prompt} tokens, which leaves no room for an answer.",
+            "messages",
+        )
+    return room
+
+
+def check_answer_fits(
+    n_prompt: int, max_tokens: int, room: int | None, context_length: int | None, param: str
+) -> None:
+    """Refuse a client's ``max_tokens`` (named ``param``) over the ``room`` a prompt of
+    ``n_prompt`` tokens leaves in the context (:func:`prompt_room`; None: no limit).
+
+    Raises:
+        ApiError: 400 naming ``param``.
+    """
+    if room is not None and max_tokens > room:
+        raise invalid(
+            f"This model's maximum context length is {context_length} tokens; you requested "
+            f"{n_prompt + max_tokens} ({n_prompt} in the rendered conversation, {max_tokens} for "
+            f"the answer). Reduce the messages or '{param}'.",
+            param,
+        )
 
 
 def _logprob_budget(chat: ChatRequest, max_tokens: int, budget: int) -> int:

@@ -38,12 +38,15 @@ class Tool:
         parameters: the JSON Schema of its arguments (an object schema); ``{}`` when absent, as
             OpenAI reads it (a function without parameters takes an empty object).
         strict: the client's ``strict`` flag (the schema is enforced either way).
+        schema_param: where the schema sits in the request, for a refusal to name
+            (``tools[3].input_schema``); "" for the chat place, ``tools[i].function.parameters``.
     """
 
     name: str
     description: str | None
     parameters: dict[str, Any]
     strict: bool = False
+    schema_param: str = ""
 
     def openai(self) -> dict[str, Any]:
         """Return the tool as a chat template sees it: ``{"type": "function", "function": {...}}``."""

@@ -165,7 +165,9 @@ def tool_constraint(
 
 def parameters_param(tools: ToolRequest, i: int) -> str:
     """Return the ``param`` naming tool ``i``'s ``parameters`` (``tools[i].function.parameters``,
-    or ``functions[i].parameters`` for the legacy field)."""
+    ``functions[i].parameters`` for the legacy field, or the tool's own ``schema_param``)."""
+    if tools.tools[i].schema_param:
+        return tools.tools[i].schema_param
     if tools.legacy:
         return f"{tools.param}[{i}].parameters"
     return f"{tools.param}[{i}].function.parameters"

@@ -23,7 +23,7 @@ from collections.abc import Generator, Iterator
 from itertools import chain
 
 from model.engine import GrammarSource
-from wsgi_app.api.errors import ApiError, error_body, invalid, unavailable
+from wsgi_app.api.errors import ApiError, invalid, unavailable
 from wsgi_app.generation.admission import Ticket
 from wsgi_app.generation.completion import Completion
 from wsgi_app.generation.context import GenerationContext
@@ -276,9 +276,9 @@ class Generation:
             record.error = failure.message
         finally:
             self.settle()
-        if failure is not None:
-            yield sse.data_event(error_body(failure))
-        yield completion.framing.done()
+        end = completion.end_events(failure)
+        if end:  # an empty event would be the chunked body's last chunk
+            yield end
 
     def run(self) -> list[bytes]:
         """Generate the JSON answer: wait for the slot (looking for a client that left meanwhile,

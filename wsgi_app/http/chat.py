@@ -19,9 +19,10 @@ from typing import Any
 
 from model.chat_template import ChatTemplate, TemplateError
 from model.loader import LoadedModel
-from model.tool_formats import FORMATS, SAMPLE_CALL, SAMPLE_TOOLS, tool_format
+from model.tool_formats import FORMATS, SAMPLE_CALL, SAMPLE_TOOLS, ToolFormat, tool_format
 from wsgi_app.api.chat import ChatRequest, completion_request
 from wsgi_app.api.errors import invalid
+from wsgi_app.api.tools import ToolRequest
 from wsgi_app.generation.inputs import GenerationInput, generation_input
 from wsgi_app.settings import Settings
 
@@ -151,27 +152,15 @@ def chat_completion_request(
             ``max_completion_tokens`` when the answer would not fit; 400 ``top_logprobs`` over
             ``max_logprob_entries``.
     """
-    limit = content_char_limit(model.tokenizer, max_prompt_tokens)
-    chars = sum(len((m["content"] or "").strip()) for m in chat.messages)  # None: only tool calls
-    if chars > limit:
-        raise invalid(
-            f"The messages hold {chars} characters; no conversation over {limit} characters fits "
-            f"the prompt limit of {max_prompt_tokens} tokens.",
-            "messages",
-        )
-    tools = [tool.openai() for tool in chat.tools.tools] if chat.tools else None
-    try:
-        prompt_text, prompt_ids = offload(
-            template.render_and_encode, (chat.messages, model.tokenizer, tools, tool_call_format)
-        )
-    except TemplateError as exc:
-        raise invalid(f"The chat template failed on 'messages': {exc}", "messages") from None
-    if len(prompt_ids) > max_prompt_tokens:
-        raise invalid(
-            f"The rendered conversation is {len(prompt_ids)} tokens; the limit is "
-            f"{max_prompt_tokens}.",
-            "messages",
-        )
+    prompt_text, prompt_ids = render_conversation(
+        chat.messages,
+        chat.tools,
+        template,
+        model,
+        max_prompt_tokens=max_prompt_tokens,
+        offload=offload,
+        tool_call_format=tool_call_format,
+    )
     per_token = model.kv_bytes_per_token
     req = completion_request(
         chat,
@@ -185,5 +174,54 @@ def chat_completion_request(
         ),
         max_logprob_entries=max_logprob_entries,
     )
-    fmt = template.tool_format if tool_call_format is None else tool_format(tool_call_format)
-    return generation_input(req, chat.tools, fmt)
+    return generation_input(req, chat.tools, served_tool_format(template, tool_call_format))
+
+
+def served_tool_format(template: ChatTemplate, name: str | None = None) -> ToolFormat:
+    """Return the format calls are written in: the one named ``name``, else the template's."""
+    return template.tool_format if name is None else tool_format(name)
+
+
+def render_conversation(
+    messages: Sequence[dict[str, Any]],
+    tools: ToolRequest | None,
+    template: ChatTemplate,
+    model: LoadedModel,
+    *,
+    max_prompt_tokens: int,
+    offload: Callable[[Callable[..., Any], Sequence[Any]], Any] = _inline,
+    tool_call_format: str | None = None,
+) -> tuple[str, list[int]]:
+    """Render and encode a conversation with its tools (whatever the ``tool_choice``): the prompt
+    text and ids of a chat or Messages request, or what a ``count_tokens`` counts.
+
+    Args: as :func:`chat_completion_request`'s (``messages`` the template's messages, ``tools``
+    the request's tools or None).
+
+    Raises:
+        ApiError: 400 ``messages`` when the contents are longer than any acceptable prompt
+            (:func:`content_char_limit`), the template fails (its message) or the rendered prompt
+            is over ``max_prompt_tokens``.
+    """
+    limit = content_char_limit(model.tokenizer, max_prompt_tokens)
+    chars = sum(len((m["content"] or "").strip()) for m in messages)  # None: only tool calls
+    if chars > limit:
+        raise invalid(
+            f"The messages hold {chars} characters; no conversation over {limit} characters fits "
+            f"the prompt limit of {max_prompt_tokens} tokens.",
+            "messages",
+        )
+    dicts = [tool.openai() for tool in tools.tools] if tools else None
+    try:
+        prompt_text, prompt_ids = offload(
+            template.render_and_encode, (messages, model.tokenizer, dicts, tool_call_format)
+        )
+    except TemplateError as exc:
+        raise invalid(f"The chat template failed on 'messages': {exc}", "messages") from None
+    if len(prompt_ids) > max_prompt_tokens:
+        raise invalid(
+            f"The rendered conversation is {len(prompt_ids)} tokens; the limit is "
+            f"{max_prompt_tokens}.",
+            "messages",
+        )
+    return prompt_text, prompt_ids

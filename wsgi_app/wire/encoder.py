@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from model.tokenizer import TextTokenizer
-from wsgi_app.api.errors import json_bytes
+from wsgi_app.api.errors import ApiError, error_body, json_bytes
 from wsgi_app.wire.logprobs import ChatLogprobs, Logprobs
-from wsgi_app.wire.sse import PLAIN, Framing
+from wsgi_app.wire.sse import PLAIN, Framing, data_event
 
 # A non-streamed answer up to this size is written in one piece (joining 1 MiB takes ~0.1 ms).
 JOIN_LIMIT_BYTES = 1 << 20
@@ -103,6 +103,7 @@ class WireFormat:
         framing: Framing = PLAIN,
         fingerprint: str | None = None,
         tool_calls: bool = False,
+        prompt_tokens: int = 0,
     ) -> ChunkEncoder:
         """Return the encoder of one completion in this format.
 
@@ -116,6 +117,8 @@ class WireFormat:
             fingerprint: the model version, for a format with :attr:`system_fingerprint`.
             tool_calls: the answer may call tools (its choices are
                 ``wsgi_app.generation.tool_calls.ToolChoice``).
+            prompt_tokens: the request's prompt tokens (for a format whose stream reports its
+                usage before it ends: the Messages API's ``message_start``).
 
         Raises:
             ValueError: ``tool_calls`` for a format without tool calls.
@@ -134,7 +137,7 @@ class WireFormat:
         encoder_type = self.tool_encoder_type if tool_calls else self.encoder_type
         if encoder_type is None:
             raise ValueError(f"{self.answer_object} answers have no tool calls")
-        return encoder_type(self, chunk_head, answer_head, n, include_usage, framing)
+        return encoder_type(self, chunk_head, answer_head, n, include_usage, framing, prompt_tokens)
 
     def new_logprobs(self, tokenizer: TextTokenizer) -> Logprobs:
         """Return an empty ``logprobs`` object for one choice (the legacy shape here)."""
@@ -161,11 +164,13 @@ class ChunkEncoder:
         n: the number of choices.
         include_usage: every chunk carries ``"usage":null`` (``stream_options.include_usage``).
         framing: the SSE framing of the stream (:data:`~wsgi_app.wire.sse.PLAIN` for POST streams).
+        prompt_tokens: the request's prompt tokens (read by formats that report them early).
     """
 
     __slots__ = (
         "fmt",
         "framing",
+        "prompt_tokens",
         "_folded",
         "_head",
         "_answer_head",
@@ -184,9 +189,11 @@ class ChunkEncoder:
         n: int,
         include_usage: bool,
         framing: Framing = PLAIN,
+        prompt_tokens: int = 0,
     ) -> None:
         self.fmt = fmt
         self.framing = framing
+        self.prompt_tokens = prompt_tokens
         self._head = head
         self._answer_head = answer_head
         self._usage_tail = usage_tail = b',"usage":null}' if include_usage else b"}"
@@ -260,6 +267,15 @@ class ChunkEncoder:
                 )
             )
         return event if self._folded else self.framing.frame(event)
+
+    def end_events(self, failure: ApiError | None) -> bytes:
+        """Return a stream's last events: ``failure``'s error event (``data: {"error": ...}``; the
+        status is sent already), then the framing's ``[DONE]``.
+
+        Source: docs/ARCHITECTURE.md §8 (an error after the first byte).
+        """
+        done = self.framing.done()
+        return done if failure is None else data_event(error_body(failure)) + done
 
     def usage_chunk(self, usage: dict[str, object]) -> bytes:
         """Return the ``stream_options.include_usage`` event: no choices, the usage."""

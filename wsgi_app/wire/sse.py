@@ -35,6 +35,13 @@ def data_event(payload: bytes, event_id: str | None = None) -> bytes:
     return b"id: " + event_id.encode() + b"\n" + DATA + payload + END
 
 
+def named_event(name: str, payload: bytes) -> bytes:
+    """Frame ``payload`` (one line of JSON) as one SSE event of type ``name``:
+    ``event: <name>\ndata: <payload>\n\n`` (the Anthropic API's framing, where every event is
+    named after its ``type``)."""
+    return b"event: " + name.encode() + b"\n" + DATA + payload + END
+
+
 def comment(text: str) -> bytes:
     """Return an SSE comment line (ignored by clients; keeps proxies and disconnect detection alive)."""
     return b": " + text.encode() + END
