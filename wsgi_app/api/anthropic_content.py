@@ -47,18 +47,20 @@ ROLE_BLOCKS = {
     "system": ("text",),
 }
 # Documented blocks this server cannot read: a 400 saying so, never silently dropped.
-UNSUPPORTED_BLOCKS = {
-    "image": "Images",
-    "document": "Documents",
-    "search_result": "Search results",
-    "container_upload": "Container uploads",
-    "server_tool_use": "Server tool calls",
-    "web_search_tool_result": "Web search results",
-    "web_fetch_tool_result": "Web fetch results",
-    "code_execution_tool_result": "Code execution results",
-    "mcp_tool_use": "MCP tool calls",
-    "mcp_tool_result": "MCP tool results",
-}
+UNSUPPORTED_BLOCKS = frozenset(
+    {
+        "image",
+        "document",
+        "search_result",
+        "container_upload",
+        "server_tool_use",
+        "web_search_tool_result",
+        "web_fetch_tool_result",
+        "code_execution_tool_result",
+        "mcp_tool_use",
+        "mcp_tool_result",
+    }
+)
 
 
 def parse_system(value: Any) -> list[str]:
@@ -165,7 +167,7 @@ def _block_type(block: Any, where: str, allowed: tuple[str, ...]) -> str:
     if not isinstance(kind, str):
         raise invalid(f"'{where}.type' is required and must be a string.", f"{where}.type")
     if kind in UNSUPPORTED_BLOCKS:
-        raise unsupported(f"{where}.type", f"{UNSUPPORTED_BLOCKS[kind]} ('{kind}' blocks)")
+        raise unsupported(f"{where}.type", f"Content block type '{kind}'")
     if kind not in allowed:
         raise invalid(
             f"Invalid value for '{where}.type': {quote_name(kind)!r}; expected one of "
