@@ -125,5 +125,11 @@ def count(srv: GunicornServer, body: dict, headers: dict | None = None) -> int:
 
 
 def without_ids(message: dict[str, Any]) -> dict[str, Any]:
-    """Return ``message`` without its ``id`` (each answer has its own)."""
-    return {k: v for k, v in message.items() if k != "id"}
+    """Return ``message`` without its ``id`` (each answer has its own) and with the prompt's
+    tokens as one count: a repeat may read some from the prefix cache (``input_tokens`` then
+    counts fewer, ``cache_read_input_tokens`` the rest)."""
+    out = {k: v for k, v in message.items() if k != "id"}
+    usage = out["usage"]
+    prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+    out["usage"] = {"prompt": prompt, "output": usage["output_tokens"]}
+    return out
