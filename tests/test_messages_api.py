@@ -7,11 +7,13 @@ shape with their exact bodies."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import anthropic
 import jsonschema
 import pytest
 
+from tests.contract import Contract
 from tests.messages import (
     A_TIME,
     A_WEATHER,
@@ -25,6 +27,7 @@ from tests.messages import (
 )
 from tests.sse import EventReader
 from tests.toolcalls import WEATHER
+from wsgi_app.api.anthropic import COUNT_FIELDS, FIELDS
 
 KEY = "sk-messages-test"
 AUTH = {"x-api-key": KEY}
@@ -432,3 +435,39 @@ def test_read_stream_refuses_a_broken_stream():
         read_stream(good.replace(b"event: message_delta", b"event: message_start"))
     with pytest.raises(AssertionError):
         read_stream(good + b"data: [DONE]\n\n")
+
+
+@pytest.fixture(scope="module")
+def contract() -> Contract:
+    return Contract(
+        json.loads((Path(__file__).parent.parent / "wsgi_app/openapi.json").read_text())
+    )
+
+
+def test_answers_and_errors_validate_against_the_openapi_document(srv, contract):
+    body = {"model": "m", "max_tokens": 4, "messages": ASK, "tools": [A_WEATHER], "foo": 1}
+    forced = {**body, "tool_choice": {"type": "any"}, "max_tokens": 200, "temperature": 0}
+    checked = 0
+    for case in (body, forced):
+        for streamed in (False, True):
+            status, headers, raw = srv.post(PATH, {**case, "stream": streamed}, headers=AUTH)
+            checked += contract.check(PATH, "POST", status, headers, raw)
+    status, headers, raw = srv.post(PATH + "/count_tokens", body, headers=AUTH)
+    checked += contract.check(PATH + "/count_tokens", "POST", status, headers, raw)
+    for path, sent, headers in (
+        (PATH, {"model": "m", "messages": ASK}, AUTH),
+        (PATH, body, {}),
+        (PATH + "/count_tokens", {"model": "m"}, AUTH),
+    ):
+        status, got, raw = srv.post(path, sent, headers=headers)
+        assert status in (400, 401)
+        checked += contract.check(path, "POST", status, got, raw)
+    assert checked > 30
+
+
+@pytest.mark.parametrize(
+    ("schema", "table"), [("MessagesRequest", FIELDS), ("CountTokensRequest", COUNT_FIELDS)]
+)
+def test_the_documented_fields_are_the_field_tables(schema, table):
+    doc = json.loads((Path(__file__).parent.parent / "wsgi_app/openapi.json").read_text())
+    assert set(doc["components"]["schemas"][schema]["properties"]) == table.names
