@@ -110,7 +110,9 @@ class MessagesRequest:
     constraint: RequestConstraint | None = None
 
 
-def parse_count_tokens(body: dict[str, Any], max_messages: int = MAX_CHAT_MESSAGES):
+def parse_count_tokens(
+    body: dict[str, Any], max_messages: int = MAX_CHAT_MESSAGES
+) -> MessagesRequest:
     """Validate a ``/v1/messages/count_tokens`` body: what decides the prompt.
 
     Raises:

@@ -29,6 +29,7 @@ from typing import Any
 
 from wsgi_app.api.errors import invalid, quote_name
 from wsgi_app.api.fields import check_unicode, unsupported
+from wsgi_app.api.messages import check_message_list
 from wsgi_app.api.tools import check_strings
 
 ROLES = ("user", "assistant", "system")
@@ -92,18 +93,7 @@ def parse_conversation(system: Any, value: Any, max_messages: int) -> tuple[dict
         ApiError: 400 naming ``messages``, ``system`` or the part at fault
             (``messages[2].content[0].tool_use_id``).
     """
-    if value is None:
-        raise invalid("'messages' is required.", "messages")
-    if not isinstance(value, list):
-        raise invalid("'messages' must be a list of message objects.", "messages")
-    if not value:
-        raise invalid("'messages' must not be empty.", "messages")
-    if len(value) > max_messages:  # before any is read or rendered
-        raise invalid(
-            f"'messages' holds {len(value)} messages; the limit is {max_messages} "
-            "(MAX_CHAT_MESSAGES).",
-            "messages",
-        )
+    check_message_list(value, max_messages)
     system_texts = parse_system(system)
     turns: list[dict[str, Any]] = []
     calls: dict[str, str] = {}  # tool_use id -> function name, of the calls so far

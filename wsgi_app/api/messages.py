@@ -67,22 +67,32 @@ def parse_messages(value: Any, max_messages: int) -> tuple[dict[str, Any], ...]:
             (``messages[2].content[0].type``, ``messages[3].tool_call_id``), a second answer to
             one call naming its own ``tool_call_id``.
     """
+    check_message_list(value, max_messages)
+    calls: dict[str, str] = {}  # tool_call id -> function name, of the calls so far
+    answered: dict[str, str] = {}  # tool_call id -> the message that answered its latest call
+    taken = _client_ids(value)  # a legacy call's id is none of these (see _legacy_id)
+    return tuple(_message(m, f"messages[{i}]", calls, answered, taken) for i, m in enumerate(value))
+
+
+def check_message_list(value: Any, max_messages: int) -> None:
+    """Refuse a ``messages`` that is not a non-empty list of at most ``max_messages`` items
+    (checked before any message is read or rendered; chat's and Anthropic's Messages' rule).
+
+    Raises:
+        ApiError: 400 naming ``messages``.
+    """
     if value is None:
         raise invalid("'messages' is required.", "messages")
     if not isinstance(value, list):
         raise invalid("'messages' must be a list of message objects.", "messages")
     if not value:
         raise invalid("'messages' must not be empty.", "messages")
-    if len(value) > max_messages:  # before any is read or rendered
+    if len(value) > max_messages:
         raise invalid(
             f"'messages' holds {len(value)} messages; the limit is {max_messages} "
             "(MAX_CHAT_MESSAGES).",
             "messages",
         )
-    calls: dict[str, str] = {}  # tool_call id -> function name, of the calls so far
-    answered: dict[str, str] = {}  # tool_call id -> the message that answered its latest call
-    taken = _client_ids(value)  # a legacy call's id is none of these (see _legacy_id)
-    return tuple(_message(m, f"messages[{i}]", calls, answered, taken) for i, m in enumerate(value))
 
 
 def _client_ids(messages: list) -> set[str]:

@@ -210,9 +210,10 @@ class Generation:
     the prompt is read, every ``WAITING_HEARTBEAT_S`` (writes: a client that left is found by one
     that fails, and its work stops); one ``data:`` event per token; the usage chunk if asked for;
     ``[DONE]``), and gunicorn's ``close()`` ends it. A failure after the first byte cannot change the
-    status: it becomes an error event before ``[DONE]``. The completion's framing decides the
-    opening bytes and the event ids (``retry:`` and ``id:`` on the ``EventSource`` stream). Not
-    streamed, :meth:`run` generates the JSON answer and ends it.
+    status: it becomes an error event before ``[DONE]`` (the wire format's: the Messages stream's
+    is an ``event: error`` and no ``[DONE]``, ``ChunkEncoder.end_events``). The completion's
+    framing decides the opening bytes and the event ids (``retry:`` and ``id:`` on the
+    ``EventSource`` stream). Not streamed, :meth:`run` generates the JSON answer and ends it.
 
     Attributes:
         completion: the ``n`` choices and their token loop.
