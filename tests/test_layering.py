@@ -340,3 +340,17 @@ def test_import_edges_of_every_form(tmp_path):
     path.parent.mkdir(parents=True)
     path.write_text(source)
     assert imports_of("pkg.a", path, modules) == {"pkg.b", "pkg.sub", "pkg.sub.c", "pkg.d"}
+
+
+def test_no_test_module_imports_another():
+    # What two test files share lives in a helper module (tests/server.py, tests/sse.py,
+    # tests/loglines.py...), never in a test_* module: importing one runs its module-level set-up and
+    # fixtures' imports, and ties edits of one test file to another's.
+    modules = project_modules(("tests",))
+    test_modules = {n: p for n, p in modules.items() if n.rpartition(".")[2].startswith("test_")}
+    assert len(test_modules) > 100  # the whole suite was read, not an empty glob
+    crossing = {
+        name: sorted(imports_of(name, path, modules) & set(test_modules))
+        for name, path in sorted(test_modules.items())
+    }
+    assert not {name: found for name, found in crossing.items() if found}

@@ -17,7 +17,7 @@ import pytest
 from gguf import GGUFReader
 
 from tests.gguffiles import write_tiny_gguf
-from tests.test_startup_config import failed_start
+from tests.server import failed_start
 
 
 def fifo(tmp_path: Path, name: str) -> Path:

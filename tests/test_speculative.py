@@ -27,8 +27,7 @@ from model.llama.speculative import (
 from model.loader import LoadedModel, load_model
 from model.sampling import SamplingParams
 from tests.decoding import run_to_end
-from tests.llamafiles import convert_stories
-from tests.test_batch_invariance import random_llama
+from tests.llamafiles import convert_stories, random_llama
 
 
 def test_drafter_proposes_what_followed_the_longest_latest_match():
