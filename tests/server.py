@@ -386,20 +386,25 @@ def read_all(sock: socket.socket) -> bytes:
 
 def server_read_all(sock: socket.socket) -> bool:
     """True when the server end of the loopback connection ``sock`` has read every byte sent on it so
-    far: its receive queue (``rx_queue`` in /proc/net/tcp or tcp6) is empty.
+    far: the server's kernel has acknowledged all of them (the client end's ``tx_queue`` in
+    /proc/net/tcp or tcp6 is empty) and the server process has taken them (its end's ``rx_queue`` is).
 
     Raises:
-        AssertionError: no established connection between these two ports is listed.
+        AssertionError: either end of the connection is not listed as established.
     """
     client_port, server_port = sock.getsockname()[1], sock.getpeername()[1]
+    queues: dict[tuple[int, int], tuple[int, int]] = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for row in Path(table).read_text().splitlines()[1:]:
-            # sl local_address rem_address st tx_queue:rx_queue ...; addresses and queues in hex
-            local, remote, state, queues = row.split()[1:5]
-            ports = (int(local.rpartition(":")[2], 16), int(remote.rpartition(":")[2], 16))
-            if state == "01" and ports == (server_port, client_port):  # 01: ESTABLISHED
-                return int(queues.partition(":")[2], 16) == 0
-    raise AssertionError(f"no established connection {server_port} <- {client_port} in /proc/net")
+            # sl local_address rem_address st tx_queue:rx_queue ...; ports and queues in hex
+            local, remote, state, tx_rx = row.split()[1:5]
+            if state == "01":  # ESTABLISHED
+                ports = (int(local.rpartition(":")[2], 16), int(remote.rpartition(":")[2], 16))
+                tx, _, rx = tx_rx.partition(":")
+                queues[ports] = (int(tx, 16), int(rx, 16))
+    client, server = queues.get((client_port, server_port)), queues.get((server_port, client_port))
+    assert client and server, f"no established connection {client_port} <-> {server_port}"
+    return client[0] == 0 and server[1] == 0
 
 
 def blocked_on_its_reader(srv: GunicornServer, request_id: str) -> bool:
