@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from model.llama.convert import convert_llama2c
-from model.llama.llama2c import build_hf_tokenizer
+from model.llama.formats.convert import convert_llama2c
+from model.llama.formats.llama2c import build_hf_tokenizer
 from tests.needs import unavailable
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

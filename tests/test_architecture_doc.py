@@ -5,8 +5,8 @@ exists.
 
 The map's convention, which these tests read: a bold package path on its own line (``**`wsgi_app/http/`**``)
 heads the table after it; the first cell of each row names that package's modules in backticks
-(``record.py``; ``llama/config.py`` below ``model/``; several in one cell), or a folder (``templates/``)
-or a data file (``openapi.json``); the second cell is the module's one job.
+(``record.py``; ``llama/forward/config.py`` below ``model/``; several in one cell), or a folder
+(``templates/``) or a data file (``openapi.json``); the second cell is the module's one job.
 """
 
 from __future__ import annotations

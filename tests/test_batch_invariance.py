@@ -19,9 +19,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from model.llama.config import LlamaConfig
-from model.llama.kv_cache import KVPool
-from model.llama.model import Llama, tensor_shapes
+from model.llama.forward.config import LlamaConfig
+from model.llama.forward.kv_cache import KVPool
+from model.llama.forward.model import Llama, tensor_shapes
 
 
 def random_llama(n_layers: int, seed: int = 0) -> Llama:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from model.engine import GenerationRequest
-from model.llama.scheduler import BatchScheduler, steps_of
+from model.llama.serving.scheduler import BatchScheduler, steps_of
 from model.loader import LoadedModel, load_model
 from model.sampling import SamplingParams
 from tests.server import wait_until

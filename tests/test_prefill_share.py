@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from model.engine import GenerationRequest
-from model.llama.model import Llama
-from model.llama.prefix_cache import PrefixCache
-from model.llama.scheduler import PREFILL_CHUNK, BatchScheduler, steps_of
+from model.llama.forward.model import Llama
+from model.llama.serving.prefix_cache import PrefixCache
+from model.llama.serving.scheduler import PREFILL_CHUNK, BatchScheduler, steps_of
 from model.sampling import SamplingParams
 from tests.llamafiles import convert_stories
 from tests.server import GunicornServer

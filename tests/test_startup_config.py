@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from model.files import file_sha256
-from model.llama.gguf_cache import FORMAT_VERSION
+from model.llama.formats.gguf_cache import FORMAT_VERSION
 from model.loader import load_model
 from tests.gguffiles import write_tiny_gguf
 from tests.server import ROOT, GunicornServer, wait_until
