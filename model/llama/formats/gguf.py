@@ -15,7 +15,7 @@ costs ~200 MB and seconds while it is read.
 
 llama.cpp's converter stores the q/k projections with the rows of each head in the
 adjacent-pair RoPE order (as Meta's and llama2.c's checkpoints do); they are permuted back to
-the rotate-half order :class:`model.llama.Llama` uses.
+the rotate-half order :class:`model.llama.forward.model.Llama` uses.
 
 Source: the GGUF specification (ggml-org/ggml ``docs/gguf.md``: metadata keys, tensor names,
 dimension order); llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute``).
