@@ -3,7 +3,8 @@
 section (``docs/ARCHITECTURE.md §N``, ``ARCHITECTURE §N``) anywhere in the repository names one that
 exists. The prose of the code is held to the code too: a dotted name of the project
 (``wsgi_app.server.stream_socket.StreamSocket.end_reason``) in a docstring, a comment or a Markdown
-document names a module, and in it a name, that exist.
+document names a module, and in it a name, that exist; and no file cites a ticket number, which no
+reader can follow, where the reason belongs.
 
 The map's convention, which these tests read: a bold package path on its own line (``**`wsgi_app/http/`**``)
 heads the table after it; the first cell of each row names that package's modules in backticks
@@ -28,8 +29,9 @@ PACKAGES = ("wsgi_app", "model", "telemetry")
 # Not scanned for citations: tool and dependency folders, and bench/results/, which keeps recorded
 # runs as they were recorded (their citations are of their day).
 SKIP_DIRS = {".git", ".venv", "node_modules", "__pycache__", ".ruff_cache", ".pytest_cache"}
-# and build/, where building the wheel (.ci/run) leaves a copy of the packages
-SKIP_DIRS |= {"build"}
+# and what building and installing leave in the checkout: build/ (the wheel, .ci/run) holds a copy of
+# the packages, the egg-info one of the README
+SKIP_DIRS |= {"build", "greenserve.egg-info"}
 SKIP_UNDER = (ROOT / "bench" / "results",)
 
 _HEADING = re.compile(r"^## §(\d+) ", re.M)
@@ -321,6 +323,18 @@ def broken_references(path: Path) -> list[str]:
     ]
 
 
+# The number of an issue, task or ticket ("issue", "tasks", "ticket #", then the number): a reader
+# cannot follow it (the tracker is not part of the repository); the reason belongs in its place. An
+# upstream project's issue named with its project (``cpython#106905``) can be followed and is not
+# matched; nor is "issue" as a verb before a count, which reads better as "send 8 requests" anyway.
+_TICKET = re.compile(r"\b(?:issue|task|ticket)s?\s+#?\d+", re.IGNORECASE)
+
+
+def ticket_citations(text: str) -> list[tuple[int, str]]:
+    """``(line number, citation)`` of every ticket number cited in a text."""
+    return [(text.count("\n", 0, m.start()) + 1, m.group()) for m in _TICKET.finditer(text)]
+
+
 @pytest.fixture(scope="module")
 def doc() -> str:
     return DOC.read_text(encoding="utf-8")
@@ -417,3 +431,27 @@ def test_the_reference_check_sees_what_it_checks(tmp_path):
         )
     ]
     assert len(prose_files()) > 300
+
+
+def test_nothing_cites_a_ticket_number():
+    cited = [
+        f"{p.relative_to(ROOT)}:{line}: {citation}"
+        for p in scanned_files()
+        for line, citation in ticket_citations(p.read_text(encoding="utf-8", errors="replace"))
+    ]
+    assert not cited, f"ticket numbers a reader cannot follow (say the reason instead): {cited}"
+
+
+def test_the_ticket_check_sees_what_it_checks():
+    # spelled in pieces, so this file does not cite what it tests
+    issue, task, ticket = "iss" + "ue", "ta" + "sk", "tick" + "et"
+    text = f'# ({issue} 31, item 7)\n"""{task}s 3-4 and {ticket} #12"""\n{issue.title()} 39: x'
+    assert ticket_citations(text) == [
+        (1, f"{issue} 31"),
+        (2, f"{task}s 3"),
+        (2, f"{ticket} #12"),
+        (3, f"{issue.title()} 39"),
+    ]
+    assert (
+        ticket_citations("cpython#106905; a queue of tasks; the issues; item 3; 12 tickets") == []
+    )

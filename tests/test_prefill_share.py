@@ -1,4 +1,4 @@
-"""A long prompt shares the steps with decoding sequences and keeps its bits (issue 31, item 3).
+"""A long prompt shares the steps with decoding sequences and keeps its bits.
 
 While sequences decode, a step takes only :meth:`BatchScheduler.prompt_rows` prompt tokens (8 beside
 one or two), so a chunk of 128 is read over several steps; every row attends with the decode arithmetic

@@ -14,7 +14,7 @@ pass of its own, and a cancelled one stops within a chunk). A prompt's chunk bou
 (``prefill_chunk``, from position 0). While no sequence decodes, a step
 takes whole chunks, up to ``prefill_budget`` tokens; while some decode, a few prompt rows, at least
 half the step (:meth:`BatchScheduler.prompt_rows`), so they wait for a few rows a step, not for up to
-256 (~17 one-row steps; issue 31): a chunk is read over several steps, with the bits of the chunk at
+256 (~17 one-row steps): a chunk is read over several steps, with the bits of the chunk at
 once, as every row attends with the decode arithmetic at its own position (:mod:`model.llama.forward.attend`).
 A sequence joins at the next step and leaves as soon as it finishes or is cancelled.
 
@@ -359,7 +359,7 @@ class BatchScheduler:
         :meth:`prompt_rows` (the first one's part of a chunk).
 
         Shortest remaining prompt first, so a short prompt that joins behind long ones is read at
-        the next step rather than after them (issue 39); the bits of every prompt are the same in
+        the next step rather than after them; the bits of every prompt are the same in
         any order (:mod:`model.llama.forward.attend`)."""
         prefilling = sorted(prefilling, key=lambda q: len(q.req.prompt_ids) - q.prefilled)
         budget = self.prefill_budget
