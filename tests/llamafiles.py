@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from model.llama.config import LlamaConfig
-from model.llama.convert import convert_llama2c
-from model.llama.llama2c import build_hf_tokenizer
-from model.llama.model import Llama, tensor_shapes
+from model.llama.formats.convert import convert_llama2c
+from model.llama.formats.llama2c import build_hf_tokenizer
+from model.llama.forward.config import LlamaConfig
+from model.llama.forward.model import Llama, tensor_shapes
 from tests.needs import unavailable
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -1,4 +1,4 @@
-"""Wrong API keys are rate-limited per client address (``AUTH_FAILURE_LIMIT``; issue 31, item 5).
+"""Wrong API keys are rate-limited per client address (``AUTH_FAILURE_LIMIT``).
 
 A real gunicorn with one key and a budget of 3 wrong keys per 3 seconds: the 4th request with a key
 from the address, a right one included, is a 429 with ``Retry-After``, logged; requests without a key

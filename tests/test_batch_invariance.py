@@ -19,8 +19,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from model.llama.kv_cache import KVPool
-from model.llama.model import Llama
+from model.llama.forward.kv_cache import KVPool
+from model.llama.forward.model import Llama
 from tests.llamafiles import random_llama
 
 
@@ -124,7 +124,7 @@ def test_smollm2_shaped_decode_beside_a_prompt_chunk_is_bit_identical(smollm2_sh
 
 def test_smollm2_shaped_prompt_cut_any_way_is_the_bits_of_the_prompt_at_once(smollm2_shaped):
     # 450 positions: past one attention chunk (384) and across KV blocks; the pieces of 8 and the
-    # random cuts are what the scheduler feeds beside decoding sequences (issue 31).
+    # random cuts are what the scheduler feeds beside decoding sequences.
     model = smollm2_shaped
     rng = np.random.default_rng(11)
     prompt = [int(t) for t in rng.integers(0, 49152, 450)]

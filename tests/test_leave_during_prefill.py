@@ -8,7 +8,7 @@ queued or prefilling is gone: 499 in the log, its connection closed with nothing
 or queue place freed (nginx's proxy takes a client so). A stream whose client only half-closed is
 still served (``tests/test_half_close.py``). Each test drives a real gunicorn over raw sockets.
 
-Source: docs/ARCHITECTURE.md §9; issue 31 item 4 (the 2 s bound); RFC 9112 §7.1 (chunked coding).
+Source: docs/ARCHITECTURE.md §9; RFC 9112 §7.1 (chunked coding).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import pytest
 from tests.loglines import request_line
 from tests.server import SLACK_S, GunicornServer, read_all, send_request, wait_until
 
-GONE_WITHIN_S = 2.0  # the issue's bound, from the client's close to its slot or queue place freed
+# from the client's close to its slot or queue place freed: twice the longest wait
+# docs/ARCHITECTURE.md §9 gives (two waiting heartbeats, 1 s, in the queue), for a loaded machine
+GONE_WITHIN_S = 2.0
 # The most a waiting stream's comments may be apart as the client sees them: the 0.5 s heartbeat
 # falls on an engine tick (0.25 s) and a busy two-core machine delays the hub a little more.
 MAX_COMMENT_GAP_S = 1.2

@@ -1,4 +1,4 @@
-"""The worker's per-request set-up made cheaper without changing a byte (issue 32): a response's head
+"""The worker's per-request set-up made cheaper without changing a byte: a response's head
 leaves in one ``send`` with its first body bytes; the base environ, gunicorn's settings and a peer's
 trust are worked out once per worker; the same bytes and answers as gunicorn's own."""
 

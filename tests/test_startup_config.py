@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from model.files import file_sha256
-from model.llama.gguf_cache import FORMAT_VERSION
+from model.llama.formats.gguf_cache import FORMAT_VERSION
 from model.loader import load_model
 from tests.gguffiles import write_tiny_gguf
 from tests.server import ROOT, GunicornServer, failed_start, wait_until

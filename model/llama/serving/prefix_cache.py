@@ -2,10 +2,10 @@
 
 A block is ``block_tokens`` consecutive prompt positions starting at a multiple of ``block_tokens``
 from position 0, and ``block_tokens`` is the scheduler's prefill chunk: the blocks *are* the chunks a
-cold prefill computes (:class:`model.llama.scheduler.BatchScheduler` starts a prompt's chunks at fixed
+cold prefill computes (:class:`model.llama.serving.scheduler.BatchScheduler` starts a prompt's chunks at fixed
 multiples from position 0). A block's keys and values are exactly the bits the cold run would compute
 for those positions, whatever came after them: every prompt row attends with the decode arithmetic at
-its own position (:mod:`model.llama.attend`), so neither the chunk nor the step it was read in
+its own position (:mod:`model.llama.forward.attend`), so neither the chunk nor the step it was read in
 changes a bit. A hit ends on a block boundary, so the rest of the prompt is computed on the same
 grid; a full hit leaves its last block to be computed again, which yields the last position's logits
 as the cold run computed them. Only KV computed by prompt chunks is kept (never decoded positions),
@@ -21,7 +21,7 @@ then computes nothing: its first token is drawn from those logits, the very bits
 Keys chain: a block's key is a hash of (its parent block's key, the cache salt, its token ids), so a
 key names the whole prefix up to the block's end, and requests with different salts (API keys,
 ``cache_salt``) never share a block. A hit is copied into the sequence's own lane of the
-:class:`~model.llama.kv_cache.KVPool` (one contiguous ``memcpy`` per layer and head: ~25 ms for the
+:class:`~model.llama.forward.kv_cache.KVPool` (one contiguous ``memcpy`` per layer and head: ~25 ms for the
 1,536 positions of a long SmolLM2 prompt, against ~6 s to compute them), so attention reads the lane
 exactly as it does cold; sharing the cached arrays read-only would need attention to gather over
 scattered blocks, i.e. other arithmetic. So a hit reserves its whole prompt like a miss does, and the
@@ -51,10 +51,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from model.llama.kv_cache import FLOAT32_BYTES, KVCache
+from model.llama.forward.kv_cache import FLOAT32_BYTES, KVCache
 
 if TYPE_CHECKING:
-    from model.llama.config import LlamaConfig
+    from model.llama.forward.config import LlamaConfig
 
 _KEY_BYTES = 16  # blake2b digest size: 128 bits, no accidental collision among cached entries
 _END = b"end"  # marks a prompt end's key apart from a block's

@@ -27,7 +27,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, processors
 from tokenizers import pre_tokenizers as pre
 
-from model.llama.spm import ranked_merges, spm_tokenizer
+from model.llama.formats.spm import ranked_merges, spm_tokenizer
 from model.tokenizer import HFTokenizer
 
 # llama.cpp token types (gguf.TokenType).
@@ -103,7 +103,7 @@ def tokenizer_from_gguf(metadata: dict[str, Any], vocab_size: int, where: str) -
     """Build the tokenizer of a GGUF's ``tokenizer.ggml.*`` metadata.
 
     Args:
-        metadata: The file's metadata (see :func:`model.llama.gguf_reader.read_metadata`).
+        metadata: The file's metadata (see :func:`model.llama.formats.gguf_reader.read_metadata`).
         vocab_size: The model's vocabulary size (ids the head produces).
         where: The file, for messages.
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, processors
 
-from model.llama.spm import SPIECE_UNDERLINE, ranked_merges, spm_tokenizer
+from model.llama.formats.spm import SPIECE_UNDERLINE, ranked_merges, spm_tokenizer
 
 HEADER_FIELDS = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
 _HEADER = struct.Struct("<7i")

@@ -5,7 +5,7 @@ prompt or its output, the tokens that followed them there are a cheap guess of w
 (prompt lookup, n-gram drafting): :class:`Drafter` keeps, for every n-gram of up to
 :data:`MAX_NGRAM` tokens, where it last occurred, and proposes the tokens after the latest
 occurrence of the longest n-gram that ends the sequence. The step then feeds the last token *and*
-the draft (a verify chunk, :meth:`model.llama.model.Llama.step`): row ``i`` is computed with the
+the draft (a verify chunk, :meth:`model.llama.forward.model.Llama.step`): row ``i`` is computed with the
 arithmetic of a one-token decode at its position, so its logits are the very bits decoding without
 speculation would have after the first ``i`` drafted tokens.
 

@@ -1,6 +1,6 @@
 """Keep a GGUF's weights, packed for our kernels, in a safetensors cache file that workers memory-map.
 
-Repacking (:meth:`model.llama.gguf.GGUFModel.pack`: the GGUF's blocks regrouped by tiles of output
+Repacking (:meth:`model.llama.formats.gguf.GGUFModel.pack`: the GGUF's blocks regrouped by tiles of output
 rows, as many bytes as the GGUF's) would give each worker a private copy; instead the packed arrays
 are written once to ``<cache dir>/gguf/<sha256 of the GGUF>.v<FORMAT_VERSION>.safetensors`` and every
 worker maps that file read-only, so N workers share one copy in the page cache and a restart does not

@@ -7,7 +7,7 @@ validated by :func:`model.files.check_safetensors_header`, the bigram's rules wi
 allowed too.
 
 This is the safetensors loader of the Llama family: it gives Hugging Face tensor names -> arrays,
-which is all :meth:`model.llama.model.Llama.from_tensors` needs, whatever the container.
+which is all :meth:`model.llama.forward.model.Llama.from_tensors` needs, whatever the container.
 
 Source: the safetensors format (huggingface/safetensors README); transformers' sharded
 checkpoint index (``model.safetensors.index.json``).

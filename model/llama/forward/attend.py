@@ -1,16 +1,16 @@
 """One forward pass's attention: where each sequence's new keys and values go, and who attends with whom.
 
-A pass (:meth:`model.llama.model.Llama.forward`) brings a chunk of tokens for each of several
-sequences, and every row of it attends with one arithmetic, :func:`model.llama.ops.decode_attention`
+A pass (:meth:`model.llama.forward.model.Llama.forward`) brings a chunk of tokens for each of several
+sequences, and every row of it attends with one arithmetic, :func:`model.llama.forward.ops.decode_attention`
 at the row's own length: so a row's bits depend on its position and the keys before it, never on the
 chunk it came in, the rows beside it or how a prompt was cut into steps (a prompt fed a few rows
 per step is the bits of the prompt at once; docs/ARCHITECTURE.md §5). The one-token chunks of the
-decoding sequences are grouped by the slab their caches are lanes of (:mod:`model.llama.kv_cache`):
+decoding sequences are grouped by the slab their caches are lanes of (:mod:`model.llama.forward.kv_cache`):
 each group attends in one call over the slab's lanes ``lo..hi`` (a lane in between that decodes
 nothing this step is computed and dropped), so a step of 32 sequences costs about 15 numpy calls per
 layer instead of a dozen per sequence. A chunk of several rows of one sequence (a prompt chunk, or a
 *verify* chunk: a decoding sequence's last token and the tokens drafted after it,
-:mod:`model.llama.speculative`) attends in calls of up to :data:`RUN_ROWS` rows over the sequence's
+:mod:`model.llama.serving.speculative`) attends in calls of up to :data:`RUN_ROWS` rows over the sequence's
 lane repeated once per row (a broadcast view, nothing copied). The plan is made once per pass and
 used for every layer.
 
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from model.llama.kv_cache import KV_BLOCK, KVCache
-from model.llama.ops import decode_attention, unseen_positions
+from model.llama.forward.kv_cache import KV_BLOCK, KVCache
+from model.llama.forward.ops import decode_attention, unseen_positions
 
 # Rows of one sequence per decode_attention call: bounds its scores to RUN_ROWS * n_heads * positions
 # floats (3.5 MB for SmolLM2 at 6,144 positions). A cold prompt costs what one causal product per
@@ -49,7 +49,7 @@ class _Group:
         positions: ``(m,)`` int64 the positions their new tokens take.
         lo: the first lane attended over.
         lengths: ``(hi - lo,)`` int64 positions seen by each lane ``lo..hi`` (1 for the others).
-        unseen: ``(hi - lo, rows)`` bool, :func:`~model.llama.ops.unseen_positions` of ``lengths``.
+        unseen: ``(hi - lo, rows)`` bool, :func:`~model.llama.forward.ops.unseen_positions` of ``lengths``.
         queries: ``(hi - lo, n_heads, head_dim)`` float32, zeros but for the group's lanes, where
             each layer writes its queries (one buffer for every layer; None until the first).
     """
@@ -74,7 +74,7 @@ class StepAttention:
         ends: ``(len(sizes),)`` the rows of the pass where each chunk ends (exclusive).
         kernel: attend with this kernel (:func:`model.kernels.attention.attend`, which the model
             passes in: this module never imports numba) rather than numpy's products
-            (:func:`~model.llama.ops.decode_attention`); None for numpy.
+            (:func:`~model.llama.forward.ops.decode_attention`); None for numpy.
     """
 
     def __init__(

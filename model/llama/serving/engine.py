@@ -1,6 +1,6 @@
 """A simple sequential token stream for Llama models: the engine contract, one sequence at a time.
 
-Each stream is a :class:`~model.llama.scheduler.BatchScheduler` with a single sequence that
+Each stream is a :class:`~model.llama.serving.scheduler.BatchScheduler` with a single sequence that
 prefills its whole prompt in one pass, so the sequence rules (stop ids, token count, cache size,
 finish reason) are the scheduler's, and a stream gives the same tokens alone as in a batch. Each
 stream owns its KV cache and its PCG32; the model is shared. Work happens only when the consumer
@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from model.engine import GenerationRequest, Step
-from model.llama.model import Llama
-from model.llama.scheduler import BatchScheduler, steps_of
+from model.llama.forward.model import Llama
+from model.llama.serving.scheduler import BatchScheduler, steps_of
 
 
 class LlamaEngine:
@@ -75,7 +75,7 @@ class LlamaEngine:
     ) -> list[Step]:
         """Return one ``Step`` per prompt token with its logprob under the model (for ``echo``).
 
-        See :meth:`model.llama.scheduler.BatchScheduler.score`; ``pause`` is never called.
+        See :meth:`model.llama.serving.scheduler.BatchScheduler.score`; ``pause`` is never called.
 
         Raises:
             ValueError: If the prompt is empty, longer than the context, or has an id outside

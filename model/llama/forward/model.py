@@ -1,13 +1,13 @@
 """The Llama architecture in float32: prefill one prompt, decode a batch of sequences.
 
 The model object is shared and read-only; every sequence brings its own
-:class:`~model.llama.kv_cache.KVCache`. Every weight matrix is a
+:class:`~model.llama.forward.kv_cache.KVCache`. Every weight matrix is a
 :class:`~model.kernels.packed.PackedWeight` (a GGUF's blocks as they are quantized, a checkpoint's
 float32, float16 or bfloat16 as stored) and every product runs in our own kernels
 (:func:`model.kernels.products.matmul_t`), never BLAS. With batch invariance on (the default) the
 rest of the token path is ours too: RMSNorm, SiLU and attention (:mod:`model.kernels`), so a
 sequence's bits depend neither on its batch nor on the CPU; off, those three run in numpy
-(:mod:`model.llama.ops`), faster over long contexts, with bits that may depend on both. Layout and
+(:mod:`model.llama.forward.ops`), faster over long contexts, with bits that may depend on both. Layout and
 names follow Hugging Face ``LlamaForCausalLM`` (rotate-half RoPE, ``[out, in]`` weight matrices,
 ``y = x @ W.T``); the variable names follow llama2.c and nanoGPT.
 
@@ -27,12 +27,12 @@ import numpy as np
 
 from model.files import CONFIG_NAME, read_json_object
 from model.kernels.packed import PackedWeight
-from model.llama.attend import StepAttention
-from model.llama.config import LlamaConfig
-from model.llama.kv_cache import KVCache
-from model.llama.ops import apply_rope, rmsnorm, silu
-from model.llama.tensors import LayerWeights, check_tensors, layer_weights, tensor_shapes
-from model.llama.weights import load_weights
+from model.llama.forward.attend import StepAttention
+from model.llama.forward.config import LlamaConfig
+from model.llama.forward.kv_cache import KVCache
+from model.llama.forward.ops import apply_rope, rmsnorm, silu
+from model.llama.forward.tensors import LayerWeights, check_tensors, layer_weights, tensor_shapes
+from model.llama.forward.weights import load_weights
 
 __all__ = ["Llama", "LayerWeights", "check_tensors", "tensor_shapes"]
 
@@ -220,7 +220,7 @@ class Llama:
         (:func:`model.kernels.products.matmul_t`: each weight block is read once per step and
         reused for every row); every row attends with the decode arithmetic at its own position,
         a chunk's rows over its own cache and the one-token chunks together, per slab of caches
-        (:mod:`model.llama.attend`), so a prompt's bits do not depend on how it is cut into
+        (:mod:`model.llama.forward.attend`), so a prompt's bits do not depend on how it is cut into
         chunks. With ``batch_invariant`` (the default) RMSNorm, SiLU and attention run in our
         kernels too and a sequence's results are the same bits whatever it shares the pass with,
         on any CPU; without it they run in numpy (see the module docstring).
@@ -252,10 +252,10 @@ class Llama:
         """Run one scheduling step: prompt chunks, and decode chunks whose every row is a decode.
 
         A decode chunk is a decoding sequence's newest token, optionally followed by tokens drafted
-        after it (:mod:`model.llama.speculative`): its row ``i`` takes position
+        after it (:mod:`model.llama.serving.speculative`): its row ``i`` takes position
         ``cache.length + i`` and is computed with the arithmetic of a one-token decode at that
-        position (:class:`~model.llama.attend.StepAttention`, as every row is), so its logits are the bits
-        :meth:`decode` would give once the tokens before it had been decoded one by one. The
+        position (:class:`~model.llama.forward.attend.StepAttention`, as every row is), so its logits
+        are the bits :meth:`decode` would give once the tokens before it had been decoded one by one. The
         cache's ``length`` advances by every chunk's size; a caller that rejects drafted rows
         takes them back (the keys and values past ``length`` are never read).
 

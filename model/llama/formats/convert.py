@@ -23,7 +23,13 @@ from pathlib import Path
 
 import safetensors.numpy
 
-from model.llama.llama2c import BOS_ID, EOS_ID, build_hf_tokenizer, read_checkpoint, read_tokenizer
+from model.llama.formats.llama2c import (
+    BOS_ID,
+    EOS_ID,
+    build_hf_tokenizer,
+    read_checkpoint,
+    read_tokenizer,
+)
 
 RMS_NORM_EPS = 1e-5  # llama2.c's rmsnorm
 ROPE_THETA = 10000.0  # llama2.c's RoPE base

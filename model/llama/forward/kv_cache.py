@@ -9,7 +9,7 @@ head are contiguous, so attention reads them as a plain matrix. A cache is a *la
 ``(lanes, n_layers, n_kv_heads, positions, head_dim)`` slab: a cache of its own is the one lane of its
 own slab (:meth:`KVCache.__init__`), while a :class:`KVPool` keeps the caches of a scheduler's
 sequences as lanes of shared slabs, so that one decode step's attention runs over all the lanes of a
-slab in a few numpy calls instead of a dozen per sequence (:func:`model.llama.ops.decode_attention`).
+slab in a few numpy calls instead of a dozen per sequence (:func:`model.llama.forward.ops.decode_attention`).
 Positions are allocated in whole attention blocks (``KV_BLOCK``); rows past a sequence's length pad
 its last block and are never seen (they are masked, and hold zeros or finite stale values).
 
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from model.llama.config import LlamaConfig
+    from model.llama.forward.config import LlamaConfig
 
 FLOAT32_BYTES = 4
 KV_BLOCK = 64  # positions per attention block; every cache's rows are a whole number of blocks

@@ -15,7 +15,7 @@ costs ~200 MB and seconds while it is read.
 
 llama.cpp's converter stores the q/k projections with the rows of each head in the
 adjacent-pair RoPE order (as Meta's and llama2.c's checkpoints do); they are permuted back to
-the rotate-half order :class:`model.llama.Llama` uses.
+the rotate-half order :class:`model.llama.forward.model.Llama` uses.
 
 Source: the GGUF specification (ggml-org/ggml ``docs/gguf.md``: metadata keys, tensor names,
 dimension order); llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute``).
@@ -33,9 +33,9 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from model.kernels.packed import QTYPES, PackedWeight
-from model.llama.config import LlamaConfig
-from model.llama.gguf_reader import open_reader, read_metadata
-from model.llama.tensors import tensor_shapes
+from model.llama.formats.gguf_reader import open_reader, read_metadata
+from model.llama.forward.config import LlamaConfig
+from model.llama.forward.tensors import tensor_shapes
 
 GGUF_SUFFIX = ".gguf"
 ARCHITECTURE = "llama"
@@ -159,7 +159,7 @@ class GGUFModel:
 
 def rotary_rows(out: int, n_heads: int) -> np.ndarray:
     """Return the row order that takes q/k rows from adjacent-pair RoPE to rotate-half order:
-    row ``i`` of the result is row ``perm[i]`` (as :func:`model.llama.llama2c.permute_rotary`)."""
+    row ``i`` of the result is row ``perm[i]`` (as :func:`model.llama.formats.llama2c.permute_rotary`)."""
     half = out // n_heads // 2
     # (n_heads, half, 2) -> (n_heads, 2, half): pair members become the two halves
     return np.arange(out).reshape(n_heads, half, 2).transpose(0, 2, 1).reshape(-1)

@@ -1,7 +1,7 @@
 """The numpy building blocks of the Llama forward pass: RMSNorm, SiLU, RoPE, attention.
 
-Pure functions of float32 arrays; ``model.llama.model`` composes them. Every row of a pass attends
-with :func:`decode_attention` (:mod:`model.llama.attend`); :func:`attention` is the textbook causal
+Pure functions of float32 arrays; ``model.llama.forward.model`` composes them. Every row of a pass attends
+with :func:`decode_attention` (:mod:`model.llama.forward.attend`); :func:`attention` is the textbook causal
 formulation the tests hold it to.
 
 Source: Touvron et al. 2023, "Llama 2"; transformers `modeling_llama.py`.

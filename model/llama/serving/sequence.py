@@ -1,4 +1,4 @@
-"""One choice a :class:`~model.llama.scheduler.BatchScheduler` generates: its state, the grammar masks
+"""One choice a :class:`~model.llama.serving.scheduler.BatchScheduler` generates: its state, the grammar masks
 of a step and the draining of its output.
 
 Source: docs/ARCHITECTURE.md §5.
@@ -13,9 +13,9 @@ import numpy as np
 
 from model.engine import END, GenerationRequest, Step
 from model.grammar.matcher import TokenMatcher, allowed_rows
-from model.llama.kv_cache import KVCache
-from model.llama.prefix_cache import PrefixHit
-from model.llama.speculative import SpecState
+from model.llama.forward.kv_cache import KVCache
+from model.llama.serving.prefix_cache import PrefixHit
+from model.llama.serving.speculative import SpecState
 from model.pcg32 import PCG32
 
 

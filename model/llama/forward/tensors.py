@@ -1,6 +1,6 @@
 """The tensors of a Hugging Face Llama checkpoint: which names and shapes it must hold, one block's weights.
 
-Every loader of the family (safetensors, GGUF) ends in :meth:`model.llama.model.Llama.from_tensors`,
+Every loader of the family (safetensors, GGUF) ends in :meth:`model.llama.forward.model.Llama.from_tensors`,
 which checks its tensors here first.
 
 Source: transformers `modeling_llama.py` (the parameter names of ``LlamaForCausalLM``).
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from model.llama.config import LlamaConfig
+from model.llama.forward.config import LlamaConfig
 
 # Buffers some checkpoints carry that the forward pass recomputes instead.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)

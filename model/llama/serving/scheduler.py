@@ -3,7 +3,7 @@
 This module is the one owner of a Llama sequence's rules: the context its request is checked against
 (:func:`model.engine.check_request`), which ids stop it (end-of-sequence unless ``ignore_eos``, plus
 the request's stop ids), how many tokens it may make (``max_tokens`` capped by the context), its KV
-cache size and its finish reason. The sequential :class:`model.llama.engine.LlamaEngine` is this
+cache size and its finish reason. The sequential :class:`model.llama.serving.engine.LlamaEngine` is this
 scheduler with one sequence.
 
 Pure and single-threaded: the serving layer calls :meth:`BatchScheduler.step` in a loop on its own
@@ -14,15 +14,15 @@ pass of its own, and a cancelled one stops within a chunk). A prompt's chunk bou
 (``prefill_chunk``, from position 0). While no sequence decodes, a step
 takes whole chunks, up to ``prefill_budget`` tokens; while some decode, a few prompt rows, at least
 half the step (:meth:`BatchScheduler.prompt_rows`), so they wait for a few rows a step, not for up to
-256 (~17 one-row steps; issue 31): a chunk is read over several steps, with the bits of the chunk at
-once, as every row attends with the decode arithmetic at its own position (:mod:`model.llama.attend`).
+256 (~17 one-row steps): a chunk is read over several steps, with the bits of the chunk at
+once, as every row attends with the decode arithmetic at its own position (:mod:`model.llama.forward.attend`).
 A sequence joins at the next step and leaves as soon as it finishes or is cancelled.
 
 A sequence's tokens never depend on its batch: ``Llama.forward`` gives each row the same bits whatever
 the other rows are (unless ``batch_invariant`` is turned off, which lets steps of few rows run one GEMV
 per row), and each sequence samples with its own PCG32.
 
-With a :class:`~model.llama.prefix_cache.PrefixCache` (whose blocks are ``prefill_chunk`` tokens, the
+With a :class:`~model.llama.serving.prefix_cache.PrefixCache` (whose blocks are ``prefill_chunk`` tokens, the
 chunk grid), a joining sequence starts from its longest cached block prefix and prefills only the rest
 (or, its whole prompt cached, draws its first token from the cold run's logits kept with it),
 on the same grid, and a sequence whose prompt is all in publishes its whole prompt blocks: its tokens
@@ -50,12 +50,12 @@ from model.engine import (
     make_step,
 )
 from model.grammar.matcher import ConstraintError
-from model.llama.kv_cache import KVPool
-from model.llama.model import Llama
-from model.llama.prefix_cache import PrefixCache
-from model.llama.sequence import Sequence, set_masks
-from model.llama.sequence import steps_of as steps_of  # the drain, for the scheduler's callers
-from model.llama.speculative import SpecState, Speculator, accept
+from model.llama.forward.kv_cache import KVPool
+from model.llama.forward.model import Llama
+from model.llama.serving.prefix_cache import PrefixCache
+from model.llama.serving.sequence import Sequence, set_masks
+from model.llama.serving.sequence import steps_of as steps_of  # the drain, for callers
+from model.llama.serving.speculative import SpecState, Speculator, accept
 from model.pcg32 import PCG32
 from model.sampling import sample
 
@@ -81,9 +81,9 @@ class BatchScheduler:
             decodes (the oldest first; at least one chunk). Beside decoding sequences, see
             :meth:`prompt_rows`.
         batch_invariant: decode each sequence to the same bits whatever the batch
-            (``BATCH_INVARIANT``; see :meth:`model.llama.model.Llama.decode`).
+            (``BATCH_INVARIANT``; see :meth:`model.llama.forward.model.Llama.decode`).
         speculative_tokens: most tokens a decoding sequence drafts per step
-            (``SPECULATIVE_TOKENS``, :mod:`model.llama.speculative`); 0 turns speculation off. It
+            (``SPECULATIVE_TOKENS``, :mod:`model.llama.serving.speculative`); 0 turns speculation off. It
             changes how many tokens a step yields, never which.
         prefix_cache: the cache of whole prompt blocks, or None for none (``PREFIX_CACHE=0``);
             its ``block_tokens`` must be ``prefill_chunk``.
@@ -359,8 +359,8 @@ class BatchScheduler:
         :meth:`prompt_rows` (the first one's part of a chunk).
 
         Shortest remaining prompt first, so a short prompt that joins behind long ones is read at
-        the next step rather than after them (issue 39); the bits of every prompt are the same in
-        any order (:mod:`model.llama.attend`)."""
+        the next step rather than after them; the bits of every prompt are the same in
+        any order (:mod:`model.llama.forward.attend`)."""
         prefilling = sorted(prefilling, key=lambda q: len(q.req.prompt_ids) - q.prefilled)
         budget = self.prefill_budget
         if n_decoding and prefilling:
