@@ -12,6 +12,7 @@ Source: OpenAPI Specification 3.1.0 and 3.2.0 (sequential media types); JSON Sch
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from jsonschema import Draft202012Validator
@@ -21,6 +22,8 @@ from referencing.jsonschema import DRAFT202012
 from tests.sse import events as parse_sse
 
 BASE = "urn:greenserve:openapi"
+# The document the server serves at /openapi.json, as shipped in the package.
+DOC_PATH = Path(__file__).resolve().parent.parent / "wsgi_app" / "openapi.json"
 
 
 def _escape(token: str) -> str:

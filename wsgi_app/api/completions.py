@@ -92,7 +92,7 @@ class CompletionRequest:
         more_prompts: the prompts after the first of a batch (OpenAI's list of prompts).
         cache_salt: the request's ``cache_salt`` (vLLM's extension), "" without one.
         ignored_fields: the unknown top-level fields the request sent, sorted, as the
-            ``X-Ignored-Fields`` header lists them (``wsgi_app.api.fields.shown_names``).
+            ``X-Ignored-Fields`` header lists them (``wsgi_app.api.table.shown_names``).
         constraint: the output constraint (structured outputs, ``wsgi_app.api.structured``), or None.
         max_tokens_asked: False when ``max_tokens`` is the server's default for a chat answer
             (the rest of the context up to ``CHAT_MAX_TOKENS``): a cap, never refused by the

@@ -6,7 +6,7 @@ passed on for the template (transformers passes the message dict on; the templat
 if it reads them). An unknown key inside a message is a 400 naming it, down to the part; the
 documented keys this server does not implement (audio, image parts) are a 400 saying so.
 
-Tool-call history (issue 27): an assistant message may carry ``tool_calls`` (its ``content`` then null
+Tool-call history: an assistant message may carry ``tool_calls`` (its ``content`` then null
 or text) and a ``tool`` message answers one by ``tool_call_id``; the legacy ``function_call`` and
 ``function`` role map onto the same (the legacy call gets an id of the server's, ``call_<n>``, that no
 id the client wrote in the request equals; its result answers it by ``name``). The template gets

@@ -7,7 +7,7 @@ a failed write, or on a stalled reader's send timeout) closes the token streams 
 slot, whether or not the body was ever iterated. A JSON answer settles in :meth:`Generation.run`.
 Nothing else frees a slot. The generation also names why it ended (``RequestRecord.end_reason``):
 itself on a natural end or a failure, the pacer on a deadline, else the connection's mark
-(``wsgi_app.server.worker.StreamSocket.end_reason``: the send timeout, the worker stopping), else the
+(``wsgi_app.server.stream_socket.StreamSocket.end_reason``: the send timeout, the worker stopping), else the
 client left.
 
 Source: OpenAI API reference, "Error codes"; WHATWG HTML Living Standard, §9.2 "Server-sent events".
