@@ -471,3 +471,32 @@ def test_answers_and_errors_validate_against_the_openapi_document(srv, contract)
 def test_the_documented_fields_are_the_field_tables(schema, table):
     doc = json.loads((Path(__file__).parent.parent / "wsgi_app/openapi.json").read_text())
     assert set(doc["components"]["schemas"][schema]["properties"]) == table.names
+
+
+def test_output_format_and_thinking_history(srv):
+    """``output_format`` holds every answer to its schema; a history's ``thinking`` and
+    ``redacted_thinking`` blocks are accepted (the template may render the former)."""
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"type": "string", "maxLength": 5}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
+    history = [
+        {"role": "user", "content": "A colour?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Pick one.", "signature": "sig"},
+                {"type": "redacted_thinking", "data": "xyz"},
+                {"type": "text", "text": "Red."},
+            ],
+        },
+        {"role": "user", "content": [{"type": "text", "text": "As JSON?"}]},
+    ]
+    body = {"model": "m", "max_tokens": 200, "messages": history, "temperature": 0}
+    body["output_format"] = {"type": "json_schema", "schema": schema}
+    message = create(srv, body, AUTH)
+    assert message["stop_reason"] == "end_turn"
+    jsonschema.validate(json.loads(message["content"][0]["text"]), schema)
+    assert without_ids(stream(srv, body, AUTH)) == without_ids(message)
