@@ -95,6 +95,31 @@ def parse_constraint(body: dict[str, Any]) -> RequestConstraint | None:
     return found[0] if found else None
 
 
+def refuse_stop(
+    constraint: RequestConstraint | None, stop: tuple[str, ...]
+) -> RequestConstraint | None:
+    """Return ``constraint`` when the request sends no ``stop`` strings beside it.
+
+    A constrained answer ends where its constraint accepts (at once when nothing can follow), so
+    a stop string can only cut it earlier, where the text is no complete value of the constraint
+    (a JSON value without its end), and the answer would still say ``finish_reason: "stop"``,
+    which OpenAI's clients read as a whole answer. Rather than answer so, the pair is refused
+    before any byte. The chat template's own stop strings are not the request's and still apply.
+
+    Raises:
+        ApiError: 400 naming ``stop``, and the constraint's field in the message.
+    """
+    if constraint is not None and stop:
+        raise invalid(
+            f"'stop' cannot be used with an output constraint ('{constraint.param}'): a stop "
+            "string would cut the constrained answer before it is complete, yet end with "
+            "finish_reason 'stop'. Send one of them (a regex or grammar can say where the "
+            "answer ends).",
+            "stop",
+        )
+    return constraint
+
+
 def _schema(value: Any, param: str, close: bool = True, strict: bool = False) -> Constraint:
     """A JSON Schema: an object, or (vLLM) its JSON text; its objects closed unless they say
     otherwise (``model.grammar.schema.closed``) when ``close``; under OpenAI's ``strict``, an
