@@ -294,16 +294,16 @@ def _logprob_budget(chat: ChatRequest, max_tokens: int, budget: int) -> int:
 
 
 def _check_options(body: dict[str, Any]) -> None:
-    """Accept the output options that mean "text, not stored"; refuse the others by name
-    (``response_format`` is read by ``wsgi_app.api.structured``)."""
+    """Accept the output options that mean "text" and ``store`` (either value: nothing is stored,
+    as vLLM ignores it); refuse the others by name (``response_format`` is read by
+    ``wsgi_app.api.structured``)."""
     modalities = body.get("modalities")
     if modalities is not None:
         if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
             raise invalid("'modalities' must be a list of strings.", "modalities")
         if any(m != "text" for m in modalities):
             raise unsupported("modalities", "Output modalities other than 'text'")
-    if body.get("store") is not None and boolean_field(body, "store"):
-        raise unsupported("store", "Storing completions ('store': true)")
+    boolean_field(body, "store")  # true is accepted and nothing is stored, as vLLM does
     tier = body.get("service_tier")
     if tier is not None and (not isinstance(tier, str) or tier not in ("auto", "default")):
         raise unsupported("service_tier", f"'service_tier' {quote_name(tier)!r}")

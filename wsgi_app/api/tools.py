@@ -32,6 +32,8 @@ from wsgi_app.api.structured import refuse_open_object
 MAX_TOOLS = 128  # OpenAI's documented limit on `tools`
 CHOICES = ("none", "auto", "required")
 _FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+# The fields that only mean something with a list of functions, and the list each goes with.
+_NEEDS = {"tool_choice": "tools", "parallel_tool_calls": "tools", "function_call": "functions"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +122,12 @@ def parse_tools(body: dict[str, Any], max_tools: int = MAX_TOOLS) -> ToolRequest
     param = "functions" if legacy else "tools"
     choice_param = "function_call" if legacy else "tool_choice"
     other_choice = "tool_choice" if legacy else "function_call"
+    value = functions_value if legacy else tools_value
+    if value is None:  # each choice field names the list it goes with, as OpenAI refuses them
+        for given, needs in _NEEDS.items():
+            if body.get(given) is not None:
+                raise invalid(f"'{given}' is only allowed when '{needs}' are given.", given)
+        return None
     if body.get(other_choice) is not None:
         raise invalid(
             f"'{other_choice}' goes with '{'tools' if legacy else 'functions'}'; this request "
@@ -129,13 +137,7 @@ def parse_tools(body: dict[str, Any], max_tools: int = MAX_TOOLS) -> ToolRequest
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise invalid("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls")
-    value = functions_value if legacy else tools_value
     choice_value = body.get(choice_param)
-    if value is None:
-        for given in (choice_param, "parallel_tool_calls"):  # as OpenAI refuses them
-            if body.get(given) is not None:
-                raise invalid(f"'{given}' is only allowed when '{param}' are given.", given)
-        return None
     if not isinstance(value, list) or not value:
         raise invalid(f"'{param}' must be a non-empty list.", param)
     if len(value) > max_tools:
