@@ -34,7 +34,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from model.grammar.compile import MAX_CHOICES, Constraint, closed, open_object
+from model.grammar.compile import (
+    MAX_CHOICES,
+    MAX_CONSTRAINT_BYTES,
+    Constraint,
+    closed,
+    open_object,
+)
 from wsgi_app.api.errors import invalid, quote_name
 from wsgi_app.api.fields import loads_strict
 from wsgi_app.api.naming import described_object
@@ -135,7 +141,7 @@ def _schema(value: Any, param: str, close: bool = True, strict: bool = False) ->
         raise invalid(f"'{param}' must be a JSON Schema object.", param)
     if strict:
         refuse_open_object(value, param)
-    return Constraint("json_schema", closed(value) if close else value)
+    return Constraint("json_schema", closed(value, MAX_CONSTRAINT_BYTES) if close else value)
 
 
 def refuse_open_object(schema: dict[str, Any], param: str) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 from gevent.threadpool import ThreadPool
 
 from model.grammar.compile import (
+    MAX_CONSTRAINT_BYTES,
     NO_OUTPUT,
     PAST_LIMITS,
     Constraint,
@@ -121,7 +122,8 @@ class GrammarService:
             ApiError: 400 naming the first failing tool's ``parameters`` (:func:`parameters_param`).
         """
         for i, tool in enumerate(tools.tools):
-            alone = self._grammar(Constraint("json_schema", arguments_schema(tool.parameters)))
+            enforced = arguments_schema(tool.parameters, MAX_CONSTRAINT_BYTES)
+            alone = self._grammar(Constraint("json_schema", enforced))
             if isinstance(alone, ConstraintError):
                 raise _cannot(parameters_param(tools, i), alone)
 
