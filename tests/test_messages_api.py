@@ -319,6 +319,19 @@ BAD = [
         "'stop_sequences' holds 4 strings; with this chat template's own stop strings at most 3 "
         "fit.",
     ),
+    (
+        {
+            "model": "m",
+            "max_tokens": 1,
+            "messages": ASK,
+            "stop_sequences": [","],
+            "output_format": {"type": "json_schema", "schema": {"type": "object"}},
+        },
+        "'stop_sequences' cannot be used with an output constraint ('output_format.schema'): a "
+        "stop string would cut the constrained answer before it is complete, yet end with "
+        "finish_reason 'stop'. Send one of them (a regex or grammar can say where the answer "
+        "ends).",
+    ),
 ]
 
 

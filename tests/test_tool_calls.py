@@ -367,7 +367,13 @@ REFUSALS = [
             "tools": [
                 WEATHER,
                 TIME,
-                {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}},
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"properties": {"a": {"type": "nope"}}},
+                    },
+                },
             ]
         },
         "tools[2].function.parameters",

@@ -38,7 +38,7 @@ from wsgi_app.api.fields import (
     parse_model,
     seed_field,
 )
-from wsgi_app.api.structured import RequestConstraint
+from wsgi_app.api.structured import RequestConstraint, refuse_stop
 from wsgi_app.api.table import Field, FieldTable, shown_names
 from wsgi_app.api.tools import MAX_TOOLS, Tool, ToolRequest, check_strings
 
@@ -153,6 +153,7 @@ def parse_messages_request(
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise invalid("'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    stop = _stop_sequences(body.get("stop_sequences"))
     return MessagesRequest(
         model=base.model,
         messages=base.messages,
@@ -161,11 +162,11 @@ def parse_messages_request(
         max_tokens=max_tokens,
         sampling=build_sampling(fields, {}, vocab_size),
         seed=fields.seed,
-        stop=_stop_sequences(body.get("stop_sequences")),
+        stop=stop,
         stream=boolean_field(body, "stream"),
         user=_metadata(body.get("metadata")),
         cache_salt=salt or "",
-        constraint=base.constraint,
+        constraint=refuse_stop(base.constraint, stop, "stop_sequences"),
     )
 
 

@@ -31,7 +31,12 @@ from wsgi_app.api.fields import (
     unsupported,
 )
 from wsgi_app.api.messages import parse_messages
-from wsgi_app.api.structured import STRUCTURED_FIELDS, RequestConstraint, parse_constraint
+from wsgi_app.api.structured import (
+    STRUCTURED_FIELDS,
+    RequestConstraint,
+    parse_constraint,
+    refuse_stop,
+)
 from wsgi_app.api.table import BOOLEAN, JSON, NUMBER, SHARED_FIELDS, Field, FieldTable
 from wsgi_app.api.tools import ToolRequest, parse_tools
 
@@ -155,6 +160,7 @@ def parse_chat_request(
     if top_logprobs is not None and not logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
     stream = parse_stream_fields(body)
+    stop = stop_strings(body.get("stop"))
     return ChatRequest(
         model=model,
         messages=messages,
@@ -163,7 +169,7 @@ def parse_chat_request(
         sampling=build_sampling(fields, body, vocab_size),
         seed=fields.seed,
         n=fields.n,
-        stop=stop_strings(body.get("stop")),
+        stop=stop,
         logprobs=(top_logprobs or 0) if logprobs else None,
         stream=stream.stream,
         include_usage=stream.include_usage,
@@ -171,7 +177,7 @@ def parse_chat_request(
         user=body.get("user"),
         cache_salt=stream.cache_salt,
         ignored_fields=ignored,
-        constraint=parse_constraint(body),
+        constraint=refuse_stop(parse_constraint(body), stop),
         tools=tools,
     )
 
@@ -312,16 +318,16 @@ def _logprob_budget(chat: ChatRequest, max_tokens: int, budget: int) -> int:
 
 
 def _check_options(body: dict[str, Any]) -> None:
-    """Accept the output options that mean "text, not stored"; refuse the others by name
-    (``response_format`` is read by ``wsgi_app.api.structured``)."""
+    """Accept the output options that mean "text" and ``store`` (either value: nothing is stored,
+    as vLLM ignores it); refuse the others by name (``response_format`` is read by
+    ``wsgi_app.api.structured``)."""
     modalities = body.get("modalities")
     if modalities is not None:
         if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
             raise invalid("'modalities' must be a list of strings.", "modalities")
         if any(m != "text" for m in modalities):
             raise unsupported("modalities", "Output modalities other than 'text'")
-    if body.get("store") is not None and boolean_field(body, "store"):
-        raise unsupported("store", "Storing completions ('store': true)")
+    boolean_field(body, "store")  # true is accepted and nothing is stored, as vLLM does
     tier = body.get("service_tier")
     if tier is not None and (not isinstance(tier, str) or tier not in ("auto", "default")):
         raise unsupported("service_tier", f"'service_tier' {quote_name(tier)!r}")
