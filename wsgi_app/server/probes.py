@@ -26,7 +26,9 @@ from typing import Any, Protocol
 
 from wsgi_app.server.response import Response
 
-PROBE_PATHS = frozenset({"/healthz", "/health", "/ready"})
+ALIVE_PATHS = ("/healthz", "/health")  # liveness: the worker runs
+READY_PATH = "/ready"  # readiness: the worker should get traffic
+PROBE_PATHS = frozenset({*ALIVE_PATHS, READY_PATH})
 # A whole probe head at the start of a new connection: the request line's start (method, path and a
 # space), then the head's end within PEEK_BYTES.
 _PROBE_STARTS = tuple(
@@ -68,7 +70,8 @@ class Probe:
 
 
 class ProbeResponder(Protocol):
-    """What the app gives the worker to answer probes with (``wsgi_app.http.probes``)."""
+    """What the app gives the worker to answer probes with (``wsgi_app.http.probes.AppProbes``,
+    where what each probe answers is defined)."""
 
     def respond(self, probe: Probe) -> tuple[str, list[tuple[str, str]], bytes]:
         """Return the status (``"200 OK"``), the headers after gunicorn's own, and the body."""
