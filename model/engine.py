@@ -242,7 +242,8 @@ class Scheduler(Protocol):
         ...
 
     def abort(self) -> Sequence[ScheduledSequence]:
-        """Drop every live sequence (after a failed step) and return them."""
+        """Drop every live sequence (after a failed step) and return them; forget whatever the
+        failed step may have cached (its prefix cache's entries)."""
         ...
 
     def step(self) -> Sequence[ScheduledSequence]:

@@ -214,7 +214,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
 class Recording:
     """An engine that records every Step it hands out, per stream and per scoring."""
 
-    prefix_cache = None  # the engine contract's (model.engine.Engine): as the wrapped inline engines
+    prefix_cache = (
+        None  # the engine contract's (model.engine.Engine): as the wrapped inline engines
+    )
     failed = None
 
     def __init__(self, engine: Any) -> None:

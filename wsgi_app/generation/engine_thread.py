@@ -110,6 +110,7 @@ class ThreadedEngine:
         self._score_pool = ThreadPool(1)
         # Written by the engine thread only, read from any (one attribute: the GIL keeps it whole).
         self.failed: BaseException | None = None
+        self._checks_failed = 0  # since the last step that succeeded (the first one is logged)
         scheduler.validate(SELF_CHECK)
         _start_new_thread(self._run, ())
 
@@ -221,8 +222,16 @@ class ThreadedEngine:
                 touched = scheduler.step()
             except BaseException as exc:  # noqa: BLE001 - fail the live sequences, keep serving
                 streams = [seq.handle for seq in scheduler.abort() if seq.handle is not _CHECK]
-                if streams or self.failed is None:  # a failing self-check is not news
+                if streams or self.failed is None:
                     log.exception("engine step failed: not ready until a step succeeds")
+                elif not self._checks_failed:  # the first of the engine's own checks to fail
+                    log.warning(
+                        "engine self-check failed: still not ready (checked every %g s): %s: %s",
+                        self._idle_s,
+                        type(exc).__name__,
+                        exc,
+                    )
+                self._checks_failed += not streams
                 self.failed = exc
                 for stream in streams:
                     self._post(stream, exc)
@@ -230,6 +239,7 @@ class ThreadedEngine:
             if self.failed is not None:
                 log.warning("engine recovered: a step succeeded after a failed one; ready again")
                 self.failed = None
+                self._checks_failed = 0
             for seq in touched:
                 if seq.handle is _CHECK:
                     seq.steps.clear()
