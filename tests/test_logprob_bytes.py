@@ -214,9 +214,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
 class Recording:
     """An engine that records every Step it hands out, per stream and per scoring."""
 
-    prefix_cache = (
-        None  # the engine contract's (model.engine.Engine): as the wrapped inline engines
-    )
+    # The engine contract's (model.engine.Engine), as the inline engines it wraps have them.
+    prefix_cache = None
     failed = None
 
     def __init__(self, engine: Any) -> None:
