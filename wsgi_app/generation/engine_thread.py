@@ -84,6 +84,10 @@ class ThreadedEngine:
             how many were drafted and how many accepted (the metrics' counters).
     """
 
+    # What the engine's last step raised, None once a later one succeeded (model.engine.Engine):
+    # written by the engine thread only, read from any (one attribute: the GIL keeps it whole).
+    failed: BaseException | None = None
+
     def __init__(
         self,
         scheduler: Scheduler,
@@ -108,8 +112,7 @@ class ThreadedEngine:
         self._watcher.start(self._deliver)
         # Scoring (echo) is one prefill: run it on a dedicated native pool, not on the hub.
         self._score_pool = ThreadPool(1)
-        # Written by the engine thread only, read from any (one attribute: the GIL keeps it whole).
-        self.failed: BaseException | None = None
+        self.failed = None
         self._checks_failed = 0  # since the last step that succeeded (the first one is logged)
         scheduler.validate(SELF_CHECK)
         _start_new_thread(self._run, ())
