@@ -371,7 +371,7 @@ def test_every_engine_offers_what_the_server_calls():
     # engine that lacked one would fail at the first request, or at the first /ready.
     from model.bigram.engine import BigramEngine
     from model.engine import Engine
-    from model.llama.engine import LlamaEngine
+    from model.llama.serving.engine import LlamaEngine
     from wsgi_app.generation.engine_thread import ThreadedEngine
     from wsgi_app.generation.faults import FaultyEngine
 
