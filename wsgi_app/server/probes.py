@@ -8,7 +8,8 @@ bytes the app's route gives; and a new connection whose first bytes are already 
 is served at once, from the accept itself, ahead of the connections accepted before it
 (:func:`plain_probe_head`, ``wsgi_app.server.worker``).
 
-What is answered is the app's: it registers a :class:`ProbeResponder` with the worker at start
+What is answered is the app's, defined once in ``wsgi_app.http.probes`` (its routes give the same
+bytes): it registers a :class:`ProbeResponder` with the worker at start
 (``gunicorn_config.post_worker_init``), which gives the status, the headers and the body, and after
 the answer has left writes the request's log line and span, as for any other request. Anything else
 (a body, an ``Origin``, another method) goes to the app as before.
