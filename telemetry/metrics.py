@@ -195,7 +195,7 @@ class Metrics:
             ),
             workers_ready=Gauge(
                 "greenserve_workers_ready",
-                "Workers ready for traffic: not draining, engine trusted (as /ready).",
+                "Workers ready for traffic: not draining, engine's last step good (as /ready).",
                 multiprocess_mode="livesum",
                 registry=r,
             ),
