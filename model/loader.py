@@ -36,6 +36,7 @@ from model.bigram.model import Bigram, default_model_dir
 from model.chat_template import ChatTemplate
 from model.engine import Engine, Family, Scheduler
 from model.files import CONFIG_NAME, file_sha256, read_json_object
+from model.footprint import parameters, weights_bytes
 from model.llama.formats.gguf import GGUFModel, read_gguf
 from model.llama.formats.gguf_cache import default_cache_dir, load_or_build
 from model.llama.formats.gguf_tokenizer import tokenizer_from_gguf
@@ -124,6 +125,17 @@ class LoadedModel:
         """True for the default bigram shipped with the ``model`` package (``MODEL_DIR`` unset, or
         naming that directory)."""
         return Path(self.model_dir).resolve() == default_model_dir().resolve()
+
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes of the weights a worker serves with (resident once touched; mapped ones are
+        shared by the workers through the page cache)."""
+        return weights_bytes(self.model)
+
+    @property
+    def parameters(self) -> int:
+        """The number of weights (a tied output matrix counted once)."""
+        return parameters(self.model)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -1,4 +1,4 @@
-"""The app factory: wires the settings, the model and its engine, telemetry and the blueprints.
+"""The app factory: wires the settings, the models and their engines, telemetry and the blueprints.
 
 Use ``create_app()`` as gunicorn's app (``wsgi_app:create_app()``); it builds the per-worker state
 (:func:`make_runtime`), installs the hooks (:func:`install_hooks`) and registers the routes
@@ -16,13 +16,14 @@ from flask import Flask, Response, request
 
 from model import __version__
 from model.engine import Engine
-from model.loader import LoadedModel, load_model
+from model.loader import LoadedModel
 from telemetry.metrics import Metrics
 from telemetry.observer import build_observer
 from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app.generation.admission import Admission
 from wsgi_app.generation.context import GenerationContext
 from wsgi_app.generation.faults import Faults, FaultyEngine
+from wsgi_app.generation.registry import ModelRegistry, ServedModel
 from wsgi_app.http import auth, cors, lifecycle, origin_guard, ratelimit
 from wsgi_app.http.auth_failures import AuthFailures
 from wsgi_app.http.chat import serving_template
@@ -39,6 +40,8 @@ from wsgi_app.http.routes import (
     stats,
 )
 from wsgi_app.http.runtime import EXTENSION, Runtime
+from wsgi_app.model_set import check_budget, load_models, models_of
+from wsgi_app.models_file import ModelEntry
 from wsgi_app.server.heap import AfterAnswers
 from wsgi_app.settings import Settings
 
@@ -46,17 +49,20 @@ SYNC_KEPT = 256  # functions whose ensure_sync answer GreenserveFlask keeps
 
 
 def make_engine(
-    model: LoadedModel, settings: Settings, on_speculated: Callable[[int, int], None] | None = None
+    model: LoadedModel,
+    settings: Settings,
+    on_speculated: Callable[[int, int], None] | None = None,
+    max_slots: int | None = None,
 ) -> Engine:
     """Return the engine for ``model``: an inline family (the bigram) runs in each request's
     greenlet; a batched one (a Llama) runs on one native thread per worker with continuous batching
-    (up to ``MAX_SLOTS`` requests of ``MAX_N`` choices each), drafting up to ``SPECULATIVE_TOKENS``
-    (its drafted and accepted token counts go to ``on_speculated``), with a prefix cache unless
-    ``PREFIX_CACHE=0``."""
+    (up to ``max_slots``, else ``MAX_SLOTS``, requests of ``MAX_N`` choices each), drafting up to
+    ``SPECULATIVE_TOKENS`` (its drafted and accepted token counts go to ``on_speculated``), with a
+    prefix cache unless ``PREFIX_CACHE=0``."""
     if not model.family.inline:
         from wsgi_app.generation.engine_thread import ThreadedEngine
 
-        slots, _ = model.family.limits(settings.max_slots, settings.max_queue)
+        slots, _ = model.family.limits(max_slots or settings.max_slots, settings.max_queue)
         batch = slots * settings.max_n
         cache_bytes = settings.kv_cache_budget_mb << 20 if settings.prefix_cache else None
         scheduler = model.make_scheduler(
@@ -118,35 +124,37 @@ def make_exporter(settings: Settings, metrics: Metrics) -> SpanExporter | NullEx
     )
 
 
-def make_runtime(settings: Settings, clock: Callable[[], float]) -> Runtime:
-    """Load the model and build what the worker serves with: its engine (wrapped with the test-only
-    ``GREENSERVE_FAULTS`` when set), admission, the observer and its heartbeat, the span exporter.
+def make_served(
+    entry: ModelEntry,
+    model: LoadedModel,
+    settings: Settings,
+    on_speculated: Callable[[int, int], None],
+    on_load: Callable[[int, int], None],
+) -> ServedModel:
+    """Build what one model's generations run with: its chat template, its engine (wrapped with
+    the test-only ``GREENSERVE_FAULTS`` when set), its own admission (the entry's slots and queue,
+    else ``MAX_SLOTS`` and ``MAX_QUEUE``, else its family's; a ``KV_CACHE_BUDGET_MB`` of its own).
 
     Args:
+        entry: the model's entry (name, aliases, slots and queue).
+        model: the loaded model.
         settings: the server settings.
-        clock: Unix time in seconds for the request history.
+        on_speculated: told a Llama engine's drafted and accepted token counts.
+        on_load: told the model's running and queued requests when they change.
 
     Raises:
-        ValueError: the model config, the checkpoint or the chat template is invalid (the message
-            names it).
+        ValueError: its chat template (or ``CHAT_TEMPLATE``, ``TOOL_TEMPLATE``) is invalid.
     """
-    model = load_model(settings.model_dir)
     chat_template = serving_template(model, settings)
-    observer = build_observer(
-        clock,
-        stats_db=settings.stats_db,
-        slo_ttft_s=settings.slo_ttft_s,
-        stats_flush_s=settings.stats_flush_s,
-        slow_request_s=settings.slow_request_s,
-    )
-    exporter = make_exporter(settings, observer.metrics)
-    engine = make_engine(model, settings, observer.metrics.count_speculative)
+    slots = entry.max_slots or settings.max_slots
+    queue = settings.max_queue if entry.max_queue is None else entry.max_queue
+    engine = make_engine(model, settings, on_speculated, slots)
     prefix_cache = engine.prefix_cache
     if settings.faults:
         engine = FaultyEngine(engine, Faults.parse(settings.faults))
     admission = Admission(
-        *model.family.limits(settings.max_slots, settings.max_queue),
-        observer.set_load,
+        *model.family.limits(slots, queue),
+        on_load,
         kv_budget_bytes=settings.kv_cache_budget_mb << 20,
         on_room=None if prefix_cache is None else prefix_cache.set_room,
     )
@@ -158,13 +166,51 @@ def make_runtime(settings: Settings, clock: Callable[[], float]) -> Runtime:
     # two workers would decide the same request differently (docs/ARCHITECTURE.md §9).
     if settings.decode_tokens_per_s is not None:
         generation.decode_tokens_per_s = settings.decode_tokens_per_s
-    rt = Runtime(
-        generation,
-        exporter,
-        chat_template,
-        observer=observer,
-        after_answers=AfterAnswers(admission.idle),
+    return ServedModel(entry.name, entry.aliases, generation, chat_template)
+
+
+def make_runtime(settings: Settings, clock: Callable[[], float]) -> Runtime:
+    """Load the models (``MODELS_FILE``, else ``MODEL_DIR``'s one) and build what the worker serves
+    with: each model's engine and admission (:func:`make_served`), the observer and its heartbeat,
+    the span exporter.
+
+    Args:
+        settings: the server settings.
+        clock: Unix time in seconds for the request history.
+
+    Raises:
+        ValueError: the models file, a model config, a checkpoint or a chat template is invalid, or
+            the models cost more than ``MEMORY_BUDGET_MB`` (the message names it).
+    """
+    models = models_of(settings)
+    loaded = load_models(models)
+    check_budget(loaded, settings)
+    observer = build_observer(
+        clock,
+        stats_db=settings.stats_db,
+        slo_ttft_s=settings.slo_ttft_s,
+        stats_flush_s=settings.stats_flush_s,
+        slow_request_s=settings.slow_request_s,
     )
+    exporter = make_exporter(settings, observer.metrics)
+    served: list[ServedModel] = []
+
+    def on_load(_running: int, _queued: int) -> None:
+        # The worker's load gauges count every model's requests.
+        admissions = [s.generation.admission for s in served]
+        observer.set_load(sum(a.busy for a in admissions), sum(a.queued for a in admissions))
+
+    count_speculative = observer.metrics.count_speculative
+    for entry, model in loaded:
+        try:
+            served.append(make_served(entry, model, settings, count_speculative, on_load))
+        except ValueError as exc:
+            if models.path is None:  # MODEL_DIR: the message names it already
+                raise
+            raise ValueError(f"{models.where(entry)}: {exc}") from exc
+    default = models.default or served[0].name
+    rt = Runtime(ModelRegistry(served, default), exporter, observer=observer)
+    rt.after_answers = AfterAnswers(rt.idle)
     observer.flusher.worker_state = rt.heartbeat
     return rt
 

@@ -139,14 +139,16 @@ control_socket = os.environ.get("GUNICORN_CONTROL_SOCKET") or os.path.join(
 
 
 def _check_config_or_exit():
-    """Fail fast, once, in the master: a bad setting or model directory is one clear line on stderr
-    and exit code 1, not a traceback from every worker. Workers load the model again for themselves
-    (memory-mapped, so this costs little). The history database is checked, not created: the
-    workers may run as another user (gunicorn's ``user``)."""
+    """Fail fast, once, in the master: a bad setting, model directory or models file, or models
+    over ``MEMORY_BUDGET_MB``, is one clear line on stderr and exit code 1, not a traceback from
+    every worker. Workers load the models again for themselves (memory-mapped, so this costs
+    little). The history database is checked, not created: the workers may run as another user
+    (gunicorn's ``user``)."""
     import socket
 
-    from model.loader import gguf_file, load_model
+    from model.loader import gguf_file
     from wsgi_app.http.chat import check_chat_template
+    from wsgi_app.model_set import check_budget, load_models, models_of
     from wsgi_app.setting_checks import check_stats_db
     from wsgi_app.settings import Settings
 
@@ -161,14 +163,22 @@ def _check_config_or_exit():
         except socket.gaierror as exc:
             raise ValueError(f"HOST cannot be resolved: {_server.host!r} ({exc.strerror})") from exc
         check_stats_db(settings.stats_db)
-        try:
-            if settings.model_dir is not None:
-                _log_gguf_loading(gguf_file(settings.model_dir))
-            model = load_model(settings.model_dir)
-        except ValueError as exc:
-            where = settings.model_dir or "the embedded default model"
-            raise ValueError(f"MODEL_DIR ({where}): {exc}") from exc
-        check_chat_template(model, settings)  # CHAT_TEMPLATE rendered once on a sample
+        models = models_of(settings)
+        for entry in models.entries:
+            if entry.source is not None:
+                try:
+                    _log_gguf_loading(gguf_file(entry.source))
+                except ValueError as exc:
+                    raise ValueError(f"{models.where(entry)}: {exc}") from exc
+        loaded = load_models(models)
+        check_budget(loaded, settings)
+        for entry, model in loaded:
+            try:
+                check_chat_template(model, settings)  # CHAT_TEMPLATE rendered once on a sample
+            except ValueError as exc:
+                if models.path is None:
+                    raise
+                raise ValueError(f"{models.where(entry)}: {exc}") from exc
     except ValueError as exc:
         _cannot_start(exc)
 
@@ -335,20 +345,20 @@ def _health_port(worker):
 
 
 def _log_serving(worker, state):
-    """Log one line saying which model this worker serves, and which address is which port (the
-    first bind is the API port, the second the health port)."""
+    """Log one line saying which models this worker serves (the default one first), and which
+    address is which port (the first bind is the API port, the second the health port)."""
     import logging
-
-    from wsgi_app.api.models import model_card
 
     scheme = "https" if worker.cfg.is_ssl else "http"
     addresses = [_address(sock, scheme) for sock in worker.sockets]
+    default = state.models.default
     logging.getLogger("greenserve.start").info(
         "serving",
         extra={
-            "model": model_card(state.model)["id"],  # the id /v1/models lists
-            "model_kind": state.model.engine_kind,
-            "model_version": state.model_version,  # X-Model-Version
+            "model": default.name,  # the id /v1/models lists
+            "model_kind": default.model.engine_kind,
+            "model_version": default.model_version,  # X-Model-Version
+            "models": [served.name for served in state.models.served],
             "api_address": addresses[0] if addresses else None,
             "health_address": addresses[1] if len(addresses) > 1 else None,
         },

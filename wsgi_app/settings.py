@@ -97,6 +97,10 @@ class Settings:
 
     Attributes:
         model_dir: model directory, or None for the packaged default model.
+        models_file: the models file naming several models (``MODELS_FILE``,
+            ``wsgi_app.models_file``), or None: ``model_dir`` is the one model.
+        memory_budget_mb: MiB a worker's models may cost together (``MEMORY_BUDGET_MB``: every
+            model's weights plus a Llama's ``kv_cache_budget_mb``), checked at start; None: unchecked.
         max_slots: concurrent generations per worker; None: sized to the model
             (the model family's, ``model.engine.Family.limits``: 1024 for the bigram, 64 for a Llama).
         max_queue: requests allowed to wait for a slot, per worker; None: sized to the model
@@ -167,6 +171,8 @@ class Settings:
     """
 
     model_dir: str | None = None
+    models_file: str | None = None
+    memory_budget_mb: int | None = None
     max_slots: int | None = None
     max_queue: int | None = None
     kv_cache_budget_mb: int = 1024
@@ -219,8 +225,16 @@ class Settings:
         env = os.environ if env is None else env
         d = field_defaults(cls)
         storage_uri = env_str(env, "RATE_LIMIT_STORAGE_URI", d["rate_limit_storage_uri"])
+        models_file = env_readable_file(env, "MODELS_FILE")
+        if models_file is not None and "MODEL_DIR" in env:
+            raise ValueError(
+                f"MODELS_FILE ({models_file}): set MODEL_DIR or MODELS_FILE, not both "
+                "(name MODEL_DIR's model in the models file)"
+            )
         return cls(
             model_dir=env_model_dir(env),
+            models_file=models_file,
+            memory_budget_mb=env_int(env, "MEMORY_BUDGET_MB", d["memory_budget_mb"], 1, 1 << 24),
             max_slots=env_int(env, "MAX_SLOTS", d["max_slots"], 1, 100_000),
             max_queue=env_int(env, "MAX_QUEUE", d["max_queue"], 0, 1_000_000),
             kv_cache_budget_mb=env_int(

@@ -1,10 +1,11 @@
-"""The OpenAI ``model`` object of the one model this server serves (``GET /v1/models``), and the id
-it is served under (no Flask).
+"""The OpenAI ``model`` object of a model this server serves (``GET /v1/models``), and the id
+``MODEL_DIR``'s model is served under (no Flask).
 
-The served id is the model's ``config.json`` ``name`` when it is a non-empty string; otherwise
+``MODEL_DIR``'s id is the model's ``config.json`` ``name`` when it is a non-empty string; otherwise
 ``bigram`` for the packaged default model and the model directory's name for a ``MODEL_DIR`` (so
-``MODEL_DIR=my-model`` serves ``my-model``); a GGUF file is served under its file stem. The views are
-``wsgi_app/http/routes/models.py``; the status page and the start-up log line show the same id.
+``MODEL_DIR=my-model`` serves ``my-model``); a GGUF file is served under its file stem. A models
+file's model is served under its entry's name. The views are ``wsgi_app/http/routes/models.py``; the
+status page and the start-up log line show the same id.
 
 Source: OpenAI API reference, "Models" (the ``model`` object).
 """
@@ -21,6 +22,9 @@ from model.loader import LoadedModel
 
 DEFAULT_MODEL_ID = "bigram"
 OWNER = "greenserve"
+# What every served model can do (both families): chat (its template or the default one), tool
+# calls and structured outputs (llguidance over its tokenizer), logprobs.
+CAPABILITIES = {"chat": True, "tools": True, "structured_outputs": True, "logprobs": True}
 
 
 def model_id(config: Mapping[str, Any], model_dir: Path, packaged: bool) -> str:
@@ -39,8 +43,9 @@ def model_id(config: Mapping[str, Any], model_dir: Path, packaged: bool) -> str:
     return Path(model_dir).resolve().name or DEFAULT_MODEL_ID
 
 
-def model_card(model: LoadedModel) -> dict[str, Any]:
-    """Return the OpenAI ``model`` object of a loaded model.
+def model_card(model: LoadedModel, name: str | None = None) -> dict[str, Any]:
+    """Return the OpenAI ``model`` object of a loaded model, listed as ``name`` (None: the id
+    ``MODEL_DIR``'s model is served under).
 
     ``created`` is the config file's modification time (Unix seconds): the same in every worker.
     ``context_length`` (an extension, like vLLM's ``max_model_len``) is the most tokens a prompt
@@ -55,7 +60,7 @@ def model_card(model: LoadedModel) -> dict[str, Any]:
     except (OSError, ValueError):  # the file went away after loading: the model still serves
         config, created = {}, 0
     card = {
-        "id": model.name or model_id(config, directory, model.packaged),
+        "id": name or model.name or model_id(config, directory, model.packaged),
         "object": "model",
         "created": created,
         "owned_by": OWNER,
@@ -65,3 +70,31 @@ def model_card(model: LoadedModel) -> dict[str, Any]:
     if model.quantization is not None:
         card["quantization"] = model.quantization  # the GGUF type the float32 weights came from
     return card
+
+
+def serving_card(
+    model: LoadedModel, name: str, aliases: tuple[str, ...], max_completion_tokens: int
+) -> dict[str, Any]:
+    """Return the ``model`` object ``/v1/models`` lists for a served model: :func:`model_card`
+    with the extensions clients size their requests by.
+
+    ``max_completion_tokens`` is the most ``max_tokens`` a request may ask (the API's cap, the
+    context less one prompt token, the pace's bound: ``GenerationContext.max_completion_tokens``);
+    ``capabilities`` what it can do (:data:`CAPABILITIES`); ``parameters`` its weights' count and
+    ``resident_bytes`` their bytes in a worker (``LoadedModel.weights_bytes``); ``aliases`` the
+    other names that pick it.
+    """
+    card = model_card(model, name)
+    card["max_completion_tokens"] = max_completion_tokens
+    card["capabilities"] = dict(CAPABILITIES)
+    card["parameters"] = model.parameters
+    card["resident_bytes"] = model.weights_bytes
+    card["aliases"] = list(aliases)
+    return card
+
+
+def alias_card(card: dict[str, Any], alias: str) -> dict[str, Any]:
+    """Return the ``model`` object of an alias of the model ``card`` describes: the same object
+    under the alias's id, with ``alias_of`` naming the model and no ``aliases``."""
+    listed = {key: value for key, value in card.items() if key != "aliases"}
+    return {**listed, "id": alias, "alias_of": card["id"]}

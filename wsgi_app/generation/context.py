@@ -18,6 +18,7 @@ import gevent
 
 from model.engine import Engine
 from model.loader import LoadedModel
+from wsgi_app.api.completions import MAX_TOKENS_LIMIT
 from wsgi_app.generation.admission import Admission
 from wsgi_app.generation.grammars import GrammarService
 from wsgi_app.settings import Settings
@@ -94,6 +95,17 @@ class GenerationContext:
             return None
         budget_s = self.settings.request_timeout_s * DEADLINE_HEADROOM
         return max(1, int(self.decode_tokens_per_s * budget_s))
+
+    @property
+    def max_completion_tokens(self) -> int:
+        """Return the most ``max_tokens`` a request for this model may ask, in tokens: the API's
+        cap (``MAX_TOKENS_LIMIT``), at most the context less one prompt token, at most
+        :attr:`feasible_max_tokens`."""
+        most = MAX_TOKENS_LIMIT
+        if self.model.context_length is not None:
+            most = min(most, self.model.context_length - 1)
+        feasible = self.feasible_max_tokens
+        return most if feasible is None else min(most, feasible)
 
     def latest_start(self, deadline: float, max_tokens: int) -> float | None:
         """Return the last ``perf_counter`` time at which a request may still start and finish

@@ -39,6 +39,8 @@ class RequestRecord:
         client_hash: salted hash of the client's address (``telemetry.logs.client_hash``).
         user_hash: salted hash of the request's ``user`` (the same function), or None without one.
         model: the request's ``model`` once validated, else None.
+        model_version: the version of the model the request picked (``X-Model-Version``), or
+            None before one is picked (the default model's is sent then).
         prompt: the prompt text, kept only with ``LOG_PROMPTS=1`` (else None).
         texts: each choice's text, kept only with ``LOG_PROMPTS=1`` (else None).
         token_times: ``perf_counter`` of every generated token (all choices), ``array('d')``, seconds.
@@ -77,6 +79,7 @@ class RequestRecord:
     client_hash: str = ""
     user_hash: str | None = None
     model: str | None = None
+    model_version: str | None = None
     prompt: str | None = None
     texts: list[str] | None = None
     token_times: array = field(default_factory=lambda: array("d"))

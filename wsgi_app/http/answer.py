@@ -21,10 +21,10 @@ from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.lifetime import admit, random_seed
 from wsgi_app.generation.pacer import ClientGone
 from wsgi_app.generation.record import RequestRecord
+from wsgi_app.generation.registry import ServedModel
 from wsgi_app.http.auth import cache_salt
 from wsgi_app.http.error_handlers import error_response
 from wsgi_app.http.event_source import RETRY_MS, no_content, parse_last_event_id, stream_id
-from wsgi_app.http.runtime import Runtime
 from wsgi_app.http.stream_body import STREAM_HEADERS, EventStreamResponse
 from wsgi_app.server.connection import hang_up
 from wsgi_app.wire.encoder import TEXT_COMPLETION, WireFormat
@@ -32,7 +32,7 @@ from wsgi_app.wire.sse import PLAIN, EventIds
 
 
 def answer(
-    rt: Runtime,
+    served: ServedModel,
     req: GenerationInput,
     record: RequestRecord,
     wire: WireFormat = TEXT_COMPLETION,
@@ -42,7 +42,7 @@ def answer(
     ``query``, as the ``EventSource`` stream that resumes after ``Last-Event-ID``.
 
     Args:
-        rt: the worker's runtime.
+        served: the model the request picked (``Runtime.pick``): its generation context runs it.
         req: the request's generation input (``wsgi_app.generation.inputs``).
         record: the request's record.
         wire: the answer's wire format (``TEXT_COMPLETION``, the chat completion's).
@@ -57,7 +57,7 @@ def answer(
             before the answer, 500 ``engine_error``.
     """
     # Structured outputs: a constraint that cannot be enforced is a 400 before any byte.
-    grammar = rt.generation.grammars.prepare(req, record)
+    grammar = served.generation.grammars.prepare(req, record)
     framing, completion_id = PLAIN, None
     if query is None:
         seed = req.seed if req.seed is not None else random_seed()
@@ -77,7 +77,7 @@ def answer(
         completion_id = stream_id(seed, query, wire.id_prefix)
     sock = request.environ.get("gunicorn.socket")
     generation = admit(
-        rt.generation,
+        served.generation,
         req,
         record,
         seed,

@@ -114,7 +114,10 @@ def _headers(response: Response) -> Response:
     rt = runtime()
     # A failure before _begin ran still answers with an id.
     request_id = request_id_from(None) if record is None else record.request_id
-    for name, value in answer_headers(rt.model_version, request_id):
+    version = (
+        rt.model_version if record is None or record.model_version is None else record.model_version
+    )
+    for name, value in answer_headers(version, request_id):
         response.headers[name] = value
     if record is None:
         return response

@@ -1,5 +1,5 @@
-"""Per-worker state: what generations run with (the settings, the model and its engine, admission),
-the span exporter and the request observer, readiness.
+"""Per-worker state: what generations run with (the settings, the models with their engines and
+admission), the span exporter and the request observer, readiness.
 
 This is the only state the app keeps beyond a request; it lives on ``app.extensions["greenserve"]``, made
 by the app factory in the worker (after gevent's patching), never in the gunicorn master.
@@ -24,6 +24,8 @@ from telemetry.observer import Observer
 from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app.generation.admission import Admission
 from wsgi_app.generation.context import GenerationContext
+from wsgi_app.generation.record import RequestRecord
+from wsgi_app.generation.registry import ModelRegistry, ServedModel
 from wsgi_app.server.heap import AfterAnswers
 from wsgi_app.server.worker import END_STREAMS_S
 from wsgi_app.settings import Settings
@@ -42,13 +44,13 @@ class Runtime:
     """What one worker serves with.
 
     Attributes:
-        generation: what every generation runs with (the settings, the model, its engine,
-            admission, the model version, the stop clock, the engine's health): the Flask-free
-            part, which the answer path hands to ``wsgi_app.generation``; :attr:`settings`,
-            :attr:`model`, :attr:`engine`, :attr:`admission` and :attr:`model_version` are its.
+        models: the served models (``wsgi_app.generation.registry``), each with what its
+            generations run with (the model, its engine, admission, the model version, the stop
+            clock, the engine's health): the Flask-free part, which the answer path hands to
+            ``wsgi_app.generation`` for the model a request picks (:meth:`pick`). :attr:`generation`,
+            :attr:`model`, :attr:`engine`, :attr:`admission`, :attr:`model_version` and
+            :attr:`chat_template` are the default model's.
         exporter: the span exporter.
-        chat_template: the chat template chat requests are rendered with: ``CHAT_TEMPLATE``, else
-            the model's, else the default.
         started_at: Unix time the worker became ready, in seconds.
         stopping: SIGTERM happened: ``/ready`` answers 503.
         drained_here: the server was drained with no shared directory to say so (single process).
@@ -63,9 +65,8 @@ class Runtime:
             ``gunicorn_config.post_worker_init``.
     """
 
-    generation: GenerationContext
+    models: ModelRegistry
     exporter: SpanExporter | NullExporter
-    chat_template: ChatTemplate
     started_at: float = field(default_factory=time.time)
     stopping: bool = False
     drained_here: bool = False
@@ -74,6 +75,25 @@ class Runtime:
     render_pool: ThreadPool | None = field(default=None, repr=False)
     after_answers: AfterAnswers | None = field(default=None, repr=False)
     health_port: int | None = None
+
+    @property
+    def generation(self) -> GenerationContext:
+        """The default model's generation context."""
+        return self.models.default.generation
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The default model's chat template: ``CHAT_TEMPLATE``, else the model's, else the
+        default."""
+        return self.models.default.chat_template
+
+    def pick(self, body: Any, record: RequestRecord) -> ServedModel:
+        """Return the model a request body's ``model`` picks (by name or alias), else the default
+        (``ModelRegistry.pick``; a body that is not a JSON object gets the default model), and note
+        its version on ``record`` (the answer's ``X-Model-Version``)."""
+        served = self.models.pick(body.get("model") if isinstance(body, dict) else None)
+        record.model_version = served.model_version
+        return served
 
     @property
     def settings(self) -> Settings:
@@ -102,33 +122,27 @@ class Runtime:
         return self.generation.model_version
 
     @property
-    def engine_ok(self) -> bool:
-        """False while the engine's last shared step failed (until a later step succeeds)."""
-        return self.generation.engine_ok
-
-    @property
     def stop_at(self) -> float | None:
         """``perf_counter`` time by which in-flight streams must end (set on SIGTERM), or None."""
         return self.generation.stop.stop_at
 
-    @property
-    def parse_limits(self) -> dict[str, Any]:
-        """Keyword arguments for ``protocol.parse_completion_request``: the limits and tokenizer."""
+    def parse_limits(self, served: ServedModel) -> dict[str, Any]:
+        """Keyword arguments for ``parse_completion_request`` of a request for ``served``: the
+        limits, its tokenizer and its context length."""
         return {
             "max_prompt_tokens": self.settings.max_prompt_tokens,
             "max_n": self.settings.max_n,
             "max_logprob_entries": self.settings.max_logprob_entries,
-            "tokenizer": self.prompt_tokenizer,
-            "context_length": self.model.context_length,
+            "tokenizer": self.prompt_tokenizer(served.model),
+            "context_length": served.model.context_length,
         }
 
-    @property
-    def prompt_tokenizer(self) -> Any:
-        """The model's tokenizer for request prompts: long texts are encoded on :attr:`render_pool`.
+    def prompt_tokenizer(self, model: LoadedModel) -> Any:
+        """``model``'s tokenizer for request prompts: long texts are encoded on :attr:`render_pool`.
 
         The byte tokenizer is returned as is (a prompt's byte length is its token count).
         """
-        tokenizer = self.model.tokenizer
+        tokenizer = model.tokenizer
         if isinstance(tokenizer, ByteTokenizer):
             return tokenizer
         return OffloadedTokenizer(tokenizer, self.offload)
@@ -187,14 +201,15 @@ class Runtime:
     @property
     def not_ready_reason(self) -> NotReady | None:
         """Why the worker should get no traffic now: ``"draining"`` (stopping, or the server
-        drained), else ``"engine_failed"`` (:attr:`engine_ok` is False); None when ready."""
+        drained), else ``"engine_failed"`` (the last shared step of any of its models' engines
+        failed: ``ModelRegistry.failed``); None when ready."""
         if self.draining:
             return "draining"
-        return None if self.engine_ok else "engine_failed"
+        return "engine_failed" if self.models.failed() else None
 
     @property
     def ready(self) -> bool:
-        """True while the worker should get traffic: not draining, its engine's last step good."""
+        """True while the worker should get traffic: not draining, every engine's last step good."""
         return self.not_ready_reason is None
 
     def begin_shutdown(self, grace_s: float) -> None:
@@ -213,34 +228,43 @@ class Runtime:
         if self.stop_at is not None:
             return
         self.stopping = True
-        self.generation.stop_in(max(0.0, grace_s - END_STREAMS_S))
+        for served in self.models.served:
+            served.generation.stop_in(max(0.0, grace_s - END_STREAMS_S))
 
     def worker_state(self) -> dict[str, Any]:
-        """Return this worker's state for ``/stats`` (written with every history heartbeat)."""
-        adm = self.admission
+        """Return this worker's state for ``/stats`` (written with every history heartbeat): its
+        slots, queue and served requests summed over its models."""
+        admissions = [served.generation.admission for served in self.models.served]
         return {
             "ready": self.ready,
             "draining": self.draining,
-            "engine_ok": self.engine_ok,
-            "slots_busy": adm.busy,
-            "slots_total": adm.max_slots,
-            "queued": adm.queued,
-            "served": adm.served,
+            "engine_ok": not self.models.failed(),
+            "slots_busy": sum(adm.busy for adm in admissions),
+            "slots_total": sum(adm.max_slots for adm in admissions),
+            "queued": sum(adm.queued for adm in admissions),
+            "served": sum(adm.served for adm in admissions),
         }
+
+    def idle(self) -> bool:
+        """True when no model of the worker has a generation running or queued."""
+        return all(served.generation.admission.idle() for served in self.models.served)
 
     def heartbeat(self) -> dict[str, Any]:
         """Return :meth:`worker_state` for the history's heartbeat (``telemetry.flusher``, every
         ``STATS_FLUSH_S``), first bringing up to date the metrics that follow state kept elsewhere:
         ``greenserve_workers_ready`` follows ``/ready``, and the prefix cache's counters what the
-        engine thread counted."""
+        engine threads counted (summed over the models)."""
         state = self.worker_state()
         if self.observer is not None:
             metrics = self.observer.metrics
             metrics.set_ready(state["ready"])
-            cache = self.engine.prefix_cache
-            if cache is not None:
+            caches = [s.generation.engine.prefix_cache for s in self.models.served]
+            caches = [cache for cache in caches if cache is not None]
+            if caches:
                 metrics.set_prefix_cache_totals(
-                    cache.hit_tokens, cache.miss_tokens, cache.evicted_blocks
+                    sum(cache.hit_tokens for cache in caches),
+                    sum(cache.miss_tokens for cache in caches),
+                    sum(cache.evicted_blocks for cache in caches),
                 )
         return state
 

@@ -22,6 +22,7 @@ from flask import Blueprint, Response, g, request
 from wsgi_app.api.chat import ChatRequest, parse_chat_request
 from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.record import RequestRecord
+from wsgi_app.generation.registry import ServedModel
 from wsgi_app.http.answer import answer
 from wsgi_app.http.body import json_body
 from wsgi_app.http.chat import chat_completion_request
@@ -47,8 +48,10 @@ def create_chat_completion() -> Response:
     """
     rt = runtime()
     record: RequestRecord = g.record
-    req = _completion_request(rt, record, json_body(rt, record))
-    return answer(rt, req, record, CHAT_COMPLETION)
+    body = json_body(rt, record)
+    served = rt.pick(body, record)
+    req = _completion_request(rt, served, record, body)
+    return answer(served, req, record, CHAT_COMPLETION)
 
 
 @bp.get(PATH)
@@ -63,14 +66,16 @@ def stream_chat_completion() -> Response:
     check_event_source(PATH)
     body = chat_query_body(request.args)
     record: RequestRecord = g.record
-    req = _completion_request(rt, record, body)
-    return answer(rt, req, record, CHAT_COMPLETION, query=body)
+    served = rt.pick(body, record)
+    req = _completion_request(rt, served, record, body)
+    return answer(served, req, record, CHAT_COMPLETION, query=body)
 
 
 def _completion_request(
-    rt: Runtime, record: RequestRecord, body: dict[str, Any]
+    rt: Runtime, served: ServedModel, record: RequestRecord, body: dict[str, Any]
 ) -> GenerationInput:
-    """Validate a chat body, note its hashed ``user``, and render it into its generation input.
+    """Validate a chat body for the model ``served``, note its hashed ``user``, and render it into
+    its generation input.
 
     Raises:
         ApiError: 400 naming the invalid field (see :func:`~wsgi_app.api.chat.parse_chat_request`
@@ -79,15 +84,15 @@ def _completion_request(
     settings = rt.settings
     chat: ChatRequest = parse_chat_request(
         body,
-        vocab_size=rt.model.tokenizer.vocab_size,
+        vocab_size=served.model.tokenizer.vocab_size,
         max_n=settings.max_n,
         max_messages=settings.max_chat_messages,
     )
     note_user(record, settings.client_hash_salt, chat.user)
     return chat_completion_request(
         chat,
-        rt.chat_template,
-        rt.model,
+        served.chat_template,
+        served.model,
         max_prompt_tokens=settings.max_prompt_tokens,
         # A default answer may use the rest of the context (OpenAI's rule) up to CHAT_MAX_TOKENS,
         # never a number fitted to a pace; the deadline still bounds it.

@@ -30,5 +30,7 @@ def create_completion() -> Response:
     """
     rt = runtime()
     record: RequestRecord = g.record
-    req = parse_completion_request(json_body(rt, record), **rt.parse_limits)
-    return answer(rt, generation_input(req), record)
+    body = json_body(rt, record)
+    served = rt.pick(body, record)
+    req = parse_completion_request(body, **rt.parse_limits(served))
+    return answer(served, generation_input(req), record)

@@ -45,5 +45,6 @@ def stream_completion() -> Response:
     rt = runtime()
     check_event_source("/v1/completions")
     body = query_body(request.args)
-    req = parse_completion_request(body, **rt.parse_limits)
-    return answer(rt, generation_input(req), g.record, query=body)
+    served = rt.pick(body, g.record)
+    req = parse_completion_request(body, **rt.parse_limits(served))
+    return answer(served, generation_input(req), g.record, query=body)

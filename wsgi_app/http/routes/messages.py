@@ -25,6 +25,7 @@ from wsgi_app.api.anthropic import (
 )
 from wsgi_app.generation.inputs import GenerationInput, generation_input
 from wsgi_app.generation.record import RequestRecord
+from wsgi_app.generation.registry import ServedModel
 from wsgi_app.http.answer import answer
 from wsgi_app.http.body import json_body
 from wsgi_app.http.chat import render_conversation, served_tool_format
@@ -51,13 +52,15 @@ def create_message() -> Response:
     rt = runtime()
     record: RequestRecord = g.record
     settings = rt.settings
+    body = json_body(rt, record)
+    served = rt.pick(body, record)
     msg = parse_messages_request(
-        json_body(rt, record),
-        vocab_size=rt.model.tokenizer.vocab_size,
+        body,
+        vocab_size=served.model.tokenizer.vocab_size,
         max_messages=settings.max_chat_messages,
     )
     note_user(record, settings.client_hash_salt, msg.user)
-    return answer(rt, _generation_input(rt, msg), record, MESSAGE)
+    return answer(served, _generation_input(rt, served, msg), record, MESSAGE)
 
 
 @bp.post(PATH + "/count_tokens")
@@ -71,39 +74,42 @@ def count_tokens() -> Response:
     """
     rt = runtime()
     record: RequestRecord = g.record
-    msg = parse_count_tokens(json_body(rt, record), rt.settings.max_chat_messages)
+    body = json_body(rt, record)
+    served = rt.pick(body, record)
+    msg = parse_count_tokens(body, rt.settings.max_chat_messages)
     record.ignored_fields = msg.ignored_fields
     record.model = msg.model
-    _, prompt_ids = _render(rt, msg)
+    _, prompt_ids = _render(rt, served, msg)
     return json_response({"input_tokens": len(prompt_ids)})
 
 
-def _render(rt: Runtime, msg: MessagesRequest) -> tuple[str, list[int]]:
-    """Render ``msg``'s conversation and tools on the worker's render threads."""
+def _render(rt: Runtime, served: ServedModel, msg: MessagesRequest) -> tuple[str, list[int]]:
+    """Render ``msg``'s conversation and tools for the model ``served`` on the worker's render
+    threads."""
     return render_conversation(
         msg.messages,
         msg.tools,
-        rt.chat_template,
-        rt.model,
+        served.chat_template,
+        served.model,
         max_prompt_tokens=rt.settings.max_prompt_tokens,
         offload=rt.offload,
     )
 
 
-def _generation_input(rt: Runtime, msg: MessagesRequest) -> GenerationInput:
-    """Render ``msg`` and return the generation input it stands for.
+def _generation_input(rt: Runtime, served: ServedModel, msg: MessagesRequest) -> GenerationInput:
+    """Render ``msg`` for the model ``served`` and return the generation input it stands for.
 
     Raises:
         ApiError: 400 naming ``messages``, ``max_tokens`` or ``stop_sequences``
             (``wsgi_app.api.anthropic.completion_request``).
     """
-    prompt_text, prompt_ids = _render(rt, msg)
-    template = rt.chat_template
+    prompt_text, prompt_ids = _render(rt, served, msg)
+    template = served.chat_template
     req = completion_request(
         msg,
         prompt_ids,
         prompt_text,
-        context_length=rt.model.context_length,
+        context_length=served.model.context_length,
         template_stop=template.stop,
     )
     return generation_input(req, msg.tools, served_tool_format(template), msg.stop)

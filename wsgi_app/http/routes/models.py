@@ -1,44 +1,60 @@
-"""``GET /v1/models`` and ``GET /v1/models/{model}``: the one model this server serves.
+"""``GET /v1/models`` and ``GET /v1/models/{model}``: the models this server serves and their aliases.
 
-The model object and the id it lists are ``wsgi_app.api.models``'s. Completions still accept any
-``model`` string and echo it (docs/ARCHITECTURE.md §8): the list tells clients what to send, it does
-not police them.
+The model objects are ``wsgi_app.api.models``'s: each model under its name, then each of its
+aliases as a model object of its own (``alias_of`` naming the model). Completions still accept any
+``model`` string and echo it (docs/ARCHITECTURE.md §8): one the server does not list goes to the
+default model; the list tells clients what to send, it does not police them.
 
 Source: OpenAI API reference, "Models" (list, retrieve; the ``model`` object).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from flask import Blueprint, Response
 
 from wsgi_app.api.errors import ApiError
-from wsgi_app.api.models import model_card
+from wsgi_app.api.models import alias_card, serving_card
 from wsgi_app.http.error_handlers import json_response
-from wsgi_app.http.runtime import runtime
+from wsgi_app.http.runtime import Runtime, runtime
 
 bp = Blueprint("models", __name__)
 
 
+def _cards(rt: Runtime) -> list[dict[str, Any]]:
+    """Return the model objects of every served model, each followed by its aliases'."""
+    cards = []
+    for served in rt.models.served:
+        gen = served.generation
+        card = serving_card(served.model, served.name, served.aliases, gen.max_completion_tokens)
+        cards += [card, *(alias_card(card, alias) for alias in served.aliases)]
+    return cards
+
+
 @bp.get("/v1/models")
 def list_models() -> Response:
-    """List the served models: ``{"object":"list","data":[<model>]}``."""
-    return json_response({"object": "list", "data": [model_card(runtime().model)]})
+    """List the served models and aliases: ``{"object":"list","data":[<model>, ...]}``."""
+    return json_response({"object": "list", "data": _cards(runtime())})
 
 
 @bp.get("/v1/models/<path:model>")
 def retrieve_model(model: str) -> Response:
-    """Describe one model.
+    """Describe one model or alias.
 
     Raises:
-        ApiError: 404 ``model_not_found`` when ``model`` is not the served id.
+        ApiError: 404 ``model_not_found`` when ``model`` is no served name or alias.
     """
-    card = model_card(runtime().model)
-    if model != card["id"]:
-        raise ApiError(
-            404,
-            f"The model '{model}' does not exist; this server serves '{card['id']}'.",
-            type="not_found_error",
-            param="model",
-            code="model_not_found",
-        )
-    return json_response(card)
+    rt = runtime()
+    cards = _cards(rt)
+    for card in cards:
+        if card["id"] == model:
+            return json_response(card)
+    served = ", ".join(f"'{m.name}'" for m in rt.models.served)
+    raise ApiError(
+        404,
+        f"The model '{model}' does not exist; this server serves {served}.",
+        type="not_found_error",
+        param="model",
+        code="model_not_found",
+    )

@@ -1,0 +1,104 @@
+"""Load the models a server serves (``MODELS_FILE``, else ``MODEL_DIR``'s one) and count what they
+cost a worker against ``MEMORY_BUDGET_MB``.
+
+Run twice: once in the gunicorn master before any worker starts (``gunicorn_config``: a bad file,
+a model that does not load or a set that does not fit is one line and exit code 1), then by each
+worker's app factory, which serves what it loads (weights are memory-mapped: a worker's second
+load costs little).
+
+A worker's cost of a model is its weights' bytes (``LoadedModel.weights_bytes``; a mapped file's
+pages are shared by the workers, a private copy is not: the count takes both as private, so it
+errs on the safe side) plus, for a batched family (a Llama), ``KV_CACHE_BUDGET_MB``: the KV-cache
+bytes its running requests may reserve, which its prefix cache lives within. The bigram keeps no
+KV cache.
+
+Source: docs/ARCHITECTURE.md §12 (several models).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from model.fetch import MODELS, fetched_file
+from model.loader import LoadedModel, load_model
+from wsgi_app.api.models import model_card
+from wsgi_app.models_file import ModelEntry, ModelsFile, read_models_file, single_model
+from wsgi_app.settings import Settings
+
+MIB = 1 << 20
+
+
+def models_of(settings: Settings) -> ModelsFile:
+    """Return the models ``settings`` name: the models file, else ``MODEL_DIR``'s one model.
+
+    Raises:
+        ValueError: the models file is invalid (one line naming it and the entry).
+    """
+    if settings.models_file is not None:
+        return read_models_file(settings.models_file)
+    return single_model(settings.model_dir)
+
+
+def load_entry(entry: ModelEntry) -> LoadedModel:
+    """Load ``entry``'s model: its path, the packaged default, or a fetched file (its SHA-256
+    checked against ``model.fetch``'s).
+
+    Raises:
+        ValueError: the model is missing or invalid, or a fetched file is not the one expected.
+    """
+    if entry.fetch is None:
+        return load_model(entry.source)
+    path = fetched_file(entry.fetch)
+    loaded = load_model(path)
+    if loaded.checksum != MODELS[entry.fetch].sha256:
+        raise ValueError(f"{path}: SHA-256 differs from model.fetch's: fetch it again")
+    return loaded
+
+
+def load_models(models: ModelsFile) -> list[tuple[ModelEntry, LoadedModel]]:
+    """Load every model of ``models``, in order; ``MODEL_DIR``'s entry gets its served id as name.
+
+    Raises:
+        ValueError: one line naming the entry (``MODELS_FILE (path): models.NAME: ...``, or
+            ``MODEL_DIR (where): ...``) and why its model cannot load.
+    """
+    loaded = []
+    for entry in models.entries:
+        try:
+            model = load_entry(entry)
+        except ValueError as exc:
+            raise ValueError(f"{models.where(entry)}: {exc}") from exc
+        if models.path is None:  # MODEL_DIR: served under the id its files give it
+            entry = replace(entry, name=model_card(model)["id"])
+        loaded.append((entry, model))
+    return loaded
+
+
+def cost_bytes(model: LoadedModel, settings: Settings) -> tuple[int, int]:
+    """Return what ``model`` costs one worker: its weights' bytes and its KV budget's bytes (0 for
+    an inline family, which keeps no KV cache)."""
+    kv = 0 if model.family.inline else settings.kv_cache_budget_mb * MIB
+    return model.weights_bytes, kv
+
+
+def check_budget(loaded: list[tuple[ModelEntry, LoadedModel]], settings: Settings) -> None:
+    """Refuse a set of models that costs a worker more than ``MEMORY_BUDGET_MB`` (unset: none).
+
+    Raises:
+        ValueError: one line naming ``MEMORY_BUDGET_MB``, the total and each model's weights + KV,
+            in MiB.
+    """
+    budget = settings.memory_budget_mb
+    if budget is None:
+        return
+    parts, total = [], 0
+    for entry, model in loaded:
+        weights, kv = cost_bytes(model, settings)
+        total += weights + kv
+        parts.append(f"{entry.name} {weights / MIB:.2f} + KV {kv / MIB:.0f}")
+    if total > budget * MIB:
+        raise ValueError(
+            f"MEMORY_BUDGET_MB ({budget}): the models need {total / MIB:.2f} MiB a worker "
+            f"(weights + KV budget: {'; '.join(parts)}); raise it, lower KV_CACHE_BUDGET_MB or "
+            "serve fewer models"
+        )

@@ -1,0 +1,185 @@
+"""The models file (``MODELS_FILE``): the models a server serves, their aliases and its default one
+(no Flask, no model code: the gunicorn master reads it before anything is loaded).
+
+A TOML file (read with the standard library's ``tomllib``) or, for a name ending ``.json``, the same
+structure in JSON::
+
+    default = "bigram"              # the model a request naming no listed model gets
+
+    [models.bigram]
+    source = "bigram"               # the packaged default model
+    aliases = ["gpt-4o-mini"]
+
+    [models.poems]
+    source = "models/poems"         # a model directory or .gguf file, relative to this file
+    aliases = ["verse"]
+    max_slots = 4                   # this model's own slots and queue per worker (else MAX_SLOTS,
+    max_queue = 16                  # MAX_QUEUE, else its family's)
+
+    [models.smollm2]
+    source = "smollm2"              # a ``python -m model.fetch`` name, fetched beforehand
+
+Without ``MODELS_FILE``, ``MODEL_DIR`` alone is one model, as it always was
+(:func:`single_model`). Every check is made when the file is read, and an error is one line naming
+``MODELS_FILE``, the file and the entry (``models.poems.aliases``).
+
+Source: TOML v1.0.0; RFC 8259 (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# The source naming the model shipped with the ``model`` package (what an unset MODEL_DIR serves).
+PACKAGED_SOURCE = "bigram"
+# model.fetch.MODELS' names, kept here so that reading the file imports no model code; the test of
+# this module checks that both agree.
+FETCH_NAMES = ("smollm2",)
+ENTRY_KEYS = ("source", "aliases", "max_slots", "max_queue")
+SLOT_RANGES = {"max_slots": (1, 100_000), "max_queue": (0, 1_000_000)}  # as MAX_SLOTS, MAX_QUEUE
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model of the file.
+
+    Attributes:
+        name: the id it is served and listed under (the entry's key).
+        source: a model directory or ``.gguf`` file (absolute, or relative to the file's folder,
+            made absolute here), :data:`PACKAGED_SOURCE`, or a ``model.fetch`` name; None for the
+            packaged default model.
+        fetch: the ``model.fetch`` name ``source`` is, or None.
+        aliases: other names that pick it.
+        max_slots, max_queue: its own slots and queue per worker, or None (the server's).
+    """
+
+    name: str
+    source: str | None
+    fetch: str | None = None
+    aliases: tuple[str, ...] = ()
+    max_slots: int | None = None
+    max_queue: int | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The name, then the aliases: every name that picks this model."""
+        return (self.name, *self.aliases)
+
+
+@dataclass(frozen=True)
+class ModelsFile:
+    """The models a server serves, in the file's order.
+
+    Attributes:
+        entries: one per model (at least one).
+        default: the name of the model a request naming none of them gets.
+        path: the file it was read from, or None for ``MODEL_DIR``'s one model.
+    """
+
+    entries: tuple[ModelEntry, ...]
+    default: str
+    path: str | None = None
+
+    def where(self, entry: ModelEntry) -> str:
+        """Return how an error names ``entry``: ``MODELS_FILE (path): models.NAME`` or
+        ``MODEL_DIR (where)``."""
+        if self.path is None:
+            return f"MODEL_DIR ({entry.source or 'the embedded default model'})"
+        return f"MODELS_FILE ({self.path}): models.{entry.name}"
+
+
+def single_model(model_dir: str | None) -> ModelsFile:
+    """Return ``MODEL_DIR``'s one model (None: the packaged default), the default of itself; its
+    name is filled in once loaded (``wsgi_app.api.models.model_id``), so the entry's is empty."""
+    return ModelsFile((ModelEntry("", model_dir),), "")
+
+
+def read_models_file(path: str) -> ModelsFile:
+    """Read and check the models file at ``path`` (TOML, or JSON for a ``.json`` name).
+
+    Raises:
+        ValueError: one line starting ``MODELS_FILE (path): `` and naming the entry and key: the
+            file cannot be read or parsed, has no models, an unknown key, a source that is not a
+            string or names no existing path, a name given twice (as a name or an alias), slots
+            out of range, or a ``default`` naming no model (needed with more than one model).
+    """
+    where = f"MODELS_FILE ({path})"
+    try:
+        raw = Path(path).read_bytes()
+        data = json.loads(raw) if path.lower().endswith(".json") else tomllib.loads(raw.decode())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # TOMLDecodeError is a ValueError
+        raise ValueError(f"{where}: cannot read: {_one_line(exc)}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: must be a table (a JSON object) with 'models'")
+    unknown = sorted(set(data) - {"default", "models"})
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: default, models)")
+    models = data.get("models")
+    if not isinstance(models, dict) or not models:
+        raise ValueError(f"{where}: 'models' must be a table of at least one model")
+    base = Path(path).resolve().parent
+    entries = tuple(
+        _entry(f"{where}: models.{name}", name, spec, base) for name, spec in models.items()
+    )
+    seen: dict[str, str] = {}
+    for entry in entries:
+        for name in entry.names:
+            if name in seen:
+                raise ValueError(
+                    f"{where}: models.{entry.name}: the name {name!r} is already "
+                    f"models.{seen[name]}'s"
+                )
+            seen[name] = entry.name
+    default = data.get("default", entries[0].name if len(entries) == 1 else None)
+    if default is None:
+        raise ValueError(f"{where}: 'default' must name one of the {len(entries)} models")
+    if not isinstance(default, str) or default not in models:
+        raise ValueError(f"{where}: default {default!r} is not a model of the file")
+    return ModelsFile(entries, default, path)
+
+
+def _entry(where: str, name: str, spec: Any, base: Path) -> ModelEntry:
+    """Check one ``[models.NAME]`` table and return its entry (``where`` names it in errors)."""
+    if not name.strip() or name != name.strip():
+        raise ValueError(f"{where}: a model's name must be non-empty, without outer spaces")
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"{where}: must be a table with 'source'")
+    unknown = sorted(set(spec) - set(ENTRY_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(ENTRY_KEYS)})")
+    source = spec.get("source")
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(f"{where}.source: must be a path, {PACKAGED_SOURCE!r} or a fetch name")
+    aliases = spec.get("aliases", [])
+    if not isinstance(aliases, list) or not all(isinstance(a, str) and a.strip() for a in aliases):
+        raise ValueError(f"{where}.aliases: must be a list of non-empty strings")
+    limits = {}
+    for key, (low, high) in SLOT_RANGES.items():
+        value = spec.get(key)
+        if value is not None and (type(value) is not int or not low <= value <= high):
+            raise ValueError(f"{where}.{key}: must be an integer in [{low}, {high}], got {value!r}")
+        limits[key] = value
+    fetch = source if source in FETCH_NAMES else None
+    if source == PACKAGED_SOURCE:
+        path = None
+    elif fetch is not None:
+        path = None  # resolved to the fetched file by the loader side (model.fetch)
+    else:
+        resolved = base / source
+        if not resolved.exists():
+            raise ValueError(
+                f"{where}.source: {str(resolved)!r} does not exist (a path, "
+                f"{PACKAGED_SOURCE!r} or one of the fetch names {', '.join(FETCH_NAMES)})"
+            )
+        path = str(resolved)
+    return ModelEntry(name, path, fetch, tuple(aliases), **limits)
+
+
+def _one_line(exc: Exception) -> str:
+    """Return an exception's message on one line (TOML and JSON errors may span several)."""
+    return " ".join(str(exc).split())
