@@ -80,11 +80,16 @@ def require_loopback() -> None:
 @bp.get("/debug/state")
 def debug_state() -> Response:
     """Slots, queue, in-flight requests and garbage-collector counts of the worker that answers
-    (loopback clients only)."""
+    (loopback clients only): those of its default model, and each model's slots and queue under
+    ``models``."""
     require_loopback()
     rt = runtime()
     state = rt.admission.state()
     state["rate_limit"] = {"storage_errors": rt.rate_limit_storage_errors}
+    state["models"] = {}
+    for served in rt.models.served:
+        own = served.generation.admission.state()
+        state["models"][served.name] = {"slots": own["slots"], "queue": own["queue"]}
     prefix_cache = rt.engine.prefix_cache
     if prefix_cache is not None:  # the Llama engine's cached prompt blocks (PREFIX_CACHE=1)
         state["kv_cache_bytes"]["cached"] = prefix_cache.nbytes
