@@ -43,6 +43,7 @@ MODEL_DOOR = frozenset(
         "model.chat_template",
         "model.pcg32",
         "model.files",
+        "model.fetch",  # a models file's fetch names: where model.fetch put their files
         "model.grammar.compile",  # structured outputs: constraints, compiled grammars, their errors
         "model.tool_formats",  # tool calls: each format's grammar, parser and hold-back; the registry
         "model.tool_formats.base",

@@ -9,10 +9,20 @@ from pathlib import Path
 from model.bigram.model import default_model_dir
 from wsgi_app.api.models import model_id
 
+# A bigram's extensions: no context limit, the API's max_tokens cap, 256 x 256 float32 weights.
+BIGRAM_EXTENSIONS = {
+    "max_completion_tokens": 4096,
+    "capabilities": {"chat": True, "tools": True, "structured_outputs": True, "logprobs": True},
+    "parameters": 65_536,
+    "resident_bytes": 262_144,
+    "aliases": [],
+}
+
 
 def _card(model_dir: Path, name: str) -> dict:
     created = int(os.stat(Path(model_dir) / "model.safetensors").st_mtime)
-    return {"id": name, "object": "model", "created": created, "owned_by": "greenserve"}
+    card = {"id": name, "object": "model", "created": created, "owned_by": "greenserve"}
+    return {**card, **BIGRAM_EXTENSIONS}
 
 
 def test_list_names_the_model_directory(succ_server, succ_dir):
@@ -27,7 +37,7 @@ def test_retrieve_the_served_model(succ_server, succ_dir):
     status, _, body = succ_server.get(f"/v1/models/{succ_dir.name}")
     assert status == 200
     assert json.loads(body) == _card(succ_dir, succ_dir.name)
-    assert list(json.loads(body)) == ["id", "object", "created", "owned_by"]
+    assert list(json.loads(body)) == ["id", "object", "created", "owned_by", *BIGRAM_EXTENSIONS]
 
 
 def test_retrieve_another_model_is_404(succ_server, succ_dir):

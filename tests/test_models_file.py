@@ -22,8 +22,7 @@ from model.bigram.train import train_bigram, write_model
 from model.fetch import MODELS
 from model.loader import load_model
 from tests.llamafiles import convert_stories, write_tiny_llama
-from tests.server import GunicornServer, failed_start, wait_until
-from tests.test_probes import (
+from tests.readiness import (
     ENGINE_FAILED,
     READY,
     assert_ready_answers,
@@ -31,6 +30,7 @@ from tests.test_probes import (
     tensor_bytes,
     write_in_place,
 )
+from tests.server import GunicornServer, failed_start, wait_until
 from wsgi_app.models_file import FETCH_NAMES, ModelEntry, read_models_file
 
 XYZ_TEXT = b"xyz" * 200
