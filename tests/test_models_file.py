@@ -260,7 +260,8 @@ def refused(tmp_path: Path, text: str, name: str = "models.toml", **env: str) ->
         ),
         (
             '[models.a]\nsource = "bigram"\nslots = 3\n',
-            "models.a: unknown key 'slots' (known: source, aliases, max_slots, max_queue)",
+            "models.a: unknown key 'slots' (known: source, aliases, max_slots, max_queue, "
+            "variants)",
         ),
         (
             '[models.a]\nsource = "bigram"\nmax_slots = 0\n',

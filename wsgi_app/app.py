@@ -131,7 +131,7 @@ def make_served(
     on_speculated: Callable[[int, int], None],
     on_load: Callable[[int, int], None],
 ) -> ServedModel:
-    """Build what one model's generations run with: its chat template, its engine (wrapped with
+    """Build what one model variant's generations run with: its chat template, its engine (wrapped with
     the test-only ``GREENSERVE_FAULTS`` when set), its own admission (the entry's slots and queue,
     else ``MAX_SLOTS`` and ``MAX_QUEUE``, else its family's; a ``KV_CACHE_BUDGET_MB`` of its own).
 
@@ -166,7 +166,9 @@ def make_served(
     # two workers would decide the same request differently (docs/ARCHITECTURE.md §9).
     if settings.decode_tokens_per_s is not None:
         generation.decode_tokens_per_s = settings.decode_tokens_per_s
-    return ServedModel(entry.name, entry.aliases, generation, chat_template)
+    return ServedModel(
+        entry.name, entry.aliases, generation, chat_template, entry.variant, entry.weight
+    )
 
 
 def make_runtime(settings: Settings, clock: Callable[[], float]) -> Runtime:
@@ -209,7 +211,8 @@ def make_runtime(settings: Settings, clock: Callable[[], float]) -> Runtime:
                 raise
             raise ValueError(f"{models.where(entry)}: {exc}") from exc
     default = models.default or served[0].name
-    rt = Runtime(ModelRegistry(served, default), exporter, observer=observer)
+    registry = ModelRegistry(served, default, settings.variant_salt)
+    rt = Runtime(registry, exporter, observer=observer)
     rt.after_answers = AfterAnswers(rt.idle)
     observer.flusher.worker_state = rt.heartbeat
     return rt

@@ -22,7 +22,7 @@ from dataclasses import replace
 from model.fetch import MODELS, fetched_file
 from model.loader import LoadedModel, load_model
 from wsgi_app.api.models import model_card
-from wsgi_app.models_file import ModelEntry, ModelsFile, read_models_file, single_model
+from wsgi_app.models_file import PRIMARY, ModelEntry, ModelsFile, read_models_file, single_model
 from wsgi_app.settings import Settings
 
 MIB = 1 << 20
@@ -95,7 +95,8 @@ def check_budget(loaded: list[tuple[ModelEntry, LoadedModel]], settings: Setting
     for entry, model in loaded:
         weights, kv = cost_bytes(model, settings)
         total += weights + kv
-        parts.append(f"{entry.name} {weights / MIB:.2f} + KV {kv / MIB:.0f}")
+        label = entry.name if entry.variant == PRIMARY else f"{entry.name}/{entry.variant}"
+        parts.append(f"{label} {weights / MIB:.2f} + KV {kv / MIB:.0f}")
     if total > budget * MIB:
         raise ValueError(
             f"MEMORY_BUDGET_MB ({budget}): the models need {total / MIB:.2f} MiB a worker "

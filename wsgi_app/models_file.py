@@ -16,6 +16,10 @@ structure in JSON::
     max_slots = 4                   # this model's own slots and queue per worker (else MAX_SLOTS,
     max_queue = 16                  # MAX_QUEUE, else its family's)
 
+    [models.poems.variants.v2]      # a canary: 10 % of the clients get it, each always the same
+    source = "models/poems-v2"
+    weight = 10                     # percent; the primary variant (``source``) gets the rest
+
     [models.smollm2]
     source = "smollm2"              # a ``python -m model.fetch`` name, fetched beforehand
 
@@ -40,7 +44,9 @@ PACKAGED_SOURCE = "bigram"
 # model.fetch.MODELS' names, kept here so that reading the file imports no model code; the test of
 # this module checks that both agree.
 FETCH_NAMES = ("smollm2",)
-ENTRY_KEYS = ("source", "aliases", "max_slots", "max_queue")
+ENTRY_KEYS = ("source", "aliases", "max_slots", "max_queue", "variants")
+VARIANT_KEYS = ("source", "weight")
+PRIMARY = "primary"  # the variant an entry's own ``source`` is
 SLOT_RANGES = {"max_slots": (1, 100_000), "max_queue": (0, 1_000_000)}  # as MAX_SLOTS, MAX_QUEUE
 
 
@@ -54,8 +60,12 @@ class ModelEntry:
             made absolute here), :data:`PACKAGED_SOURCE`, or a ``model.fetch`` name; None for the
             packaged default model.
         fetch: the ``model.fetch`` name ``source`` is, or None.
-        aliases: other names that pick it.
-        max_slots, max_queue: its own slots and queue per worker, or None (the server's).
+        aliases: other names that pick it (on its primary variant's entry only).
+        max_slots, max_queue: its own slots and queue per worker, or None (the server's); each
+            variant has its own.
+        variant: :data:`PRIMARY`, or the name of a canary variant of the model ``name``.
+        weight: the percentage of clients this variant serves (``0 <= weight <= 100``; the
+            primary's is what the canaries leave).
     """
 
     name: str
@@ -64,6 +74,8 @@ class ModelEntry:
     aliases: tuple[str, ...] = ()
     max_slots: int | None = None
     max_queue: int | None = None
+    variant: str = PRIMARY
+    weight: float = 100.0
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -76,7 +88,7 @@ class ModelsFile:
     """The models a server serves, in the file's order.
 
     Attributes:
-        entries: one per model (at least one).
+        entries: one per model (at least one), each followed by its canary variants'.
         default: the name of the model a request naming none of them gets.
         path: the file it was read from, or None for ``MODEL_DIR``'s one model.
     """
@@ -90,6 +102,8 @@ class ModelsFile:
         ``MODEL_DIR (where)``."""
         if self.path is None:
             return f"MODEL_DIR ({entry.source or 'the embedded default model'})"
+        if entry.variant != PRIMARY:
+            return f"MODELS_FILE ({self.path}): models.{entry.name}.variants.{entry.variant}"
         return f"MODELS_FILE ({self.path}): models.{entry.name}"
 
 
@@ -106,7 +120,8 @@ def read_models_file(path: str) -> ModelsFile:
         ValueError: one line starting ``MODELS_FILE (path): `` and naming the entry and key: the
             file cannot be read or parsed, has no models, an unknown key, a source that is not a
             string or names no existing path, a name given twice (as a name or an alias), slots
-            out of range, or a ``default`` naming no model (needed with more than one model).
+            out of range, a variant without a source or with a weight out of [0, 100] (or weights
+            over 100 together), or a ``default`` naming no model (needed with more than one model).
     """
     where = f"MODELS_FILE ({path})"
     try:
@@ -124,10 +139,14 @@ def read_models_file(path: str) -> ModelsFile:
         raise ValueError(f"{where}: 'models' must be a table of at least one model")
     base = Path(path).resolve().parent
     entries = tuple(
-        _entry(f"{where}: models.{name}", name, spec, base) for name, spec in models.items()
+        entry
+        for name, spec in models.items()
+        for entry in _entries(f"{where}: models.{name}", name, spec, base)
     )
     seen: dict[str, str] = {}
     for entry in entries:
+        if entry.variant != PRIMARY:
+            continue
         for name in entry.names:
             if name in seen:
                 raise ValueError(
@@ -135,16 +154,17 @@ def read_models_file(path: str) -> ModelsFile:
                     f"models.{seen[name]}'s"
                 )
             seen[name] = entry.name
-    default = data.get("default", entries[0].name if len(entries) == 1 else None)
+    default = data.get("default", entries[0].name if len(models) == 1 else None)
     if default is None:
-        raise ValueError(f"{where}: 'default' must name one of the {len(entries)} models")
+        raise ValueError(f"{where}: 'default' must name one of the {len(models)} models")
     if not isinstance(default, str) or default not in models:
         raise ValueError(f"{where}: default {default!r} is not a model of the file")
     return ModelsFile(entries, default, path)
 
 
-def _entry(where: str, name: str, spec: Any, base: Path) -> ModelEntry:
-    """Check one ``[models.NAME]`` table and return its entry (``where`` names it in errors)."""
+def _entries(where: str, name: str, spec: Any, base: Path) -> list[ModelEntry]:
+    """Check one ``[models.NAME]`` table; return its primary entry, then its variants' entries
+    (``where`` names it in errors)."""
     if not name.strip() or name != name.strip():
         raise ValueError(f"{where}: a model's name must be non-empty, without outer spaces")
     if not isinstance(spec, Mapping):
@@ -153,8 +173,6 @@ def _entry(where: str, name: str, spec: Any, base: Path) -> ModelEntry:
     if unknown:
         raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(ENTRY_KEYS)})")
     source = spec.get("source")
-    if not isinstance(source, str) or not source.strip():
-        raise ValueError(f"{where}.source: must be a path, {PACKAGED_SOURCE!r} or a fetch name")
     aliases = spec.get("aliases", [])
     if not isinstance(aliases, list) or not all(isinstance(a, str) and a.strip() for a in aliases):
         raise ValueError(f"{where}.aliases: must be a list of non-empty strings")
@@ -164,20 +182,48 @@ def _entry(where: str, name: str, spec: Any, base: Path) -> ModelEntry:
         if value is not None and (type(value) is not int or not low <= value <= high):
             raise ValueError(f"{where}.{key}: must be an integer in [{low}, {high}], got {value!r}")
         limits[key] = value
-    fetch = source if source in FETCH_NAMES else None
-    if source == PACKAGED_SOURCE:
-        path = None
-    elif fetch is not None:
-        path = None  # resolved to the fetched file by the loader side (model.fetch)
-    else:
-        resolved = base / source
-        if not resolved.exists():
+    variants = spec.get("variants", {})
+    if not isinstance(variants, Mapping):
+        raise ValueError(f"{where}.variants: must be a table of variants")
+    canaries = []
+    for variant, vspec in variants.items():
+        vwhere = f"{where}.variants.{variant}"
+        if variant == PRIMARY or not variant.strip() or not isinstance(vspec, Mapping):
             raise ValueError(
-                f"{where}.source: {str(resolved)!r} does not exist (a path, "
-                f"{PACKAGED_SOURCE!r} or one of the fetch names {', '.join(FETCH_NAMES)})"
+                f"{vwhere}: must be a table with 'source' and 'weight', not {PRIMARY!r}"
             )
-        path = str(resolved)
-    return ModelEntry(name, path, fetch, tuple(aliases), **limits)
+        unknown = sorted(set(vspec) - set(VARIANT_KEYS))
+        if unknown:
+            raise ValueError(f"{vwhere}: unknown key {unknown[0]!r} (known: source, weight)")
+        weight = vspec.get("weight")
+        if type(weight) not in (int, float) or not 0 <= weight <= 100:
+            raise ValueError(f"{vwhere}.weight: must be a percentage in [0, 100], got {weight!r}")
+        vsource, vfetch = _source(vwhere, vspec.get("source"), base)
+        canaries.append(
+            ModelEntry(name, vsource, vfetch, (), **limits, variant=variant, weight=float(weight))
+        )
+    rest = 100.0 - sum(c.weight for c in canaries)
+    if rest < 0:
+        raise ValueError(f"{where}.variants: the weights add up to {100 - rest:g} %, over 100")
+    path, fetch = _source(where, source, base)
+    return [ModelEntry(name, path, fetch, tuple(aliases), **limits, weight=rest), *canaries]
+
+
+def _source(where: str, source: Any, base: Path) -> tuple[str | None, str | None]:
+    """Return a ``source``'s path (None for the packaged model or a fetch name) and fetch name."""
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(f"{where}.source: must be a path, {PACKAGED_SOURCE!r} or a fetch name")
+    if source == PACKAGED_SOURCE:
+        return None, None
+    if source in FETCH_NAMES:
+        return None, source  # resolved to the fetched file by the loader side (model.fetch)
+    resolved = base / source
+    if not resolved.exists():
+        raise ValueError(
+            f"{where}.source: {str(resolved)!r} does not exist (a path, "
+            f"{PACKAGED_SOURCE!r} or one of the fetch names {', '.join(FETCH_NAMES)})"
+        )
+    return str(resolved), None
 
 
 def _one_line(exc: Exception) -> str:

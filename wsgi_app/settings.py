@@ -99,6 +99,8 @@ class Settings:
         model_dir: model directory, or None for the packaged default model.
         models_file: the models file naming several models (``MODELS_FILE``,
             ``wsgi_app.models_file``), or None: ``model_dir`` is the one model.
+        variant_salt: the salt clients' keys are hashed with to pick a model's canary variant
+            (``VARIANT_SALT``; every host of a server must share it: ``""`` by default).
         memory_budget_mb: MiB a worker's models may cost together (``MEMORY_BUDGET_MB``: every
             model's weights plus a Llama's ``kv_cache_budget_mb``), checked at start; None: unchecked.
         max_slots: concurrent generations per worker; None: sized to the model
@@ -173,6 +175,7 @@ class Settings:
     model_dir: str | None = None
     models_file: str | None = None
     memory_budget_mb: int | None = None
+    variant_salt: str = field(default="", repr=False)
     max_slots: int | None = None
     max_queue: int | None = None
     kv_cache_budget_mb: int = 1024
@@ -234,6 +237,7 @@ class Settings:
         return cls(
             model_dir=env_model_dir(env),
             models_file=models_file,
+            variant_salt=env.get("VARIANT_SALT", d["variant_salt"]),
             memory_budget_mb=env_int(env, "MEMORY_BUDGET_MB", d["memory_budget_mb"], 1, 1 << 24),
             max_slots=env_int(env, "MAX_SLOTS", d["max_slots"], 1, 100_000),
             max_queue=env_int(env, "MAX_QUEUE", d["max_queue"], 0, 1_000_000),

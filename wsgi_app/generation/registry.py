@@ -7,17 +7,28 @@ alias picks it; any other string (the seed contract serves every non-empty name)
 pick the default model. The answer echoes the request's ``model`` either way; ``X-Model-Version``
 names the version of the model that answered.
 
+A model may have canary variants, each serving a stated percentage of the clients: a client (its
+key: the API key, else the ``user`` field, else a session header) always gets the same variant, on
+every worker and host, because the variant is a function of the key hashed with a salt every host
+is configured with (``VARIANT_SALT``), as nginx's ``split_clients`` does; a request without a key
+gets the primary variant; an operator pins one by name (:meth:`ModelRegistry.pick`'s ``pinned``).
+
 Source: docs/ARCHITECTURE.md §12 (several models).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from model.chat_template import ChatTemplate
 from model.loader import LoadedModel
+from wsgi_app.api.errors import invalid
 from wsgi_app.generation.context import GenerationContext
+
+PRIMARY = "primary"  # wsgi_app.models_file.PRIMARY: the variant a model's own source is
+PIN_HEADER = "X-Model-Variant"  # names the variant an operator pins
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,12 +40,16 @@ class ServedModel:
         aliases: the other names that pick it.
         generation: its generation context (model, engine, admission, version).
         chat_template: the chat template its chat and Messages requests are rendered with.
+        variant: :data:`PRIMARY`, or the name of a canary variant of the model ``name``.
+        weight: the percentage of clients the variant serves.
     """
 
     name: str
     aliases: tuple[str, ...]
     generation: GenerationContext
     chat_template: ChatTemplate
+    variant: str = PRIMARY
+    weight: float = 100.0
 
     @property
     def model(self) -> LoadedModel:
@@ -51,26 +66,86 @@ class ModelRegistry:
     """A worker's models, by every name that picks one.
 
     Args:
-        served: the models, in the order ``/v1/models`` lists them (at least one).
+        served: the models and their variants, in the order ``/v1/models`` lists them (at least
+            one primary variant per model, its canaries after it).
         default: the name of the model a request naming none of them gets.
+        salt: the salt clients' keys are hashed with (``VARIANT_SALT``).
+
+    Attributes:
+        served: every variant of every model.
+        primaries: each model's primary variant, in order.
+        default: the default model's primary variant.
 
     Raises:
         KeyError: ``default`` names none of ``served``.
     """
 
-    def __init__(self, served: Sequence[ServedModel], default: str) -> None:
+    def __init__(self, served: Sequence[ServedModel], default: str, salt: str = "") -> None:
         self.served = tuple(served)
-        self._by_name = {name: m for m in self.served for name in (m.name, *m.aliases)}
+        self.primaries = tuple(m for m in self.served if m.variant == PRIMARY)
+        self._variants = {
+            m.name: [v for v in self.served if v.name == m.name] for m in self.primaries
+        }
+        self._by_name = {name: m for m in self.primaries for name in (m.name, *m.aliases)}
         self.default = self._by_name[default]
+        self.salt = salt
 
-    def pick(self, requested: object) -> ServedModel:
-        """Return the model ``requested`` (the body's ``model``, any JSON value) names by name or
+    def variants(self, primary: ServedModel) -> list[ServedModel]:
+        """Return the variants of ``primary``'s model: the primary first, then its canaries."""
+        return self._variants[primary.name]
+
+    def pick(
+        self, requested: object, client_key: str | None = None, pinned: str | None = None
+    ) -> ServedModel:
+        """Return the variant that answers a request.
+
+        The model is the one ``requested`` (the body's ``model``, any JSON value) names by name or
         alias, else the default model (an unknown name, a missing or invalid ``model``: the
-        request's own validation answers the latter)."""
+        request's own validation answers the latter). Its variant is ``pinned`` when given, else
+        the one :func:`split` gives ``client_key``, else (no key) the primary.
+
+        Raises:
+            ApiError: 400 naming :data:`PIN_HEADER` when the model has no variant ``pinned``.
+        """
+        primary = self.default
         if isinstance(requested, str):
-            return self._by_name.get(requested, self.default)
-        return self.default
+            primary = self._by_name.get(requested, self.default)
+        variants = self._variants[primary.name]
+        if pinned is not None:
+            for variant in variants:
+                if variant.variant == pinned:
+                    return variant
+            names = ", ".join(repr(v.variant) for v in variants)
+            raise invalid(
+                f"The model '{primary.name}' has no variant {pinned!r} (it has {names}).",
+                PIN_HEADER,
+            )
+        if client_key is None or len(variants) == 1:
+            return primary
+        return split(variants, bucket(self.salt, client_key))
 
     def failed(self) -> list[str]:
         """Return the names of the models whose engine's last shared step failed, in order."""
         return [m.name for m in self.served if not m.generation.engine_ok]
+
+
+def bucket(salt: str, client_key: str) -> float:
+    """Return where a client falls in ``[0, 100)``: the first 8 bytes of
+    ``sha256(salt + "\\0" + client_key)`` as a fraction of 2**64, in percent. The same on every
+    worker and host configured with the same ``salt``.
+
+    Source: nginx ``ngx_http_split_clients_module`` (a salted key's hash split by percentages).
+    """
+    digest = hashlib.sha256(f"{salt}\0{client_key}".encode("utf-8", "surrogateescape")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 * 100.0
+
+
+def split(variants: Sequence[ServedModel], point: float) -> ServedModel:
+    """Return the variant a client at ``point`` (:func:`bucket`) gets: the canaries take their
+    weights from 0 upwards, in order; the primary (``variants[0]``) takes the rest."""
+    edge = 0.0
+    for variant in variants[1:]:
+        edge += variant.weight
+        if point < edge:
+            return variant
+    return variants[0]

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from flask import current_app
+from flask import current_app, request
 from gevent.threadpool import ThreadPool
 
 from model.chat_template import ChatTemplate
@@ -25,7 +25,7 @@ from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app.generation.admission import Admission
 from wsgi_app.generation.context import GenerationContext
 from wsgi_app.generation.record import RequestRecord
-from wsgi_app.generation.registry import ModelRegistry, ServedModel
+from wsgi_app.generation.registry import PIN_HEADER, ModelRegistry, ServedModel
 from wsgi_app.server.heap import AfterAnswers
 from wsgi_app.server.worker import END_STREAMS_S
 from wsgi_app.settings import Settings
@@ -36,6 +36,7 @@ RENDER_THREADS = 2
 INLINE_ENCODE_CHARS = 4096
 T = TypeVar("T")
 DRAIN_FILE = "greenserve-drained"  # in PROMETHEUS_MULTIPROC_DIR: see Runtime.drain_path
+SESSION_HEADER = "X-Session-Id"  # a client's session: its variant key without an API key or user
 NotReady = Literal["draining", "engine_failed"]  # why /ready answers 503
 
 
@@ -88,10 +89,28 @@ class Runtime:
         return self.models.default.chat_template
 
     def pick(self, body: Any, record: RequestRecord) -> ServedModel:
-        """Return the model a request body's ``model`` picks (by name or alias), else the default
-        (``ModelRegistry.pick``; a body that is not a JSON object gets the default model), and note
-        its version on ``record`` (the answer's ``X-Model-Version``)."""
-        served = self.models.pick(body.get("model") if isinstance(body, dict) else None)
+        """Return the model variant that answers a request (call inside it), and note its version
+        on ``record`` (the answer's ``X-Model-Version``).
+
+        The body's ``model`` picks the model (by name or alias), else the default
+        (``ModelRegistry.pick``; a body that is not a JSON object gets the default model); the
+        ``X-Model-Variant`` header pins a variant, else the client's key picks it: the API key's
+        digest, else the body's ``user``, else the ``X-Session-Id`` header.
+
+        Raises:
+            ApiError: 400 naming ``X-Model-Variant`` when the model has no such variant.
+        """
+        body = body if isinstance(body, dict) else {}
+        user = body.get("user")
+        key = None
+        if record.api_key_digest is not None:
+            key = "key:" + record.api_key_digest
+        elif isinstance(user, str) and user:
+            key = "user:" + user
+        elif request.headers.get(SESSION_HEADER):
+            key = "session:" + request.headers[SESSION_HEADER]
+        pinned = request.headers.get(PIN_HEADER)
+        served = self.models.pick(body.get("model"), key, pinned)
         record.model_version = served.model_version
         return served
 

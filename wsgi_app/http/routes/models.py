@@ -1,9 +1,10 @@
 """``GET /v1/models`` and ``GET /v1/models/{model}``: the models this server serves and their aliases.
 
 The model objects are ``wsgi_app.api.models``'s: each model under its name, then each of its
-aliases as a model object of its own (``alias_of`` naming the model). Completions still accept any
-``model`` string and echo it (docs/ARCHITECTURE.md §8): one the server does not list goes to the
-default model; the list tells clients what to send, it does not police them.
+aliases as a model object of its own (``alias_of`` naming the model). A model with canary variants
+lists them under ``variants``: each one's name, weight (percent of clients) and version.
+Completions still accept any ``model`` string and echo it (docs/ARCHITECTURE.md §8): one the server
+does not list goes to the default model; the list tells clients what to send, it does not police them.
 
 Source: OpenAI API reference, "Models" (list, retrieve; the ``model`` object).
 """
@@ -25,9 +26,15 @@ bp = Blueprint("models", __name__)
 def _cards(rt: Runtime) -> list[dict[str, Any]]:
     """Return the model objects of every served model, each followed by its aliases'."""
     cards = []
-    for served in rt.models.served:
+    for served in rt.models.primaries:
         gen = served.generation
         card = serving_card(served.model, served.name, served.aliases, gen.max_completion_tokens)
+        variants = rt.models.variants(served)
+        if len(variants) > 1:
+            card["variants"] = [
+                {"variant": v.variant, "weight": v.weight, "version": v.model_version}
+                for v in variants
+            ]
         cards += [card, *(alias_card(card, alias) for alias in served.aliases)]
     return cards
 
@@ -50,7 +57,7 @@ def retrieve_model(model: str) -> Response:
     for card in cards:
         if card["id"] == model:
             return json_response(card)
-    served = ", ".join(f"'{m.name}'" for m in rt.models.served)
+    served = ", ".join(f"'{m.name}'" for m in rt.models.primaries)
     raise ApiError(
         404,
         f"The model '{model}' does not exist; this server serves {served}.",

@@ -15,6 +15,7 @@ import os
 from flask import Blueprint, Response, request
 
 from wsgi_app.api.errors import ApiError
+from wsgi_app.generation.registry import PRIMARY
 from wsgi_app.http.error_handlers import json_response
 from wsgi_app.http.probes import CONTENT_TYPE, probe_answer
 from wsgi_app.http.runtime import runtime
@@ -81,7 +82,7 @@ def require_loopback() -> None:
 def debug_state() -> Response:
     """Slots, queue, in-flight requests and garbage-collector counts of the worker that answers
     (loopback clients only): those of its default model, and each model's slots and queue under
-    ``models``."""
+    ``models`` (a canary variant's as ``name/variant``)."""
     require_loopback()
     rt = runtime()
     state = rt.admission.state()
@@ -89,7 +90,8 @@ def debug_state() -> Response:
     state["models"] = {}
     for served in rt.models.served:
         own = served.generation.admission.state()
-        state["models"][served.name] = {"slots": own["slots"], "queue": own["queue"]}
+        name = served.name if served.variant == PRIMARY else f"{served.name}/{served.variant}"
+        state["models"][name] = {"slots": own["slots"], "queue": own["queue"]}
     prefix_cache = rt.engine.prefix_cache
     if prefix_cache is not None:  # the Llama engine's cached prompt blocks (PREFIX_CACHE=1)
         state["kv_cache_bytes"]["cached"] = prefix_cache.nbytes
