@@ -42,7 +42,8 @@ def serving_template(model: LoadedModel, settings: Settings) -> ChatTemplate:
 
     Raises:
         ValueError: one line naming ``CHAT_TEMPLATE`` (unreadable or not compiling), ``MODEL_DIR``
-            (the model's own template does not compile) or ``TOOL_TEMPLATE`` (unreadable, not
+            (the model's own template does not compile; with ``MODELS_FILE``, "its chat template",
+            for the caller to name the entry) or ``TOOL_TEMPLATE`` (unreadable, not
             compiling, or without one of its macros).
     """
     source = settings.chat_template_source()
@@ -51,6 +52,8 @@ def serving_template(model: LoadedModel, settings: Settings) -> ChatTemplate:
     except TemplateError as exc:
         if source is not None:
             raise ValueError(f"CHAT_TEMPLATE ({settings.chat_template}): {exc}") from None
+        if settings.models_file is not None:  # the caller names the models file's entry
+            raise ValueError(f"its chat template: {exc}") from None
         where = settings.model_dir or "the embedded default model"
         raise ValueError(f"MODEL_DIR ({where}): {exc}") from None
     tool_source = settings.tool_template_source()
