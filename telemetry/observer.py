@@ -172,6 +172,8 @@ def request_fields(
         fields["mask_s"] = None if record.grammar is None else _r(record.grammar.mask_s)
     if record.tool_calls is not None:  # a request that could call tools: how many calls it made
         fields["tool_calls"] = record.tool_calls
+    if record.model_version is not None:  # a request that picked a model: which version answered
+        fields["model_version"] = record.model_version
     if record.cached_tokens is not None:  # only for a model with a prefix cache
         fields["cached_tokens"] = record.cached_tokens
     if record.prompt is not None:  # only with LOG_PROMPTS=1

@@ -34,6 +34,7 @@ class FinishedRequest(Protocol):
         client_hash: salted hash of the client's address.
         user_hash: salted hash of the request's ``user``, or None.
         model: the request's ``model`` once validated, else None.
+        model_version: the version of the model (variant) the request picked, or None.
         prompt: the prompt text, only when prompts are logged (else None).
         texts: each choice's text, only when prompts are logged (else None).
         token_times: ``perf_counter`` of every generated token, ``array('d')``, seconds.
@@ -64,6 +65,7 @@ class FinishedRequest(Protocol):
     client_hash: str
     user_hash: str | None
     model: str | None
+    model_version: str | None
     prompt: str | None
     texts: list[str] | None
     token_times: array

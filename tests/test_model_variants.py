@@ -18,6 +18,7 @@ import pytest
 from model import __version__
 from model.bigram.train import train_bigram, write_model
 from model.loader import load_model
+from tests.loglines import request_line
 from tests.server import GunicornServer, failed_start
 from wsgi_app.generation.registry import ServedModel, bucket, split
 from wsgi_app.models_file import PRIMARY, read_models_file
@@ -88,6 +89,13 @@ def test_each_user_always_gets_the_same_variant_on_every_worker(server, models_d
         for _ in range(3):  # whichever of the two workers answers, the same variant
             assert answer(server, user=f"user-{n}") == (200, texts[want], versions[want])
     assert seen == {PRIMARY, "v2"}  # both variants were exercised
+
+
+def test_the_log_line_names_the_variant_that_answered(server, models_dir):
+    body = {"model": "loop", "prompt": "x", "max_tokens": 1}
+    server.complete(body, headers={"X-Model-Variant": "v2", "X-Request-Id": "pinned-v2"})
+    line = request_line(server, "pinned-v2")
+    assert line["model_version"] == version(models_dir / "xzy")
 
 
 def test_a_session_header_keys_a_client_without_a_user(server, models_dir):
