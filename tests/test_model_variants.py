@@ -98,6 +98,19 @@ def test_the_log_line_names_the_variant_that_answered(server, models_dir):
     assert line["model_version"] == version(models_dir / "xzy")
 
 
+def test_a_messages_client_is_keyed_by_its_metadata_user_id(server, models_dir):
+    versions = {PRIMARY: version(models_dir / "xyz"), "v2": version(models_dir / "xzy")}
+    messages = [{"role": "user", "content": "x"}]
+    for n in range(6):
+        body = {"model": "loop", "messages": messages, "max_tokens": 1}
+        body["metadata"] = {"user_id": f"m-{n}"}
+        status, headers, _ = server.post("/v1/messages", body)
+        assert (status, headers["x-model-version"]) == (
+            200,
+            versions[expected_variant(f"user:m-{n}")],
+        )
+
+
 def test_a_session_header_keys_a_client_without_a_user(server, models_dir):
     versions = {PRIMARY: version(models_dir / "xyz"), "v2": version(models_dir / "xzy")}
     for n in range(6):

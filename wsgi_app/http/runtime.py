@@ -95,13 +95,17 @@ class Runtime:
         The body's ``model`` picks the model (by name or alias), else the default
         (``ModelRegistry.pick``; a body that is not a JSON object gets the default model); the
         ``X-Model-Variant`` header pins a variant, else the client's key picks it: the API key's
-        digest, else the body's ``user``, else the ``X-Session-Id`` header.
+        digest, else the body's ``user`` (a Messages body's ``metadata.user_id``), else the
+        ``X-Session-Id`` header.
 
         Raises:
             ApiError: 400 naming ``X-Model-Variant`` when the model has no such variant.
         """
         body = body if isinstance(body, dict) else {}
         user = body.get("user")
+        metadata = body.get("metadata")
+        if user is None and isinstance(metadata, dict):  # Anthropic's Messages API
+            user = metadata.get("user_id")
         key = None
         if record.api_key_digest is not None:
             key = "key:" + record.api_key_digest
