@@ -203,6 +203,10 @@ def test_variants_in_the_file(tmp_path):
             "models.loop.variants: the weights add up to 110 %, over 100",
         ),
         (
+            '[models.loop.variants.primary]\nsource = "xyz"\nweight = 5\n',
+            "models.loop.variants.primary: a variant's name must be non-empty and not 'primary'",
+        ),
+        (
             '[models.loop.variants.v2]\nsource = "xyz"\nweight = -1\n',
             "models.loop.variants.v2.weight: must be a percentage in [0, 100], got -1",
         ),

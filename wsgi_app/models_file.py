@@ -188,10 +188,10 @@ def _entries(where: str, name: str, spec: Any, base: Path) -> list[ModelEntry]:
     canaries = []
     for variant, vspec in variants.items():
         vwhere = f"{where}.variants.{variant}"
-        if variant == PRIMARY or not variant.strip() or not isinstance(vspec, Mapping):
-            raise ValueError(
-                f"{vwhere}: must be a table with 'source' and 'weight', not {PRIMARY!r}"
-            )
+        if variant == PRIMARY or not variant.strip():
+            raise ValueError(f"{vwhere}: a variant's name must be non-empty and not {PRIMARY!r}")
+        if not isinstance(vspec, Mapping):
+            raise ValueError(f"{vwhere}: must be a table with 'source' and 'weight'")
         unknown = sorted(set(vspec) - set(VARIANT_KEYS))
         if unknown:
             raise ValueError(f"{vwhere}: unknown key {unknown[0]!r} (known: source, weight)")
