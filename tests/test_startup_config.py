@@ -185,6 +185,7 @@ def test_each_worker_logs_what_it_serves_and_where(succ_dir, serve, workers, hea
         "model": json.loads(body)["data"][0]["id"],
         "model_kind": "bigram",
         "model_version": headers["x-model-version"],
+        "models": [succ_dir.name],  # MODEL_DIR alone: its one model
         "api_address": f"http://127.0.0.1:{srv.port}",
         "health_address": f"http://127.0.0.1:{srv.health_port}" if health_port else None,
     }
