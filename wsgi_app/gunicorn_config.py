@@ -19,6 +19,7 @@ from telemetry.logs import lighten_records, logging_config
 from wsgi_app.settings import ServerSettings, usable_cpus
 
 _made_metrics_dir = None  # the metrics dir this process made, removed if the start fails
+MODELS_SNAPSHOT = "greenserve-models.json"  # the last good models file, in that dir
 
 
 def _remove_made_metrics_dir() -> None:
@@ -146,9 +147,7 @@ def _check_config_or_exit():
     (gunicorn's ``user``)."""
     import socket
 
-    from model.loader import gguf_file
-    from wsgi_app.http.chat import check_chat_template
-    from wsgi_app.model_set import check_budget, load_models, models_of
+    from wsgi_app.models_file import write_snapshot
     from wsgi_app.setting_checks import check_stats_db
     from wsgi_app.settings import Settings
 
@@ -163,24 +162,72 @@ def _check_config_or_exit():
         except socket.gaierror as exc:
             raise ValueError(f"HOST cannot be resolved: {_server.host!r} ({exc.strerror})") from exc
         check_stats_db(settings.stats_db)
-        models = models_of(settings)
-        for entry in models.entries:
-            if entry.source is not None:
-                try:
-                    _log_gguf_loading(gguf_file(entry.source))
-                except ValueError as exc:
-                    raise ValueError(f"{models.where(entry)}: {exc}") from exc
-        loaded = load_models(models)
-        check_budget(loaded, settings)
-        for entry, model in loaded:
-            try:
-                check_chat_template(model, settings)  # CHAT_TEMPLATE rendered once on a sample
-            except ValueError as exc:
-                if models.path is None:
-                    raise
-                raise ValueError(f"{models.where(entry)}: {exc}") from exc
+        models = _checked_models(settings)
+        if models.path is not None and _made_metrics_dir is not None:
+            # The workers serve from the last good file, which a reload replaces only once checked.
+            snapshot = os.path.join(_made_metrics_dir, MODELS_SNAPSHOT)
+            write_snapshot(models, snapshot)
+            os.environ["GREENSERVE_MODELS_SNAPSHOT"] = snapshot
     except ValueError as exc:
         _cannot_start(exc)
+
+
+def _checked_models(settings):
+    """Read the models file (or ``MODEL_DIR``), load every model, count them against
+    ``MEMORY_BUDGET_MB`` and check their chat templates, as a worker will; return the models.
+
+    Raises:
+        ValueError: one line naming the setting, the file and the entry.
+    """
+    from model.loader import gguf_file
+    from wsgi_app.http.chat import check_chat_template
+    from wsgi_app.model_set import check_budget, load_models, models_of
+
+    models = models_of(settings, snapshot=False)
+    for entry in models.entries:
+        if entry.source is not None:
+            try:
+                _log_gguf_loading(gguf_file(entry.source))
+            except ValueError as exc:
+                raise ValueError(f"{models.where(entry)}: {exc}") from exc
+    loaded = load_models(models)
+    check_budget(loaded, settings)
+    for entry, model in loaded:
+        try:
+            check_chat_template(model, settings)  # CHAT_TEMPLATE rendered once on a sample
+        except ValueError as exc:
+            if models.path is None:
+                raise
+            raise ValueError(f"{models.where(entry)}: {exc}") from exc
+    return models
+
+
+def on_reload(server):
+    """On ``SIGHUP``, before the new workers start: check the models file again and apply it (the
+    new workers serve it) only when every check passes; otherwise log one line saying why and let
+    the new workers serve the last good one, so that a bad edit never stops the server (gunicorn
+    halts when a new worker fails to boot). Without ``MODELS_FILE`` nothing is done.
+
+    Source: gunicorn's arbiter, ``reload`` (``on_reload`` runs before it spawns the new workers).
+    """
+    import logging
+
+    from wsgi_app.models_file import write_snapshot
+    from wsgi_app.settings import Settings
+
+    snapshot = os.environ.get("GREENSERVE_MODELS_SNAPSHOT")
+    if not snapshot:
+        return
+    log = logging.getLogger("greenserve.start")
+    try:
+        models = _checked_models(Settings.from_env())
+        write_snapshot(models, snapshot)
+    except (ValueError, OSError) as exc:
+        log.error("models file not applied, the last good one is served: %s", exc)
+        return
+    log.info(
+        "models file applied", extra={"models": list(dict.fromkeys(e.name for e in models.entries))}
+    )
 
 
 def _check_ports_free(addresses):

@@ -22,18 +22,28 @@ from dataclasses import replace
 from model.fetch import MODELS, fetched_file
 from model.loader import LoadedModel, load_model
 from wsgi_app.api.models import model_card
-from wsgi_app.models_file import PRIMARY, ModelEntry, ModelsFile, read_models_file, single_model
+from wsgi_app.models_file import (
+    PRIMARY,
+    ModelEntry,
+    ModelsFile,
+    read_models_file,
+    read_snapshot,
+    single_model,
+)
 from wsgi_app.settings import Settings
 
 MIB = 1 << 20
 
 
-def models_of(settings: Settings) -> ModelsFile:
-    """Return the models ``settings`` name: the models file, else ``MODEL_DIR``'s one model.
+def models_of(settings: Settings, snapshot: bool = True) -> ModelsFile:
+    """Return the models ``settings`` name: the master's snapshot of the last good models file
+    (unless ``snapshot`` is False), else the models file, else ``MODEL_DIR``'s one model.
 
     Raises:
-        ValueError: the models file is invalid (one line naming it and the entry).
+        ValueError: the models file or its snapshot is invalid (one line naming it and the entry).
     """
+    if snapshot and settings.models_snapshot is not None:
+        return read_snapshot(settings.models_snapshot)
     if settings.models_file is not None:
         return read_models_file(settings.models_file)
     return single_model(settings.model_dir)

@@ -33,9 +33,11 @@ Source: TOML v1.0.0; RFC 8259 (JSON).
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +107,42 @@ class ModelsFile:
         if entry.variant != PRIMARY:
             return f"MODELS_FILE ({self.path}): models.{entry.name}.variants.{entry.variant}"
         return f"MODELS_FILE ({self.path}): models.{entry.name}"
+
+
+def write_snapshot(models: ModelsFile, path: str) -> None:
+    """Write ``models`` (sources resolved) to ``path`` as JSON, atomically: the last good models
+    file, which workers serve from (:func:`read_snapshot`) so that an edit is applied only once
+    checked.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    data = {
+        "path": models.path,
+        "default": models.default,
+        "entries": [asdict(entry) for entry in models.entries],
+    }
+    fd, partial = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(partial, path)
+
+
+def read_snapshot(path: str) -> ModelsFile:
+    """Return the models :func:`write_snapshot` wrote to ``path``.
+
+    Raises:
+        ValueError: the snapshot cannot be read (the message names it).
+    """
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        entries = tuple(
+            ModelEntry(**{**entry, "aliases": tuple(entry["aliases"])}) for entry in data["entries"]
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"the models snapshot {path}: cannot read: {_one_line(exc)}") from None
+    return ModelsFile(entries, data["default"], data["path"])
 
 
 def single_model(model_dir: str | None) -> ModelsFile:

@@ -101,6 +101,9 @@ class Settings:
             ``wsgi_app.models_file``), or None: ``model_dir`` is the one model.
         variant_salt: the salt clients' keys are hashed with to pick a model's canary variant
             (``VARIANT_SALT``; every host of a server must share it: ``""`` by default).
+        models_snapshot: the last good models file, checked and written by the gunicorn master
+            (``GREENSERVE_MODELS_SNAPSHOT``, set by ``gunicorn_config.py``), which workers serve
+            from instead of ``models_file``; None outside gunicorn.
         memory_budget_mb: MiB a worker's models may cost together (``MEMORY_BUDGET_MB``: every
             model's weights plus a Llama's ``kv_cache_budget_mb``), checked at start; None: unchecked.
         max_slots: concurrent generations per worker; None: sized to the model
@@ -175,6 +178,7 @@ class Settings:
     model_dir: str | None = None
     models_file: str | None = None
     memory_budget_mb: int | None = None
+    models_snapshot: str | None = None
     variant_salt: str = field(default="", repr=False)
     max_slots: int | None = None
     max_queue: int | None = None
@@ -238,6 +242,9 @@ class Settings:
             model_dir=env_model_dir(env),
             models_file=models_file,
             variant_salt=env.get("VARIANT_SALT", d["variant_salt"]),
+            models_snapshot=(env.get("GREENSERVE_MODELS_SNAPSHOT") or None)
+            if models_file
+            else None,
             memory_budget_mb=env_int(env, "MEMORY_BUDGET_MB", d["memory_budget_mb"], 1, 1 << 24),
             max_slots=env_int(env, "MAX_SLOTS", d["max_slots"], 1, 100_000),
             max_queue=env_int(env, "MAX_QUEUE", d["max_queue"], 0, 1_000_000),
