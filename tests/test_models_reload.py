@@ -13,6 +13,7 @@ from model import __version__
 from model.bigram.train import train_bigram, write_model
 from model.loader import load_model
 from tests.server import GunicornServer, wait_until
+from tests.sse import EventReader, sse_json
 
 FIRST = '[models.xyz]\nsource = "xyz"\n'
 SECOND = 'default = "xzy"\n[models.xzy]\nsource = "xzy"\naliases = ["xyz"]\n'
@@ -74,4 +75,42 @@ def test_a_reload_applies_a_good_file_and_keeps_the_last_good_one(tmp_path):
             assert served_version(srv, "xyz") == versions["xzy"]
         assert len(pids) == 2
     finally:
+        srv.stop()
+
+
+def test_a_reload_drops_none_of_32_running_streams(tmp_path):
+    """32 streams (300 tokens at a test-only 20 ms a token: 6 s each) run while a reload replaces
+    their model: every one ends whole (its exact text, ``length``, ``[DONE]``) on the old workers,
+    and the new workers serve the new file."""
+    write_trained(tmp_path / "xyz", b"xyz")
+    write_trained(tmp_path / "xzy", b"xzy")
+    models_file = tmp_path / "models.toml"
+    models_file.write_text(FIRST)
+    env = {"MODELS_FILE": str(models_file), "GREENSERVE_FAULTS": "slow_step_s=0.02"}
+    srv = GunicornServer(tmp_path / "run", env, workers=2).start()
+    body = {"model": "xyz", "prompt": "x", "max_tokens": 300, "temperature": 0, "stream": True}
+    streams = []
+    try:
+        for _ in range(32):
+            reader = EventReader(srv.port, body)
+            assert reader.open().status == 200
+            first = reader.next_frame()
+            while not first.startswith(b"data: "):  # the ": ok" comment comes first
+                first = reader.next_frame()
+            streams.append((reader, first))
+        models_file.write_text(SECOND)
+        srv.signal(signal.SIGHUP)
+        # The new workers serve (and gunicorn has sent the old ones SIGTERM) while the streams,
+        # 6 s each, still run on the old workers.
+        wait_until(lambda: srv.log_text().count('"message": "serving"') == 4, 60, srv.log_tail)
+        for reader, first in streams:
+            assert reader.resp is not None
+            chunks = sse_json(first + b"\n" + reader.resp.read())  # the frame ends with "\\n"
+            text = "".join(chunk["choices"][0]["text"] for chunk in chunks)
+            assert text == "yzx" * 100
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        wait_until(lambda: listed(srv) == ["xzy", "xyz"], 60, lambda: srv.log_tail())
+    finally:
+        for reader, _ in streams:
+            reader.close()
         srv.stop()

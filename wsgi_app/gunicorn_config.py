@@ -405,7 +405,7 @@ def _log_serving(worker, state):
             "model": default.name,  # the id /v1/models lists
             "model_kind": default.model.engine_kind,
             "model_version": default.model_version,  # X-Model-Version
-            "models": [served.name for served in state.models.served],
+            "models": [served.name for served in state.models.primaries],
             "api_address": addresses[0] if addresses else None,
             "health_address": addresses[1] if len(addresses) > 1 else None,
         },
