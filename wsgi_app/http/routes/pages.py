@@ -24,7 +24,6 @@ from flask import Blueprint, Response, render_template, request
 
 from wsgi_app.api.completions import MAX_TOKENS_LIMIT
 from wsgi_app.api.errors import ApiError
-from wsgi_app.api.models import model_card
 from wsgi_app.http.runtime import runtime
 
 # The templates stay package data of wsgi_app itself (beside the assets), not of this subpackage.
@@ -70,7 +69,7 @@ def _page(template: str, **context: object) -> Response:
     rt = runtime()
     html = render_template(
         template,
-        model_id=model_card(rt.model)["id"],
+        model_id=rt.models.default.name,  # the id /v1/models lists (the default model's)
         model_version=rt.model_version,
         **context,
     )
