@@ -37,7 +37,15 @@ from wsgi_app.api.structured import (
     parse_constraint,
     refuse_stop,
 )
-from wsgi_app.api.table import BOOLEAN, JSON, NUMBER, SHARED_FIELDS, Field, FieldTable
+from wsgi_app.api.table import (
+    BOOLEAN,
+    JSON,
+    NUMBER,
+    SHARED_FIELDS,
+    Field,
+    FieldTable,
+    shown_names,
+)
 from wsgi_app.api.tools import ToolRequest, parse_tools
 
 MAX_TOP_LOGPROBS = 20
@@ -99,8 +107,9 @@ class ChatRequest:
         ignore_eos: keep generating past end-of-sequence (vLLM's extension).
         user: the client's end-user id, or None (log it hashed).
         cache_salt: the request's ``cache_salt`` (vLLM's extension), "" without one.
-        ignored_fields: the unknown top-level fields the request sent, as ``X-Ignored-Fields``
-            lists them.
+        ignored_fields: the unknown top-level fields the request sent, and the schema keywords
+            left out of tools that are not strict (``wsgi_app.api.tools.lenient_schema``), as
+            ``X-Ignored-Fields`` lists them.
         constraint: the output constraint (``response_format`` and the other spellings of
             ``wsgi_app.api.structured``), or None.
         tools: the functions the model may call and how (``wsgi_app.api.tools``), or None.
@@ -145,7 +154,7 @@ def parse_chat_request(
             field, an unsupported one, or a bad value, down to the part
             (``messages[2].content[0].type``; an unknown key inside a message is still refused).
     """
-    ignored = FIELDS.check(body)
+    unknown = FIELDS.unknown(body)
     for name in FIELDS.unsupported:
         if body.get(name) is not None:
             raise unsupported(name)
@@ -176,7 +185,9 @@ def parse_chat_request(
         ignore_eos=stream.ignore_eos,
         user=body.get("user"),
         cache_salt=stream.cache_salt,
-        ignored_fields=ignored,
+        # A tool that is not strict is enforced without the keywords llguidance does not
+        # implement: each is named as an ignored field is (wsgi_app.api.tools.lenient_schema).
+        ignored_fields=shown_names([*unknown, *(tools.dropped_keywords() if tools else ())]),
         constraint=refuse_stop(parse_constraint(body), stop),
         tools=tools,
     )
