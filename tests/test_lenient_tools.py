@@ -35,13 +35,13 @@ LABELED = {
     "additionalProperties": False,
 }
 DROPPED = "tools%5B1%5D.function.parameters.properties.labels.propertyNames"
-# Claude Code's TaskCreate as its zod schema is written out (a record is `propertyNames` beside an
-# empty `additionalProperties`): the strings bounded here so the bigram's call ends.
+# Claude Code's TaskCreate as version 2.1.197 sends it (its zod record is `propertyNames` beside an
+# empty `additionalProperties`), descriptions cut, the strings bounded so the bigram's call ends.
 TASK_CREATE = {
     "name": "TaskCreate",
     "description": "Create a task in the task list.",
     "input_schema": {
-        "$schema": "http://json-schema.org/draft-07/schema#",
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
         "type": "object",
         "properties": {
             "subject": {"type": "string", "description": "A brief title", "maxLength": 12},
