@@ -31,6 +31,7 @@ from wsgi_app.http.routes import (
     openapi,
     ops,
     pages,
+    responses,
     stats,
 )
 from wsgi_app.http.runtime import EXTENSION, Runtime
@@ -201,6 +202,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     app.register_blueprint(completions.bp)
     app.register_blueprint(completions_get.bp)
     app.register_blueprint(chat.bp)
+    app.register_blueprint(responses.bp)
     app.register_blueprint(models.bp)
     app.register_blueprint(openapi.bp)
     app.register_blueprint(ops.bp)

@@ -65,6 +65,9 @@ class ToolRequest:
         parallel: whether a block may hold more than one call (``parallel_tool_calls``).
         legacy: the request used ``functions`` (answer with ``message.function_call``).
         param: the field the tools came from (``tools`` or ``functions``), for refusals.
+        schema_params: the ``param`` naming each tool's schema, for a wire whose tools are not
+            the chat's (a Responses tool holds ``parameters`` flat, ``tools[3].parameters``, and
+            its index counts the tool types left out); empty for the chat's.
     """
 
     tools: tuple[Tool, ...]
@@ -73,6 +76,16 @@ class ToolRequest:
     parallel: bool = True
     legacy: bool = False
     param: str = "tools"
+    schema_params: tuple[str, ...] = ()
+
+    def schema_param(self, i: int) -> str:
+        """Return the ``param`` naming tool ``i``'s ``parameters``: ``tools[i].function.parameters``
+        (chat), ``functions[i].parameters`` (legacy), else the wire's own (:attr:`schema_params`)."""
+        if self.schema_params:
+            return self.schema_params[i]
+        if self.legacy:
+            return f"{self.param}[{i}].parameters"
+        return f"{self.param}[{i}].function.parameters"
 
     def callable_tools(self) -> tuple[Tool, ...]:
         """Return the tools a call may name (the named one alone, or all; none for ``"none"``)."""
@@ -171,17 +184,27 @@ def _tool(value: Any, where: str, legacy: bool) -> Tool:
         function, fwhere = value.get("function"), f"{where}.function"
         if not isinstance(function, dict):
             raise invalid(f"'{fwhere}' is required and must be an object.", fwhere)
-    named = described_object(function, fwhere, _FUNCTION_KEYS, name_required=True)
+    return function_tool(function, fwhere)
+
+
+def function_tool(function: dict[str, Any], where: str) -> Tool:
+    """Read one function's ``name``, ``description``, ``parameters`` and ``strict`` (the keys
+    it may hold): a chat tool's ``function`` object, a legacy ``functions`` entry, or (its
+    ``type`` taken out) a Responses tool, which holds the same keys flat.
+
+    Raises:
+        ApiError: 400 naming ``<where>.<key>``: another key, a malformed name, description,
+            ``strict`` or ``parameters``, a lone surrogate in them.
+    """
+    named = described_object(function, where, _FUNCTION_KEYS, name_required=True)
     if named.description is not None:
-        check_unicode(named.description, f"{fwhere}.description")
+        check_unicode(named.description, f"{where}.description")
     parameters = function.get("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
-        raise invalid(
-            f"'{fwhere}.parameters' must be a JSON Schema object.", f"{fwhere}.parameters"
-        )
-    check_strings(parameters, f"{fwhere}.parameters")
+        raise invalid(f"'{where}.parameters' must be a JSON Schema object.", f"{where}.parameters")
+    check_strings(parameters, f"{where}.parameters")
     return Tool(named.name, named.description, parameters, bool(named.strict))
 
 

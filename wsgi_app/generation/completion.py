@@ -308,6 +308,11 @@ class Completion:
         """Return the ``stream_options.include_usage`` event: no choices, the usage."""
         return self.encoder.usage_chunk(self.usage())
 
+    def last_chunks(self) -> Iterator[bytes]:
+        """Yield the events after every choice ended (``ChunkEncoder.last_chunks``: the usage
+        chunk if asked for; the Responses API's final event)."""
+        return self.encoder.last_chunks(self.choices, self.usage())
+
     def run(self) -> list[bytes]:
         """Generate every choice to its end and return the JSON answer's byte strings
         (:meth:`~wsgi_app.wire.encoder.ChunkEncoder.answer`)."""

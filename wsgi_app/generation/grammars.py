@@ -164,11 +164,10 @@ def tool_constraint(
 
 
 def parameters_param(tools: ToolRequest, i: int) -> str:
-    """Return the ``param`` naming tool ``i``'s ``parameters`` (``tools[i].function.parameters``,
-    or ``functions[i].parameters`` for the legacy field)."""
-    if tools.legacy:
-        return f"{tools.param}[{i}].parameters"
-    return f"{tools.param}[{i}].function.parameters"
+    """Return the ``param`` naming tool ``i``'s ``parameters`` (``ToolRequest.schema_param``:
+    ``tools[i].function.parameters``, ``functions[i].parameters`` for the legacy field, a
+    Responses tool's ``tools[i].parameters``)."""
+    return tools.schema_param(i)
 
 
 def _cannot(param: str, error: ConstraintError | str) -> ApiError:

@@ -23,7 +23,7 @@ from collections.abc import Generator, Iterator
 from itertools import chain
 
 from model.engine import GrammarSource
-from wsgi_app.api.errors import ApiError, error_body, invalid, unavailable
+from wsgi_app.api.errors import ApiError, invalid, unavailable
 from wsgi_app.generation.admission import Ticket
 from wsgi_app.generation.completion import Completion
 from wsgi_app.generation.context import GenerationContext
@@ -208,10 +208,12 @@ class Generation:
     Streamed, it is the response body: iterating it gives the SSE events (``: ok`` at once, so the
     headers leave before the first token; ``: queued`` while waiting for a slot and ``: ping`` while
     the prompt is read, every ``WAITING_HEARTBEAT_S`` (writes: a client that left is found by one
-    that fails, and its work stops); one ``data:`` event per token; the usage chunk if asked for;
-    ``[DONE]``), and gunicorn's ``close()`` ends it. A failure after the first byte cannot change the
-    status: it becomes an error event before ``[DONE]``. The completion's framing decides the
-    opening bytes and the event ids (``retry:`` and ``id:`` on the ``EventSource`` stream). Not
+    that fails, and its work stops); one ``data:`` event per token; the encoder's last events (the
+    usage chunk if asked for; the Responses API's final event); ``[DONE]``), and gunicorn's
+    ``close()`` ends it. A failure after the first byte cannot change the status: it becomes the
+    encoder's error event (the Responses API's ``response.failed``) before ``[DONE]``. The
+    completion's framing decides the opening bytes, the event ids (``retry:`` and ``id:`` on the
+    ``EventSource`` stream) and the end marker (none for the Responses API's named events). Not
     streamed, :meth:`run` generates the JSON answer and ends it.
 
     Attributes:
@@ -263,8 +265,7 @@ class Generation:
             for _ in queue_heartbeats(self.ticket, self.pacer, completion.waiting_heartbeat_s):
                 yield sse.QUEUED  # a write: a client that left is noticed here
             yield from completion.chunks()
-            if completion.req.include_usage:
-                yield completion.usage_chunk()
+            yield from completion.last_chunks()
         except ClientGone as exc:  # its prompt's scoring saw it leave: nobody reads the rest
             record.end(CLIENT_LEFT)
             record.error = str(exc)
@@ -277,8 +278,10 @@ class Generation:
         finally:
             self.settle()
         if failure is not None:
-            yield sse.data_event(error_body(failure))
-        yield completion.framing.done()
+            yield completion.encoder.error_event(failure)
+        done = completion.framing.done()
+        if done:  # a format whose last event ends the stream has no end marker
+            yield done
 
     def run(self) -> list[bytes]:
         """Generate the JSON answer: wait for the slot (looking for a client that left meanwhile,

@@ -20,7 +20,7 @@ from typing import Any
 from model.chat_template import ChatTemplate, TemplateError
 from model.loader import LoadedModel
 from model.tool_formats import FORMATS, SAMPLE_CALL, SAMPLE_TOOLS, tool_format
-from wsgi_app.api.chat import ChatRequest, completion_request
+from wsgi_app.api.chat import Conversation, completion_request
 from wsgi_app.api.errors import invalid
 from wsgi_app.generation.inputs import GenerationInput, generation_input
 from wsgi_app.settings import Settings
@@ -111,7 +111,7 @@ def _inline(func: Callable[..., Any], args: Sequence[Any]) -> Any:
 
 
 def chat_completion_request(
-    chat: ChatRequest,
+    chat: Conversation,
     template: ChatTemplate,
     model: LoadedModel,
     *,
@@ -122,13 +122,15 @@ def chat_completion_request(
     max_logprob_entries: int | None = None,
     tool_call_format: str | None = None,
 ) -> GenerationInput:
-    """Render ``chat``'s conversation, with its tools, and return the generation input it stands for.
+    """Render ``chat``'s conversation, with its tools, and return the generation input it stands for
+    (a chat request's, or a Responses request's once its items are messages: the same prompt for the
+    same conversation).
 
     The tools are rendered whatever ``tool_choice`` says (with ``"none"`` the model sees them and
     cannot call them), so ``usage.prompt_tokens`` counts them.
 
     Args:
-        chat: the validated chat request.
+        chat: the validated conversation (``wsgi_app.api.chat.Conversation``).
         template: the worker's chat template.
         model: the loaded model (its tokenizer and context length).
         max_prompt_tokens: the longest rendered prompt, tokens (``MAX_PROMPT_TOKENS``).
@@ -145,19 +147,19 @@ def chat_completion_request(
             (``ChatTemplate.tool_format``: its own, or ``TOOL_CALL_FORMAT``'s).
 
     Raises:
-        ApiError: 400 ``messages`` when the contents are longer than any acceptable prompt
-            (:func:`content_char_limit`), the template fails (its message) or the rendered prompt
-            is over ``max_prompt_tokens`` or fills the context; 400 naming ``max_tokens`` or
-            ``max_completion_tokens`` when the answer would not fit; 400 ``top_logprobs`` over
-            ``max_logprob_entries``.
+        ApiError: 400 naming the conversation (``messages``, ``input``) when the contents are
+            longer than any acceptable prompt (:func:`content_char_limit`), the template fails
+            (its message) or the rendered prompt is over ``max_prompt_tokens`` or fills the
+            context; 400 naming ``max_tokens`` or ``max_completion_tokens`` when the answer would
+            not fit; 400 ``top_logprobs`` over ``max_logprob_entries``.
     """
-    limit = content_char_limit(model.tokenizer, max_prompt_tokens)
+    limit, param = content_char_limit(model.tokenizer, max_prompt_tokens), chat.messages_param
     chars = sum(len((m["content"] or "").strip()) for m in chat.messages)  # None: only tool calls
     if chars > limit:
         raise invalid(
             f"The messages hold {chars} characters; no conversation over {limit} characters fits "
             f"the prompt limit of {max_prompt_tokens} tokens.",
-            "messages",
+            param,
         )
     tools = [tool.openai() for tool in chat.tools.tools] if chat.tools else None
     try:
@@ -165,12 +167,12 @@ def chat_completion_request(
             template.render_and_encode, (chat.messages, model.tokenizer, tools, tool_call_format)
         )
     except TemplateError as exc:
-        raise invalid(f"The chat template failed on 'messages': {exc}", "messages") from None
+        raise invalid(f"The chat template failed on '{param}': {exc}", param) from None
     if len(prompt_ids) > max_prompt_tokens:
         raise invalid(
             f"The rendered conversation is {len(prompt_ids)} tokens; the limit is "
             f"{max_prompt_tokens}.",
-            "messages",
+            param,
         )
     per_token = model.kv_bytes_per_token
     req = completion_request(

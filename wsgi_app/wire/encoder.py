@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from model.tokenizer import TextTokenizer
-from wsgi_app.api.errors import json_bytes
+from wsgi_app.api.errors import ApiError, error_body, json_bytes
 from wsgi_app.wire.logprobs import ChatLogprobs, Logprobs
-from wsgi_app.wire.sse import PLAIN, Framing
+from wsgi_app.wire.sse import PLAIN, Framing, data_event
 
 # A non-streamed answer up to this size is written in one piece (joining 1 MiB takes ~0.1 ms).
 JOIN_LIMIT_BYTES = 1 << 20
@@ -76,10 +76,13 @@ class WireFormat:
         encoder_type: the :class:`ChunkEncoder` (sub)class that builds this format's events.
         tool_encoder_type: the one that builds them for an answer that may call tools (the chat
             completion's), or None for a format without tool calls.
+        stream_framing: the SSE framing of a POST stream in this format (``data:`` events and
+            ``[DONE]``; the Responses API's names its events).
     """
 
     encoder_type: ClassVar[type[ChunkEncoder]]
     tool_encoder_type: ClassVar[type[ChunkEncoder] | None] = None
+    stream_framing: ClassVar[Framing] = PLAIN
 
     answer_object: str
     chunk_object: str
@@ -166,6 +169,7 @@ class ChunkEncoder:
     __slots__ = (
         "fmt",
         "framing",
+        "include_usage",
         "_folded",
         "_head",
         "_answer_head",
@@ -187,6 +191,7 @@ class ChunkEncoder:
     ) -> None:
         self.fmt = fmt
         self.framing = framing
+        self.include_usage = include_usage
         self._head = head
         self._answer_head = answer_head
         self._usage_tail = usage_tail = b',"usage":null}' if include_usage else b"}"
@@ -264,6 +269,20 @@ class ChunkEncoder:
     def usage_chunk(self, usage: dict[str, object]) -> bytes:
         """Return the ``stream_options.include_usage`` event: no choices, the usage."""
         return self.framing.frame(self._head + b',"choices":[],"usage":' + json_bytes(usage) + b"}")
+
+    def last_chunks(
+        self, choices: Sequence[EncodedChoice], usage: dict[str, object]
+    ) -> Iterator[bytes]:
+        """Yield the events after every choice has ended, before the framing's end: the usage
+        chunk when ``stream_options.include_usage`` asked for it (a format whose stream ends
+        with the whole answer sends it here)."""
+        if self.include_usage:
+            yield self.usage_chunk(usage)
+
+    def error_event(self, error: ApiError) -> bytes:
+        """Return the event that ends a stream that failed after its first byte: the error
+        envelope as a ``data:`` event (a format with its own failure event builds that)."""
+        return data_event(error_body(error))
 
     def answer_message(self, choice: EncodedChoice) -> tuple[bytes, ...]:
         """Return the bytes of a finished choice's text in the answer: the text key, the text as a

@@ -1,8 +1,9 @@
 """Server-Sent Events framing for the completion streams.
 
 POST streams carry only ``data:`` events and comment lines; the GET stream for ``EventSource`` adds ``id:``
-and ``retry:`` fields. Payloads are compact JSON, which escapes every control byte, so a payload never holds
-a CR or LF that could split a frame.
+and ``retry:`` fields; the Responses stream names every event (``event:``) and ends without
+``[DONE]``. Payloads are compact JSON, which escapes every control byte, so a payload never holds a CR
+or LF that could split a frame.
 
 Source: WHATWG HTML Living Standard, §9.2 "Server-sent events" (event stream interpretation).
 """
@@ -108,4 +109,24 @@ class EventIds(Framing):
         return data_event(b"[DONE]", f"{self.seed}-done")
 
 
+class NamedEvents(Framing):
+    """Frame a stream whose events each carry their type in an ``event:`` line (the Responses API):
+    ``: ok`` first, then ``event: <type>`` and ``data: <payload>`` per event, built by the encoder
+    (:meth:`event`), and no ``[DONE]``: the last event says the stream is over.
+
+    Source: OpenAI API reference, "Responses" (streaming events).
+    """
+
+    fold = None
+
+    def event(self, name: bytes, payload: bytes) -> bytes:
+        """Return ``event: <name>`` and ``data: <payload>`` as one SSE event."""
+        return b"event: " + name + b"\n" + DATA + payload + END
+
+    def done(self) -> bytes:
+        """Return nothing: the stream ends after its last event."""
+        return b""
+
+
 PLAIN = Framing()
+NAMED = NamedEvents()
