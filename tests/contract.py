@@ -92,13 +92,17 @@ class Contract:
             self.validator(f"{media}/schema").validate(body.decode())
             return checked + 1
         assert ctype == "text/event-stream"
-        data_schema = content[ctype]["schema"]["properties"]["data"]["else"]
-        payload = self.validator(f"{media}/schema/properties/data/else/contentSchema")
-        assert data_schema["contentMediaType"] == "application/json"
+        data_schema = content[ctype]["schema"]["properties"]["data"]
+        # A stream that ends with [DONE] (if/else), or one whose every event is JSON (Responses).
+        ends_done = "else" in data_schema
+        at = f"{media}/schema/properties/data" + ("/else" if ends_done else "")
+        payload = self.validator(f"{at}/contentSchema")
+        assert data_schema.get("else", data_schema)["contentMediaType"] == "application/json"
         events = parse_sse(body)
         for event in events:
             self.validator(f"{media}/schema").validate(event)
             if event["data"] != "[DONE]":
                 payload.validate(json.loads(event["data"]))
-        assert events and events[-1]["data"] == "[DONE]"
+        assert events
+        assert (events[-1]["data"] == "[DONE]") == ends_done
         return checked + len(events)
