@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import subprocess
+import sys
 from typing import Literal
 
 import openai
@@ -14,7 +17,7 @@ import pydantic
 import pytest
 
 from tests.responses import city_tool
-from tests.server import GunicornServer
+from tests.server import ROOT, GunicornServer
 
 MAX_TOKENS = 48
 
@@ -192,3 +195,19 @@ def test_the_agents_sdk_runs_a_one_tool_agent_on_smollm2(smollm2_server):
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"], kinds
     assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
+def test_the_readme_example_runs_as_written(bigram):
+    """README "Responses API": its Python example, against the server."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Responses API") :]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    run = subprocess.run(
+        [sys.executable, "-c", code.replace("http://localhost:8000", bigram.url)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    # It printed the first answer, and its follow-up found it stored (else a 400 raised).
+    assert run.stdout.strip() and "previous_response_id=first.id" in code
