@@ -12,8 +12,9 @@ Two backends, the same behaviour:
 
 - :class:`SqliteResponseStore` (the default): a SQLite file (``RESPONSES_DB``) every worker of a
   host shares, in WAL mode, each call a short connection on the hub's thread pool, as
-  ``telemetry.history`` keeps ``STATS_DB``. A write drops the expired records, then the oldest
-  until the count and the bytes are within bounds.
+  ``telemetry.history`` keeps ``STATS_DB``. A write (one transaction, the file's write lock taken
+  first) drops the expired records, then the oldest until the count and the bytes, which triggers
+  keep in a totals row, are within bounds.
 - :class:`RedisResponseStore` (``RESPONSES_REDIS_URL``): shared by every host; a record is a key
   with a TTL, and one Lua script (atomic on the server) adds it to an index by time and evicts the
   expired and the oldest beyond the bounds.
@@ -39,12 +40,23 @@ from telemetry.history import retry_locked
 log = logging.getLogger("greenserve.responses")
 T = TypeVar("T")
 
+# The totals row is kept by triggers, so a write checks the bounds without scanning the table.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, created REAL NOT NULL, bytes INTEGER NOT NULL,
     body BLOB NOT NULL
 );
 CREATE INDEX IF NOT EXISTS responses_by_time ON responses (created);
+CREATE TABLE IF NOT EXISTS totals (
+    one INTEGER PRIMARY KEY CHECK (one = 1), count INTEGER NOT NULL, bytes INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO totals VALUES (1, 0, 0);
+CREATE TRIGGER IF NOT EXISTS responses_added AFTER INSERT ON responses BEGIN
+    UPDATE totals SET count = count + 1, bytes = bytes + new.bytes;
+END;
+CREATE TRIGGER IF NOT EXISTS responses_removed AFTER DELETE ON responses BEGIN
+    UPDATE totals SET count = count - 1, bytes = bytes - old.bytes;
+END;
 """
 
 
@@ -98,7 +110,7 @@ class SqliteResponseStore:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self.clock = clock
-        retry_locked(self._create)
+        _on_pool(retry_locked, self._create)
 
     def _create(self) -> None:
         with self._connect() as conn:
@@ -123,12 +135,12 @@ class SqliteResponseStore:
         with self._connect() as conn:
             conn.execute("BEGIN IMMEDIATE")  # one writer at a time: the bounds hold across workers
             conn.execute("DELETE FROM responses WHERE created < ?", (now - self.ttl_s,))
+            conn.execute("DELETE FROM responses WHERE id = ?", (response_id,))  # (never, in use)
             conn.execute(
-                "INSERT OR REPLACE INTO responses (id, owner, created, bytes, body) "
-                "VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO responses (id, owner, created, bytes, body) VALUES (?, ?, ?, ?, ?)",
                 (response_id, owner, now, len(body), body),
             )
-            count, total = conn.execute("SELECT COUNT(*), TOTAL(bytes) FROM responses").fetchone()
+            count, total = conn.execute("SELECT count, bytes FROM totals").fetchone()
             if count <= self.max_count and total <= self.max_bytes:
                 return
             doomed = []
