@@ -1,4 +1,4 @@
-"""``/healthz`` while eight 1 MB prompts are in flight (issue 31, item 8).
+"""``/healthz`` while eight 1 MB prompts are in flight.
 
 Starts one SmolLM2 gunicorn (one worker), sends eight concurrent requests whose prompt (a completion's
 ``prompt`` or a chat message) is ~1 MB of text, each refused or served, and meanwhile probes ``/healthz``

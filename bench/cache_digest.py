@@ -26,7 +26,7 @@ GGUF = Path.home() / ".cache" / "greenserve" / "models" / "SmolLM2-135M-Instruct
 PROBE = """
 import json, sys, time
 from pathlib import Path
-from model.llama import gguf_cache
+from model.llama.formats import gguf_cache
 from model.loader import load_model
 t = time.perf_counter()
 m = load_model(sys.argv[1], sys.argv[2])

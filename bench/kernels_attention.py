@@ -2,7 +2,7 @@
 
 SmolLM2-135M shapes (9 query heads, 3 key/value heads of 64). Cases: one decoding row at several
 lengths, 32 decoding lanes of one slab, and a prompt attending causally (every row its own length)
-for every layer, one kernel call per layer against the numpy runs of ``model.llama.attend``.
+for every layer, one kernel call per layer against the numpy runs of ``model.llama.forward.attend``.
 Results, with the CPU model and flags, go to ``bench/results/<UTC>-kernels-attention.json``.
 
 Usage: ``python -m bench.kernels_attention [--repeat 20] [--prompt-tokens 1500] [--layers 30]``
@@ -22,7 +22,7 @@ import numpy as np
 RESULTS = Path(__file__).resolve().parent / "results"
 N_HEADS, N_KV_HEADS, HEAD_DIM = 9, 3, 64
 KV_BLOCK = 64
-RUN_ROWS = 16  # model.llama.attend's rows per numpy call
+RUN_ROWS = 16  # model.llama.forward.attend's rows per numpy call
 
 
 def cpu_info() -> dict[str, object]:
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     from model.kernels.attention import attend  # compiles, or loads numba's cache
 
     import_s = time.perf_counter() - t0
-    from model.llama.ops import decode_attention
+    from model.llama.forward.ops import decode_attention
 
     rng = np.random.default_rng(args.seed)
     decode = [

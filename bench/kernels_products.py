@@ -50,7 +50,7 @@ def step_matrices(path: Path) -> tuple[list, list[np.ndarray], float]:
     import gguf
 
     from model.kernels.packed import PackedWeight
-    from model.llama.gguf import read_gguf
+    from model.llama.formats.gguf import read_gguf
 
     tensors = read_gguf(path).tensors
     names = [

@@ -28,9 +28,9 @@ import numpy as np  # noqa: E402
 import safetensors.numpy  # noqa: E402
 
 from model.kernels.packed import PackedWeight  # noqa: E402
-from model.llama.config import LlamaConfig  # noqa: E402
-from model.llama.convert import convert_llama2c  # noqa: E402
-from model.llama.model import Llama, tensor_shapes  # noqa: E402
+from model.llama.formats.convert import convert_llama2c  # noqa: E402
+from model.llama.forward.config import LlamaConfig  # noqa: E402
+from model.llama.forward.model import Llama, tensor_shapes  # noqa: E402
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "data" / "stories260K"
 

@@ -24,7 +24,7 @@ from typing import Any
 from bench import servers, serving
 from bench.harness import RESULTS, utc_stamp, write_pair
 from bench.loadgen import run_load
-from model.llama.convert import convert_llama2c
+from model.llama.formats.convert import convert_llama2c
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 128

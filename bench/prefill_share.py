@@ -1,9 +1,9 @@
-"""Two decoding streams while a ~6k-token chat prompt is read (issue 31, item 3).
+"""Two decoding streams while a ~6k-token chat prompt is read.
 
 One greenserve (one gevent worker, default settings, SmolLM2-135M Q4_1) pinned to the server core,
 this client on the other (``bench.servers``). Two streams decode all along ("Once upon a time",
 T = 1, ``ignore_eos``, 300 tokens; each starts again when it ends); after ``--window`` seconds, a
-chat of 1,024 short messages (6,169 tokens, the issue's) arrives, streamed, 16 tokens. Reports the
+chat of 1,024 short messages (6,169 tokens) arrives, streamed, 16 tokens. Reports the
 streams' inter-token latency (client-side gaps between token events of one answer) in a window
 before the prompt and one after its answer ("pace", both together: the machine's load drifts) and
 while it is read (from its request to its first token), and the prompt's TTFT; then, the streams

@@ -5,8 +5,8 @@ works at a time), ``PREFIX_CACHE=1`` (the default) and ``PREFIX_CACHE=0``; the c
 other core. TTFT is the server's own (``ttft_s`` of the request's log line: arrival to the first
 generated token), so client and connection costs stay out of it. Every answer of the cache-on server
 is also checked against the cache-off server's: same text (the bits are the tests' business; a
-benchmark that sped up by changing answers would still be caught here). Scenarios (the issue's
-targets, chat completions, ``temperature`` 0):
+benchmark that sped up by changing answers would still be caught here). Scenarios (chat completions,
+``temperature`` 0):
 
 - ``repeat``: a system prompt of ~1,500 tokens and a user message of <= 10 tokens, one output token:
   the first request (cold), the same again, then the same history with a new last message.

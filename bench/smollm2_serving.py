@@ -60,9 +60,9 @@ from bench.loadgen import run_load
 from bench.run import wait_quiet
 from model.fetch import fetch
 from model.files import file_sha256
-from model.llama.gguf import open_reader, read_metadata
-from model.llama.gguf_cache import cache_path, default_cache_dir
-from model.llama.gguf_tokenizer import tokenizer_from_gguf
+from model.llama.formats.gguf import open_reader, read_metadata
+from model.llama.formats.gguf_cache import cache_path, default_cache_dir
+from model.llama.formats.gguf_tokenizer import tokenizer_from_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 128
@@ -128,7 +128,7 @@ def eog_ids(model: Path) -> list[int]:
 
     Raises:
         ValueError: the file's tokenizer metadata is not supported (see
-            :func:`model.llama.gguf_tokenizer.tokenizer_from_gguf`).
+            :func:`model.llama.formats.gguf_tokenizer.tokenizer_from_gguf`).
     """
     metadata = read_metadata(open_reader(model))
     vocab = len(metadata["tokenizer.ggml.tokens"])

@@ -1,7 +1,7 @@
 """Where one Llama decode step's time goes, for a lone stream: the split of a step of the scheduler.
 
 Loads SmolLM2-135M (``python -m model.fetch smollm2``), prefills ``--prompt`` and decodes
-``--tokens`` tokens of one sequence through :class:`model.llama.scheduler.BatchScheduler` (speculation
+``--tokens`` tokens of one sequence through :class:`model.llama.serving.scheduler.BatchScheduler` (speculation
 off, so every step is one token), timing the pieces of each step by wrapping them: the weight
 products (:func:`model.kernels.products.matmul_t`, the head's included), attention
 (``StepAttention.__call__``), RMSNorm, RoPE, SiLU (``silu_mul``, with the up product's multiply),
@@ -29,9 +29,9 @@ from typing import Any  # noqa: E402
 
 import model.kernels.mathf as mathf  # noqa: E402
 import model.kernels.products as products  # noqa: E402
-import model.llama.attend as attend  # noqa: E402
-import model.llama.model as llama_model  # noqa: E402
-import model.llama.scheduler as scheduler  # noqa: E402
+import model.llama.forward.attend as attend  # noqa: E402
+import model.llama.forward.model as llama_model  # noqa: E402
+import model.llama.serving.scheduler as scheduler  # noqa: E402
 from bench.harness import print_json  # noqa: E402
 from model.engine import GenerationRequest  # noqa: E402
 from model.fetch import fetch  # noqa: E402

@@ -157,7 +157,7 @@ class ScheduledSequence(Protocol):
 
 class PrefixCacheView(Protocol):
     """What the server sees of a scheduler's prefix cache (the Llama family's is
-    ``model.llama.prefix_cache.PrefixCache``): sizes and running totals, read from any thread, and the
+    ``model.llama.serving.prefix_cache.PrefixCache``): sizes and running totals, read from any thread, and the
     room the KV budget leaves it, set from any thread."""
 
     blocks: int  # cached blocks
@@ -179,7 +179,7 @@ class Scheduler(Protocol):
     """Continuous batching: advance every live sequence one token per :meth:`step`.
 
     Single-threaded: one thread calls everything but :meth:`score` (which touches no sequence and
-    may run on another thread). The Llama family's is ``model.llama.scheduler.BatchScheduler``.
+    may run on another thread). The Llama family's is ``model.llama.serving.scheduler.BatchScheduler``.
     """
 
     @property

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from model.files import file_sha256
-from model.llama.gguf_cache import default_cache_dir
+from model.llama.formats.gguf_cache import default_cache_dir
 
 _CHUNK_BYTES = 1 << 20
 
@@ -65,7 +65,7 @@ MODELS = {
 
 
 def default_models_dir() -> Path:
-    """Return ``<cache dir>/models`` (see :func:`model.llama.gguf_cache.default_cache_dir`)."""
+    """Return ``<cache dir>/models`` (see :func:`model.llama.formats.gguf_cache.default_cache_dir`)."""
     return default_cache_dir() / "models"
 
 

@@ -1,9 +1,10 @@
 """Load any supported model directory: the byte bigram or a Hugging Face Llama.
 
 ``load_model`` reads ``config.json`` and dispatches: ``"tl_arch"`` present -> the bigram
-(docs/ARCHITECTURE.md §12), ``"model_type": "llama"`` -> :class:`model.llama.model.Llama` with its
-``tokenizer.json`` and optional ``generation_config.json``. A ``.gguf`` file (or a directory
-without ``config.json`` holding exactly one) -> a Llama from its float32 cache file and the
+(docs/ARCHITECTURE.md §12), ``"model_type": "llama"`` ->
+:class:`model.llama.forward.model.Llama` with its ``tokenizer.json`` and optional
+``generation_config.json``. A ``.gguf`` file (or a directory without ``config.json`` holding
+exactly one) -> a Llama from its float32 cache file and the
 tokenizer its metadata describes. Everything is validated here, at
 start-up, so a bad directory fails the worker with a ``ValueError`` naming the file and field.
 
@@ -35,17 +36,17 @@ from model.bigram.model import Bigram, default_model_dir
 from model.chat_template import ChatTemplate
 from model.engine import Engine, Family, Scheduler
 from model.files import CONFIG_NAME, file_sha256, read_json_object
-from model.llama.config import token_id_field, token_ids_field
-from model.llama.engine import LlamaEngine
-from model.llama.gguf import GGUFModel, read_gguf
-from model.llama.gguf_cache import default_cache_dir, load_or_build
-from model.llama.gguf_tokenizer import tokenizer_from_gguf
-from model.llama.kv_cache import bytes_per_token, reservation_bytes
-from model.llama.kv_cache import can_ever_fit as can_ever_fit  # the contract's, for admission
-from model.llama.model import Llama
-from model.llama.prefix_cache import PrefixCache
-from model.llama.scheduler import PREFILL_CHUNK, BatchScheduler
-from model.llama.tensors import check_tensors
+from model.llama.formats.gguf import GGUFModel, read_gguf
+from model.llama.formats.gguf_cache import default_cache_dir, load_or_build
+from model.llama.formats.gguf_tokenizer import tokenizer_from_gguf
+from model.llama.forward.config import token_id_field, token_ids_field
+from model.llama.forward.kv_cache import bytes_per_token, reservation_bytes
+from model.llama.forward.kv_cache import can_ever_fit as can_ever_fit  # for admission
+from model.llama.forward.model import Llama
+from model.llama.forward.tensors import check_tensors
+from model.llama.serving.engine import LlamaEngine
+from model.llama.serving.prefix_cache import PrefixCache
+from model.llama.serving.scheduler import PREFILL_CHUNK, BatchScheduler
 from model.locate import gguf_file
 from model.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -132,7 +133,7 @@ class LoadedModel:
     def kv_reservation_bytes(self, prompt_tokens: int, max_tokens: int, n: int) -> int:
         """Return the KV-cache bytes a request's ``n`` choices may hold at most (0 for the bigram).
 
-        See :func:`model.llama.kv_cache.reservation_bytes`.
+        See :func:`model.llama.forward.kv_cache.reservation_bytes`.
         """
         return reservation_bytes(
             self.kv_bytes_per_token, prompt_tokens, max_tokens, n, self.context_length
@@ -162,7 +163,7 @@ class LoadedModel:
                 0: off). The answers are the same either way.
             prefix_cache_bytes: keep whole prompt blocks for reuse in at most this many bytes
                 (``PREFIX_CACHE=1``: the KV budget, less what the running requests reserve, see
-                :class:`model.llama.prefix_cache.PrefixCache`); None for no prefix cache.
+                :class:`model.llama.serving.prefix_cache.PrefixCache`); None for no prefix cache.
 
         Raises:
             ValueError: the family runs inline (the bigram has no scheduler).
@@ -190,7 +191,7 @@ def load_model(
     Args:
         model_dir: The directory (or ``.gguf`` file); None means the packaged default bigram.
         cache_dir: Where dequantized GGUF weights are cached; None means
-            :func:`model.llama.gguf_cache.default_cache_dir`.
+            :func:`model.llama.formats.gguf_cache.default_cache_dir`.
 
     Returns:
         The loaded model.

@@ -11,7 +11,7 @@ import stat
 from pathlib import Path
 
 from model.files import CONFIG_NAME, file_kind
-from model.llama.gguf import GGUF_SUFFIX
+from model.llama.formats.gguf import GGUF_SUFFIX
 
 
 def gguf_file(model_dir: str | os.PathLike) -> Path | None:

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from model.engine import GenerationRequest
-from model.llama.scheduler import BatchScheduler
-from model.llama.sequence import steps_of
+from model.llama.serving.scheduler import BatchScheduler
+from model.llama.serving.sequence import steps_of
 
 
 def run_to_end(scheduler: BatchScheduler, reqs: Sequence[GenerationRequest]) -> list[list]:

@@ -1,4 +1,5 @@
-"""Build Llama model directories for tests: the committed tiny fixture and converted stories260K.
+"""Build Llama models for tests: the committed tiny fixture, converted stories260K, and a
+SmolLM2-shaped model of seeded random weights.
 
 Other test modules import these: ``from tests.llamafiles import write_tiny_llama``.
 """
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from model.llama.convert import convert_llama2c
-from model.llama.llama2c import build_hf_tokenizer
+from model.llama.formats.convert import convert_llama2c
+from model.llama.formats.llama2c import build_hf_tokenizer
+from model.llama.forward.config import LlamaConfig
+from model.llama.forward.model import Llama, tensor_shapes
 from tests.needs import unavailable
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -101,3 +104,28 @@ def convert_stories(out: Path) -> Path:
 def expected_greedy() -> dict:
     """Return the ``cases`` of the shared ``expected_greedy.json``."""
     return json.loads((stories_or_skip() / "expected_greedy.json").read_text())["cases"]
+
+
+def random_llama(n_layers: int, seed: int = 0) -> Llama:
+    """Return a SmolLM2-135M-shaped model (all but the depth) with seeded random weights."""
+    config = LlamaConfig.from_hf(
+        {
+            "model_type": "llama",
+            "hidden_size": 576,
+            "num_hidden_layers": n_layers,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "intermediate_size": 1536,
+            "vocab_size": 49152,
+            "max_position_embeddings": 8192,
+            "rope_theta": 100000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": True,
+        }
+    )
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in tensor_shapes(config).items():
+        scale = 1.0 if len(shape) == 1 else 1.0 / np.sqrt(shape[-1])
+        tensors[name] = (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
+    return Llama.from_tensors(config, tensors, "random SmolLM2-135M shape")

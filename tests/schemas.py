@@ -123,9 +123,55 @@ SCHEMAS: dict[str, dict] = {
 
 # Valid JSON Schemas that no value satisfies, each with the reason its refusal gives (after
 # "'<param>' cannot be enforced: "): llguidance's own, found when it compiles the schema, or (the
-# endless ones) found on the forced start of the grammar, whose mask llguidance cannot compute.
+# endless ones) found before, by model.grammar.schema.endless: every value would hold one of its
+# own inside, without end.
 _NODE = {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}
-NO_VALUE = "can never be satisfied: no output can match it"
+NO_VALUE = (
+    "can never be satisfied: no value of it is finite (every value holds one at {}, which refers "
+    "back to {})"
+)
+# Satisfiable as far as a grammar's forced start can tell (`{"a":`, then a choice), none once "a"
+# is written: "b" must follow, an endless object. Found by the static analysis all the same.
+ENDLESS_AFTER_A_CHOICE = {
+    **obj({"a": {"type": "boolean"}, "b": {"$ref": "#/$defs/node"}}),
+    "$defs": {"node": _NODE},
+}
+ENDLESS: dict[str, tuple[dict, str]] = {
+    "endless-object": (
+        {"$defs": {"node": _NODE}, "$ref": "#/$defs/node"},
+        NO_VALUE.format("#/$defs/node/properties/next", "#/$defs/node"),
+    ),
+    "endless-array": (
+        {
+            "$defs": {"list": {"type": "array", "items": {"$ref": "#/$defs/list"}, "minItems": 1}},
+            "$ref": "#/$defs/list",
+        },
+        NO_VALUE.format("#/$defs/list/items", "#/$defs/list"),
+    ),
+    "after-a-choice": (
+        ENDLESS_AFTER_A_CHOICE,
+        NO_VALUE.format("#/$defs/node/properties/next", "#/$defs/node"),
+    ),
+    # A choice at every level: {"x":1,"a":{"x":2,"a":{...}}} never ends, never leaves its mask empty.
+    "enum-then-itself": (
+        obj({"x": {"enum": [1, 2]}, "a": {"$ref": "#"}}),
+        NO_VALUE.format("#/properties/a", "#"),
+    ),
+    "optional-beside-itself": (
+        obj({"b": {"type": "integer"}, "a": {"$ref": "#"}}, ["a"]),
+        NO_VALUE.format("#/properties/a", "#"),
+    ),
+    "each-other": (
+        {
+            "$defs": {
+                "p": obj({"q": {"$ref": "#/$defs/q"}}),
+                "q": {"anyOf": [obj({"p": {"$ref": "#/$defs/p"}}), {"$ref": "#/$defs/p"}]},
+            },
+            "$ref": "#/$defs/p",
+        },
+        NO_VALUE.format("#/$defs/q/anyOf/0/properties/p", "#/$defs/p"),
+    ),
+}
 UNSATISFIABLE: dict[str, tuple[dict, str]] = {
     "string-lengths": (
         {"type": "string", "minLength": 5, "maxLength": 2},
@@ -148,18 +194,21 @@ UNSATISFIABLE: dict[str, tuple[dict, str]] = {
         obj({"a": {"type": "integer", "minimum": 5, "maximum": 2}}),
         "Unsatisfiable schema: required property 'a' is unsatisfiable",
     ),
-    "endless-object": ({"$defs": {"node": _NODE}, "$ref": "#/$defs/node"}, NO_VALUE),
-    "endless-array": (
-        {
-            "$defs": {"list": {"type": "array", "items": {"$ref": "#/$defs/list"}, "minItems": 1}},
-            "$ref": "#/$defs/list",
-        },
-        NO_VALUE,
-    ),
+    **ENDLESS,
 }
-# Satisfiable as far as anything can tell before generating (its forced start is `{"a":`, then a
-# choice), none once "a" is written: "b" must follow, an endless object. Found while generating.
-ENDLESS_AFTER_A_CHOICE = {
-    **obj({"a": {"type": "boolean"}, "b": {"$ref": "#/$defs/node"}}),
-    "$defs": {"node": _NODE},
+# Recursive schemas with finite values: a tree whose kids may be empty, a list that may end with
+# null, two schemas that refer to each other with a way out.
+RECURSIVE_WITH_AN_END: dict[str, dict] = {
+    "tree": obj({"kids": {"type": "array", "items": {"$ref": "#"}}}),
+    "nullable-tail": obj(
+        {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}
+    ),
+    "optional-self": obj({"v": {"type": "boolean"}, "a": {"$ref": "#"}}, ["v"]),
+    "each-other-with-an-end": {
+        "$defs": {
+            "p": obj({"q": {"$ref": "#/$defs/q"}}),
+            "q": {"anyOf": [obj({"p": {"$ref": "#/$defs/p"}}), {"type": "boolean"}]},
+        },
+        "$ref": "#/$defs/p",
+    },
 }

@@ -303,6 +303,51 @@ class GunicornServer(StartedWhileOpen):
         )
 
 
+def failed_start(
+    tmp_path: Path, env: dict[str, str], own_binds: bool = False
+) -> tuple[str, list[str]]:
+    """Run gunicorn until it exits (code 1 asserted); return its stderr and its non-JSON lines.
+
+    The temp dir is private, so that the metrics dir ``gunicorn.conf.py`` makes is seen removed.
+    With ``own_binds`` the test servers' ``--bind 127.0.0.1:0`` are left out, so ``HOST``, ``PORT``
+    and ``HEALTH_PORT`` decide what is bound.
+    """
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    srv = GunicornServer(tmp_path / "run", {"TMPDIR": str(tmp), **env})
+    cmd = srv.cmd
+    if own_binds:
+        cmd = [part for part in cmd if part not in ("--bind", "127.0.0.1:0")]
+    done = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=srv.env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "Listening at" not in done.stderr  # stopped before binding
+    assert list(tmp.iterdir()) == []  # no metrics dir left behind
+    lines = done.stderr.splitlines()
+    for line in lines:
+        if line.startswith("{"):
+            json.loads(line)  # gunicorn's own lines stay JSON
+    return done.stderr, [line for line in lines if not line.startswith("{")]
+
+
+def refused_setting(tmp_path: Path, setting: str, value: str) -> str:
+    """Start with ``setting=value``, which must stop the start; return the one line printed, asserted
+    to begin ``greenserve: cannot start: <setting> (<value>): ``."""
+    _, plain = failed_start(tmp_path, {setting: value})
+    assert len(plain) == 1 and plain[0].startswith(
+        f"greenserve: cannot start: {setting} ({value}): "
+    ), plain
+    return plain[0]
+
+
 def _free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago."""
     with socket.socket() as s:
@@ -320,6 +365,16 @@ def raw_request(body: dict, request_id: str = "", path: str = "/v1/completions")
     return (head + f"Content-Length: {len(data)}\r\n\r\n").encode() + data
 
 
+def send_request(
+    port: int, body: dict, request_id: str = "", timeout_s: float = 20.0
+) -> socket.socket:
+    """Connect to ``127.0.0.1:port``, send :func:`raw_request` of ``body`` and return the open socket
+    (its timeout ``timeout_s`` seconds), for the test to read, half-close or drop."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    sock.sendall(raw_request(body, request_id))
+    return sock
+
+
 def read_all(sock: socket.socket) -> bytes:
     """Read ``sock`` until the server closes it; close it; return what came."""
     data = b""
@@ -327,6 +382,29 @@ def read_all(sock: socket.socket) -> bytes:
         data += chunk
     sock.close()
     return data
+
+
+def server_read_all(sock: socket.socket) -> bool:
+    """True when the server end of the loopback connection ``sock`` has read every byte sent on it so
+    far: the server's kernel has acknowledged all of them (the client end's ``tx_queue`` in
+    /proc/net/tcp or tcp6 is empty) and the server process has taken them (its end's ``rx_queue`` is).
+
+    Raises:
+        AssertionError: either end of the connection is not listed as established.
+    """
+    client_port, server_port = sock.getsockname()[1], sock.getpeername()[1]
+    queues: dict[tuple[int, int], tuple[int, int]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            # sl local_address rem_address st tx_queue:rx_queue ...; ports and queues in hex
+            local, remote, state, tx_rx = row.split()[1:5]
+            if state == "01":  # ESTABLISHED
+                ports = (int(local.rpartition(":")[2], 16), int(remote.rpartition(":")[2], 16))
+                tx, _, rx = tx_rx.partition(":")
+                queues[ports] = (int(tx, 16), int(rx, 16))
+    client, server = queues.get((client_port, server_port)), queues.get((server_port, client_port))
+    assert client and server, f"no established connection {client_port} <-> {server_port}"
+    return client[0] == 0 and server[1] == 0
 
 
 def blocked_on_its_reader(srv: GunicornServer, request_id: str) -> bool:

@@ -13,6 +13,14 @@ import json
 import socket
 from typing import Any
 
+# The end of a stream, byte for byte: ``[DONE]``, and before it the error event of a stream that the
+# server's stop ended early (the OpenAI error envelope, code ``unavailable``).
+DONE = b"data: [DONE]\n\n"
+SHUTDOWN_END = (
+    b'data: {"error":{"message":"Server is shutting down; generation was ended early.",'
+    b'"type":"server_error","param":null,"code":"unavailable"}}\n\n' + DONE
+)
+
 
 def frames(body: bytes) -> list[dict[str, str]]:
     """Split an event stream into frames of ``{field: value}``, comment lines and empty frames dropped.

@@ -16,7 +16,7 @@ KEYS = ("key-one-0123456789", "key-two-abcdefghij")
 BODY = {"model": "m", "prompt": "a", "max_tokens": 3, "temperature": 0}
 MISSING = {
     "error": {
-        "message": "Missing API key: send it as 'Authorization: Bearer <key>'.",
+        "message": "Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
         "type": "authentication_error",
         "param": None,
         "code": "invalid_api_key",

@@ -1,4 +1,4 @@
-"""Wrong API keys are rate-limited per client address (``AUTH_FAILURE_LIMIT``; issue 31, item 5).
+"""Wrong API keys are rate-limited per client address (``AUTH_FAILURE_LIMIT``).
 
 A real gunicorn with one key and a budget of 3 wrong keys per 3 seconds: the 4th request with a key
 from the address, a right one included, is a 429 with ``Retry-After``, logged; requests without a key
@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tests.server import GunicornServer, wait_until
+from tests.server import GunicornServer, failed_start, wait_until
 
 KEY = "key-one-0123456789"
 BODY = {"model": "m", "prompt": "a", "max_tokens": 3, "temperature": 0}
@@ -74,8 +74,6 @@ def test_wrong_keys_past_the_limit_get_429_until_the_window_passes(keyed):
 
 
 def test_the_setting_is_checked_at_start(tmp_path):
-    from tests.test_startup_config import failed_start
-
     _, lines = failed_start(tmp_path, {"API_KEYS": KEY, "AUTH_FAILURE_LIMIT": "lots"})
     assert lines == [
         "greenserve: cannot start: AUTH_FAILURE_LIMIT must look like '600/minute', got 'lots'"

@@ -19,34 +19,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from model.llama.config import LlamaConfig
-from model.llama.kv_cache import KVPool
-from model.llama.model import Llama, tensor_shapes
-
-
-def random_llama(n_layers: int, seed: int = 0) -> Llama:
-    """Return a SmolLM2-135M-shaped model (all but the depth) with seeded random weights."""
-    config = LlamaConfig.from_hf(
-        {
-            "model_type": "llama",
-            "hidden_size": 576,
-            "num_hidden_layers": n_layers,
-            "num_attention_heads": 9,
-            "num_key_value_heads": 3,
-            "intermediate_size": 1536,
-            "vocab_size": 49152,
-            "max_position_embeddings": 8192,
-            "rope_theta": 100000.0,
-            "rms_norm_eps": 1e-5,
-            "tie_word_embeddings": True,
-        }
-    )
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for name, shape in tensor_shapes(config).items():
-        scale = 1.0 if len(shape) == 1 else 1.0 / np.sqrt(shape[-1])
-        tensors[name] = (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
-    return Llama.from_tensors(config, tensors, "random SmolLM2-135M shape")
+from model.llama.forward.kv_cache import KVPool
+from model.llama.forward.model import Llama
+from tests.llamafiles import random_llama
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +124,7 @@ def test_smollm2_shaped_decode_beside_a_prompt_chunk_is_bit_identical(smollm2_sh
 
 def test_smollm2_shaped_prompt_cut_any_way_is_the_bits_of_the_prompt_at_once(smollm2_shaped):
     # 450 positions: past one attention chunk (384) and across KV blocks; the pieces of 8 and the
-    # random cuts are what the scheduler feeds beside decoding sequences (issue 31).
+    # random cuts are what the scheduler feeds beside decoding sequences.
     model = smollm2_shaped
     rng = np.random.default_rng(11)
     prompt = [int(t) for t in rng.integers(0, 49152, 450)]
@@ -184,7 +159,7 @@ ENGINE_DIGEST = textwrap.dedent(
     """
     import hashlib
     import numpy as np
-    from tests.test_batch_invariance import random_llama
+    from tests.llamafiles import random_llama
 
     model = random_llama(n_layers=1)
     prompts = [[(7 + 131 * b + 17 * t) % 49152 for t in range(1 + 97 * b)] for b in range(5)]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from model.engine import GenerationRequest
-from model.llama.scheduler import BatchScheduler, steps_of
+from model.llama.serving.scheduler import BatchScheduler, steps_of
 from model.loader import LoadedModel, load_model
 from model.sampling import SamplingParams
 from tests.server import wait_until
@@ -117,7 +117,7 @@ def test_long_prompt_is_prefilled_in_chunks(stories):
 
 
 def test_prefill_budget_takes_the_shortest_prompts_first(stories):
-    # Issue 39: a short prompt behind long ones is read first (the fewest tokens left), so it is
+    # A short prompt behind long ones is read first (the fewest tokens left), so it is
     # not starved by them; ties keep the order the sequences joined.
     s = BatchScheduler(stories.model, eos(stories), max_batch=4, prefill_chunk=4, prefill_budget=8)
     seqs = [s.add(request(stories, i), i) for i in (2, 7, 4)]

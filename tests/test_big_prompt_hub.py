@@ -1,4 +1,4 @@
-"""A long completion prompt is tokenized off the gevent hub (issue 31, item 8).
+"""A long completion prompt is tokenized off the gevent hub.
 
 A real gunicorn on a tiny byte-level-BPE GGUF with gevent's hub monitor on (blocking > 0.1 s is
 reported): eight ~1 MB prompts at once, each tokenized on the render pool and refused over

@@ -27,12 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from model.chat_template import MAX_RENDER_S
 from telemetry.logs import client_hash
-from tests.contract import Contract
-from tests.server import SLACK_S, GunicornServer, wait_until
+from tests.contract import DOC_PATH, Contract
+from tests.server import SLACK_S, GunicornServer, failed_start, refused_setting, wait_until
 from tests.sse import EventReader, sse_json
 from tests.sse import events as parse_events
-from tests.test_openapi import DOC_PATH
-from tests.test_startup_config import failed_start, refused_setting
 
 HELLO = [{"role": "user", "content": "Hello"}]
 PROMPT = "User: Hello\nAssistant:"
@@ -352,7 +350,7 @@ def test_event_source_chat_stream_and_resume(succ_server):
 
 
 def test_chat_answers_validate_against_openapi(succ_server):
-    contract = Contract(json.loads(Path(DOC_PATH).read_text()))
+    contract = Contract(json.loads(DOC_PATH.read_text()))
     body = {"model": "m", "messages": HELLO, "max_tokens": 3, "n": 2, "logprobs": True}
     for extra in ({}, {"stream": True, "stream_options": {"include_usage": True}}):
         status, headers, raw = chat(succ_server, {**body, "top_logprobs": 1, **extra})

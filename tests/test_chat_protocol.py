@@ -150,11 +150,16 @@ def test_logprobs_without_top_logprobs_is_zero_alternatives() -> None:
         (
             {"function_call": "auto"},
             "function_call",
+            "'function_call' is only allowed when 'functions' are given.",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "function_call": "auto"},
+            "function_call",
             "'function_call' goes with 'functions'; this request sends 'tools' (use "
             "'tool_choice').",
         ),
         (
-            {"parallel_tool_calls": 1},
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": 1},
             "parallel_tool_calls",
             "'parallel_tool_calls' must be a boolean.",
         ),
@@ -183,11 +188,6 @@ def test_logprobs_without_top_logprobs_is_zero_alternatives() -> None:
             {"modalities": ["text", "audio"]},
             "modalities",
             "Output modalities other than 'text' is not supported by this server.",
-        ),
-        (
-            {"store": True},
-            "store",
-            "Storing completions ('store': true) is not supported by this server.",
         ),
         ({"store": "yes"}, "store", "'store' must be a boolean, got str."),
         (

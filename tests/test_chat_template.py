@@ -8,23 +8,15 @@ import time
 import tracemalloc
 
 import pytest
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from model.chat_sandbox import weight
 from model.chat_template import DEFAULT_STOP, ChatTemplate, TemplateError
-from model.tokenizer import ByteTokenizer, HFTokenizer, _byte_level_chars
+from model.tokenizer import ByteTokenizer, HFTokenizer
+from tests.chatml import CHATML, chatml_tokenizer, text_ids
 from tests.gguffiles import golden
 from tests.llamafiles import write_tiny_tokenizer
 from tests.server import SLACK_S
 
-# SmolLM2-135M-Instruct's tokenizer.chat_template, as its GGUF file carries it (Apache-2.0).
-CHATML = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-    "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    "{% endif %}"
-)
 # Shaped like Llama 3's: contents trimmed, BOS written by the template.
 LLAMA3_STYLE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -36,20 +28,6 @@ RAISES = (
     "{{ raise_exception('System role not supported') }}{% endif %}{{ message['content'] }}{% endfor %}"
 )
 USER = [{"role": "user", "content": "Hi"}]
-
-
-def chatml_tokenizer() -> HFTokenizer:
-    """Byte-level BPE without merges: byte b is id b; <|im_start|> 256, <|im_end|> 257 (special)."""
-    chars = _byte_level_chars()
-    tok = Tokenizer(models.BPE({chars[b]: b for b in range(256)}, []))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|im_start|>", "<|im_end|>")])
-    return HFTokenizer(tok, bos_id=None, eos_ids=frozenset({257}))
-
-
-def text_ids(text: str) -> list[int]:
-    return list(text.encode())
 
 
 def test_chatml_renders_llama_cpp_prompt() -> None:

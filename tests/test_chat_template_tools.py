@@ -22,9 +22,8 @@ import wsgi_app.api.chat as api_chat
 from model.chat_template import DEFAULT_STOP, ChatTemplate, TemplateError
 from model.chat_tools import DEFAULT_TOOL_TEMPLATE
 from model.loader import load_model
-from tests.server import SLACK_S
-from tests.test_chat_template import CHATML, chatml_tokenizer, text_ids
-from tests.test_startup_config import refused_setting
+from tests.chatml import CHATML, chatml_tokenizer, text_ids
+from tests.server import SLACK_S, refused_setting
 from tests.toolcalls import called, function_tool
 from wsgi_app.http.chat import chat_completion_request, check_chat_template, serving_template
 from wsgi_app.settings import Settings

@@ -10,18 +10,15 @@ import json
 import re
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import openai
 import pytest
 import requests
 import sseclient
 
+from tests.readme import README, README_URL, readme_block, run_readme_python
 from tests.sse import sse_json
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-README_URL = "http://localhost:8000"
 SSE = {"Accept": "text/event-stream"}
 
 
@@ -152,13 +149,6 @@ def test_requests_iter_lines(default_server):
 # -- the README, as written -------------------------------------------------------------------------
 
 
-def readme_block(language: str, marker: str) -> str:
-    """Return the README's fenced ``language`` block that contains ``marker``."""
-    blocks = re.findall(rf"```{language}\n(.*?)```", README.read_text(), re.S)
-    (block,) = [b for b in blocks if marker in b]
-    return block
-
-
 def test_readme_curl_line(default_server):
     command = readme_block("sh", f"curl -N {README_URL}/v1/completions")
     assert README_URL in command
@@ -188,18 +178,6 @@ def test_readme_inline_curl_event_source_line(default_server):
     chunks = [json.loads(d) for d in re.findall(rb"data: ({.*})\n", run.stdout)]
     body = {"model": "bigram", "prompt": "ROMEO:", "seed": 1}
     assert "".join(c["choices"][0]["text"] for c in chunks) == raw_text(default_server, body)[0]
-
-
-def run_readme_python(marker: str, url: str) -> subprocess.CompletedProcess:
-    """Run the README's Python block that contains ``marker`` against the server at ``url``."""
-    code = readme_block("python", marker)
-    return subprocess.run(
-        [sys.executable, "-c", code.replace(README_URL, url)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
 
 
 def test_readme_openai_example(default_server):

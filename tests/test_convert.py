@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model.llama.convert import main
-from model.llama.llama2c import permute_rotary, read_checkpoint
+from model.llama.formats.convert import main
+from model.llama.formats.llama2c import permute_rotary, read_checkpoint
 from model.loader import load_model
 
 DIM, HIDDEN, LAYERS, HEADS, KV_HEADS, SEQ_LEN = 16, 24, 2, 4, 2, 8

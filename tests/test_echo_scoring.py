@@ -1,6 +1,6 @@
 """Scoring a prompt for ``echo`` with ``logprobs``: in chunks, under the request's deadline and client.
 
-A Llama prompt is scored :data:`~model.llama.scheduler.SCORE_CHUNK` tokens a pass, on the engine's
+A Llama prompt is scored :data:`~model.llama.serving.scheduler.SCORE_CHUNK` tokens a pass, on the engine's
 scoring thread, and between chunks the request's greenlet looks at its deadline and its client: a
 7,000-token SmolLM2 prompt was one pass of ~2.5 minutes that held 1.4 GB of logits and ignored both
 (a 200 after 147 s with a 5 s deadline; a slot held 8 minutes after its client left). The chunks'
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from model.llama.scheduler import SCORE_CHUNK, BatchScheduler
+from model.llama.serving.scheduler import SCORE_CHUNK, BatchScheduler
 from model.loader import load_model
 from model.sampling import logprobs_of
 from tests.server import GunicornServer, raw_request, wait_until

@@ -25,6 +25,8 @@ import gevent
 import pytest
 
 from tests.collector import FakeCollector
+from tests.loglines import request_line
+from tests.scrape import scrape
 from tests.server import (
     SLACK_S,
     GunicornServer,
@@ -33,13 +35,10 @@ from tests.server import (
     read_all,
     wait_until,
 )
-from tests.sse import EventReader, open_stream, sse_events
-from tests.test_logs import request_line
-from tests.test_metrics import scrape
+from tests.sse import DONE, SHUTDOWN_END, EventReader, open_stream, sse_events
 from wsgi_app.generation.admission import Admission
 
-# Final events, byte for byte: the OpenAI error envelope, then [DONE].
-DONE = b"data: [DONE]\n\n"
+# Final events, byte for byte: the OpenAI error envelope, then [DONE] (a stop's: tests.sse).
 DEADLINE_END = (
     b'data: {"error":{"message":"Request timed out after 2 s.","type":"server_error",'
     b'"param":null,"code":"timeout"}}\n\n' + DONE
@@ -47,10 +46,6 @@ DEADLINE_END = (
 ENGINE_ERROR_END = (
     b'data: {"error":{"message":"Generation failed: EngineFailure.","type":"server_error",'
     b'"param":null,"code":"engine_error"}}\n\n' + DONE
-)
-SHUTDOWN_END = (
-    b'data: {"error":{"message":"Server is shutting down; generation was ended early.",'
-    b'"type":"server_error","param":null,"code":"unavailable"}}\n\n' + DONE
 )
 # A stream of 8 choices of 4096 tokens: ~5 MB of events, more than the socket buffers hold.
 FLOOD = {"model": "m", "prompt": "a", "max_tokens": 4096, "n": 8, "stream": True}

@@ -1,5 +1,4 @@
-"""A request that cannot finish before its deadline is refused up front, by the operator's pace only
-(issue 31, item 9; issue 39, item 6).
+"""A request that cannot finish before its deadline is refused up front, by the operator's pace only.
 
 With ``DECODE_TOKENS_PER_S`` set, a request whose ``max_tokens`` does not fit 75 % of
 ``REQUEST_TIMEOUT_S`` at that pace is a 400 naming ``max_tokens`` before any work, the same in every
@@ -93,7 +92,7 @@ def test_the_bigram_keeps_v0s_max_tokens_range(default_server):
 def test_smollm2_with_default_settings_refuses_nothing_by_a_guessed_pace(
     smollm2_gguf, smollm2, gguf_cache_dir, tmp_path
 ):
-    # Issue 39, item 6: without DECODE_TOKENS_PER_S no worker refuses max_tokens by a pace it
+    # Without DECODE_TOKENS_PER_S no worker refuses max_tokens by a pace it
     # measured (that was a 400 "at most N tokens fit", N depending on the load at its start). The
     # deadline keeps its meaning: a stream gets its tokens, then the error event, and the log line
     # records how many tokens the deadline cut.

@@ -1,5 +1,4 @@
-"""``X-Forwarded-For`` is believed only from ``FORWARDED_ALLOW_IPS`` and never on the health port (issue 31,
-item 6).
+"""``X-Forwarded-For`` is believed only from ``FORWARDED_ALLOW_IPS`` and never on the health port.
 
 With ``TRUSTED_PROXIES=1`` a client that reaches the port directly used to get a fresh rate-limit
 budget by inventing the header each time. A real gunicorn with a 2/minute limit: from a peer outside

@@ -1,4 +1,4 @@
-"""A full disk at the first start is one line, and leaves nothing behind (issue 39, item 2).
+"""A full disk at the first start is one line, and leaves nothing behind.
 
 Building the packed weights cache of a GGUF on a full file system raised safetensors' own error type
 (not an ``OSError``), so the master printed a raw ``SafetensorError`` traceback and left its

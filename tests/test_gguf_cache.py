@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from model.llama.gguf import GGUFModel
-from model.llama.gguf_cache import FORMAT_VERSION, cache_path, default_cache_dir
+from model.llama.formats.gguf import GGUFModel
+from model.llama.formats.gguf_cache import FORMAT_VERSION, cache_path, default_cache_dir
 from model.loader import load_model
 from tests.gguffiles import write_tiny_gguf
 from tests.server import ROOT

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from model.files import file_sha256
-from model.llama.gguf_cache import cache_path
+from model.llama.formats.gguf_cache import cache_path
 from tests.gguffiles import write_tiny_gguf
 from tests.server import GunicornServer
 

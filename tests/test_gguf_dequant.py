@@ -19,7 +19,7 @@ import pytest
 import safetensors.numpy
 from gguf import GGMLQuantizationType as Q
 
-from model.llama.gguf_cache import cache_path
+from model.llama.formats.gguf_cache import cache_path
 from model.loader import load_model
 from tests.gguffiles import TINY, write_tiny_gguf
 

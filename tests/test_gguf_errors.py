@@ -16,10 +16,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType
 
 from model.files import file_sha256
-from model.llama.gguf_cache import FORMAT_VERSION, cache_path
+from model.llama.formats.gguf_cache import FORMAT_VERSION, cache_path
 from model.loader import load_model
 from tests.gguffiles import TINY, tiny_vocab, write_tiny_gguf
-from tests.test_startup_config import failed_start
+from tests.server import failed_start
 
 
 def wrong_shape(path: Path) -> Path:

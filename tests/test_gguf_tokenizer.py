@@ -15,7 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model.llama.llama2c import BOS_ID, EOS_ID, SPECIAL_PIECES, read_checkpoint, read_tokenizer
+from model.llama.formats.llama2c import (
+    BOS_ID,
+    EOS_ID,
+    SPECIAL_PIECES,
+    read_checkpoint,
+    read_tokenizer,
+)
 from model.loader import load_model
 from model.tokenizer import decode_ids
 from tests.decoding import greedy_by_hand

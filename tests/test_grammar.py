@@ -17,7 +17,7 @@ from model.pcg32 import PCG32
 from model.sampling import SamplingParams, sample
 from model.tokenizer import ByteTokenizer
 from tests.llamafiles import convert_stories
-from tests.schemas import ENDLESS_AFTER_A_CHOICE, UNSATISFIABLE, obj
+from tests.schemas import ENDLESS, RECURSIVE_WITH_AN_END, obj
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +116,30 @@ def test_a_forced_start_that_can_end_is_no_refusal(constraint):
     assert grammar.kind == constraint.kind
 
 
-@pytest.mark.parametrize("case", ["endless-object", "endless-array"])
-def test_a_forced_start_into_a_value_with_no_end_is_refused(case):
-    schema, why = UNSATISFIABLE[case]
+@pytest.mark.parametrize("case", list(ENDLESS))
+def test_a_schema_without_a_finite_value_is_refused_when_compiled(case):
+    """Whether its endless part is on the forced start or past a choice (``schema.endless``)."""
+    schema, why = ENDLESS[case]
     with pytest.raises(ConstraintError) as info:
         GrammarCompiler(ByteTokenizer()).compile(Constraint("json_schema", schema))
     assert str(info.value) == why
+
+
+@pytest.mark.parametrize("case", list(RECURSIVE_WITH_AN_END))
+def test_a_recursive_schema_with_an_end_compiles(case):
+    grammar, _ = GrammarCompiler(ByteTokenizer()).compile(
+        Constraint("json_schema", RECURSIVE_WITH_AN_END[case])
+    )
+    assert grammar.kind == "json_schema"
+
+
+# Past the choice of "a" or "b", the rest is forced ("ccc..." without end): llguidance's walk of
+# the forced output runs out of items while "c" is consumed.
+ENDLESS_GRAMMAR = 'start: ("a" | "b") x\nx: "c" x'
+FORCED_PAST_LIMITS = (
+    "it is past llguidance's parser limits (parser error: Too many items (limit 50000; "
+    "ff_tokens): the output forced from here is too long, or endless)"
+)
 
 
 def test_a_token_the_mask_forbade_is_a_mask_violation_one_it_allowed_is_the_constraints():
@@ -130,17 +148,34 @@ def test_a_token_the_mask_forbade_is_a_mask_violation_one_it_allowed_is_the_cons
     m.allowed()
     with pytest.raises(MaskViolation):
         m.consume(ord("z"))
-    # Past the choice of "a"'s value, "r" is allowed; after it, the rest is forced ('ue,"b":{...')
-    # into the endless object, and llguidance's parser runs out of items.
-    grammar, _ = compiler.compile(Constraint("json_schema", ENDLESS_AFTER_A_CHOICE))
-    m = grammar.matcher()
-    for byte in b'{"a":t':
-        assert m.allowed()[byte]
-        m.consume(byte)
-    assert m.allowed()[ord("r")]
+    m = compiler.compile(Constraint("grammar", ENDLESS_GRAMMAR))[0].matcher()
+    assert m.allowed()[ord("a")]
+    m.consume(ord("a"))
+    assert m.allowed()[ord("c")]
     with pytest.raises(ConstraintError) as info:
-        m.consume(ord("r"))
+        m.consume(ord("c"))
     assert type(info.value) is ConstraintError
+    assert str(info.value) == FORCED_PAST_LIMITS
+
+
+@pytest.mark.parametrize(
+    "constraint, why",
+    [
+        # A valid grammar whose 2,000 alternatives fill an Earley row past max_items_in_row (2,000).
+        (
+            Constraint("grammar", "start: " + " | ".join(f'"alt{i}"' for i in range(2000))),
+            "Parser Error: Current row has 2001 items; max is 2000; consider making your grammar "
+            "left-recursive if it's right-recursive",
+        ),
+        # A forced run of a million a's: the lexer's expressions run out.
+        (Constraint("regex", "a{1000}{1000}"), "lexer error: too many expressions constructed"),
+    ],
+    ids=["alternatives", "repeat"],
+)
+def test_a_constraint_past_the_parser_limits_is_refused_as_such(constraint, why):
+    with pytest.raises(ConstraintError) as info:
+        GrammarCompiler(ByteTokenizer()).compile(constraint)
+    assert str(info.value) == f"it is past llguidance's parser limits ({why})"
 
 
 @pytest.mark.parametrize("temperature, top_k", [(0.0, 0), (0.8, 0), (1.3, 40)])

@@ -9,7 +9,8 @@ import socket
 
 import pytest
 
-from tests.server import read_all, wait_until
+from tests.loglines import request_line
+from tests.server import read_all, send_request
 
 BODY = {"model": "m", "prompt": "a", "max_tokens": 5, "stream": True, "temperature": 0}
 
@@ -29,17 +30,6 @@ def one_slot(succ_dir, tmp_path_factory):
         yield srv
 
 
-def send(port: int, body: dict, request_id: str) -> socket.socket:
-    data = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", port), timeout=20)
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-        b"X-Request-Id: " + request_id.encode() + b"\r\n"
-        b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data
-    )
-    return sock
-
-
 def dechunk(body: bytes) -> bytes:
     out = b""
     while True:
@@ -50,26 +40,21 @@ def dechunk(body: bytes) -> bytes:
         out, body = out + body[:n], body[n + 2 :]
 
 
-def log_line(srv, request_id: str) -> dict | None:
-    for text in srv.log_text().splitlines():
-        if f'"request_id": "{request_id}"' in text and '"message": "request"' in text:
-            return json.loads(text)
-    return None
-
-
 def served_in_full(srv, sock: socket.socket, request_id: str) -> tuple[list[str], dict]:
     head, _, body = read_all(sock).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK\r\n"), head
     assert b"\r\nTransfer-Encoding: chunked\r\n" in head + b"\r\n"
     events = dechunk(body)
-    line = wait_until(lambda: log_line(srv, request_id), 10, "the request's log line")
+    line = request_line(srv, request_id)
     return events.decode().split("\n\n"), line
 
 
 def test_a_half_closed_stream_that_waits_for_a_slot_is_served_to_its_end(one_slot):
-    holder = send(one_slot.port, {**BODY, "max_tokens": 40}, "holder")  # ~0.8 s on the only slot
+    holder = send_request(
+        one_slot.port, {**BODY, "max_tokens": 40}, "holder"
+    )  # ~0.8 s on the only slot
     assert holder.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
-    queued = send(one_slot.port, BODY, "half-closed-queued")
+    queued = send_request(one_slot.port, BODY, "half-closed-queued")
     queued.shutdown(socket.SHUT_WR)  # the client is done sending; it still reads
     frames, line = served_in_full(one_slot, queued, "half-closed-queued")
     assert frames[0] == ": ok" and ": queued" in frames  # heartbeats reached it while it waited
@@ -84,14 +69,14 @@ def test_a_half_closed_stream_that_waits_for_a_slot_is_served_to_its_end(one_slo
 
 def test_a_half_closed_stream_is_served_while_it_runs_and_a_reset_still_ends_one(one_slot):
     one_slot.wait_idle()
-    running = send(one_slot.port, {**BODY, "max_tokens": 20}, "half-closed-running")
+    running = send_request(one_slot.port, {**BODY, "max_tokens": 20}, "half-closed-running")
     running.shutdown(socket.SHUT_WR)
     frames, line = served_in_full(one_slot, running, "half-closed-running")
     assert frames[-2:] == ["data: [DONE]", ""]
     assert (line["completion_tokens"], line["end_reason"]) == (20, "finished")
     # A client that closes for good (the server's next write meets a reset) is still taken for gone.
-    gone = send(one_slot.port, {**BODY, "max_tokens": 200}, "closed")
+    gone = send_request(one_slot.port, {**BODY, "max_tokens": 200}, "closed")
     assert gone.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
     gone.close()
-    line = wait_until(lambda: log_line(one_slot, "closed"), 15, "the closed stream's log line")
+    line = request_line(one_slot, "closed", 15)
     assert line["end_reason"] == "client_left" and line["completion_tokens"] < 200

@@ -1,4 +1,4 @@
-"""The default history belongs to one server's start (issue 39, item 5).
+"""The default history belongs to one server's start.
 
 The default ``STATS_DB`` was ``greenserve-stats-<PORT>.db`` in the temp dir, so ``/status`` and
 ``/stats/history`` mixed in the history of an earlier server that used the same port. It is now a file

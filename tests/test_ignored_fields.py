@@ -17,12 +17,11 @@ from urllib.parse import urlencode
 
 import pytest
 
-from tests.contract import Contract
+from tests.contract import DOC_PATH, Contract
 from tests.server import GunicornServer, wait_until
 from tests.sse import frames
 from wsgi_app.api.table import CONSTRAINT_FIELDS
 
-DOC_PATH = Path(__file__).resolve().parent.parent / "wsgi_app" / "openapi.json"
 CHAT = "/v1/chat/completions"
 SSE = {"Accept": "text/event-stream"}
 HELLO = [{"role": "user", "content": "a"}]

@@ -12,7 +12,7 @@ import pytest
 
 from model.kernels import attention as kattention
 from model.kernels import mathf
-from model.llama.ops import attention as reference_attention
+from model.llama.forward.ops import attention as reference_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 F32_MIN_SUBNORMAL = 2.0**-149

@@ -42,7 +42,8 @@ def test_a_bigram_server_never_loads_numba(tmp_path):
 def test_a_llama_servers_workers_never_compile_not_even_after_a_reload(tmp_path, stories_dir):
     cache = tmp_path / "numba"
     env = {"MODEL_DIR": str(stories_dir), "GREENSERVE_NUMBA_CACHE_DIR": str(cache)}
-    with GunicornServer(tmp_path, env, workers=2) as srv:
+    srv = GunicornServer(tmp_path, env, workers=2).start(timeout_s=180)  # compiles: ~25 s idle
+    try:
         first = srv.wait_workers(2)
         # the master compiled every kernel (numba's index file per kernel) and holds them
         compiled = {p.name.split("-")[0] for p in cache.rglob("*.nbi")}
@@ -57,6 +58,8 @@ def test_a_llama_servers_workers_never_compile_not_even_after_a_reload(tmp_path,
             status, _, body = srv.complete({"model": "m", "prompt": "Once", "max_tokens": 4})
             assert status == 200, body
         assert [p for p in cache.rglob("*") if p.is_file()] == []  # nothing was compiled again
+    finally:
+        srv.stop()
 
 
 def test_an_unwritable_kernels_cache_falls_back_to_a_temporary_one_removed_at_exit(

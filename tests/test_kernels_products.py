@@ -181,7 +181,7 @@ def golden_x(n_in: int) -> np.ndarray:
 
 
 def test_smollm2_matrices(smollm2_gguf: Path) -> None:
-    from model.llama.gguf import read_gguf
+    from model.llama.formats.gguf import read_gguf
 
     tensors = read_gguf(smollm2_gguf).tensors
     digests = {}

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from model.llama.config import LlamaConfig
-from model.llama.kv_cache import bytes_per_token, can_ever_fit, reservation_bytes
+from model.llama.forward.config import LlamaConfig
+from model.llama.forward.kv_cache import bytes_per_token, can_ever_fit, reservation_bytes
 from tests.server import wait_until
 from tests.sse import EventReader
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model.llama.kv_cache import KV_BLOCK, KVCache, KVPool
-from model.llama.ops import attention, attention_chunk, decode_attention
+from model.llama.forward.kv_cache import KV_BLOCK, KVCache, KVPool
+from model.llama.forward.ops import attention, attention_chunk, decode_attention
 
 
 def rss_kib() -> int:

@@ -6,7 +6,9 @@ every module (function-level and ``TYPE_CHECKING`` imports included: a cycle dod
 is still a cycle), ``bench/`` included. ``wsgi_app`` reaches a model family only through the engine
 contract (``model.engine``, ``model.loader``) and the family-neutral helpers, and the protocols at the
 seams (the record telemetry reads, the scheduler the engine thread drives) match what they stand for.
-Inside ``wsgi_app``, the sub-packages import one way, and only ``http`` imports Flask or werkzeug.
+Inside ``wsgi_app``, the sub-packages import one way, and only ``http`` imports Flask or werkzeug;
+inside ``model.llama``, ``serving`` and ``formats`` import ``forward``, never each other, and
+``forward`` neither.
 
 Source: docs/ARCHITECTURE.md §1 (layers), §5 (the engine contract), §10 (telemetry).
 """
@@ -258,6 +260,57 @@ def test_the_sub_packages_import_one_way():
     assert sorted(crossings) == []
 
 
+# The Llama family's sub-packages by concern, and which of the others each may import
+# (docs/ARCHITECTURE.md §2): the model and its forward pass at the bottom; generating with it and
+# reading the other file formats each on top of it, never on each other. ``model.loader`` puts them
+# together.
+LLAMA_SUB_PACKAGES = {
+    "forward": set(),
+    "serving": {"forward"},
+    "formats": {"forward"},
+}
+# What of ``model`` outside the family the forward pass may import: it knows no request, sampling,
+# grammar or tokenizer, only our kernels and the safetensors helpers.
+FORWARD_MAY_IMPORT = ("model.kernels", "model.files")
+
+
+def _llama_sub_package(module: str) -> str | None:
+    """``forward`` for ``model.llama.forward`` and every module under it; None outside them."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["model", "llama"] and len(parts) > 2 else None
+
+
+def test_every_llama_module_lives_in_a_sub_package():
+    # A module beside the sub-packages, or a new sub-package, would escape the direction check.
+    subs = {_llama_sub_package(m) for m in project_modules() if m.startswith("model.llama.")}
+    assert subs == set(LLAMA_SUB_PACKAGES)
+
+
+def test_the_llama_sub_packages_import_one_way():
+    crossings = imports_between(
+        lambda name: _llama_sub_package(name) is not None,
+        lambda dep: dep == "model.llama" or dep.startswith("model.llama."),
+    )
+    wrong = [
+        (name, dep)
+        for name, dep in crossings
+        if _llama_sub_package(dep) != _llama_sub_package(name)
+        and _llama_sub_package(dep) not in LLAMA_SUB_PACKAGES[_llama_sub_package(name)]
+    ]
+    assert wrong == []
+
+
+def test_the_forward_pass_knows_no_request():
+    reached = imports_between(
+        lambda name: _llama_sub_package(name) == "forward",
+        lambda dep: (
+            _llama_sub_package(dep) != "forward"
+            and not any(dep == p or dep.startswith(f"{p}.") for p in FORWARD_MAY_IMPORT)
+        ),
+    )
+    assert reached == []
+
+
 @pytest.mark.parametrize("sub", FLASK_FREE)
 def test_only_the_http_side_imports_flask(sub):
     # Anywhere in a module's body (late and TYPE_CHECKING imports too), as the cycle check reads them.
@@ -304,7 +357,7 @@ def test_the_request_record_is_what_telemetry_reads():
 
 def test_the_llama_scheduler_is_what_the_engine_thread_drives():
     from model.engine import ScheduledSequence, Scheduler
-    from model.llama.scheduler import BatchScheduler, Sequence
+    from model.llama.serving.scheduler import BatchScheduler, Sequence
 
     assert _members(Scheduler) <= _members(BatchScheduler)
     assert _members(Scheduler) >= {"add", "step", "prune", "abort", "score", "idle"}
@@ -340,3 +393,17 @@ def test_import_edges_of_every_form(tmp_path):
     path.parent.mkdir(parents=True)
     path.write_text(source)
     assert imports_of("pkg.a", path, modules) == {"pkg.b", "pkg.sub", "pkg.sub.c", "pkg.d"}
+
+
+def test_no_test_module_imports_another():
+    # What two test files share lives in a helper module (tests/server.py, tests/sse.py,
+    # tests/loglines.py...), never in a test_* module: importing one runs its module-level set-up and
+    # fixtures' imports, and ties edits of one test file to another's.
+    modules = project_modules(("tests",))
+    test_modules = {n: p for n, p in modules.items() if n.rpartition(".")[2].startswith("test_")}
+    assert len(test_modules) > 100  # the whole suite was read, not an empty glob
+    crossing = {
+        name: sorted(imports_of(name, path, modules) & set(test_modules))
+        for name, path in sorted(test_modules.items())
+    }
+    assert not {name: found for name, found in crossing.items() if found}

@@ -7,9 +7,9 @@ import mmap
 import numpy as np
 import pytest
 
-from model.llama.kv_cache import KVCache
-from model.llama.model import Llama
-from model.llama.ops import apply_rope, attention, rmsnorm, silu
+from model.llama.forward.kv_cache import KVCache
+from model.llama.forward.model import Llama
+from model.llama.forward.ops import apply_rope, attention, rmsnorm, silu
 from model.sampling import greedy
 from tests.llamafiles import TINY_DIR, tiny_reference
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from model.engine import GenerationRequest, Step
-from model.llama.engine import LlamaEngine
-from model.llama.model import Llama
+from model.llama.forward.model import Llama
+from model.llama.serving.engine import LlamaEngine
 from model.pcg32 import PCG32
 from model.sampling import SamplingParams, logprobs_of, sample
 from tests.decoding import greedy_by_hand

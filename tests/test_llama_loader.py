@@ -13,9 +13,9 @@ import safetensors.numpy
 from model.bigram.engine import BigramEngine
 from model.bigram.model import Bigram
 from model.files import file_sha256
-from model.llama.engine import LlamaEngine
-from model.llama.model import Llama
-from model.llama.scheduler import BatchScheduler
+from model.llama.forward.model import Llama
+from model.llama.serving.engine import LlamaEngine
+from model.llama.serving.scheduler import BatchScheduler
 from model.loader import BIGRAM, LLAMA, load_model
 from model.tokenizer import ByteTokenizer, HFTokenizer
 from tests.llamafiles import tiny_reference, write_tiny_llama
@@ -129,7 +129,7 @@ def test_f16_weights_stay_f16_for_the_kernels(tiny_dir: Path) -> None:
 
 
 def test_bf16_bits_become_the_top_half_of_float32(tmp_path: Path) -> None:
-    from model.llama.weights import map_safetensors
+    from model.llama.forward.weights import map_safetensors
 
     # 0x3FC0 is bfloat16 1.5; 0xC020 is -2.5
     header = {"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from model.engine import GenerationRequest
-from model.llama.llama2c import read_tokenizer
+from model.llama.formats.llama2c import read_tokenizer
 from model.loader import LoadedModel, load_model
 from model.sampling import SamplingParams, greedy
 from model.tokenizer import decode_ids

@@ -28,6 +28,7 @@ import pytest
 from model.engine import Step
 from model.loader import LoadedModel, load_model
 from tests.llamafiles import write_tiny_llama
+from tests.logprobs import chat_reference, legacy_reference
 from tests.sse import frames
 from wsgi_app.api.chat import parse_chat_request
 from wsgi_app.api.completions import parse_completion_request
@@ -285,44 +286,6 @@ def test_bytes_are_those_of_the_list_of_dicts_implementation(models, name):
     model, endpoint, body = CASES[name]
     out, _, _ = run_case(models[model], endpoint, body)
     assert (hashlib.sha256(out).hexdigest(), len(out)) == GOLDEN[name]
-
-
-# -- the straightforward reference, from the engine's own Steps ---------------------------------
-
-
-def legacy_reference(steps: list[Step], token_str) -> dict[str, list]:
-    """``tokens``, ``token_logprobs``, ``top_logprobs`` of ``steps`` in the legacy shape."""
-    return {
-        "tokens": [token_str(s.token_id) for s in steps],
-        "token_logprobs": [s.logprob for s in steps],
-        "top_logprobs": [
-            None if s.top_logprobs is None else {token_str(t): lp for t, lp in s.top_logprobs}
-            for s in steps
-        ],
-    }
-
-
-def chat_reference(steps: list[Step], tokenizer) -> list[dict]:
-    """The chat ``content`` entries of ``steps`` (the end-of-turn token has none)."""
-
-    def token(token_id: int) -> tuple[str, list[int]]:
-        text = tokenizer.token_str(token_id)
-        raw = tokenizer.token_bytes[token_id]
-        return text, list(raw) if raw else list(text.encode())
-
-    out = []
-    for s in steps:
-        if s.finish_reason == "stop":
-            continue
-        alternatives = []
-        for t, lp in s.top_logprobs or ():
-            alt, alt_raw = token(t)
-            alternatives.append({"token": alt, "logprob": lp, "bytes": alt_raw})
-        text, raw = token(s.token_id)
-        out.append(
-            {"token": text, "logprob": s.logprob, "bytes": raw, "top_logprobs": alternatives}
-        )
-    return out
 
 
 def answer_logprobs(out: bytes, stream: bool, choices: int) -> list[Any]:

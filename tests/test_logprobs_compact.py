@@ -13,7 +13,7 @@ import math
 import pytest
 
 from model.engine import Step
-from tests.test_logprob_bytes import chat_reference, legacy_reference
+from tests.logprobs import chat_reference, legacy_reference
 from wsgi_app.api.errors import json_bytes
 from wsgi_app.wire.logprobs import ChatLogprobs, Logprobs
 

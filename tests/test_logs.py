@@ -16,7 +16,7 @@ from pythonjsonlogger.json import JsonFormatter as LibraryFormatter
 
 from telemetry.logs import JsonFormatter, StderrHandler, client_hash, held_lines, logging_config
 from telemetry.observer import finish_reason, is_failed, summarize
-from tests.server import GunicornServer, wait_until
+from tests.loglines import log_lines, request_line, wait_for
 from tests.sse import sse_events
 
 PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -148,33 +148,6 @@ def test_finish_reason_label(status, error, reasons, label, failed):
 
 
 # -- against a real gunicorn ------------------------------------------------------------------------
-
-
-def log_lines(srv: GunicornServer) -> list[dict]:
-    """Every line of the server's log, parsed; fails on a line that is not one JSON object."""
-    lines = []
-    for text in srv.log_text().splitlines():
-        if text.strip():
-            obj = json.loads(text)
-            assert isinstance(obj, dict), text
-            lines.append(obj)
-    return lines
-
-
-def wait_for(srv: GunicornServer, predicate, timeout_s: float = 10.0) -> list[dict]:
-    """Poll the log until some lines satisfy ``predicate``; return those lines."""
-    return wait_until(
-        lambda: [line for line in log_lines(srv) if predicate(line)],
-        timeout_s,
-        lambda: f"a log line; log:\n{srv.log_tail()}",
-    )
-
-
-def request_line(srv: GunicornServer, request_id: str) -> dict:
-    (line,) = wait_for(
-        srv, lambda x: x.get("message") == "request" and x.get("request_id") == request_id
-    )
-    return line
 
 
 def check_types(line: dict) -> None:

@@ -17,6 +17,7 @@ from telemetry.exposition import render, summarize
 from telemetry.metrics import ITL_BUCKETS, Metrics, add_bucket_counts
 from telemetry.quantiles import bucket_index, cumulate, histogram_quantile
 from tests.collector import FakeCollector
+from tests.scrape import samples, scrape, value
 from tests.server import GunicornServer, concurrently, wait_until
 from tests.sse import EventReader, sse_json
 
@@ -59,15 +60,6 @@ def test_bucket_index_and_cumulate():
         cumulate(bounds, [1, 2, 3])
 
 
-def _samples(registry: CollectorRegistry) -> dict[tuple, float]:
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in registry.collect()
-        for s in family.samples
-        if not s.name.endswith("_created")
-    }
-
-
 def test_add_bucket_counts_equals_one_observe_per_value():
     values = [0.000004, 0.00001, 0.00003, 0.0007, 0.0007, 0.2, 3.0, 0.01]
     one, many = CollectorRegistry(), CollectorRegistry()
@@ -79,8 +71,8 @@ def test_add_bucket_counts_equals_one_observe_per_value():
     for v in values:
         counts[bucket_index(ITL_BUCKETS, v)] += 1
     add_bucket_counts(h2, counts, sum(values))
-    assert _samples(one) == _samples(many)
-    assert _samples(many)[("itl_seconds_count", ())] == 8
+    assert samples(one) == samples(many)
+    assert samples(many)[("itl_seconds_count", ())] == 8
     with pytest.raises(ValueError, match="expected 16 entries"):
         add_bucket_counts(h2, [1, 2], 0.0)
 
@@ -124,22 +116,6 @@ def test_metrics_are_per_registry_and_summarize_exactly():
 
 
 # -- against a real gunicorn with two workers -------------------------------------------------------
-
-
-def scrape(srv: GunicornServer, port: int | None = None) -> dict[str, dict[tuple, float]]:
-    """Parse ``/metrics`` with prometheus_client's own parser: {family: {(sample, labels): value}}."""
-    status, headers, body = srv.get("/metrics", port=port)
-    assert status == 200 and headers["content-type"].startswith("text/plain")
-    out: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(body.decode()):
-        out[family.name] = {
-            (s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples
-        }
-    return out
-
-
-def value(metrics: dict, family: str, sample: str | None = None, **labels: str) -> float:
-    return metrics[family][(sample or family, tuple(sorted(labels.items())))]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""MODEL_DIR faults stop the start with one line saying what is wrong and where (issue 31, items 10-11).
+"""MODEL_DIR faults stop the start with one line saying what is wrong and where.
 
 A FIFO or a device never hangs the start; a symlink loop is a loop, not "missing"; an empty directory
 says it is empty; a tensor shape whose size overflows 64 bits is named; a request number too large for
@@ -17,7 +17,7 @@ import pytest
 from gguf import GGUFReader
 
 from tests.gguffiles import write_tiny_gguf
-from tests.test_startup_config import failed_start
+from tests.server import failed_start
 
 
 def fifo(tmp_path: Path, name: str) -> Path:
@@ -104,8 +104,8 @@ def test_a_number_too_large_for_a_double_says_so(default_server, field, wanted):
 
 @pytest.mark.parametrize("value", ["", "  "])
 def test_model_dir_set_but_empty_is_refused_not_the_default_model(tmp_path, value):
-    # Issue 39, item 3: MODEL_DIR=$(python -m model.fetch smollm2) leaves it empty when the fetch
-    # fails; that served the packaged bigram without a word.
+    # MODEL_DIR=$(python -m model.fetch smollm2) leaves it empty when the fetch fails; that served
+    # the packaged bigram without a word.
     _, lines = failed_start(tmp_path, {"MODEL_DIR": value})
     assert lines == [
         "greenserve: cannot start: MODEL_DIR is set but empty (did the command that was to print "

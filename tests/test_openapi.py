@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import socket
-from pathlib import Path
 
 import pytest
 from jsonschema import ValidationError
 from openapi_spec_validator import validate
 
-from tests.contract import Contract
+from tests.contract import DOC_PATH, Contract
 from tests.responses import city_tool
 from tests.sse import events
 from wsgi_app.api.chat import FIELDS as CHAT_FIELDS
@@ -19,7 +18,6 @@ from wsgi_app.api.completions import FIELDS as COMPLETION_FIELDS
 from wsgi_app.api.responses import FIELDS as RESPONSES_FIELDS
 from wsgi_app.api.table import CONSTRAINT_FIELDS
 
-DOC_PATH = Path(__file__).resolve().parent.parent / "wsgi_app" / "openapi.json"
 SSE = {"Accept": "text/event-stream"}
 STREAM_URL = "/v1/completions?model=m&prompt=a&max_tokens=3&temperature=0&seed=5"
 

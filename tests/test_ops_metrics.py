@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
+from tests.scrape import scrape, value
 from tests.server import wait_until
 from tests.services import free_port
-from tests.test_metrics import scrape, value
 
 BODY = {"model": "m", "prompt": "a", "max_tokens": 1, "temperature": 0}
 

@@ -1,4 +1,4 @@
-"""Cross-origin generation is refused before any work (issue 31, item 7).
+"""Cross-origin generation is refused before any work.
 
 Browsers send a POST with a ``text/plain``, form or multipart body, and an ``EventSource`` GET, across
 origins without a preflight. A real gunicorn with API keys off (the default): such a request from an

@@ -149,7 +149,10 @@ def test_stop_closes_the_stream_and_frees_the_slot(server, page):
     ("key", "message"),
     [
         ("wrong", "401: Invalid API key."),
-        ("", "401: Missing API key: send it as 'Authorization: Bearer <key>'."),
+        (
+            "",
+            "401: Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+        ),
     ],
 )
 def test_a_refused_stream_shows_the_servers_message(server, page, key, message):

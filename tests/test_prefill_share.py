@@ -1,4 +1,4 @@
-"""A long prompt shares the steps with decoding sequences and keeps its bits (issue 31, item 3).
+"""A long prompt shares the steps with decoding sequences and keeps its bits.
 
 While sequences decode, a step takes only :meth:`BatchScheduler.prompt_rows` prompt tokens (8 beside
 one or two), so a chunk of 128 is read over several steps; every row attends with the decode arithmetic
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from model.engine import GenerationRequest
-from model.llama.model import Llama
-from model.llama.prefix_cache import PrefixCache
-from model.llama.scheduler import PREFILL_CHUNK, BatchScheduler, steps_of
+from model.llama.forward.model import Llama
+from model.llama.serving.prefix_cache import PrefixCache
+from model.llama.serving.scheduler import PREFILL_CHUNK, BatchScheduler, steps_of
 from model.sampling import SamplingParams
 from tests.llamafiles import convert_stories
 from tests.server import GunicornServer

@@ -10,13 +10,12 @@ import numpy as np
 import pytest
 
 from model.engine import GenerationRequest
-from model.llama.model import Llama
-from model.llama.prefix_cache import PrefixCache, block_keys
-from model.llama.scheduler import BatchScheduler
+from model.llama.forward.model import Llama
+from model.llama.serving.prefix_cache import PrefixCache, block_keys
+from model.llama.serving.scheduler import BatchScheduler
 from model.sampling import SamplingParams
 from tests.decoding import run_to_end
-from tests.llamafiles import convert_stories
-from tests.test_batch_invariance import random_llama
+from tests.llamafiles import convert_stories, random_llama
 
 B = 128
 

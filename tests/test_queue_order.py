@@ -1,4 +1,4 @@
-"""The queue neither starves short requests nor keeps ones that cannot finish (issue 39, item 7).
+"""The queue neither starves short requests nor keeps ones that cannot finish.
 
 Order: first fit in arrival order. A waiter whose KV-cache bytes are not free yet (a long prompt)
 is passed by later ones that fit beside the running requests; strict FIFO held a 31-token chat

@@ -9,12 +9,13 @@ import re
 import urllib.request
 from pathlib import Path
 
+from tests.readme import blocks
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def shell_blocks() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    return [block.strip() for block in re.findall(r"```sh\n(.*?)```", text, re.S)]
+    return [block.strip() for block in blocks("sh")]
 
 
 def test_the_first_command_installs_only_what_running_needs_and_starts_the_server():

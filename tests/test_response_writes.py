@@ -1,4 +1,4 @@
-"""The worker's per-request set-up made cheaper without changing a byte (issue 32): a response's head
+"""The worker's per-request set-up made cheaper without changing a byte: a response's head
 leaves in one ``send`` with its first body bytes; the base environ, gunicorn's settings and a peer's
 trust are worked out once per worker; the same bytes and answers as gunicorn's own."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -173,7 +172,11 @@ def test_a_log_reopen_keeps_the_worker_serving_with_a_fresh_base_environ(serve):
     assert status == 200
     pid = srv.state()["pid"]
     os.kill(pid, signal.SIGUSR1)  # gunicorn's "reopen the log files", handled by the worker
-    time.sleep(0.3)
+    wait_until(
+        lambda: f"Worker reopened its log files (pid:{pid})" in srv.log_text(),
+        10.0,
+        lambda: f"the worker's reopen; log:\n{srv.log_tail()}",
+    )
     status, _, again = srv.complete(body)
     assert status == 200 and _same_completion(first, again)
     assert srv.state()["pid"] == pid  # the same worker, still serving

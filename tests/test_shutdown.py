@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from tests.collector import FakeCollector
+from tests.loglines import request_line
 from tests.server import SLACK_S, wait_until
-from tests.sse import open_stream
-from tests.test_end_reason import SHUTDOWN_END
+from tests.sse import SHUTDOWN_END, open_stream
 
 
 def test_sigterm_closes_idle_keepalive_connections_and_flushes(serve, succ_dir):
@@ -271,8 +271,6 @@ def test_a_quick_stop_still_logs_the_requests_it_cuts(serve, succ_dir, sig):
     # Ctrl-C (SIGINT) and SIGQUIT are gunicorn's quick stop: the worker exits within ~0.1 s, its
     # streams cut without [DONE]. Each request it cuts still gets its access line (end_reason
     # "shutdown"), where gunicorn's own quick exit left them unfinished and unlogged.
-    from tests.test_logs import request_line
-
     srv = serve(
         MODEL_DIR=str(succ_dir), GREENSERVE_FAULTS="slow_step_s=0.02", GRACEFUL_TIMEOUT_S="10"
     )

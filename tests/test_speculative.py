@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from model.engine import GenerationRequest
-from model.llama import speculative
-from model.llama.kv_cache import KVPool
-from model.llama.scheduler import BatchScheduler, steps_of
-from model.llama.speculative import (
+from model.llama.forward.kv_cache import KVPool
+from model.llama.serving import speculative
+from model.llama.serving.scheduler import BatchScheduler, steps_of
+from model.llama.serving.speculative import (
     GATE_ROWS,
     Acceptance,
     Drafter,
@@ -27,8 +27,7 @@ from model.llama.speculative import (
 from model.loader import LoadedModel, load_model
 from model.sampling import SamplingParams
 from tests.decoding import run_to_end
-from tests.llamafiles import convert_stories
-from tests.test_batch_invariance import random_llama
+from tests.llamafiles import convert_stories, random_llama
 
 
 def test_drafter_proposes_what_followed_the_longest_latest_match():
@@ -318,7 +317,7 @@ def test_constrained_prefix_hits_are_the_same_with_speculation(stories, cheap_ro
     from dataclasses import replace
 
     from model.grammar.compile import Constraint, GrammarCompiler
-    from model.llama.prefix_cache import PrefixCache
+    from model.llama.serving.prefix_cache import PrefixCache
 
     tok = stories.tokenizer
     grammar = GrammarCompiler(tok).compile(Constraint("regex", "( ?[a-zA-Z]+[.,]?){1,40}"))[0]

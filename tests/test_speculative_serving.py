@@ -15,9 +15,9 @@ import re
 import pytest
 
 from tests.llamafiles import convert_stories
+from tests.scrape import scrape, value
 from tests.server import GunicornServer, concurrently
 from tests.sse import sse_events
-from tests.test_metrics import scrape, value
 
 STORIES_BODIES = [
     {"prompt": "Once upon a time", "max_tokens": 80, "temperature": 0},

@@ -13,15 +13,14 @@ import json
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from model.files import file_sha256
-from model.llama.gguf_cache import FORMAT_VERSION
+from model.llama.formats.gguf_cache import FORMAT_VERSION
 from model.loader import load_model
 from tests.gguffiles import write_tiny_gguf
-from tests.server import ROOT, GunicornServer, wait_until
+from tests.server import ROOT, GunicornServer, failed_start, wait_until
 from wsgi_app.generation.faults import Faults
 from wsgi_app.setting_checks import check_rate_limit_storage
 from wsgi_app.settings import ServerSettings, Settings, usable_cpus
@@ -98,51 +97,6 @@ BAD = [
         "got 'ftp://collector/v1/traces'",
     ),
 ]
-
-
-def failed_start(
-    tmp_path: Path, env: dict[str, str], own_binds: bool = False
-) -> tuple[str, list[str]]:
-    """Run gunicorn until it exits (code 1 asserted); return its stderr and its non-JSON lines.
-
-    The temp dir is private, so that the metrics dir ``gunicorn.conf.py`` makes is seen removed.
-    With ``own_binds`` the test servers' ``--bind 127.0.0.1:0`` are left out, so ``HOST``, ``PORT``
-    and ``HEALTH_PORT`` decide what is bound.
-    """
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    srv = GunicornServer(tmp_path / "run", {"TMPDIR": str(tmp), **env})
-    cmd = srv.cmd
-    if own_binds:
-        cmd = [part for part in cmd if part not in ("--bind", "127.0.0.1:0")]
-    done = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        env=srv.env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert done.returncode == 1, done.stderr
-    assert "Traceback" not in done.stderr
-    assert "Listening at" not in done.stderr  # stopped before binding
-    assert list(tmp.iterdir()) == []  # no metrics dir left behind
-    lines = done.stderr.splitlines()
-    for line in lines:
-        if line.startswith("{"):
-            json.loads(line)  # gunicorn's own lines stay JSON
-    return done.stderr, [line for line in lines if not line.startswith("{")]
-
-
-def refused_setting(tmp_path: Path, setting: str, value: str) -> str:
-    """Start with ``setting=value``, which must stop the start; return the one line printed, asserted
-    to begin ``greenserve: cannot start: <setting> (<value>): ``."""
-    _, plain = failed_start(tmp_path, {setting: value})
-    assert len(plain) == 1 and plain[0].startswith(
-        f"greenserve: cannot start: {setting} ({value}): "
-    ), plain
-    return plain[0]
 
 
 @pytest.mark.parametrize(("env", "message"), BAD, ids=[",".join(env) for env, _ in BAD])

@@ -198,9 +198,59 @@ def test_n_echo_and_raw_logprobs(server):
     assert choices[0]["logprobs"]["tokens"][first].startswith("{")
 
 
-def test_stop_strings_still_apply(server):
-    text, reason = _greedy_text(server, stop=["ta"], structured_outputs={"choice": ["alphabeta"]})
-    assert (text, reason) == ("alphabe", "stop")
+def stop_refusal(param: str) -> dict:
+    message = (
+        f"'stop' cannot be used with an output constraint ('{param}'): a stop string would cut "
+        "the constrained answer before it is complete, yet end with finish_reason 'stop'. Send "
+        "one of them (a regex or grammar can say where the answer ends)."
+    )
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": "stop",
+            "code": None,
+        }
+    }
+
+
+STOP_WITH = {
+    "structured_outputs.choice": {"structured_outputs": {"choice": ["alphabeta"]}},
+    "response_format": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "a", "schema": SCHEMAS["integer"], "strict": True},
+        }
+    },
+    "guided_regex": {"guided_regex": "[a-z]+"},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("path", ["/v1/completions", CHAT])
+@pytest.mark.parametrize("param", list(STOP_WITH))
+def test_stop_strings_beside_a_constraint_are_refused(server, param, path, stream):
+    """A stop string could only cut the constrained answer short of its end (``{"a":3972`` for
+    ``stop: [","]``) and still say ``finish_reason: "stop"``: the pair is a 400 naming ``stop``."""
+    body = {"model": "m", "max_tokens": MAX_TOKENS, "stream": stream, **STOP_WITH[param]}
+    body.update(
+        {"prompt": "x"} if path != CHAT else {"messages": [{"role": "user", "content": "x"}]}
+    )
+    for stop in ("ta", [","], ["}", "a"]):
+        status, headers, raw = server.post(path, {**body, "stop": stop})
+        assert (status, headers["content-type"], json.loads(raw)) == (
+            400,
+            "application/json",
+            stop_refusal(param),
+        )
+    # Without it (or with an empty list, or null) the answer is whole.
+    for stop in ([], None):
+        status, _, raw = server.post(path, {**body, "stop": stop})
+        assert status == 200, raw
+    assert _greedy_text(server, stop=[], **STOP_WITH["structured_outputs.choice"]) == (
+        "alphabeta",
+        "stop",
+    )
 
 
 def test_metrics_and_log_name_the_kind(server):

@@ -13,7 +13,7 @@ from telemetry.batch import Observation, Quantiles, count_all, reduce_gaps
 from telemetry.metrics import Metrics
 from telemetry.observer import Observer, summarize
 from telemetry.spans import start_server_span
-from tests.test_metrics import _samples
+from tests.scrape import samples
 from wsgi_app.generation.record import RequestRecord
 
 
@@ -87,7 +87,7 @@ def test_count_all_equals_one_observe_request_each():
             itl_sum_s=0.0 if g is None else g.sum_s,
         )
     count_all(m2, obs, reduce_gaps(stamps))
-    a, b = _samples(one), _samples(many)
+    a, b = samples(one), samples(many)
     assert a.keys() == b.keys()
     for key, value in a.items():  # sums are added once per batch: equal up to rounding
         assert b[key] == pytest.approx(value, rel=1e-12), key
@@ -150,8 +150,8 @@ def test_deferred_observer_queues_until_its_flush(caplog):
     lines = [r for r in caplog.records if r.getMessage() == "request"]
     assert [r.request_id for r in lines] == ["r0", "r1", "r2"]
     assert [r.itl_p50_s for r in lines] == [0.001, None, 0.001]
-    assert _samples(reg)[("greenserve_generation_tokens_total", ())] == 12
-    assert _samples(reg)[("greenserve_inter_token_latency_seconds_count", ())] == 3 + 6
+    assert samples(reg)[("greenserve_generation_tokens_total", ())] == 12
+    assert samples(reg)[("greenserve_inter_token_latency_seconds_count", ())] == 3 + 6
     observer.request_done(_record(3, 2), 0.01)  # the next request schedules the next flush
     assert len(scheduled) == 2
     observer.defer = None  # no loop: observed at once
@@ -169,10 +169,10 @@ def test_deferred_load_gauges_take_the_turns_last_values():
     observer.set_load(2, 1)
     observer.set_load(1, 1)
     assert len(scheduled) == 1
-    assert _samples(reg)[("greenserve_requests_running", ())] == 0
+    assert samples(reg)[("greenserve_requests_running", ())] == 0
     scheduled[0]()
-    assert _samples(reg)[("greenserve_requests_running", ())] == 1
-    assert _samples(reg)[("greenserve_requests_queued", ())] == 1
+    assert samples(reg)[("greenserve_requests_running", ())] == 1
+    assert samples(reg)[("greenserve_requests_queued", ())] == 1
     observer.set_load(0, 0)
     observer.flush()  # a scrape flushes first: the gauges are current
-    assert _samples(reg)[("greenserve_requests_running", ())] == 0
+    assert samples(reg)[("greenserve_requests_running", ())] == 0

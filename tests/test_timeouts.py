@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.server import blocked_on_its_reader, raw_request, wait_until
+from tests.server import blocked_on_its_reader, raw_request, server_read_all, wait_until
 from tests.sse import EventReader
 from wsgi_app.generation.completion import WAITING_HEARTBEAT_S
 
@@ -154,7 +154,8 @@ def test_a_client_that_resets_during_its_body_is_a_499_not_a_server_error(defaul
     ).encode()
     sock = socket.create_connection(("127.0.0.1", default_server.port), timeout=5)
     sock.sendall(head + body[:-10])
-    time.sleep(0.2)  # the server is in its body read
+    # The server has read the head and the body's start: its next read, of the rest, is reset.
+    wait_until(lambda: server_read_all(sock), 10, "the server to read the body's start")
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     sock.close()
     wait_until(lambda: "reset-mid-body" in default_server.log_text(), 10, "the request's log line")

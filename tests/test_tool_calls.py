@@ -18,8 +18,8 @@ import pytest
 
 from model.tool_formats import FORMATS
 from tests.contract import Contract
+from tests.readme import run_readme_python
 from tests.server import ROOT, concurrently
-from tests.test_client_libraries import run_readme_python
 from tests.toolcalls import (
     ASK,
     CALL_ID,
@@ -367,7 +367,13 @@ REFUSALS = [
             "tools": [
                 WEATHER,
                 TIME,
-                {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}},
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"properties": {"a": {"type": "nope"}}},
+                    },
+                },
             ]
         },
         "tools[2].function.parameters",

@@ -191,12 +191,18 @@ def service():
     ("body", "param", "why"),
     [
         (
-            {"tools": [WEATHER, WEATHER | {"function": {"name": "w2"}}, bad({"type": "nope"})]},
+            {
+                "tools": [
+                    WEATHER,
+                    WEATHER | {"function": {"name": "w2"}},
+                    bad({"properties": {"a": {"type": "nope"}}}),
+                ]
+            },
             "tools[2].function.parameters",
-            "",
+            "Invalid type",
         ),
         (
-            {"tools": [WEATHER, bad({"type": "string", "maxLenght": 3})]},
+            {"tools": [WEATHER, bad({"type": "object", "maxLenght": 3})]},
             "tools[1].function.parameters",
             "uses 'maxLenght' at #, which is not a JSON Schema keyword enforced here",
         ),

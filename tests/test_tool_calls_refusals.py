@@ -15,9 +15,8 @@ import json
 
 import pytest
 
-from tests.schemas import ENDLESS_AFTER_A_CHOICE, UNSATISFIABLE
-from tests.sse import sse_json
-from tests.toolcalls import ASK, PATH, TIME, WEATHER, accumulate
+from tests.schemas import UNSATISFIABLE
+from tests.toolcalls import ASK, PATH, TIME, WEATHER
 
 SEEDED_CONTENT = " \nShe s?\n*K* har"  # seed 7's 16 tokens after the colliding history's prompt
 
@@ -265,9 +264,10 @@ def tool(name: str, parameters: dict) -> dict:
 BAD_SCHEMAS = {
     "self-ref": (
         {"$ref": "#"},
-        "can never be satisfied: no output can match it",
+        "can never be satisfied: no value of it is finite (every value holds one at #, which "
+        "refers back to #)",
     ),
-    "bad-type": ({"type": "nope"}, "Invalid type: nope"),
+    "bad-type": ({"properties": {"a": {"type": "nope"}}}, "Invalid type: nope"),
     "unknown-keyword": (
         {"type": "object", "maxLenght": 3},
         "uses 'maxLenght' at #, which is not a JSON Schema keyword enforced here",
@@ -297,8 +297,14 @@ def test_every_legacy_functions_schema_is_checked(default_server, choice):
     assert doc == refusal(f"'{param}' cannot be enforced: {why}", param)
 
 
+# Tool parameters are object schemas (a string's or an array's are refused as such).
+OBJECT_ROOTED = [
+    k for k, (schema, _) in UNSATISFIABLE.items() if schema.get("type") in (None, "object")
+]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-@pytest.mark.parametrize("case", list(UNSATISFIABLE))
+@pytest.mark.parametrize("case", OBJECT_ROOTED)
 def test_a_tools_schema_no_value_satisfies_is_refused_before_any_byte(default_server, case, stream):
     parameters, why = UNSATISFIABLE[case]
     body = {"tools": [WEATHER, tool("bad", parameters)], "tool_choice": "auto", "stream": stream}
@@ -306,36 +312,6 @@ def test_a_tools_schema_no_value_satisfies_is_refused_before_any_byte(default_se
     assert status == 400
     param = "tools[1].function.parameters"
     assert doc == refusal(f"'{param}' cannot be enforced: {why}", param)
-
-
-def test_a_tools_schema_found_empty_while_generating_ends_with_a_400_naming_it(default_server):
-    body = {
-        "tools": [WEATHER, tool("endless", ENDLESS_AFTER_A_CHOICE)],
-        "tool_choice": {"type": "function", "function": {"name": "endless"}},
-        "max_tokens": 200,
-        "temperature": 0,
-    }
-    status, _, raw = default_server.post(
-        PATH, {"model": "m", "messages": ASK, **body, "stream": True}
-    )
-    assert status == 200
-    *chunks, error = sse_json(raw)
-    (call,) = accumulate(chunks)[0]["message"]["tool_calls"]
-    arguments = call["function"]["arguments"]
-    # The call's arguments up to "a"'s value: the token that ends it has no next token.
-    assert any(f'{{"a":{v},'.startswith(arguments) for v in ("true", "false")), arguments
-    assert len(arguments) >= len('{"a":')
-    head = '<tool_call>[{"name":"endless","arguments":'  # the block's forced start
-    tokens = len(head) + len(arguments)  # the bigram's tokens are bytes
-    param = "tools[1].function.parameters"
-    assert error == refusal(
-        f"'{param}' cannot be enforced: no output can match it after the {tokens} tokens generated "
-        "(a required property or item whose schema refers back to its own object or array has no "
-        "finite value)",
-        param,
-    )
-    assert post(default_server, body) == (400, error)
-    assert default_server.wait_idle()["slots"]["busy"] == 0
 
 
 def test_arguments_nested_deeper_than_the_json_parser_goes_are_kept_as_text(default_server):

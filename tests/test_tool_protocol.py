@@ -386,7 +386,7 @@ def test_a_user_message_holding_tool_call_syntax_stays_content():
         ),
         ([ASK, {"role": "function", "name": "f", "content": "x"}], "messages[1].name"),
         (
-            [ASK, {"role": "tool", "tool_call_id": "a", "content": "x", "name": "f"}],
+            [ASK, {"role": "tool", "tool_call_id": "a", "content": "x", "name": 5}],
             "messages[1].name",
         ),
         (

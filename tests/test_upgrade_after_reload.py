@@ -1,4 +1,4 @@
-"""Upgrades after a reload, and upgrades in a row, keep the server whole (issue 39, item 1).
+"""Upgrades after a reload, and upgrades in a row, keep the server whole.
 
 After a ``SIGHUP`` reload gunicorn saves an environment holding ``PROMETHEUS_MULTIPROC_DIR``; a
 ``USR2`` then started the new master on the old master's metrics directory, which the old master's

@@ -1,4 +1,4 @@
-"""Requests cut by a killed worker are logged and counted (issue 39, item 4).
+"""Requests cut by a killed worker are logged and counted.
 
 A worker killed by a signal (``kill -9``, the OOM killer) cannot log the requests it was serving:
 their streams ended without ``[DONE]`` and left no line and no metric, so availability figures never

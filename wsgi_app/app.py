@@ -27,6 +27,7 @@ from wsgi_app.http.routes import (
     chat,
     completions,
     completions_get,
+    messages,
     models,
     openapi,
     ops,
@@ -202,6 +203,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
     app.register_blueprint(completions.bp)
     app.register_blueprint(completions_get.bp)
     app.register_blueprint(chat.bp)
+    app.register_blueprint(messages.bp)
     app.register_blueprint(responses.bp)
     app.register_blueprint(models.bp)
     app.register_blueprint(openapi.bp)

@@ -108,7 +108,7 @@ class Settings:
         batch_invariant: decode every sequence to the same bits whatever the batch (``1``), or let
             batches of 16+ sequences run one GEMM per product (``0``: faster, last bits load-dependent).
         speculative_tokens: most tokens a Llama sequence drafts per step by prompt lookup
-            (``SPECULATIVE_TOKENS``, ``model.llama.speculative``); 0 turns speculation off. The
+            (``SPECULATIVE_TOKENS``, ``model.llama.serving.speculative``); 0 turns speculation off. The
             answers are the same bits either way (with ``batch_invariant``).
         prefix_cache: keep the KV of whole prompt blocks of a Llama model for reuse by later
             prompts that start with them (``1``), within ``kv_cache_budget_mb``; ``0``: none.

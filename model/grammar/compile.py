@@ -4,7 +4,9 @@ A :class:`Constraint` is what a request asks for (a JSON Schema, any JSON object
 of strings, a Lark grammar), already in its canonical form. :class:`GrammarCompiler` turns it into
 llguidance's grammar and a template matcher, refusing what llguidance cannot enforce exactly: a
 schema it cannot compile, a keyword it does not implement (``lenient`` is never on), a regex or
-grammar that does not parse, or anything over :data:`MAX_CONSTRAINT_BYTES` and the parser limits.
+grammar that does not parse, or anything over :data:`MAX_CONSTRAINT_BYTES` and the parser limits;
+a schema is read first for what llguidance would skip, misread or never end
+(``model.grammar.schema``).
 JSON is compact: no whitespace outside strings, ``,`` and ``:`` as separators; ``oneOf`` is refused
 unless llguidance can prove its branches disjoint (``coerce_one_of`` stays off). Compiled grammars
 are kept in a bounded LRU keyed by the constraint's canonical JSON.
@@ -30,9 +32,16 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-from model.grammar import tokens
-from model.grammar.matcher import ConstraintError, TokenMatcher
-from model.grammar.matcher import MaskViolation as MaskViolation  # the server's door to it
+from model.grammar import schema, tokens
+from model.grammar.matcher import NO_OUTPUT, ConstraintError, TokenMatcher, reason
+
+# The server's door to the modules behind this one: what it reads of them, re-exported.
+from model.grammar.matcher import PAST_LIMITS as PAST_LIMITS
+from model.grammar.matcher import MaskViolation as MaskViolation
+from model.grammar.schema import arguments_schema as arguments_schema
+from model.grammar.schema import closed as closed
+from model.grammar.schema import open_object as open_object
+from model.grammar.schema import unknown_keyword as unknown_keyword
 from model.tokenizer import TextTokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
@@ -85,17 +94,15 @@ def grammar_text(constraint: Constraint) -> str:
 
     Raises:
         ConstraintError: over :data:`MAX_CONSTRAINT_BYTES` or :data:`MAX_CHOICES`, an empty choice,
-            or a kind outside :data:`KINDS`.
+            a kind outside :data:`KINDS`, or a schema :func:`model.grammar.schema.refusal` refuses.
     """
     kind, value = constraint.kind, constraint.value
     if len(constraint.key().encode("utf-8")) > MAX_CONSTRAINT_BYTES:
         raise ConstraintError(f"is over the limit of {MAX_CONSTRAINT_BYTES} bytes")
     if kind == "json_schema":
-        unknown = unknown_keyword(value)
-        if unknown is not None:
-            raise ConstraintError(
-                f"uses {unknown}, which is not a JSON Schema keyword enforced here"
-            )
+        why = schema.refusal(value)  # what llguidance would skip, misread or never end
+        if why is not None:
+            raise ConstraintError(why)
         return llguidance.LLMatcher.grammar_from_json_schema(value, overrides=JSON_OPTIONS)
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema(
@@ -114,10 +121,19 @@ def grammar_text(constraint: Constraint) -> str:
             lark = any_to_lark(value)
         except Exception as exc:  # noqa: BLE001 - the converter raises whatever it meets
             raise ConstraintError(f"cannot read the GBNF grammar: {exc}") from None
-        if _TOKEN_REF.search(_outside_literals(lark)):
+        code = _outside_literals(lark)
+        if _TOKEN_REF.search(code):
             raise ConstraintError(
                 "names a special token or a token id (<...>): a constrained span is text only"
             )
+        for found in _JSON_RULE.finditer(code):  # a %json schema is read as any schema is
+            try:
+                embedded, _ = json.JSONDecoder().raw_decode(lark, found.end())
+            except ValueError:
+                continue  # llguidance says what is wrong with it
+            why = schema.refusal(embedded)
+            if why is not None:
+                raise ConstraintError(f"its %json schema at offset {found.start()}: {why}")
         return llguidance.LLMatcher.grammar_from_lark(lark)
     if kind == "tool_calls":
         lark, text = value
@@ -137,63 +153,18 @@ def _named(grammar: str, name: str = "text") -> dict[str, Any]:
     return {**entry, "name": name}
 
 
-# JSON Schema keywords a schema may use: what llguidance enforces, the annotations that constrain
-# nothing, and the ones llguidance itself refuses (so that its message names them). Any other key is
-# refused, so that a typo ("maxLenght") or a keyword llguidance would skip is never silently dropped.
-ENFORCED = frozenset(
-    "type properties required additionalProperties items prefixItems minItems maxItems enum const "
-    "anyOf oneOf allOf $ref $defs definitions pattern format minLength maxLength minimum maximum "
-    "exclusiveMinimum exclusiveMaximum multipleOf patternProperties minProperties maxProperties "
-    "x-guidance".split()
-)
-ANNOTATIONS = frozenset(
-    "title description $schema $id $comment $anchor examples default deprecated readOnly "
-    "writeOnly".split()
-)
-REFUSED_BY_LLGUIDANCE = frozenset(
-    "uniqueItems if then else not contains minContains maxContains propertyNames "
-    "dependentRequired dependentSchemas dependencies unevaluatedProperties unevaluatedItems "
-    "additionalItems".split()
-)
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_ONE = (
-    "items additionalProperties not if then else contains propertyNames unevaluatedProperties "
-    "unevaluatedItems additionalItems".split()
-)
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _TOKEN_REF = re.compile(r"<\s*[\[|A-Za-z/]")
-
-
-def unknown_keyword(schema: Any, where: str = "#") -> str | None:
-    """Return ``'name' at <JSON pointer>`` for the first key of ``schema`` (or a subschema) that is
-    not a keyword of :data:`ENFORCED`, :data:`ANNOTATIONS` or :data:`REFUSED_BY_LLGUIDANCE`; None
-    when there is none. Values that are data (``enum``, ``const``, ``default``, ``examples``) and
-    property names are not keywords and are not looked into.
-
-    Source: JSON Schema 2020-12 Core and Validation (the keywords and where subschemas sit).
-    """
-    if not isinstance(schema, dict):
-        return None
-    for key, value in schema.items():
-        if key not in ENFORCED and key not in ANNOTATIONS and key not in REFUSED_BY_LLGUIDANCE:
-            return f"{key!r} at {where}"
-        found = None
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            for name, sub in value.items():
-                found = found or unknown_keyword(sub, f"{where}/{key}/{name}")
-        elif key in _SCHEMA_LISTS and isinstance(value, list):
-            for i, sub in enumerate(value):
-                found = found or unknown_keyword(sub, f"{where}/{key}/{i}")
-        elif key in _SCHEMA_ONE:
-            found = unknown_keyword(value, f"{where}/{key}")
-        if found is not None:
-            return found
-    return None
+_JSON_RULE = re.compile(r"%json\s*")  # Lark's inline JSON Schema, llguidance's extension
 
 
 def _outside_literals(lark: str) -> str:
-    """Return ``lark`` with its string and regex literals and its comments blanked out."""
-    return re.sub(r'"(?:[^"\\\n]|\\.)*"|/(?:[^/\\\n]|\\.)+/[a-z]*|//[^\n]*', " ", lark)
+    """Return ``lark`` with its string and regex literals and its comments blanked out, each by as
+    many spaces (offsets are the text's)."""
+    return re.sub(
+        r'"(?:[^"\\\n]|\\.)*"|/(?:[^/\\\n]|\\.)+/[a-z]*|//[^\n]*',
+        lambda m: " " * len(m.group()),
+        lark,
+    )
 
 
 def limits() -> llguidance.LLParserLimits:
@@ -330,13 +301,12 @@ class GrammarCompiler:
 def _check_satisfiable(grammar: Grammar) -> None:
     """Compute ``grammar``'s first mask, and its mask after each run of tokens every output must
     start with (llguidance's forced tokens, up to :data:`FORCED_RUNS` runs), so a constraint that
-    can never be met is refused when compiled, not found while generating: a schema that only
-    refers to itself, a regex past llguidance's lexer limits, and a schema whose forced start leads
-    into a value with no end (an object whose one required property refers back to the object, an
-    array of itself with ``minItems`` 1: llguidance's parser runs out of items right after the
-    ``{``). What needs a choice first (a second property before the endless one) is found only
-    while generating, where it ends the choice with a 400 naming the constraint (see
-    ``wsgi_app.generation.grammars.constraint_failure``).
+    can never be met is refused when compiled, not found while generating: a grammar whose rules
+    only refer to themselves, a regex no text matches, and one past llguidance's parser limits on
+    that path (the reason says which: :func:`model.grammar.matcher.reason`). A schema without a
+    finite value was refused before (``model.grammar.schema.endless``); a grammar whose endless
+    rule comes after a choice is found only while generating, where it ends the choice with a 400
+    naming the constraint (``wsgi_app.generation.grammars.constraint_failure``).
 
     Raises:
         ConstraintError: a mask on the forced path is an error or allows no token of the model.
@@ -352,10 +322,10 @@ def _check_satisfiable(grammar: Grammar) -> None:
                 break  # complete: nothing can follow (a const, a choice of one)
             probe.allowed()
     except ConstraintError:
-        why = probe.error()
-        if not why or "non-verbose" in why:  # errors are built without state (verbose_errors off)
-            why = "no output can match it"
-        raise ConstraintError(f"can never be satisfied: {why}") from None
+        why = reason(probe.error())
+        if why == NO_OUTPUT:
+            why = f"can never be satisfied: {why}"
+        raise ConstraintError(why) from None
 
 
 def _short(message: str, limit: int = 300) -> str:

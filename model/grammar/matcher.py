@@ -37,6 +37,39 @@ class MaskViolation(ConstraintError):
     constraint's (only allowed tokens are ever sampled; the ``matcher_fail_at`` fault feeds one)."""
 
 
+NO_OUTPUT = "no output can match it"
+PAST_LIMITS = "it is past llguidance's parser limits"
+# How llguidance's messages of a parser limit begin or read (parser/src/earley/parser.rs,
+# regexvec.rs, grammar_builder.rs): items in an Earley row or step, lexer states and fuel, grammar
+# size. verbose_errors off, each ends with "<non-verbose/>".
+_LIMIT_WORDS = (
+    "Current row has",
+    "Too many items",
+    "too many expressions",
+    "too many states",
+    "lexer precomputation failed",
+    "too big (limit",
+)
+
+
+def reason(error: str) -> str:
+    """Return llguidance's error message ``error`` as a refusal's reason, on one line: an empty
+    mask (``NoExtensionBias``, or no message) is :data:`NO_OUTPUT`; a parser limit says so
+    (:data:`PAST_LIMITS`, then llguidance's words: the constraint may have outputs, too costly to
+    follow); any other message is llguidance's.
+
+    Source: llguidance parser/src/tokenparser.rs (``augment_err``) and the limits' messages.
+    """
+    text = " ".join(error.replace("<non-verbose/>", " ").split())
+    if text in ("", "NoExtensionBias"):
+        return NO_OUTPUT
+    if any(words in text for words in _LIMIT_WORDS):
+        if "ff_tokens" in text:  # the forced-output walk: llguidance's advice does not apply
+            text = text.split("; try ")[0] + ": the output forced from here is too long, or endless"
+        return f"{PAST_LIMITS} ({text})"
+    return text
+
+
 def _words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
@@ -99,7 +132,7 @@ class TokenMatcher:
             ConstraintError: the matcher is in an error state, or ``row`` allows no id of the model.
         """
         if self._m.is_error():
-            raise ConstraintError("the output constraint failed while generating")
+            raise ConstraintError(reason(self._m.get_error() or ""))
         if not row.any():
             raise ConstraintError("the output constraint allows no token of this model here")
         self._row = row
@@ -119,7 +152,7 @@ class TokenMatcher:
             row = self._row
             if row is not None and not (0 <= token_id < len(row) and row[token_id]):
                 raise MaskViolation("a token the output constraint forbids was fed to it")
-            raise ConstraintError("the output constraint failed while generating")
+            raise ConstraintError(reason(self._m.get_error() or ""))
         return self._m.is_stopped()
 
     def forced(self) -> list[int]:

@@ -230,7 +230,7 @@ def attend(q, slab_k, slab_v, layer, rows, lanes, lengths, out):
     Args:
         q: ``(T, n_heads, head_dim)`` float32 queries of the pass (after RoPE).
         slab_k: ``(lanes, n_layers, n_kv_heads, positions, head_dim)`` float32 keys, C-contiguous
-            (:attr:`model.llama.kv_cache.KVCache.slab_k`); the new rows' keys already written.
+            (:attr:`model.llama.forward.kv_cache.KVCache.slab_k`); the new rows' keys already written.
         slab_v: the values, likewise.
         layer: The layer attended.
         rows: ``(m,)`` int64 rows of ``q`` and ``out`` of the entries.

@@ -9,7 +9,7 @@ whether or not LLVM vectorises the loop it sits in (each lane performs the scala
 
 ``rmsnorm`` sums the squares of a row sequentially in index order in **float64** (each square of a
 float32 is exact in float64), then scales in float32: ``out = (x * float32(1 / sqrt(ms + eps))) *
-weight``. It differs from the numpy ``model.llama.ops.rmsnorm`` (a pairwise float32 sum) by up to
+weight``. It differs from the numpy ``model.llama.forward.ops.rmsnorm`` (a pairwise float32 sum) by up to
 a few float32 ulps; what matters is that the order is fixed here.
 
 Source: Cody & Waite 1980, "Software Manual for the Elementary Functions" (range reduction by
@@ -113,7 +113,7 @@ def silu(x):
     """Return ``x / (1 + exp(-x))`` in float32.
 
     For ``x < -88.72`` ``exp(-x)`` overflows to inf and the result is ``-0.0`` (the exact value is
-    under 1e-36 in size), as with ``model.llama.ops.silu``. Elsewhere within 4 ulps (measured).
+    under 1e-36 in size), as with ``model.llama.forward.ops.silu``. Elsewhere within 4 ulps (measured).
 
     Source: Elfwing et al. 2018 (SiLU).
     """

@@ -196,7 +196,7 @@ class PackedWeight:
 
         Args:
             perm: ``(n,)`` integer row ids (e.g. the q/k RoPE permutation of
-                :func:`model.llama.llama2c.permute_rotary`).
+                :func:`model.llama.formats.llama2c.permute_rotary`).
 
         Raises:
             IndexError: If an id is out of range.

@@ -126,12 +126,14 @@ class ToolFormat:
             return "start: TEXT\n" + TEXT_RULE + "\n"
         if not tools:
             raise ValueError("a tool-call grammar needs at least one tool")
-        from model.grammar.compile import JSON_OPTIONS  # llguidance: only where grammars are made
+        # llguidance: only where grammars are made
+        from model.grammar.compile import JSON_OPTIONS, arguments_schema
 
         rules = []
         for i, tool in enumerate(tools):
-            # The arguments are compact JSON, as every structured output is (model.grammar.compile).
-            schema = {**tool.parameters, "x-guidance": JSON_OPTIONS}
+            # The arguments are compact JSON, as every structured output is (model.grammar.compile),
+            # an object whose objects are closed unless they say otherwise.
+            schema = {**arguments_schema(dict(tool.parameters)), "x-guidance": JSON_OPTIONS}
             head = '{"name":' + json.dumps(tool.name, ensure_ascii=False) + ',"arguments":'
             rules.append(f'call{i}: {literal(head)} args{i} "}}"')
             rules.append(f"args{i}: %json {json.dumps(schema, ensure_ascii=False)}")

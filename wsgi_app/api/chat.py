@@ -31,7 +31,12 @@ from wsgi_app.api.fields import (
     unsupported,
 )
 from wsgi_app.api.messages import parse_messages
-from wsgi_app.api.structured import STRUCTURED_FIELDS, RequestConstraint, parse_constraint
+from wsgi_app.api.structured import (
+    STRUCTURED_FIELDS,
+    RequestConstraint,
+    parse_constraint,
+    refuse_stop,
+)
 from wsgi_app.api.table import BOOLEAN, JSON, NUMBER, SHARED_FIELDS, Field, FieldTable
 from wsgi_app.api.tools import ToolRequest, parse_tools
 
@@ -77,7 +82,7 @@ class Conversation(Protocol):
     :class:`ChatRequest`, or a Responses request (``wsgi_app.api.responses``) once its items are
     the template's messages. :func:`completion_request` and
     ``wsgi_app.http.chat.chat_completion_request`` read only these (see :class:`ChatRequest` for
-    each), so every conversation is rendered, checked and generated the same way.
+    each), so every such conversation is rendered, checked and generated the same way.
 
     Attributes:
         messages_param: the field a refusal of the conversation names (``messages``, ``input``).
@@ -186,6 +191,7 @@ def parse_chat_request(
     if top_logprobs is not None and not logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
     stream = parse_stream_fields(body)
+    stop = stop_strings(body.get("stop"))
     return ChatRequest(
         model=model,
         messages=messages,
@@ -194,7 +200,7 @@ def parse_chat_request(
         sampling=build_sampling(fields, body, vocab_size),
         seed=fields.seed,
         n=fields.n,
-        stop=stop_strings(body.get("stop")),
+        stop=stop,
         logprobs=(top_logprobs or 0) if logprobs else None,
         stream=stream.stream,
         include_usage=stream.include_usage,
@@ -202,7 +208,7 @@ def parse_chat_request(
         user=body.get("user"),
         cache_salt=stream.cache_salt,
         ignored_fields=ignored,
-        constraint=parse_constraint(body),
+        constraint=refuse_stop(parse_constraint(body), stop),
         tools=tools,
     )
 
@@ -244,15 +250,7 @@ def completion_request(
             ``top_logprobs`` when the answer's logprobs could exceed ``max_logprob_entries``.
     """
     n_prompt, param = len(prompt_ids), chat.messages_param
-    if n_prompt == 0:
-        raise invalid(f"The chat template rendered an empty prompt for '{param}'.", param)
-    room = None if context_length is None else context_length - n_prompt
-    if room is not None and room <= 0:
-        raise invalid(
-            f"This model's maximum context length is {context_length} tokens; the rendered "
-            f"conversation has {n_prompt} tokens, which leaves no room for an answer.",
-            param,
-        )
+    room = prompt_room(n_prompt, context_length, param)
     max_tokens = chat.max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens if room is None else min(default_max_tokens, room)
@@ -265,13 +263,8 @@ def completion_request(
                     param,
                 )
             max_tokens = min(max_tokens, kv_tokens_per_choice - n_prompt)
-    elif room is not None and max_tokens > room:
-        raise invalid(
-            f"This model's maximum context length is {context_length} tokens; you requested "
-            f"{n_prompt + max_tokens} ({n_prompt} in the rendered conversation, {max_tokens} for "
-            f"the answer). Reduce the {param} or '{chat.max_tokens_param}'.",
-            chat.max_tokens_param,
-        )
+    else:
+        check_answer_fits(n_prompt, max_tokens, room, context_length, chat.max_tokens_param, param)
     if chat.logprobs is not None and max_logprob_entries is not None:
         max_tokens = _logprob_budget(chat, max_tokens, max_logprob_entries)
     return CompletionRequest(
@@ -292,6 +285,54 @@ def completion_request(
         constraint=chat.constraint,
         max_tokens_asked=chat.max_tokens is not None,
     )
+
+
+def prompt_room(
+    n_prompt: int, context_length: int | None, conversation: str = "messages"
+) -> int | None:
+    """Return the tokens a rendered prompt of ``n_prompt`` tokens leaves for an answer (None for a
+    model without a context limit).
+
+    Raises:
+        ApiError: 400 naming the ``conversation`` (``messages``, a Responses request's
+            ``input``) when the prompt is empty or fills the context.
+    """
+    if n_prompt == 0:
+        raise invalid(
+            f"The chat template rendered an empty prompt for '{conversation}'.", conversation
+        )
+    room = None if context_length is None else context_length - n_prompt
+    if room is not None and room <= 0:
+        raise invalid(
+            f"This model's maximum context length is {context_length} tokens; the rendered "
+            f"conversation has {n_prompt} tokens, which leaves no room for an answer.",
+            conversation,
+        )
+    return room
+
+
+def check_answer_fits(
+    n_prompt: int,
+    max_tokens: int,
+    room: int | None,
+    context_length: int | None,
+    param: str,
+    conversation: str = "messages",
+) -> None:
+    """Refuse a client's ``max_tokens`` (named ``param``) over the ``room`` a prompt of
+    ``n_prompt`` tokens leaves in the context (:func:`prompt_room`; None: no limit); the message
+    names the ``conversation`` field to shorten too.
+
+    Raises:
+        ApiError: 400 naming ``param``.
+    """
+    if room is not None and max_tokens > room:
+        raise invalid(
+            f"This model's maximum context length is {context_length} tokens; you requested "
+            f"{n_prompt + max_tokens} ({n_prompt} in the rendered conversation, {max_tokens} for "
+            f"the answer). Reduce the {conversation} or '{param}'.",
+            param,
+        )
 
 
 def _logprob_budget(chat: Conversation, max_tokens: int, budget: int) -> int:
@@ -320,16 +361,16 @@ def _logprob_budget(chat: Conversation, max_tokens: int, budget: int) -> int:
 
 
 def _check_options(body: dict[str, Any]) -> None:
-    """Accept the output options that mean "text, not stored"; refuse the others by name
-    (``response_format`` is read by ``wsgi_app.api.structured``)."""
+    """Accept the output options that mean "text" and ``store`` (either value: nothing is stored,
+    as vLLM ignores it); refuse the others by name (``response_format`` is read by
+    ``wsgi_app.api.structured``)."""
     modalities = body.get("modalities")
     if modalities is not None:
         if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
             raise invalid("'modalities' must be a list of strings.", "modalities")
         if any(m != "text" for m in modalities):
             raise unsupported("modalities", "Output modalities other than 'text'")
-    if body.get("store") is not None and boolean_field(body, "store"):
-        raise unsupported("store", "Storing completions ('store': true)")
+    boolean_field(body, "store")  # true is accepted and nothing is stored, as vLLM does
     tier = body.get("service_tier")
     if tier is not None and (not isinstance(tier, str) or tier not in ("auto", "default")):
         raise unsupported("service_tier", f"'service_tier' {quote_name(tier)!r}")

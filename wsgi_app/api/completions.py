@@ -29,7 +29,12 @@ from wsgi_app.api.fields import (
     stop_strings,
     unsupported,
 )
-from wsgi_app.api.structured import STRUCTURED_FIELDS, RequestConstraint, parse_constraint
+from wsgi_app.api.structured import (
+    STRUCTURED_FIELDS,
+    RequestConstraint,
+    parse_constraint,
+    refuse_stop,
+)
 from wsgi_app.api.table import BOOLEAN, NUMBER, SHARED_FIELDS, TEXT, Field, FieldTable
 
 MAX_TOKENS_LIMIT = 4096
@@ -92,7 +97,7 @@ class CompletionRequest:
         more_prompts: the prompts after the first of a batch (OpenAI's list of prompts).
         cache_salt: the request's ``cache_salt`` (vLLM's extension), "" without one.
         ignored_fields: the unknown top-level fields the request sent, sorted, as the
-            ``X-Ignored-Fields`` header lists them (``wsgi_app.api.fields.shown_names``).
+            ``X-Ignored-Fields`` header lists them (``wsgi_app.api.table.shown_names``).
         constraint: the output constraint (structured outputs, ``wsgi_app.api.structured``), or None.
         max_tokens_asked: False when ``max_tokens`` is the server's default for a chat answer
             (the rest of the context up to ``CHAT_MAX_TOKENS``): a cap, never refused by the
@@ -249,6 +254,7 @@ def parse_completion_request(
             _check_context(len(p.ids), max_tokens, context_length)
 
     first = prompts[0]
+    stop = stop_strings(body.get("stop"))
     return CompletionRequest(
         model=model,
         prompt_ids=first.ids,
@@ -259,7 +265,7 @@ def parse_completion_request(
         sampling=build_sampling(fields, body, vocab_size),
         seed=fields.seed,
         n=fields.n,
-        stop=stop_strings(body.get("stop")),
+        stop=stop,
         echo=echo,
         logprobs=logprobs,
         stream=stream.stream,
@@ -267,7 +273,7 @@ def parse_completion_request(
         ignore_eos=stream.ignore_eos,
         cache_salt=stream.cache_salt,
         ignored_fields=ignored,
-        constraint=parse_constraint(body),
+        constraint=refuse_stop(parse_constraint(body), stop),
     )
 
 

@@ -268,12 +268,12 @@ def parse_sampling_fields(body: dict[str, Any], vocab_size: int, max_n: int) -> 
         min_p=number_field(body, "min_p", 0.0, 0.0, 1.0),
         presence_penalty=number_field(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=number_field(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        seed=_seed(body),
+        seed=seed_field(body),
         n=integer_field(body, "n", 1, 1, max_n),
     )
 
 
-def _seed(body: dict[str, Any]) -> int | None:
+def seed_field(body: dict[str, Any]) -> int | None:
     """Return ``seed`` (0..2**64-1), or None when absent or ``null`` (the server picks one).
 
     A negative seed is a 400, ``-1`` too (llama.cpp's and vLLM's "random"): the contract's seed is

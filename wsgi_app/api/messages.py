@@ -6,8 +6,10 @@ passed on for the template (transformers passes the message dict on; the templat
 if it reads them). An unknown key inside a message is a 400 naming it, down to the part; the
 documented keys this server does not implement (audio, image parts) are a 400 saying so.
 
-Tool-call history (issue 27): an assistant message may carry ``tool_calls`` (its ``content`` then null
-or text) and a ``tool`` message answers one by ``tool_call_id``; the legacy ``function_call`` and
+Tool-call history: an assistant message may carry ``tool_calls`` (its ``content`` then null
+or text) and a ``tool`` message answers one by ``tool_call_id`` (its ``name``, a string or null, is
+accepted and not used); an assistant's ``annotations`` (null or a list, as a replayed answer has
+them) are accepted and not shown to the template; the legacy ``function_call`` and
 ``function`` role map onto the same (the legacy call gets an id of the server's, ``call_<n>``, that no
 id the client wrote in the request equals; its result answers it by ``name``). The template gets
 transformers' shapes: ``tool_calls`` as ``[{"id", "type": "function", "function": {"name",
@@ -36,7 +38,9 @@ ROLES = {
     "tool": "tool",
     "function": "tool",  # the legacy function result
 }
-TOOL_FIELDS = frozenset({"role", "content", "tool_call_id"})
+# A tool message's "name" (OpenAI's cookbook and LiteLLM write the function's name; "null" too) is
+# accepted and checked, not used: the template gets the name of the call it answers.
+TOOL_FIELDS = frozenset({"role", "content", "tool_call_id", "name"})
 FUNCTION_FIELDS = frozenset({"role", "content", "name"})
 MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 # Reasoning models' clients send their answers' reasoning back in assistant turns (vLLM's
@@ -47,6 +51,7 @@ ASSISTANT_FIELDS = MESSAGE_FIELDS | {
     "tool_calls",
     "function_call",
     "audio",
+    "annotations",  # an answer's url citations, replayed (message.model_dump() writes null)
     *REASONING_FIELDS,
 }
 # A message's text, besides its content, that the chat template sees (and may render), as
@@ -67,22 +72,32 @@ def parse_messages(value: Any, max_messages: int) -> tuple[dict[str, Any], ...]:
             (``messages[2].content[0].type``, ``messages[3].tool_call_id``), a second answer to
             one call naming its own ``tool_call_id``.
     """
+    check_message_list(value, max_messages)
+    calls: dict[str, str] = {}  # tool_call id -> function name, of the calls so far
+    answered: dict[str, str] = {}  # tool_call id -> the message that answered its latest call
+    taken = _client_ids(value)  # a legacy call's id is none of these (see _legacy_id)
+    return tuple(_message(m, f"messages[{i}]", calls, answered, taken) for i, m in enumerate(value))
+
+
+def check_message_list(value: Any, max_messages: int) -> None:
+    """Refuse a ``messages`` that is not a non-empty list of at most ``max_messages`` items
+    (checked before any message is read or rendered; chat's and Anthropic's Messages' rule).
+
+    Raises:
+        ApiError: 400 naming ``messages``.
+    """
     if value is None:
         raise invalid("'messages' is required.", "messages")
     if not isinstance(value, list):
         raise invalid("'messages' must be a list of message objects.", "messages")
     if not value:
         raise invalid("'messages' must not be empty.", "messages")
-    if len(value) > max_messages:  # before any is read or rendered
+    if len(value) > max_messages:
         raise invalid(
             f"'messages' holds {len(value)} messages; the limit is {max_messages} "
             "(MAX_CHAT_MESSAGES).",
             "messages",
         )
-    calls: dict[str, str] = {}  # tool_call id -> function name, of the calls so far
-    answered: dict[str, str] = {}  # tool_call id -> the message that answered its latest call
-    taken = _client_ids(value)  # a legacy call's id is none of these (see _legacy_id)
-    return tuple(_message(m, f"messages[{i}]", calls, answered, taken) for i, m in enumerate(value))
 
 
 def _client_ids(messages: list) -> set[str]:
@@ -144,6 +159,10 @@ def _message(
             raise invalid(f"Unrecognized request argument supplied: {at}", at)
     if message.get("audio") is not None:
         raise unsupported(f"{where}.audio")
+    annotations = message.get("annotations")
+    if annotations is not None and not isinstance(annotations, list):
+        at = f"{where}.annotations"
+        raise invalid(f"'{at}' must be a list of annotations or null.", at)
     for key in ("refusal", *TEMPLATE_FIELDS):
         if message.get(key) is not None:
             if not isinstance(message[key], str):
@@ -219,6 +238,11 @@ def _tool_message(
             at = f"{where}.{quote_name(key)}"
             raise invalid(f"Unrecognized request argument supplied: {at}", at)
     content = _content(message.get("content"), f"{where}.content")
+    if role == "tool" and message.get("name") is not None:
+        name, at = message["name"], f"{where}.name"
+        if not isinstance(name, str):
+            raise invalid(f"'{at}' must be a string or null.", at)
+        check_unicode(name, at)
     if role == "function":
         name = message.get("name")
         if not isinstance(name, str) or name not in calls.values():

@@ -283,7 +283,7 @@ def _tools(body: dict[str, Any], ignored: list[str]) -> tuple[ToolRequest | None
         raise invalid(
             f"'tools' holds {len(value)} tools; the limit is {MAX_TOOLS} (MAX_TOOLS).", "tools"
         )
-    tools, params, echo, seen = [], [], [], {}
+    tools, echo, seen = [], [], {}
     for i, tool in enumerate(value):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
@@ -296,6 +296,7 @@ def _tools(body: dict[str, Any], ignored: list[str]) -> tuple[ToolRequest | None
             continue
         ignored += (f"{where}.{k}" for k in tool if k not in (*FUNCTION_KEYS, "type"))
         read = function_tool({k: v for k, v in tool.items() if k in FUNCTION_KEYS}, where)
+        read = replace(read, schema_param=f"{where}.parameters")  # flat: not the chat's place
         if read.name in seen:
             raise invalid(
                 f"Duplicate function name {read.name!r} ('{seen[read.name]}' has it too).",
@@ -303,7 +304,6 @@ def _tools(body: dict[str, Any], ignored: list[str]) -> tuple[ToolRequest | None
             )
         seen[read.name] = where
         tools.append(read)
-        params.append(f"{where}.parameters")
         echo.append(
             {
                 "type": "function",
@@ -323,7 +323,6 @@ def _tools(body: dict[str, Any], ignored: list[str]) -> tuple[ToolRequest | None
         choice=choice,
         name=name,
         parallel=parallel is not False and most != 1,
-        schema_params=tuple(params),
     )
     return request, echo
 

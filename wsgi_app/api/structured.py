@@ -17,6 +17,13 @@ compiler refuses later (``wsgi_app.generation.grammars``) are a 400 naming that 
 ``strict: false`` is accepted and the schema enforced all the same: we never answer with text the
 schema does not allow.
 
+An object schema that does not say ``additionalProperties`` is closed (``false``), in every spelling:
+OpenAI's strict mode requires every object closed, llama.cpp and vLLM's default backend read such
+objects so, and an open one lets a model invent keys until ``max_tokens``. ``true`` or a schema is
+kept, except under ``strict: true``, which OpenAI refuses for it (and so do we).
+``structured_outputs.disable_additional_properties`` (vLLM's) says the same when true or absent;
+``false`` keeps JSON Schema's reading, objects open.
+
 Source: OpenAI API reference, "Chat Completions" ``response_format`` and the "Structured Outputs" guide;
 vLLM docs, "Structured Outputs"; llama.cpp server README (``json_schema``, ``grammar``,
 ``response_format``).
@@ -27,7 +34,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from model.grammar.compile import MAX_CHOICES, Constraint
+from model.grammar.compile import (
+    MAX_CHOICES,
+    MAX_CONSTRAINT_BYTES,
+    Constraint,
+    closed,
+    open_object,
+)
 from wsgi_app.api.errors import invalid, quote_name
 from wsgi_app.api.fields import loads_strict
 from wsgi_app.api.naming import described_object
@@ -88,8 +101,40 @@ def parse_constraint(body: dict[str, Any]) -> RequestConstraint | None:
     return found[0] if found else None
 
 
-def _schema(value: Any, param: str) -> Constraint:
-    """A JSON Schema: an object, or (vLLM) its JSON text."""
+def refuse_stop(
+    constraint: RequestConstraint | None, stop: tuple[str, ...], param: str = "stop"
+) -> RequestConstraint | None:
+    """Return ``constraint`` when the request sends no ``stop`` strings beside it.
+
+    A constrained answer ends where its constraint accepts (at once when nothing can follow), so
+    a stop string can only cut it earlier, where the text is no complete value of the constraint
+    (a JSON value without its end), and the answer would still say ``finish_reason: "stop"``,
+    which OpenAI's clients read as a whole answer. Rather than answer so, the pair is refused
+    before any byte. The chat template's own stop strings are not the request's and still apply.
+
+    Args:
+        constraint: the request's output constraint, or None.
+        stop: the request's own stop strings.
+        param: the wire's name for them (``stop``; Anthropic's ``stop_sequences``).
+
+    Raises:
+        ApiError: 400 naming ``param``, and the constraint's field in the message.
+    """
+    if constraint is not None and stop:
+        raise invalid(
+            f"'{param}' cannot be used with an output constraint ('{constraint.param}'): a stop "
+            "string would cut the constrained answer before it is complete, yet end with "
+            "finish_reason 'stop'. Send one of them (a regex or grammar can say where the "
+            "answer ends).",
+            param,
+        )
+    return constraint
+
+
+def _schema(value: Any, param: str, close: bool = True, strict: bool = False) -> Constraint:
+    """A JSON Schema: an object, or (vLLM) its JSON text; its objects closed unless they say
+    otherwise (``model.grammar.schema.closed``) when ``close``; under OpenAI's ``strict``, an
+    object that allows other properties is refused, as OpenAI refuses it."""
     if isinstance(value, str):
         try:
             value = loads_strict(value)
@@ -99,7 +144,29 @@ def _schema(value: Any, param: str) -> Constraint:
         value = {}
     if not isinstance(value, dict):
         raise invalid(f"'{param}' must be a JSON Schema object.", param)
-    return Constraint("json_schema", value)
+    if strict:
+        refuse_open_object(value, param)
+    return Constraint("json_schema", closed(value, MAX_CONSTRAINT_BYTES) if close else value)
+
+
+def refuse_open_object(schema: dict[str, Any], param: str) -> None:
+    """Refuse a schema sent with ``strict: true`` that has an object allowing other properties
+    (``additionalProperties`` true or a schema): OpenAI's strict mode requires it false on every
+    object. One that does not say is closed, not refused (:func:`_schema`).
+
+    Raises:
+        ApiError: 400 naming ``param``, the object's JSON pointer in the message.
+
+    Source: OpenAI "Structured Outputs" guide, supported schemas ("additionalProperties: false
+    must always be set in objects").
+    """
+    at = open_object(schema)
+    if at is not None:
+        raise invalid(
+            f"'{param}' cannot be enforced: strict mode requires 'additionalProperties': false "
+            f"on every object; the object at {at} allows other properties.",
+            param,
+        )
 
 
 def _text(value: Any, param: str, what: str) -> str:
@@ -146,7 +213,8 @@ def _response_format(value: Any, param: str) -> RequestConstraint | None:
     schema = outer if outer is not None else inner
     if schema is None:
         raise invalid(f"'{param}.json_schema.schema' is required for type 'json_schema'.", param)
-    return RequestConstraint(_schema(schema, param), param)
+    strict = outer is None and value["json_schema"].get("strict") is True
+    return RequestConstraint(_schema(schema, param, strict=strict), param)
 
 
 def text_format(value: Any, param: str = "text.format") -> RequestConstraint | None:
@@ -201,7 +269,7 @@ def _structured_outputs(value: Any, param: str) -> RequestConstraint:
     kinds = []
     for key, item in value.items():
         at = f"{param}.{quote_name(key)}"
-        if key in _SO_OPTIONS:  # we never fall back and always write compact JSON
+        if key in _SO_OPTIONS:  # we never fall back, always write compact JSON, close objects
             if item is not None and not isinstance(item, bool):
                 raise invalid(f"'{at}' must be a boolean.", at)
         elif key == "json_object":
@@ -224,6 +292,9 @@ def _structured_outputs(value: Any, param: str) -> RequestConstraint:
     at = f"{param}.{key}"
     if key == "json_object":
         return RequestConstraint(Constraint("json_object"), at)
+    if key == "json":  # objects closed unless the request asks for JSON Schema's open ones
+        close = value.get("disable_additional_properties") is not False
+        return RequestConstraint(_schema(value[key], at, close), at)
     return RequestConstraint(_KIND_READERS[key](value[key], at), at)
 
 

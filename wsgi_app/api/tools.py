@@ -8,6 +8,10 @@ answer shape. Every refusal is a 400 naming the param, down to the tool
 (``tools[2].function.name``), before any byte. A ``parameters`` schema is checked for shape here and
 compiled later with the structured-output machinery (``wsgi_app.generation.grammars``), which refuses
 one llguidance cannot enforce, naming ``tools[i].function.parameters``, whatever ``tool_choice``.
+``parameters`` must be an object schema (a ``type`` other than ``"object"`` is refused as OpenAI
+refuses it; none is read as ``"object"``); its objects that do not say ``additionalProperties``
+are enforced closed (``model.grammar.schema.arguments_schema``), as llama.cpp reads them, and
+under ``strict: true`` one that says they are open is refused, as OpenAI's strict mode refuses it.
 
 Source: OpenAI API reference, "Chat Completions" (create: ``tools``, ``tool_choice``,
 ``parallel_tool_calls``, the deprecated ``functions`` and ``function_call``); the "Function calling"
@@ -16,16 +20,20 @@ guide.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
-from wsgi_app.api.errors import invalid, quote_name
+from wsgi_app.api.errors import ApiError, invalid, quote_name
 from wsgi_app.api.fields import check_unicode
 from wsgi_app.api.naming import described_object
+from wsgi_app.api.structured import refuse_open_object
 
 MAX_TOOLS = 128  # OpenAI's documented limit on `tools`
 CHOICES = ("none", "auto", "required")
 _FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+# The fields that only mean something with a list of functions, and the list each goes with.
+_NEEDS = {"tool_choice": "tools", "parallel_tool_calls": "tools", "function_call": "functions"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,15 +43,20 @@ class Tool:
     Attributes:
         name: 1..64 characters of ``a-z A-Z 0-9 _ -``, unique in the request.
         description: what it does (for the prompt), or None.
-        parameters: the JSON Schema of its arguments (an object schema); ``{}`` when absent, as
-            OpenAI reads it (a function without parameters takes an empty object).
+        parameters: the JSON Schema of its arguments (an object schema), as sent (the template
+            shows it; ``model.grammar.schema.arguments_schema`` is what is enforced); an empty
+            object's schema when absent, as OpenAI reads it.
         strict: the client's ``strict`` flag (the schema is enforced either way).
+        schema_param: where the schema sits in the request, for a refusal to name
+            (``tools[3].input_schema``, a Responses tool's flat ``tools[3].parameters``); "" for
+            the chat place, ``tools[i].function.parameters``.
     """
 
     name: str
     description: str | None
     parameters: dict[str, Any]
     strict: bool = False
+    schema_param: str = ""
 
     def openai(self) -> dict[str, Any]:
         """Return the tool as a chat template sees it: ``{"type": "function", "function": {...}}``."""
@@ -65,9 +78,6 @@ class ToolRequest:
         parallel: whether a block may hold more than one call (``parallel_tool_calls``).
         legacy: the request used ``functions`` (answer with ``message.function_call``).
         param: the field the tools came from (``tools`` or ``functions``), for refusals.
-        schema_params: the ``param`` naming each tool's schema, for a wire whose tools are not
-            the chat's (a Responses tool holds ``parameters`` flat, ``tools[3].parameters``, and
-            its index counts the tool types left out); empty for the chat's.
     """
 
     tools: tuple[Tool, ...]
@@ -76,16 +86,6 @@ class ToolRequest:
     parallel: bool = True
     legacy: bool = False
     param: str = "tools"
-    schema_params: tuple[str, ...] = ()
-
-    def schema_param(self, i: int) -> str:
-        """Return the ``param`` naming tool ``i``'s ``parameters``: ``tools[i].function.parameters``
-        (chat), ``functions[i].parameters`` (legacy), else the wire's own (:attr:`schema_params`)."""
-        if self.schema_params:
-            return self.schema_params[i]
-        if self.legacy:
-            return f"{self.param}[{i}].parameters"
-        return f"{self.param}[{i}].function.parameters"
 
     def callable_tools(self) -> tuple[Tool, ...]:
         """Return the tools a call may name (the named one alone, or all; none for ``"none"``)."""
@@ -126,6 +126,12 @@ def parse_tools(body: dict[str, Any], max_tools: int = MAX_TOOLS) -> ToolRequest
     param = "functions" if legacy else "tools"
     choice_param = "function_call" if legacy else "tool_choice"
     other_choice = "tool_choice" if legacy else "function_call"
+    value = functions_value if legacy else tools_value
+    if value is None:  # each choice field names the list it goes with, as OpenAI refuses them
+        for given, needs in _NEEDS.items():
+            if body.get(given) is not None:
+                raise invalid(f"'{given}' is only allowed when '{needs}' are given.", given)
+        return None
     if body.get(other_choice) is not None:
         raise invalid(
             f"'{other_choice}' goes with '{'tools' if legacy else 'functions'}'; this request "
@@ -135,13 +141,7 @@ def parse_tools(body: dict[str, Any], max_tools: int = MAX_TOOLS) -> ToolRequest
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise invalid("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls")
-    value = functions_value if legacy else tools_value
     choice_value = body.get(choice_param)
-    if value is None:
-        for given in (choice_param, "parallel_tool_calls"):  # as OpenAI refuses them
-            if body.get(given) is not None:
-                raise invalid(f"'{given}' is only allowed when '{param}' are given.", given)
-        return None
     if not isinstance(value, list) or not value:
         raise invalid(f"'{param}' must be a non-empty list.", param)
     if len(value) > max_tools:
@@ -205,6 +205,18 @@ def function_tool(function: dict[str, Any], where: str) -> Tool:
     if not isinstance(parameters, dict):
         raise invalid(f"'{where}.parameters' must be a JSON Schema object.", f"{where}.parameters")
     check_strings(parameters, f"{where}.parameters")
+    kind = parameters.get("type", "object")
+    if kind != "object":  # arguments are an object: OpenAI refuses any other type, so do we
+        got = kind if isinstance(kind, str) else json.dumps(kind)
+        raise ApiError(
+            400,
+            f"Invalid schema for function '{named.name}': schema must be a JSON Schema of "
+            f"'type: \"object\"', got 'type: \"{got}\"'.",
+            param=f"{where}.parameters",
+            code="invalid_function_parameters",
+        )
+    if named.strict:
+        refuse_open_object(parameters, f"{where}.parameters")
     return Tool(named.name, named.description, parameters, bool(named.strict))
 
 

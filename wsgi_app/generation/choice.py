@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from model.engine import COMPLETE, Step
-from model.stop import StopMatcher
+from model.stop import StopMatcher, find_stop
 from model.tokenizer import ByteTokenizer
 from model.utf8 import Utf8Decoder
 from wsgi_app.wire.logprobs import ChatLogprobs, Logprobs
@@ -38,6 +38,45 @@ def token_start(released: str, data: bytes) -> int:
     return len(released) - len(own) if own and released.endswith(own) else 0
 
 
+class NamedStops:
+    """A :class:`~model.stop.StopMatcher` that also says which stop string matched, when it is one
+    of ``reported`` (Anthropic's ``stop_sequence``); the same ``push``/``flush``.
+
+    It keeps the last characters pushed (one fewer than the longest stop string): the matcher
+    holds back at most that much, so the stop it matched is the first to complete in them and the
+    text that completed it (``model.stop.find_stop``).
+
+    Args:
+        stops: the choice's stop strings (0 to 4, non-empty).
+        reported: those whose match is named (others, a template's, end the choice unnamed).
+    """
+
+    __slots__ = ("_matcher", "_stops", "_reported", "_keep", "_tail", "matched")
+
+    def __init__(self, stops: tuple[str, ...], reported: tuple[str, ...]) -> None:
+        self._matcher = StopMatcher(stops)
+        self._stops = stops
+        self._reported = frozenset(reported)
+        self._keep = max(map(len, stops), default=1) - 1
+        self._tail = ""
+        self.matched: str | None = None
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add decoded text; return the text it releases and whether a stop string matched."""
+        out, stopped = self._matcher.push(text)
+        pending = self._tail + text
+        if stopped and self.matched is None:
+            start, end = find_stop(pending, self._stops) or (0, 0)
+            if pending[start:end] in self._reported:
+                self.matched = pending[start:end]
+        self._tail = pending[len(pending) - self._keep :] if self._keep else ""
+        return out, stopped
+
+    def flush(self) -> str:
+        """Release the held-back text at the end (no stop matched)."""
+        return self._matcher.flush()
+
+
 class Choice:
     """One choice of a completion: advances its token stream one token at a time.
 
@@ -52,6 +91,8 @@ class Choice:
         token_bytes: the bytes each token id adds to the text (the tokenizer's ``token_bytes``).
         pending: with ``echo``, the echoed prompt's unfinished UTF-8 tail: prompt and completion are
             one byte stream, so the first tokens may finish that character.
+        reported_stops: the stop strings whose match :attr:`stop_sequence` names (the matcher is
+            then a :class:`NamedStops`); () for none.
     """
 
     __slots__ = (
@@ -68,6 +109,7 @@ class Choice:
         "_stops",
         "_token_bytes",
         "cached_tokens",
+        "_named",
     )
 
     def __init__(
@@ -80,6 +122,7 @@ class Choice:
         logprobs: Logprobs | ChatLogprobs | None,
         token_bytes: list[bytes] = BYTE_TOKENIZER.token_bytes,
         pending: bytes = b"",
+        reported_stops: tuple[str, ...] = (),
     ) -> None:
         self.index = index
         self._token_bytes = token_bytes
@@ -87,7 +130,8 @@ class Choice:
         self.max_tokens = max_tokens
         self._decoder = Utf8Decoder()
         self._decoder.feed(pending)  # a proper prefix of a character: releases no text
-        self._matcher = StopMatcher(stop)
+        self._named = NamedStops(stop, reported_stops) if reported_stops else None
+        self._matcher = self._named or StopMatcher(stop)
         self._stops = bool(stop)  # without stop strings the matcher releases text unchanged
         self.parts: list[str] = [echo_text] if echo_text else []
         self.tokens = 0
@@ -95,6 +139,11 @@ class Choice:
         self.logprobs = logprobs
         self._chars = len(echo_text)  # characters decoded so far, for ``text_offset``
         self.cached_tokens = 0  # prompt tokens the engine's prefix cache served (its first step)
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The reported stop string that ended the choice, else None."""
+        return None if self._named is None else self._named.matched
 
     def advance(self) -> str | None:
         """Generate one token and return the text it releases (may be ""), or None for an engine tick

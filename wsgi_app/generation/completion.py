@@ -20,6 +20,7 @@ from model.grammar.compile import ConstraintError, MaskViolation
 from model.tokenizer import TextTokenizer
 from model.utf8 import Utf8Decoder
 from wsgi_app.api.completions import Prompt
+from wsgi_app.api.errors import ApiError
 from wsgi_app.generation.choice import BYTE_TOKENIZER, Choice, token_start
 from wsgi_app.generation.grammars import constraint_failure
 from wsgi_app.generation.inputs import GenerationInput
@@ -117,9 +118,11 @@ class Completion:
         if req.calls_tools:
             choice_type = ToolChoice
             calls = {"tools": req.tools, "tool_format": req.tool_format, "seed": req.seed}
+        if req.reported_stops:
+            calls["reported_stops"] = req.reported_stops
         for prompt in req.prompts:
             echo_text, pending = _echo(prompt, req) if req.echo else ("", b"")
-            if calls:  # a seeded call id derives from its prompt too (``call_id``)
+            if req.calls_tools:  # a seeded call id derives from its prompt too (``call_id``)
                 calls["prompt_ids"] = prompt.ids
             self.echo_texts.append(echo_text)
             for i in range(n):  # choice i of prompt p is index p*n + i, seeded as choice i
@@ -156,6 +159,7 @@ class Completion:
             framing,
             fingerprint,
             tool_calls=req.calls_tools,
+            prompt_tokens=req.prompt_tokens,
         )
 
     # -- accounting ---------------------------------------------------------------------------
@@ -302,16 +306,16 @@ class Completion:
         except MaskViolation:
             raise  # the engine's fault: a 500
         except ConstraintError as exc:  # the constraint's: a 400 naming it (only c.advance raises)
-            raise constraint_failure(self.req, c) from exc
+            raise constraint_failure(self.req, c, exc) from exc
 
     def usage_chunk(self) -> bytes:
         """Return the ``stream_options.include_usage`` event: no choices, the usage."""
         return self.encoder.usage_chunk(self.usage())
 
-    def last_chunks(self) -> Iterator[bytes]:
-        """Yield the events after every choice ended (``ChunkEncoder.last_chunks``: the usage
-        chunk if asked for; the Responses API's final event)."""
-        return self.encoder.last_chunks(self.choices, self.usage())
+    def end_events(self, failure: ApiError | None) -> bytes:
+        """Return the stream's last events: its error event when ``failure``, then its end
+        (``ChunkEncoder.end_events``); b"" for none."""
+        return self.encoder.end_events(failure)
 
     def run(self) -> list[bytes]:
         """Generate every choice to its end and return the JSON answer's byte strings

@@ -94,7 +94,7 @@ class ThreadedEngine:
 
     @property
     def prefix_cache(self) -> Any:
-        """The scheduler's prefix cache (``model.llama.prefix_cache.PrefixCache``), or None."""
+        """The scheduler's prefix cache (``model.llama.serving.prefix_cache.PrefixCache``), or None."""
         return self._scheduler.prefix_cache
 
     @property

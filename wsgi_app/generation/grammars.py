@@ -30,11 +30,15 @@ from typing import Any
 from gevent.threadpool import ThreadPool
 
 from model.grammar.compile import (
+    MAX_CONSTRAINT_BYTES,
+    NO_OUTPUT,
+    PAST_LIMITS,
     Constraint,
     ConstraintError,
     Grammar,
     GrammarCompiler,
     RequestGrammar,
+    arguments_schema,
     unknown_keyword,
 )
 from model.tool_formats import ToolFormat
@@ -118,7 +122,8 @@ class GrammarService:
             ApiError: 400 naming the first failing tool's ``parameters`` (:func:`parameters_param`).
         """
         for i, tool in enumerate(tools.tools):
-            alone = self._grammar(Constraint("json_schema", tool.parameters))
+            enforced = arguments_schema(tool.parameters, MAX_CONSTRAINT_BYTES)
+            alone = self._grammar(Constraint("json_schema", enforced))
             if isinstance(alone, ConstraintError):
                 raise _cannot(parameters_param(tools, i), alone)
 
@@ -164,47 +169,48 @@ def tool_constraint(
 
 
 def parameters_param(tools: ToolRequest, i: int) -> str:
-    """Return the ``param`` naming tool ``i``'s ``parameters`` (``ToolRequest.schema_param``:
-    ``tools[i].function.parameters``, ``functions[i].parameters`` for the legacy field, a
-    Responses tool's ``tools[i].parameters``)."""
-    return tools.schema_param(i)
+    """Return the ``param`` naming tool ``i``'s ``parameters`` (``tools[i].function.parameters``,
+    ``functions[i].parameters`` for the legacy field, or the tool's own ``schema_param``)."""
+    if tools.tools[i].schema_param:
+        return tools.tools[i].schema_param
+    if tools.legacy:
+        return f"{tools.param}[{i}].parameters"
+    return f"{tools.param}[{i}].function.parameters"
 
 
 def _cannot(param: str, error: ConstraintError | str) -> ApiError:
     return invalid(f"'{param}' cannot be enforced: {error}", param)
 
 
-def constraint_failure(req: GenerationInput, choice: Any) -> ApiError:
+def constraint_failure(req: GenerationInput, choice: Any, error: ConstraintError) -> ApiError:
     """Return the 400 that ends a request whose output constraint failed while ``choice`` was
     generated (``model.grammar.matcher.ConstraintError``, not a ``MaskViolation``): its grammar
     allows no next token after the choice's tokens so far, though it compiled and its forced start
-    was checked (``model.grammar.compile``). Such a constraint admits no output from there: a
-    schema whose required value has no end past a choice (a first property's value, then a
-    required one whose every value runs without end), a grammar whose rules recurse without end
-    past one, or one past llguidance's parser limits. The param is the constraint the choice was
-    in: the tool whose call's arguments it was writing (``tools[i].function.parameters``), else
-    the request's text constraint, else its ``tools``; a schema's message says what to look for.
+    was checked (``model.grammar.compile``). Either no output can match it from there (a grammar
+    whose rules recurse without end past a choice; a schema without a finite value is refused
+    before, ``model.grammar.schema.endless``), or llguidance's parser limits ran out there, which
+    the message says with llguidance's words (``model.grammar.matcher.reason``). The param is the
+    constraint the choice was in: the tool whose call's arguments it was writing
+    (``tools[i].function.parameters``), else the request's text constraint, else its ``tools``.
 
     Args:
         req: the request.
         choice: the failed choice (a ``Choice``; a ``ToolChoice`` knows its open call).
+        error: what the choice's matcher raised.
     """
     tools, name = req.tools, getattr(choice, "open_call", None)
     called = [i for i, t in enumerate(tools.tools) if t.name == name] if tools is not None else []
-    rc, schema = req.constraint, bool(called)
+    rc = req.constraint
     if called:
         param = parameters_param(tools, called[0])
     elif rc is not None:
-        param, schema = rc.param, rc.constraint.kind == "json_schema"
+        param = rc.param
     else:  # a grammar comes from a text constraint or tools: tools here
         param = tools.param if tools is not None else "response_format"
-    why = f"no output can match it after the {choice.tokens} tokens generated"
-    if schema:
-        why += (
-            " (a required property or item whose schema refers back to its own object or array "
-            "has no finite value)"
-        )
-    return _cannot(param, why)
+    after = f"after the {choice.tokens} tokens generated"
+    if str(error).startswith(PAST_LIMITS):
+        return _cannot(param, f"{after}, {error}")
+    return _cannot(param, f"{NO_OUTPUT} {after}")
 
 
 def _check_keywords(tools: ToolRequest) -> None:

@@ -48,6 +48,8 @@ class GenerationInput:
             None without tools.
         max_tokens_asked: False when ``max_tokens`` is the server's default for a chat answer (a
             cap: never refused by the operator's pace, never a reason to leave the queue early).
+        reported_stops: the stop strings whose match the answer names (Anthropic's
+            ``stop_sequence``: the client's ``stop_sequences``, not the template's); () for none.
     """
 
     model: str
@@ -68,6 +70,7 @@ class GenerationInput:
     tools: ToolRequest | None = None
     tool_format: ToolFormat | None = None
     max_tokens_asked: bool = True
+    reported_stops: tuple[str, ...] = ()
 
     @property
     def calls_tools(self) -> bool:
@@ -94,16 +97,18 @@ def generation_input(
     req: CompletionRequest,
     tools: ToolRequest | None = None,
     tool_format: ToolFormat | None = None,
+    reported_stops: tuple[str, ...] = (),
 ) -> GenerationInput:
-    """Return the generation input of a validated request: a completion, or a chat request once
-    its template has rendered the prompt (``wsgi_app.api.chat.completion_request``), with the
-    chat's tools.
+    """Return the generation input of a validated request: a completion, or a chat or Messages
+    request once its template has rendered the prompt (``wsgi_app.api.chat.completion_request``,
+    ``wsgi_app.api.anthropic.completion_request``), with its tools.
 
     Args:
         req: the request's prompts, sampling and answer fields.
         tools: a chat request's tools and tool choice, or None.
         tool_format: the format the served model writes calls in (``ChatTemplate.tool_format``);
             required with ``tools``.
+        reported_stops: the stop strings of ``req.stop`` whose match the answer names.
 
     Raises:
         ValueError: ``tools`` without ``tool_format``.
@@ -129,4 +134,5 @@ def generation_input(
         tools=tools,
         tool_format=tool_format if tools is not None else None,
         max_tokens_asked=req.max_tokens_asked,
+        reported_stops=reported_stops,
     )

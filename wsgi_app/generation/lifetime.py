@@ -7,7 +7,7 @@ a failed write, or on a stalled reader's send timeout) closes the token streams 
 slot, whether or not the body was ever iterated. A JSON answer settles in :meth:`Generation.run`.
 Nothing else frees a slot. The generation also names why it ended (``RequestRecord.end_reason``):
 itself on a natural end or a failure, the pacer on a deadline, else the connection's mark
-(``wsgi_app.server.worker.StreamSocket.end_reason``: the send timeout, the worker stopping), else the
+(``wsgi_app.server.stream_socket.StreamSocket.end_reason``: the send timeout, the worker stopping), else the
 client left.
 
 Source: OpenAI API reference, "Error codes"; WHATWG HTML Living Standard, §9.2 "Server-sent events".
@@ -208,13 +208,12 @@ class Generation:
     Streamed, it is the response body: iterating it gives the SSE events (``: ok`` at once, so the
     headers leave before the first token; ``: queued`` while waiting for a slot and ``: ping`` while
     the prompt is read, every ``WAITING_HEARTBEAT_S`` (writes: a client that left is found by one
-    that fails, and its work stops); one ``data:`` event per token; the encoder's last events (the
-    usage chunk if asked for; the Responses API's final event); ``[DONE]``), and gunicorn's
-    ``close()`` ends it. A failure after the first byte cannot change the status: it becomes the
-    encoder's error event (the Responses API's ``response.failed``) before ``[DONE]``. The
-    completion's framing decides the opening bytes, the event ids (``retry:`` and ``id:`` on the
-    ``EventSource`` stream) and the end marker (none for the Responses API's named events). Not
-    streamed, :meth:`run` generates the JSON answer and ends it.
+    that fails, and its work stops); one ``data:`` event per token; the usage chunk if asked for;
+    ``[DONE]``), and gunicorn's ``close()`` ends it. A failure after the first byte cannot change the
+    status: it becomes an error event before ``[DONE]`` (the wire format's: the Messages stream's
+    is an ``event: error`` and no ``[DONE]``, ``ChunkEncoder.end_events``). The completion's
+    framing decides the opening bytes and the event ids (``retry:`` and ``id:`` on the
+    ``EventSource`` stream). Not streamed, :meth:`run` generates the JSON answer and ends it.
 
     Attributes:
         completion: the ``n`` choices and their token loop.
@@ -265,7 +264,8 @@ class Generation:
             for _ in queue_heartbeats(self.ticket, self.pacer, completion.waiting_heartbeat_s):
                 yield sse.QUEUED  # a write: a client that left is noticed here
             yield from completion.chunks()
-            yield from completion.last_chunks()
+            if completion.req.include_usage:
+                yield completion.usage_chunk()
         except ClientGone as exc:  # its prompt's scoring saw it leave: nobody reads the rest
             record.end(CLIENT_LEFT)
             record.error = str(exc)
@@ -277,11 +277,9 @@ class Generation:
             record.error = failure.message
         finally:
             self.settle()
-        if failure is not None:
-            yield completion.encoder.error_event(failure)
-        done = completion.framing.done()
-        if done:  # a format whose last event ends the stream has no end marker
-            yield done
+        end = completion.end_events(failure)
+        if end:  # an empty event would be the chunked body's last chunk
+            yield end
 
     def run(self) -> list[bytes]:
         """Generate the JSON answer: wait for the slot (looking for a client that left meanwhile,

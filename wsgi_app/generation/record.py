@@ -53,7 +53,7 @@ class RequestRecord:
         tool_calls: tool calls made over all choices, or None for a request that could make none
             (no tools, or ``tool_choice`` ``none``).
         ignored_fields: the unknown top-level fields of a generation request, sorted, as its
-            ``X-Ignored-Fields`` header lists them (``wsgi_app.api.fields.shown_names``).
+            ``X-Ignored-Fields`` header lists them (``wsgi_app.api.table.shown_names``).
         api_key_digest: the digest of the API key the request was authenticated with
             (``wsgi_app.http.client_identity.key_digest``: its rate-limit bucket), or None.
         rate_limit_counted: True when the request counts against its client's rate limit (an API

@@ -125,6 +125,7 @@ class ToolChoice(Choice):
         tool_format: the format calls are written in (``ChatTemplate.tool_format``).
         seed: the request's seed, or None: call ids derive from (seed, prompt, choice, call index).
         prompt_ids: the choice's prompt token ids (their digest goes into the call ids).
+        reported_stops: as :class:`Choice`'s.
 
     Attributes:
         legacy: the request used ``functions`` (its call is a ``function_call``).
@@ -139,8 +140,9 @@ class ToolChoice(Choice):
         tool_format: ToolFormat,
         seed: int | None,
         prompt_ids: Sequence[int] = (),
+        reported_stops: tuple[str, ...] = (),
     ) -> None:
-        super().__init__(*args)
+        super().__init__(*args, reported_stops=reported_stops)
         index = self.index
         digest = 0 if seed is None else prompt_digest(prompt_ids)
         parser = tool_format.parser(lambda i: call_id(seed, index, i, digest))

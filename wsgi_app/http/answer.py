@@ -29,7 +29,7 @@ from wsgi_app.http.runtime import Runtime
 from wsgi_app.http.stream_body import STREAM_HEADERS, EventStreamResponse
 from wsgi_app.server.connection import hang_up
 from wsgi_app.wire.encoder import TEXT_COMPLETION, WireFormat
-from wsgi_app.wire.sse import EventIds
+from wsgi_app.wire.sse import PLAIN, EventIds
 
 
 def answer(
@@ -58,7 +58,7 @@ def answer(
             before the answer, 500 ``engine_error``.
     """
     grammar = grammar_service(rt).prepare(req, record)  # structured outputs: 400 before any byte
-    framing, completion_id = wire.stream_framing, None
+    framing, completion_id = PLAIN, None
     if query is None:
         seed = req.seed if req.seed is not None else random_seed()
     else:

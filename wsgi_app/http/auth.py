@@ -1,14 +1,15 @@
-"""API keys (``API_KEYS``) for the API routes: ``Authorization: Bearer <key>``, or ``?api_key=`` on the
-``GET /v1/completions`` and ``GET /v1/chat/completions`` event streams (browsers' ``EventSource`` cannot
-send headers).
+"""API keys (``API_KEYS``) for the API routes: ``Authorization: Bearer <key>`` or ``x-api-key: <key>``
+(Anthropic's header), or ``?api_key=`` on the ``GET /v1/completions`` and ``GET /v1/chat/completions``
+event streams (browsers' ``EventSource`` cannot send headers).
 
 Only paths under ``/v1/`` are guarded; health, readiness, metrics, pages and ``/debug`` stay open, and so
 do CORS preflights (``OPTIONS``), which browsers send without credentials. Keys are compared as SHA-256
 digests with ``hmac.compare_digest`` against every configured key, so the time taken tells nothing about
 how much of a key matched, nor which key.
 
-Source: RFC 6750 §2.1 and §3 (Bearer tokens, ``WWW-Authenticate``); docs/ARCHITECTURE.md §8 (401
-``authentication_error`` / ``invalid_api_key``).
+Source: RFC 6750 §2.1 and §3 (Bearer tokens, ``WWW-Authenticate``); Anthropic API reference,
+"Authentication" (``x-api-key``); docs/ARCHITECTURE.md §8 (401 ``authentication_error`` /
+``invalid_api_key``).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def missing_key() -> ApiError:
     """The 401 of an API request that carries no key."""
     return ApiError(
         401,
-        "Missing API key: send it as 'Authorization: Bearer <key>'.",
+        "Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
         type="authentication_error",
         code="invalid_api_key",
         headers=CHALLENGE,
@@ -81,9 +82,13 @@ def invalid_key() -> ApiError:
 
 
 def presented_key() -> str | None:
-    """Return the key the current request presents: the Bearer token, else (only on the ``GET``
-    event streams, :data:`STREAM_PATHS`) the ``api_key`` query parameter; None when there is none."""
+    """Return the key the current request presents: the Bearer token, else the ``x-api-key``
+    header (Anthropic's SDKs and Claude Code send it; accepted on every API route, the same keys),
+    else (only on the ``GET`` event streams, :data:`STREAM_PATHS`) the ``api_key`` query
+    parameter; None when there is none."""
     token = bearer_token(request.headers.get("Authorization"))
+    if token is None:
+        token = request.headers.get("x-api-key", "").strip() or None
     if token is None and request.method == "GET" and request.path in STREAM_PATHS:
         token = request.args.get("api_key") or None
     return token

@@ -19,9 +19,10 @@ from typing import Any
 
 from model.chat_template import ChatTemplate, TemplateError
 from model.loader import LoadedModel
-from model.tool_formats import FORMATS, SAMPLE_CALL, SAMPLE_TOOLS, tool_format
+from model.tool_formats import FORMATS, SAMPLE_CALL, SAMPLE_TOOLS, ToolFormat, tool_format
 from wsgi_app.api.chat import Conversation, completion_request
 from wsgi_app.api.errors import invalid
+from wsgi_app.api.tools import ToolRequest
 from wsgi_app.generation.inputs import GenerationInput, generation_input
 from wsgi_app.settings import Settings
 
@@ -123,8 +124,8 @@ def chat_completion_request(
     tool_call_format: str | None = None,
 ) -> GenerationInput:
     """Render ``chat``'s conversation, with its tools, and return the generation input it stands for
-    (a chat request's, or a Responses request's once its items are messages: the same prompt for the
-    same conversation).
+    (a chat request's, or a Responses request's once its items are messages: the same conversation,
+    the same prompt).
 
     The tools are rendered whatever ``tool_choice`` says (with ``"none"`` the model sees them and
     cannot call them), so ``usage.prompt_tokens`` counts them.
@@ -150,30 +151,20 @@ def chat_completion_request(
         ApiError: 400 naming the conversation (``messages``, ``input``) when the contents are
             longer than any acceptable prompt (:func:`content_char_limit`), the template fails
             (its message) or the rendered prompt is over ``max_prompt_tokens`` or fills the
-            context; 400 naming ``max_tokens`` or ``max_completion_tokens`` when the answer would
-            not fit; 400 ``top_logprobs`` over ``max_logprob_entries``.
+            context; 400 naming ``max_tokens``, ``max_completion_tokens`` or
+            ``max_output_tokens`` when the answer would not fit; 400 ``top_logprobs`` over
+            ``max_logprob_entries``.
     """
-    limit, param = content_char_limit(model.tokenizer, max_prompt_tokens), chat.messages_param
-    chars = sum(len((m["content"] or "").strip()) for m in chat.messages)  # None: only tool calls
-    if chars > limit:
-        raise invalid(
-            f"The messages hold {chars} characters; no conversation over {limit} characters fits "
-            f"the prompt limit of {max_prompt_tokens} tokens.",
-            param,
-        )
-    tools = [tool.openai() for tool in chat.tools.tools] if chat.tools else None
-    try:
-        prompt_text, prompt_ids = offload(
-            template.render_and_encode, (chat.messages, model.tokenizer, tools, tool_call_format)
-        )
-    except TemplateError as exc:
-        raise invalid(f"The chat template failed on '{param}': {exc}", param) from None
-    if len(prompt_ids) > max_prompt_tokens:
-        raise invalid(
-            f"The rendered conversation is {len(prompt_ids)} tokens; the limit is "
-            f"{max_prompt_tokens}.",
-            param,
-        )
+    prompt_text, prompt_ids = render_conversation(
+        chat.messages,
+        chat.tools,
+        template,
+        model,
+        max_prompt_tokens=max_prompt_tokens,
+        offload=offload,
+        tool_call_format=tool_call_format,
+        param=chat.messages_param,
+    )
     per_token = model.kv_bytes_per_token
     req = completion_request(
         chat,
@@ -187,5 +178,56 @@ def chat_completion_request(
         ),
         max_logprob_entries=max_logprob_entries,
     )
-    fmt = template.tool_format if tool_call_format is None else tool_format(tool_call_format)
-    return generation_input(req, chat.tools, fmt)
+    return generation_input(req, chat.tools, served_tool_format(template, tool_call_format))
+
+
+def served_tool_format(template: ChatTemplate, name: str | None = None) -> ToolFormat:
+    """Return the format calls are written in: the one named ``name``, else the template's."""
+    return template.tool_format if name is None else tool_format(name)
+
+
+def render_conversation(
+    messages: Sequence[dict[str, Any]],
+    tools: ToolRequest | None,
+    template: ChatTemplate,
+    model: LoadedModel,
+    *,
+    max_prompt_tokens: int,
+    offload: Callable[[Callable[..., Any], Sequence[Any]], Any] = _inline,
+    tool_call_format: str | None = None,
+    param: str = "messages",
+) -> tuple[str, list[int]]:
+    """Render and encode a conversation with its tools (whatever the ``tool_choice``): the prompt
+    text and ids of a chat or Messages request, or what a ``count_tokens`` counts.
+
+    Args: as :func:`chat_completion_request`'s (``messages`` the template's messages, ``tools``
+    the request's tools or None), and ``param``, the field a refusal names (a Responses request's
+    conversation is its ``input``).
+
+    Raises:
+        ApiError: 400 naming ``param`` when the contents are longer than any acceptable prompt
+            (:func:`content_char_limit`), the template fails (its message) or the rendered prompt
+            is over ``max_prompt_tokens``.
+    """
+    limit = content_char_limit(model.tokenizer, max_prompt_tokens)
+    chars = sum(len((m["content"] or "").strip()) for m in messages)  # None: only tool calls
+    if chars > limit:
+        raise invalid(
+            f"The messages hold {chars} characters; no conversation over {limit} characters fits "
+            f"the prompt limit of {max_prompt_tokens} tokens.",
+            param,
+        )
+    dicts = [tool.openai() for tool in tools.tools] if tools else None
+    try:
+        prompt_text, prompt_ids = offload(
+            template.render_and_encode, (messages, model.tokenizer, dicts, tool_call_format)
+        )
+    except TemplateError as exc:
+        raise invalid(f"The chat template failed on '{param}': {exc}", param) from None
+    if len(prompt_ids) > max_prompt_tokens:
+        raise invalid(
+            f"The rendered conversation is {len(prompt_ids)} tokens; the limit is "
+            f"{max_prompt_tokens}.",
+            param,
+        )
+    return prompt_text, prompt_ids

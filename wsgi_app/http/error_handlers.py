@@ -1,17 +1,20 @@
 """Flask's side of the error envelope: error and JSON responses, and the app's error handlers.
 
 Every error, Flask's and gunicorn's parse errors included, is answered in the OpenAI envelope of
-``wsgi_app.api.errors`` (never an HTML page).
+``wsgi_app.api.errors`` (never an HTML page), except on the Messages endpoints, which answer in
+Anthropic's shape (``wsgi_app.api.anthropic_errors``).
 
-Source: OpenAI API reference, "Error codes".
+Source: OpenAI API reference, "Error codes"; Anthropic API reference, "Errors".
 """
 
 from __future__ import annotations
 
-from flask import Flask, Response
+from flask import Flask, Response, request
 from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
+from wsgi_app.api.anthropic_errors import PATHS as ANTHROPIC_PATHS
+from wsgi_app.api.anthropic_errors import anthropic_error_body, anthropic_status
 from wsgi_app.api.errors import ApiError, error_body, invalid, json_bytes
 from wsgi_app.http.lifecycle import note_server_error
 
@@ -22,8 +25,14 @@ def json_response(obj: object, status: int = 200) -> Response:
 
 
 def error_response(err: ApiError) -> Response:
-    """Render ``err`` as a JSON response with a byte-exact ``Content-Length``."""
-    resp = Response(error_body(err), status=err.status, mimetype="application/json")
+    """Render ``err`` as a JSON response with a byte-exact ``Content-Length``: in the OpenAI
+    envelope, or on the Messages endpoints in Anthropic's shape and status
+    (``wsgi_app.api.anthropic_errors``)."""
+    if request and request.path in ANTHROPIC_PATHS:
+        body, status = anthropic_error_body(err), anthropic_status(err)
+    else:
+        body, status = error_body(err), err.status
+    resp = Response(body, status=status, mimetype="application/json")
     for name, value in err.headers.items():
         resp.headers[name] = value
     return resp

@@ -126,8 +126,8 @@ def finish(
         exporter: an object with ``export(span)`` that never blocks nor raises.
         observer: a ``telemetry.observer.Observer`` (log line, metrics, history), or None to write the
             log line only.
-        sock: the connection (``wsgi_app.server.worker.StreamSocket``): one whose reader stopped reading
-            (``SEND_TIMEOUT_S``) adds a warning line and a span attribute.
+        sock: the connection (``wsgi_app.server.stream_socket.StreamSocket``): one whose reader
+            stopped reading (``SEND_TIMEOUT_S``) adds a warning line and a span attribute.
     """
     if record.done:
         return

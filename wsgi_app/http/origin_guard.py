@@ -1,4 +1,4 @@
-"""Cross-origin requests to the API are refused unless their origin is allowed (issue 31, item 7).
+"""Cross-origin requests to the API are refused unless their origin is allowed.
 
 A browser sends some cross-origin requests without a preflight: a POST with a ``text/plain``, form or
 multipart body, and an ``EventSource`` GET. Without API keys (the default) any web page a user opens

@@ -1,7 +1,7 @@
 """Why a generation ended: the names of ``RequestRecord.end_reason`` (docs/ARCHITECTURE.md §9).
 
 Here, below both their users, so that the worker (which marks a connection it cuts, or one the send
-timeout cut: ``wsgi_app.server.worker.StreamSocket.end_reason``) and the request's record
+timeout cut: ``wsgi_app.server.stream_socket.StreamSocket.end_reason``) and the request's record
 (``wsgi_app.generation.record``) share them without the transport importing the generation.
 
 The client's doing: CLIENT_LEFT (it closed the connection), SEND_TIMEOUT (it stopped reading for

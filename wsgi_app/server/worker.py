@@ -243,6 +243,8 @@ class GeventWorker(ggevent.GeventWorker):
     def _reopen_logs(self) -> None:
         self.log.reopen_files()
         response.logs_reopened()
+        # Says the reopen is done (logrotate's postrotate, and tests, wait for it).
+        self.log.info("Worker reopened its log files (pid:%s)", self.pid)
 
     def handle_quit(self, sig: int, frame: Any) -> None:
         """Quick stop (SIGINT, SIGQUIT: Ctrl-C): as gunicorn's, exit within ~0.1 s, but first end

@@ -76,13 +76,10 @@ class WireFormat:
         encoder_type: the :class:`ChunkEncoder` (sub)class that builds this format's events.
         tool_encoder_type: the one that builds them for an answer that may call tools (the chat
             completion's), or None for a format without tool calls.
-        stream_framing: the SSE framing of a POST stream in this format (``data:`` events and
-            ``[DONE]``; the Responses API's names its events).
     """
 
     encoder_type: ClassVar[type[ChunkEncoder]]
     tool_encoder_type: ClassVar[type[ChunkEncoder] | None] = None
-    stream_framing: ClassVar[Framing] = PLAIN
 
     answer_object: str
     chunk_object: str
@@ -106,6 +103,7 @@ class WireFormat:
         framing: Framing = PLAIN,
         fingerprint: str | None = None,
         tool_calls: bool = False,
+        prompt_tokens: int = 0,
     ) -> ChunkEncoder:
         """Return the encoder of one completion in this format.
 
@@ -119,6 +117,8 @@ class WireFormat:
             fingerprint: the model version, for a format with :attr:`system_fingerprint`.
             tool_calls: the answer may call tools (its choices are
                 ``wsgi_app.generation.tool_calls.ToolChoice``).
+            prompt_tokens: the request's prompt tokens (for a format whose stream reports its
+                usage before it ends: the Messages API's ``message_start``).
 
         Raises:
             ValueError: ``tool_calls`` for a format without tool calls.
@@ -137,7 +137,7 @@ class WireFormat:
         encoder_type = self.tool_encoder_type if tool_calls else self.encoder_type
         if encoder_type is None:
             raise ValueError(f"{self.answer_object} answers have no tool calls")
-        return encoder_type(self, chunk_head, answer_head, n, include_usage, framing)
+        return encoder_type(self, chunk_head, answer_head, n, include_usage, framing, prompt_tokens)
 
     def new_logprobs(self, tokenizer: TextTokenizer) -> Logprobs:
         """Return an empty ``logprobs`` object for one choice (the legacy shape here)."""
@@ -164,12 +164,13 @@ class ChunkEncoder:
         n: the number of choices.
         include_usage: every chunk carries ``"usage":null`` (``stream_options.include_usage``).
         framing: the SSE framing of the stream (:data:`~wsgi_app.wire.sse.PLAIN` for POST streams).
+        prompt_tokens: the request's prompt tokens (read by formats that report them early).
     """
 
     __slots__ = (
         "fmt",
         "framing",
-        "include_usage",
+        "prompt_tokens",
         "_folded",
         "_head",
         "_answer_head",
@@ -188,10 +189,11 @@ class ChunkEncoder:
         n: int,
         include_usage: bool,
         framing: Framing = PLAIN,
+        prompt_tokens: int = 0,
     ) -> None:
         self.fmt = fmt
         self.framing = framing
-        self.include_usage = include_usage
+        self.prompt_tokens = prompt_tokens
         self._head = head
         self._answer_head = answer_head
         self._usage_tail = usage_tail = b',"usage":null}' if include_usage else b"}"
@@ -266,23 +268,18 @@ class ChunkEncoder:
             )
         return event if self._folded else self.framing.frame(event)
 
+    def end_events(self, failure: ApiError | None) -> bytes:
+        """Return a stream's last events: ``failure``'s error event (``data: {"error": ...}``; the
+        status is sent already), then the framing's ``[DONE]``.
+
+        Source: docs/ARCHITECTURE.md §8 (an error after the first byte).
+        """
+        done = self.framing.done()
+        return done if failure is None else data_event(error_body(failure)) + done
+
     def usage_chunk(self, usage: dict[str, object]) -> bytes:
         """Return the ``stream_options.include_usage`` event: no choices, the usage."""
         return self.framing.frame(self._head + b',"choices":[],"usage":' + json_bytes(usage) + b"}")
-
-    def last_chunks(
-        self, choices: Sequence[EncodedChoice], usage: dict[str, object]
-    ) -> Iterator[bytes]:
-        """Yield the events after every choice has ended, before the framing's end: the usage
-        chunk when ``stream_options.include_usage`` asked for it (a format whose stream ends
-        with the whole answer sends it here)."""
-        if self.include_usage:
-            yield self.usage_chunk(usage)
-
-    def error_event(self, error: ApiError) -> bytes:
-        """Return the event that ends a stream that failed after its first byte: the error
-        envelope as a ``data:`` event (a format with its own failure event builds that)."""
-        return data_event(error_body(error))
 
     def answer_message(self, choice: EncodedChoice) -> tuple[bytes, ...]:
         """Return the bytes of a finished choice's text in the answer: the text key, the text as a

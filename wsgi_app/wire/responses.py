@@ -4,7 +4,7 @@ A :class:`ResponsesFormat` is made per request (it carries what the response obj
 request, and what to do with the finished response: store it) and plugs into the one token loop
 through the :class:`~wsgi_app.wire.encoder.WireFormat` seam, as the chat completion does. Its
 :class:`ResponsesEncoder` builds, for a stream, every event with its ``event:`` line
-(``wsgi_app.wire.sse.NamedEvents``) and a ``sequence_number`` counting from 0:
+(``wsgi_app.wire.sse.named_event``) and a ``sequence_number`` counting from 0:
 
 - ``response.created`` and ``response.in_progress`` (the response, ``status: "in_progress"``, no
   output yet);
@@ -16,7 +16,8 @@ through the :class:`~wsgi_app.wire.encoder.WireFormat` seam, as the chat complet
   ``name`` and ``arguments: ""``), a ``response.function_call_arguments.delta`` per fragment, then
   ``response.function_call_arguments.done`` and ``response.output_item.done``;
 - exactly one of ``response.completed``, ``response.incomplete`` (``max_output_tokens``) or
-  ``response.failed`` (``error.code`` and ``error.message``), holding the whole response.
+  ``response.failed`` (``error.code`` and ``error.message``), holding the whole response: the
+  stream's end (``ChunkEncoder.end_events``, after the generation settled), no ``[DONE]``.
 
 The message comes first (the text before a model's tool-call block), then the calls; an answer
 with neither text nor calls is one empty message. Every id in the stream is the final response's,
@@ -37,7 +38,7 @@ from typing import Any
 from wsgi_app.api.errors import ApiError, json_bytes
 from wsgi_app.wire.chat import CallingChoice
 from wsgi_app.wire.encoder import ChunkEncoder, EncodedChoice, WireFormat, text_json
-from wsgi_app.wire.sse import NAMED, Framing, NamedEvents
+from wsgi_app.wire.sse import PLAIN, Framing, named_event
 
 # The response object's keys in OpenAI's order; the request's ones come from ResponsesFormat.echo.
 RESPONSE_KEYS = (
@@ -138,8 +139,6 @@ class ResponsesFormat(WireFormat):
             failed one) before its bytes are made: the answer path stores it there. None: nothing.
     """
 
-    stream_framing = NAMED
-
     echo: dict[str, Any] = field(default_factory=dict, compare=False)
     on_done: OnDone | None = field(default=None, compare=False)
 
@@ -150,13 +149,16 @@ class ResponsesFormat(WireFormat):
         model: str,
         n: int,
         include_usage: bool,
-        framing: Framing = NAMED,
+        framing: Framing = PLAIN,
         fingerprint: str | None = None,
         tool_calls: bool = False,
+        prompt_tokens: int = 0,
     ) -> ResponsesEncoder:
-        """Return the encoder of one response (``n`` is 1; ``include_usage`` and
-        ``fingerprint`` have no place in it)."""
-        return ResponsesEncoder(self, completion_id, created, model, framing, tool_calls)
+        """Return the encoder of one response (the arguments of ``WireFormat.encoder``; ``n`` is
+        1, ``include_usage`` and ``fingerprint`` have no place in it)."""
+        return ResponsesEncoder(
+            self, completion_id, created, model, framing, tool_calls, prompt_tokens
+        )
 
 
 def responses_format(echo: dict[str, Any], on_done: OnDone | None = None) -> ResponsesFormat:
@@ -180,8 +182,9 @@ class ResponsesEncoder(ChunkEncoder):
         response_id: the ``resp_`` id, the same in every event.
         created: ``created_at``, Unix seconds.
         model: the request's ``model``, echoed.
-        framing: a :class:`~wsgi_app.wire.sse.NamedEvents` framing.
+        framing: the stream's framing (its opening comment; the events are named here).
         tool_calls: the choice may call tools (a ``CallingChoice``).
+        prompt_tokens: the prompt's tokens (the stream's ``usage.input_tokens``).
     """
 
     __slots__ = (
@@ -197,6 +200,7 @@ class ResponsesEncoder(ChunkEncoder):
         "_msg_text",
         "_delta_head",
         "_call",
+        "_done",
     )
 
     def __init__(
@@ -207,8 +211,9 @@ class ResponsesEncoder(ChunkEncoder):
         model: str,
         framing: Framing,
         tool_calls: bool,
+        prompt_tokens: int = 0,
     ) -> None:
-        super().__init__(fmt, b"{", b"{", 1, False, framing)
+        super().__init__(fmt, b"{", b"{", 1, False, framing, prompt_tokens)
         self.response_id = response_id
         self.created = created
         self.model = model
@@ -221,6 +226,7 @@ class ResponsesEncoder(ChunkEncoder):
         self._msg_text: list[str] = []
         self._delta_head = b""
         self._call: tuple[int, str] | None = None  # the open call: its index and item id
+        self._done: EncodedChoice | None = None  # the choice, once it has ended
 
     # -- the response object ------------------------------------------------------------------
 
@@ -263,13 +269,7 @@ class ResponsesEncoder(ChunkEncoder):
     def _event(self, kind: str, fields: dict[str, Any]) -> bytes:
         payload = json_bytes({"type": kind, "sequence_number": self._seq, **fields})
         self._seq += 1
-        return self._frame(kind, payload)
-
-    def _frame(self, kind: str, payload: bytes) -> bytes:
-        framing = self.framing
-        if isinstance(framing, NamedEvents):
-            return framing.event(kind.encode(), payload)
-        return framing.frame(payload)
+        return named_event(kind, payload)
 
     def _opening(self) -> list[bytes]:
         self._started = True
@@ -309,7 +309,7 @@ class ResponsesEncoder(ChunkEncoder):
         seq = b"%d" % self._seq
         self._seq += 1
         payload = b"".join((DELTA_START, seq, self._delta_head, text_json(text), DELTA_END))
-        return self._frame("response.output_text.delta", payload)
+        return named_event("response.output_text.delta", payload)
 
     def _close(self, status: str, choice: EncodedChoice) -> list[bytes]:
         """Close the open item (message or call) with ``status``; nothing when none is open."""
@@ -380,21 +380,30 @@ class ResponsesEncoder(ChunkEncoder):
             if self._msg is None and self._call is None and not self._items:
                 out += self._open_message()  # no text and no call: one empty message
             out += self._close(status, choice)
+            self._done = choice
         return b"".join(out)
 
-    def last_chunks(
-        self, choices: Sequence[EncodedChoice], usage: dict[str, object]
-    ) -> Iterator[bytes]:
-        """Yield ``response.completed`` (or ``response.incomplete``) with the whole response."""
-        response = self._finished(choices[0], usage)
-        yield self._event(f"response.{response['status']}", {"response": response})
-
-    def error_event(self, error: ApiError) -> bytes:
-        """Return ``response.failed`` (after ``response.created`` and ``response.in_progress``
-        when the failure came before them), its ``error`` the failure's code and message."""
+    def end_events(self, failure: ApiError | None) -> bytes:
+        """Return the stream's last event, once the generation settled: ``response.completed``
+        (or ``response.incomplete``) with the whole response, or ``response.failed`` (after
+        ``response.created`` and ``response.in_progress`` when the failure came before them), its
+        ``error`` the failure's code and message; no ``[DONE]``. Nothing for a stream that ended
+        otherwise (its client left)."""
+        choice = self._done
+        if failure is None:
+            if choice is None:
+                return b""
+            usage = {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": choice.tokens,
+                "total_tokens": self.prompt_tokens + choice.tokens,
+                "prompt_tokens_details": {"cached_tokens": choice.cached_tokens},
+            }
+            response = self._finished(choice, usage)
+            return self._event(f"response.{response['status']}", {"response": response})
         out = [] if self._started else self._opening()
-        code = error.code or ERROR_CODES.get(error.status, "server_error")
-        failed = self.response("failed", error={"code": code, "message": error.message})
+        code = failure.code or ERROR_CODES.get(failure.status, "server_error")
+        failed = self.response("failed", error={"code": code, "message": failure.message})
         out.append(self._event("response.failed", {"response": failed}))
         return b"".join(out)
 

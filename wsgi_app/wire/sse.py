@@ -1,9 +1,8 @@
 """Server-Sent Events framing for the completion streams.
 
 POST streams carry only ``data:`` events and comment lines; the GET stream for ``EventSource`` adds ``id:``
-and ``retry:`` fields; the Responses stream names every event (``event:``) and ends without
-``[DONE]``. Payloads are compact JSON, which escapes every control byte, so a payload never holds a CR
-or LF that could split a frame.
+and ``retry:`` fields. Payloads are compact JSON, which escapes every control byte, so a payload never holds
+a CR or LF that could split a frame.
 
 Source: WHATWG HTML Living Standard, §9.2 "Server-sent events" (event stream interpretation).
 """
@@ -34,6 +33,13 @@ def data_event(payload: bytes, event_id: str | None = None) -> bytes:
     if event_id is None:
         return DATA + payload + END
     return b"id: " + event_id.encode() + b"\n" + DATA + payload + END
+
+
+def named_event(name: str, payload: bytes) -> bytes:
+    """Frame ``payload`` (one line of JSON) as one SSE event of type ``name``:
+    ``event: <name>\ndata: <payload>\n\n`` (the Anthropic and the Responses APIs' framing, where
+    every event is named after its ``type``)."""
+    return b"event: " + name.encode() + b"\n" + DATA + payload + END
 
 
 def comment(text: str) -> bytes:
@@ -109,24 +115,4 @@ class EventIds(Framing):
         return data_event(b"[DONE]", f"{self.seed}-done")
 
 
-class NamedEvents(Framing):
-    """Frame a stream whose events each carry their type in an ``event:`` line (the Responses API):
-    ``: ok`` first, then ``event: <type>`` and ``data: <payload>`` per event, built by the encoder
-    (:meth:`event`), and no ``[DONE]``: the last event says the stream is over.
-
-    Source: OpenAI API reference, "Responses" (streaming events).
-    """
-
-    fold = None
-
-    def event(self, name: bytes, payload: bytes) -> bytes:
-        """Return ``event: <name>`` and ``data: <payload>`` as one SSE event."""
-        return b"event: " + name + b"\n" + DATA + payload + END
-
-    def done(self) -> bytes:
-        """Return nothing: the stream ends after its last event."""
-        return b""
-
-
 PLAIN = Framing()
-NAMED = NamedEvents()

@@ -1,0 +1,435 @@
+"""JSON Schemas read before llguidance compiles them: what it would skip, misread or loop on.
+
+llguidance compiles a schema into a grammar and refuses what it cannot enforce, but some faults it
+cannot see or reports in its own terms; :func:`refusal` finds them first, each with the JSON pointer
+of the part at fault:
+
+- a key that is no keyword enforced here (``maxLenght``; llguidance would skip it);
+- an integer beyond llguidance's ``i64``/``u64`` values (its bindings cannot read one), and a bound
+  or constant at or below -2^63 (its integer ranges overflow there, and can crash the process);
+- a ``pattern`` or ``patternProperties`` key that is not an ECMA-262 regular expression, read as
+  JSON Schema says (the ``u`` flag; identity escapes of ASCII punctuation such as ``\\-`` allowed as
+  in plain ECMA-262): llguidance reads patterns in Rust's regex syntax, which takes ``(?P<x>a)`` and
+  reads ``\\z`` otherwise;
+- a schema with no finite value (:func:`endless`): every value of it holds a required property or
+  item whose schema refers back to an enclosing one; generating it would never end.
+
+:func:`closed` closes the object schemas that do not say ``additionalProperties`` (llama.cpp's and
+vLLM's reading; :func:`arguments_schema` for a tool's ``parameters``), and :func:`open_object`
+finds one that says it is open (refused under OpenAI's strict mode).
+
+Source: JSON Schema 2020-12 Core (§6.4 regular expressions, §8.2.3 ``$ref``, §10 subschemas) and
+Validation; ECMA-262 §22.2 (RegExp pattern syntax) via the ``regress`` package; llguidance
+docs/json_schema.md; llama.cpp ``json_schema_to_grammar``; vLLM ``process_for_additional_properties``.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import unquote
+
+import regress
+
+# JSON Schema keywords a schema may use: what llguidance enforces, the annotations that constrain
+# nothing, and the ones llguidance itself refuses (so that its message names them). Any other key is
+# refused, so that a typo ("maxLenght") or a keyword llguidance would skip is never silently dropped.
+ENFORCED = frozenset(
+    "type properties required additionalProperties items prefixItems minItems maxItems enum const "
+    "anyOf oneOf allOf $ref $defs definitions pattern format minLength maxLength minimum maximum "
+    "exclusiveMinimum exclusiveMaximum multipleOf patternProperties minProperties maxProperties "
+    "x-guidance".split()
+)
+ANNOTATIONS = frozenset(
+    "title description $schema $id $comment $anchor examples default deprecated readOnly "
+    "writeOnly".split()
+)
+REFUSED_BY_LLGUIDANCE = frozenset(
+    "uniqueItems if then else not contains minContains maxContains propertyNames "
+    "dependentRequired dependentSchemas dependencies unevaluatedProperties unevaluatedItems "
+    "additionalItems".split()
+)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = (
+    "items additionalProperties not if then else contains propertyNames unevaluatedProperties "
+    "unevaluatedItems additionalItems".split()
+)
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+# The integers llguidance's bindings read (serde_json's i64 and u64), and the double at or below
+# which its integer bounds saturate (bad_number).
+INT_RANGE = (-(2**63), 2**64 - 1)
+_LOWEST = -(2.0**63)
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+# Identity escapes that the u flag refuses and plain ECMA-262 reads as the character, as llguidance
+# does: ASCII punctuation but the syntax characters (allowed escaped either way) and < > (word
+# boundaries in Rust's syntax, so refused rather than read two ways).
+_PUNCTUATION = frozenset(string.punctuation + " ") - set("^$\\.*+?()[]{}|/<>")
+
+
+def pointer(where: str, key: str | int) -> str:
+    """Return the JSON pointer ``where`` extended by ``key`` (``~`` and ``/`` escaped, RFC 6901)."""
+    return f"{where}/{str(key).replace('~', '~0').replace('/', '~1')}"
+
+
+def subschemas(schema: Any, where: str = "#") -> Iterator[tuple[str, dict[str, Any], str | None]]:
+    """Yield ``(JSON pointer, subschema, keyword)`` for ``schema`` and every subschema in it, parents
+    first; ``keyword`` is the one the subschema sits under (``allOf``, ``properties``...), None for
+    the root. Boolean subschemas are skipped, and so are values that are data (``enum``, ``const``,
+    ``default``...) and property names. Iterative: a schema nested as deep as JSON goes is read.
+
+    Source: JSON Schema 2020-12 Core §10 (where subschemas sit), and the drafts' ``definitions``,
+    ``dependencies`` and array ``items``.
+    """
+    stack: list[tuple[str, Any, str | None]] = [(where, schema, None)]
+    while stack:
+        at, node, keyword = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        yield at, node, keyword
+        found = []
+        for key, value in node.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                found += [(pointer(pointer(at, key), k), v, key) for k, v in value.items()]
+            elif key in _SCHEMA_LISTS and isinstance(value, list):
+                found += [(pointer(pointer(at, key), i), v, key) for i, v in enumerate(value)]
+            elif key in _SCHEMA_ONE:
+                found.append((pointer(at, key), value, key))
+        stack.extend(reversed(found))
+
+
+def refusal(schema: Any) -> str | None:
+    """Return why ``schema`` cannot be enforced as written, before llguidance reads it (see the
+    module docstring), or None. The reason names the part at fault by its JSON pointer."""
+    unknown = unknown_keyword(schema)
+    if unknown is not None:
+        return f"uses {unknown}, which is not a JSON Schema keyword enforced here"
+    return bad_number(schema) or bad_pattern(schema) or endless(schema)
+
+
+def unknown_keyword(schema: Any, where: str = "#") -> str | None:
+    """Return ``'name' at <JSON pointer>`` for the first key of ``schema`` (or a subschema) that is
+    not a keyword of :data:`ENFORCED`, :data:`ANNOTATIONS` or :data:`REFUSED_BY_LLGUIDANCE`; None
+    when there is none.
+
+    Source: JSON Schema 2020-12 Core and Validation (the keywords and where subschemas sit).
+    """
+    for at, node, _ in subschemas(schema, where):
+        for key in node:
+            if key not in ENFORCED and key not in ANNOTATIONS and key not in REFUSED_BY_LLGUIDANCE:
+                return f"{key!r} at {at}"
+    return None
+
+
+def bad_number(schema: Any) -> str | None:
+    """Return why a number of ``schema`` is one llguidance cannot take, naming its pointer; None
+    when there is none.
+
+    Two kinds: an integer anywhere (data and annotations too) outside :data:`INT_RANGE`, which its
+    bindings cannot read; and a bound (``minimum``, ``maximum`` and their exclusive forms) or a
+    ``const``/``enum`` number at or below -2^63 as a double, where llguidance's integer range
+    saturates to ``i64::MIN`` and, both ends there, recurses without end and crashes the process
+    (llguidance parser/src/json/numeric.rs ``rx_int_range``: ``-left`` overflows).
+    """
+    low, high = INT_RANGE
+    for at, value in _numbers(schema, "#"):
+        if isinstance(value, int) and not low <= value <= high:
+            return f"the integer at {at} is outside the range llguidance reads (-2^63 to 2^64-1)"
+    for at, node, _ in subschemas(schema):
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "const", "enum"):
+            for where, value in _numbers(node.get(key), pointer(at, key)):
+                if float(value) <= _LOWEST:
+                    return (
+                        f"the number at {where} is at or below -2^63, where llguidance's integer "
+                        "ranges overflow"
+                    )
+    return None
+
+
+def _numbers(value: Any, where: str) -> Iterator[tuple[str, int | float]]:
+    """Yield ``(JSON pointer, number)`` for every number in the JSON ``value`` (booleans aside)."""
+    stack = [(where, value)]
+    while stack:
+        at, node = stack.pop()
+        if isinstance(node, dict):
+            stack += [(pointer(at, k), v) for k, v in node.items()]
+        elif isinstance(node, list):
+            stack += [(pointer(at, i), v) for i, v in enumerate(node)]
+        elif isinstance(node, int | float) and not isinstance(node, bool):
+            yield at, node
+
+
+def ecma_error(pattern: str) -> str | None:
+    """Return why ``pattern`` is not an ECMA-262 regular expression as JSON Schema reads it (the
+    ``u`` flag, with identity escapes of ASCII punctuation allowed: :data:`_PUNCTUATION`), or None.
+
+    Source: ECMA-262 §22.2.1 (Patterns), JSON Schema 2020-12 Core §6.4.
+    """
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "\\" and i + 1 < len(pattern):
+            escaped = pattern[i + 1]
+            out.append(f"\\x{ord(escaped):02X}" if escaped in _PUNCTUATION else pattern[i : i + 2])
+            i += 2
+        else:
+            out.append(pattern[i])
+            i += 1
+    try:
+        regress.Regex("".join(out), "u")
+    except regress.RegressError as exc:
+        return str(exc)
+    return None
+
+
+def bad_pattern(schema: Any) -> str | None:
+    """Return why the first ``pattern`` or ``patternProperties`` key of ``schema`` that is not
+    ECMA-262 (:func:`ecma_error`) is refused, naming it and its pointer; None when all are."""
+    for at, node, _ in subschemas(schema):
+        found = []
+        if isinstance(node.get("pattern"), str):
+            found.append((node["pattern"], f"'pattern' at {at}"))
+        if isinstance(node.get("patternProperties"), dict):
+            found += [(k, f"'patternProperties' key at {at}") for k in node["patternProperties"]]
+        for pattern, what in found:
+            why = ecma_error(pattern)
+            if why is not None:
+                return (
+                    f"the {what}, {pattern!r}, is not an ECMA-262 regular expression ({why}); "
+                    "JSON Schema patterns are ECMA-262 with the u flag"
+                )
+    return None
+
+
+def _tokens(ref: str) -> list[str]:
+    """Return the reference tokens of the local JSON pointer ``ref`` (``#/a/b``), unescaped."""
+    return [unquote(t).replace("~1", "/").replace("~0", "~") for t in ref[1:].split("/")[1:]]
+
+
+def _target(schema: Any, ref: Any) -> str | None:
+    """Return the JSON pointer ``ref`` names in ``schema``, as :func:`subschemas` spells it (``#``,
+    ``#/$defs/a``), or None when it is not a local pointer to something there (another document,
+    an anchor, a missing key: llguidance refuses or resolves those itself)."""
+    if not isinstance(ref, str) or not ref.startswith("#") or ref[1:2] not in ("", "/"):
+        return None
+    node, at = schema, "#"
+    for token in _tokens(ref):
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return None
+        at = pointer(at, token)
+    return at
+
+
+def _resolve(schema: Any, target: str) -> Any:
+    """Return the value at ``target``, a pointer :func:`_target` returned."""
+    node = schema
+    for token in _tokens(target):
+        node = node[int(token)] if isinstance(node, list) else node[token]
+    return node
+
+
+def _needs(node: dict[str, Any]) -> list[list[Any]] | None:
+    """Return what a value of ``node`` must hold, by its ``type``, as alternatives: one list of
+    subschemas per type (an object's required properties, an array's first ``minItems`` items),
+    each needing a finite value of every subschema in it; None when a value needs none (a scalar
+    type allowed, no ``type``, an ``enum`` or ``const``: llguidance allows those values)."""
+    if "enum" in node or "const" in node:
+        return None
+    kinds = node.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    if not isinstance(kinds, list) or any(k not in ("object", "array") for k in kinds):
+        return None  # a scalar, no type, or one llguidance refuses (its message names it)
+    branches: list[list[Any]] = []
+    if "object" in kinds:
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        branches.append([props[n] for n in required if isinstance(n, str) and n in props])
+    if "array" in kinds:
+        least, items = node.get("minItems", 0), node.get("items", True)
+        prefix = node.get("prefixItems")
+        if isinstance(items, list):  # the drafts' tuple form
+            prefix, items = items, True
+        prefix = prefix if isinstance(prefix, list) else []
+        least = least if isinstance(least, int) and not isinstance(least, bool) else 0
+        # Items past the prefix share one schema: the first of them stands for all.
+        first = min(least, len(prefix) + 1)
+        branches.append([prefix[i] if i < len(prefix) else items for i in range(first)])
+    return branches
+
+
+def endless(schema: Any) -> str | None:
+    """Return why ``schema`` has no finite value, naming where it refers back to itself; None when
+    it has one, or cannot tell (a ref to another document: llguidance resolves or refuses it).
+
+    A schema has a finite value when a value of it needs no value of an enclosing schema inside:
+    when a scalar is allowed, or its object's required properties (its array's first
+    ``minItems`` items) all have one; ``anyOf``/``oneOf`` needs one branch that has, ``allOf``
+    every branch, a ``$ref`` its target. This is the least fixed point over the ref targets (the
+    productive symbols of a grammar), by a work list: a target is evaluated again only when a
+    target it names is found productive. Cost: each subschema's walk, once per target above it.
+    """
+    users: dict[str, list[str]] = {}  # a ref target -> the targets whose schema names it
+    for _, node, _ in subschemas(schema):
+        target = _target(schema, node.get("$ref"))
+        if target is not None:
+            users.setdefault(target, [])
+    for target in users:
+        for _, node, _ in subschemas(_resolve(schema, target), target):
+            named = _target(schema, node.get("$ref"))
+            if named is not None and target not in users[named]:
+                users[named].append(target)
+    productive: set[str] = set()
+    work = list(users)
+    while work:
+        target = work.pop()
+        if target not in productive and _finite(schema, _resolve(schema, target), productive):
+            productive.add(target)
+            work += users[target]
+    if _finite(schema, schema, productive):
+        return None
+    return f"can never be satisfied: no value of it is finite ({_cycle(schema, productive)})"
+
+
+def _finite(root: Any, node: Any, productive: set[str], depth: int = 0) -> bool:
+    """Whether ``node`` has a finite value, the ref targets in ``productive`` having one and no
+    other. True for what is not known here: past 200 levels of nesting, and for a ``false``
+    schema (no value at all: llguidance refuses it, naming the property, when it is needed)."""
+    if not isinstance(node, dict) or depth > 200:
+        return True
+    target = _target(root, node.get("$ref"))
+    if target is not None and target not in productive:
+        return False
+    for key, need in (("allOf", all), ("anyOf", any), ("oneOf", any)):
+        if isinstance(node.get(key), list) and not need(
+            _finite(root, s, productive, depth + 1) for s in node[key]
+        ):
+            return False
+    branches = _needs(node)
+    return branches is None or any(
+        all(_finite(root, s, productive, depth + 1) for s in branch) for branch in branches
+    )
+
+
+def _cycle(root: Any, productive: set[str]) -> str:
+    """Say where a schema with no finite value needs one of its own: going down its parts that
+    have none, the ref that leads back to a schema already on the way."""
+    node, at, seen = root, "#", {"#"}
+    while isinstance(node, dict):
+        target = _target(root, node.get("$ref"))
+        if target is not None and target not in productive:
+            if target in seen:
+                return f"every value holds one at {at}, which refers back to {target}"
+            seen.add(target)
+            node, at = _resolve(root, target), target
+            continue
+        part = _failing_part(root, node, at, productive)
+        if part is None:
+            break
+        at, node = part
+    return f"every value holds one at {at}, which has none"
+
+
+def _failing_part(root: Any, node: dict[str, Any], at: str, productive: set[str]) -> Any:
+    """Return ``(pointer, subschema)`` of a part of ``node`` without a finite value that a value of
+    ``node`` needs (an ``allOf`` branch, an ``anyOf``/``oneOf`` one, a required property or
+    item), or None."""
+    parts: list[tuple[str, Any]] = []
+    for key in ("allOf", "prefixItems"):
+        if isinstance(node.get(key), list):
+            parts += [(pointer(pointer(at, key), i), s) for i, s in enumerate(node[key])]
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    parts += [(pointer(pointer(at, "properties"), n), props[n]) for n in required if n in props]
+    if isinstance(node.get("items"), dict):
+        parts.append((pointer(at, "items"), node["items"]))
+    for key in ("anyOf", "oneOf"):  # a value needs one of them: the first stands for all
+        if isinstance(node.get(key), list) and node[key]:
+            parts.append((pointer(pointer(at, key), 0), node[key][0]))
+    return next((p for p in parts if not _finite(root, p[1], productive)), None)
+
+
+def closed(schema: Any, limit_bytes: int | None = None) -> Any:
+    """Return a copy of ``schema`` whose object schemas (those with ``properties`` or
+    ``patternProperties``) that do not say ``additionalProperties`` say ``false``, as llama.cpp
+    reads every schema and vLLM's ``disable_additional_properties`` asks; ``schema`` is unchanged.
+
+    The parts of a merge are left as they are: two or more of a schema's ``allOf`` branches, its
+    ``$ref`` and its own properties (and the ref targets among them). JSON Schema, and llguidance,
+    read ``additionalProperties`` against the properties beside it only, so closing one part would
+    forbid the others' properties. A lone ``allOf`` branch or a ``$ref`` with only annotations
+    beside it (pydantic writes both) is no merge.
+
+    A schema whose compact JSON is over ``limit_bytes`` is returned as it is: it is refused for its
+    size, and closing it (a walk in Python, ~0.5 µs a byte, where the request is read) would only
+    cost time.
+
+    Source: llama.cpp ``json_schema_to_grammar`` (an object with properties is closed unless
+    ``additionalProperties`` says otherwise); vLLM ``process_for_additional_properties``.
+    """
+    if limit_bytes is not None and len(_COMPACT.encode(schema)) > limit_bytes:
+        return schema
+    copy = _copy(schema)
+    merged: set[str | None] = set()
+    for at, node, _ in subschemas(copy):
+        parts: list[tuple[str | None, Any]] = []
+        if isinstance(node.get("allOf"), list):
+            parts += [(pointer(pointer(at, "allOf"), i), s) for i, s in enumerate(node["allOf"])]
+        if "$ref" in node:
+            parts.append((None, node))
+        if "properties" in node or "patternProperties" in node:
+            parts.append((at, node))
+        if len(parts) > 1:
+            for where, part in parts:
+                merged.add(where)
+                if isinstance(part, dict):
+                    merged.add(_target(copy, part.get("$ref")))
+    for at, node, _ in subschemas(copy):
+        if (
+            ("properties" in node or "patternProperties" in node)
+            and "additionalProperties" not in node
+            and at not in merged
+        ):
+            node["additionalProperties"] = False
+    return copy
+
+
+def arguments_schema(parameters: dict[str, Any], limit_bytes: int | None = None) -> dict[str, Any]:
+    """Return the schema a tool call's arguments are enforced by: its ``parameters`` with objects
+    :func:`closed` (``limit_bytes`` as there), and ``"type": "object"`` at the root when it has no
+    ``type`` (arguments are always an object, as OpenAI reads every function's parameters).
+
+    Source: OpenAI "Function calling" guide (parameters: a JSON Schema object); llama.cpp
+    ``json_schema_to_grammar``.
+    """
+    enforced = closed(parameters, limit_bytes)
+    return enforced if "type" in enforced else {**enforced, "type": "object"}
+
+
+def open_object(schema: Any) -> str | None:
+    """Return the JSON pointer of the first object schema of ``schema`` whose
+    ``additionalProperties`` is not ``false`` (true, or a schema), or None."""
+    for at, node, _ in subschemas(schema):
+        if node.get("additionalProperties", False) is not False:
+            return at
+    return None
+
+
+def _copy(value: Any) -> Any:
+    """Return a deep copy of the JSON ``value`` (dicts, lists, scalars), iteratively."""
+    holder: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(value, holder, 0)]
+    while stack:
+        node, parent, key = stack.pop()
+        if isinstance(node, dict):
+            parent[key] = dict.fromkeys(node)
+            stack += [(v, parent[key], k) for k, v in node.items()]
+        elif isinstance(node, list):
+            parent[key] = [None] * len(node)
+            stack += [(v, parent[key], i) for i, v in enumerate(node)]
+        else:
+            parent[key] = node
+    return holder[0]
