@@ -105,7 +105,25 @@ class GenerationRequest:
 
 
 class Engine(Protocol):
-    """What the server calls on an engine, whatever the model family behind it."""
+    """What the server calls on an engine, whatever the model family behind it.
+
+    An engine whose steps run in each request's own stream (the bigram, the one-sequence Llama
+    engine) shares nothing between requests: its :attr:`prefix_cache` and :attr:`failed` are None,
+    and a failure is raised in the stream it happened in. A batching engine runs every live
+    sequence in one shared step: a step that fails fails them all and says so in :attr:`failed`.
+    """
+
+    @property
+    def prefix_cache(self) -> PrefixCacheView | None:
+        """The cache of prompt blocks reused across requests, or None for an engine without one."""
+        ...
+
+    @property
+    def failed(self) -> BaseException | None:
+        """What the engine's last shared step raised, or None once a later step succeeded (and
+        before any step failed); read from any thread. The server's readiness follows it
+        (``/ready``: 503 ``engine_failed`` while it is set)."""
+        ...
 
     def stream(self, req: GenerationRequest) -> Iterator[Step | None]:
         """Check `req` now and return a generator of its steps.
@@ -224,7 +242,8 @@ class Scheduler(Protocol):
         ...
 
     def abort(self) -> Sequence[ScheduledSequence]:
-        """Drop every live sequence (after a failed step) and return them."""
+        """Drop every live sequence (after a failed step) and return them; forget whatever the
+        failed step may have cached (its prefix cache's entries)."""
         ...
 
     def step(self) -> Sequence[ScheduledSequence]:

@@ -14,7 +14,7 @@ conventions (base units, ``_total`` and ``_seconds`` suffixes).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import (
     CollectorRegistry,
@@ -117,6 +117,8 @@ class Metrics:
     prefix_cache_hit_tokens: Counter
     prefix_cache_miss_tokens: Counter
     prefix_cache_evictions: Counter
+    # The prefix cache's totals (hit, miss, evicted) last added: see set_prefix_cache_totals.
+    _prefix_seen: list[int] = field(default_factory=lambda: [0, 0, 0], repr=False)
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None) -> Metrics:
@@ -193,7 +195,7 @@ class Metrics:
             ),
             workers_ready=Gauge(
                 "greenserve_workers_ready",
-                "Workers ready for traffic: not draining, engine trusted (as /ready).",
+                "Workers ready for traffic: not draining, engine's last step good (as /ready).",
                 multiprocess_mode="livesum",
                 registry=r,
             ),
@@ -335,6 +337,27 @@ class Metrics:
     def set_ready(self, ready: bool) -> None:
         """Set whether this worker is ready for traffic (what its ``/ready`` answers)."""
         self.workers_ready.set(1 if ready else 0)
+
+    def set_prefix_cache_totals(
+        self, hit_tokens: int, miss_tokens: int, evicted_blocks: int
+    ) -> None:
+        """Bring the prefix cache's counters up to the running totals its owner keeps (prompt
+        tokens served from the cache and computed, blocks evicted, since the worker started): each
+        counter is added what its total grew by since the last call.
+
+        The engine thread counts in plain integers; the heartbeat brings them here, so a step never
+        touches a metric.
+        """
+        counters = (
+            self.prefix_cache_hit_tokens,
+            self.prefix_cache_miss_tokens,
+            self.prefix_cache_evictions,
+        )
+        seen = self._prefix_seen
+        for i, total in enumerate((hit_tokens, miss_tokens, evicted_blocks)):
+            if total > seen[i]:
+                counters[i].inc(total - seen[i])
+                seen[i] = total
 
     def count_speculative(self, drafted: int, accepted: int) -> None:
         """Count ``drafted`` tokens verified by speculative decoding, ``accepted`` of them kept.

@@ -486,10 +486,18 @@ HUB_MONITOR_ENV = {"GEVENT_MONITOR_THREAD_ENABLE": "1", "GEVENT_MAX_BLOCKING_TIM
 
 def assert_hub_never_blocked(srv: GunicornServer) -> None:
     """Assert that gevent's monitor thread ran in ``srv`` (started with ``HUB_MONITOR_ENV``) and never
-    reported a blocked hub."""
+    reported a blocked hub while the worker served.
+
+    A report whose blocked stack is in gunicorn's ``load_wsgi`` is the worker building the app
+    (loading the model, importing ``requests`` for the span exporter) before it accepts any
+    connection: it delays no request, and on a loaded machine its imports alone can take over
+    100 ms, so it is not counted."""
     import importlib.util
 
     log = srv.log_text()
     if importlib.util.find_spec("psutil") is None:  # the monitor's start-up warning proves it ran
         assert "Unable to monitor memory usage" in log
-    assert "appears to be blocked" not in log, srv.log_tail()
+    # gevent writes each report as a block of lines, headed by its "... appears to be blocked" line
+    reports = re.split(r"\n(?=\S+ : Greenlet .* appears to be blocked)", log)[1:]
+    serving = [r for r in reports if "appears to be blocked" in r and " in load_wsgi\n" not in r]
+    assert not serving, serving[0][:4000]

@@ -366,6 +366,21 @@ def test_the_llama_scheduler_is_what_the_engine_thread_drives():
     assert {k: have.get(k) for k in wanted} == wanted
 
 
+def test_every_engine_offers_what_the_server_calls():
+    # The server reads an engine's prefix_cache and failed (readiness) without getattr defaults: an
+    # engine that lacked one would fail at the first request, or at the first /ready.
+    from model.bigram.engine import BigramEngine
+    from model.engine import Engine
+    from model.llama.serving.engine import LlamaEngine
+    from wsgi_app.generation.engine_thread import ThreadedEngine
+    from wsgi_app.generation.faults import FaultyEngine
+
+    wanted = _members(Engine)
+    assert wanted >= {"stream", "score", "prefix_cache", "failed"}
+    for engine in (BigramEngine, LlamaEngine, ThreadedEngine, FaultyEngine):
+        assert sorted(name for name in wanted if not hasattr(engine, name)) == [], engine
+
+
 def test_cycle_finder_known_answers():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set(), "c": {"d"}, "d": {"c"}}) == [["c", "d"]]

@@ -214,6 +214,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
 class Recording:
     """An engine that records every Step it hands out, per stream and per scoring."""
 
+    # The engine contract's (model.engine.Engine), as the inline engines it wraps have them.
+    prefix_cache = None
+    failed = None
+
     def __init__(self, engine: Any) -> None:
         self._engine = engine
         self.streams: list[list[Step]] = []

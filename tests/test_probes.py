@@ -1,6 +1,7 @@
 """Health probes answered by the worker before the app (``wsgi_app.server.probes``), on a real gunicorn:
-the same bytes as the app's routes on both ports, readiness while draining, keep-alive, and a probe
-served ahead of connections accepted before it."""
+the same bytes as the app's routes on both ports, readiness while draining and while the engine's
+steps fail for real (and back once they succeed), keep-alive, and a probe served ahead of
+connections accepted before it."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import os
 import re
 import signal
 import socket
+import struct
+from pathlib import Path
 
+import numpy as np
 import pytest
 
+from tests.llamafiles import write_tiny_llama
 from tests.server import GunicornServer, read_all, wait_until
 
 MODEL_VERSION = re.compile(rb"X-Model-Version: [0-9a-f]{16}\+greenserve-[^\r]+\r\n")
@@ -54,6 +59,7 @@ def expected(status: bytes, body: bytes, head: bool = False, version: bytes = b"
 OK = b'{"status":"ok"}'
 READY = b'{"status":"ready"}'
 DRAINING = b'{"status":"not_ready","reason":"draining"}'
+ENGINE_FAILED = b'{"status":"not_ready","reason":"engine_failed"}'
 
 
 @pytest.mark.parametrize("port_name", ["port", "health_port"])
@@ -211,3 +217,98 @@ def test_only_a_whole_plain_probe_head_is_served_from_the_accept():
     assert not plain_probe_head(b"GET /healthzz HTTP/1.1\r\n\r\n")
     assert not plain_probe_head(b"POST /healthz HTTP/1.1\r\n\r\n")
     assert not plain_probe_head(b"GET /v1/models HTTP/1.1\r\n\r\n")
+
+
+def tensor_bytes(weights: Path, name: str) -> tuple[int, bytes]:
+    """Return the file offset of tensor ``name``'s data in a safetensors file, and its bytes (an
+    8-byte little-endian header length, the JSON header, then the data at its ``data_offsets``)."""
+    raw = weights.read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    begin, end = json.loads(raw[8 : 8 + header_len])[name]["data_offsets"]
+    offset = 8 + header_len + begin
+    return offset, raw[offset : 8 + header_len + end]
+
+
+def write_in_place(path: Path, offset: int, data: bytes) -> None:
+    """Overwrite ``data`` at ``offset`` of ``path``: the same file, which the server has mapped."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def assert_ready_answers(srv: GunicornServer, status: bytes, body: bytes) -> None:
+    """``/ready`` gives ``status`` and ``body`` on both ports, from the worker and from the app."""
+    for port in (srv.port, srv.health_port):
+        answer = plain(exchange(port, probe("GET", "/ready")))
+        assert answer == expected(status, body), (port, answer)
+        through_app = plain(exchange(port, probe("GET", "/ready", "Origin: https://a.example")))
+        assert through_app == answer, (port, through_app)
+        # Liveness is not readiness: a worker whose engine fails is alive.
+        assert plain(exchange(port, probe("GET", "/healthz"))) == expected(b"200 OK", OK)
+
+
+def ready_on_both_ports(srv: GunicornServer) -> bool:
+    """True once ``/ready`` answers 200 on both ports."""
+    return all(
+        exchange(port, probe("GET", "/ready")).startswith(b"HTTP/1.1 200 OK\r\n")
+        for port in (srv.port, srv.health_port)
+    )
+
+
+NAN_LOGITS = (
+    b'{"error":{"message":"Generation failed: ValueError.","type":"server_error","param":null,'
+    b'"code":"engine_error"}}'
+)
+
+
+def test_ready_follows_a_real_engine_failure_and_its_recovery(serve, tmp_path):
+    """A tiny Llama whose weights file is overwritten in place while it serves: its weights are
+    memory-mapped, so the final RMSNorm weight becomes NaN under the running worker, every logit
+    of every step is NaN and the sampler refuses them (``ValueError: all logits are NaN``). No
+    fault is injected: this is the engine thread's own failed step.
+
+    The request in flight gets its 500 ``engine_error``; ``/ready`` answers 503 ``engine_failed`` on
+    both ports (the worker's answer and the app's alike) and keeps answering it while the engine's
+    own checks fail; once the weights are whole again the next check succeeds and ``/ready`` says
+    ready without any request; a request's good step brings it back too.
+    """
+    model_dir = write_tiny_llama(tmp_path / "tiny")
+    weights = model_dir / "model.safetensors"
+    offset, good = tensor_bytes(weights, "model.norm.weight")
+    nan = np.full(len(good) // 4, np.nan, "<f4").tobytes()
+    srv = serve(MODEL_DIR=str(model_dir))
+    body = {"model": "m", "prompt": "the cat", "max_tokens": 4, "temperature": 0}
+    assert srv.complete(body)[0] == 200
+    assert_ready_answers(srv, b"200 OK", READY)
+
+    write_in_place(weights, offset, nan)
+    try:
+        status, headers, answer = srv.complete(body)
+        assert (status, headers["content-type"], answer) == (500, "application/json", NAN_LOGITS)
+        assert_ready_answers(srv, b"503 SERVICE UNAVAILABLE", ENGINE_FAILED)
+        # A stream's status is sent before the step fails: its error event says it.
+        status, _, answer = srv.complete({**body, "stream": True})
+        assert status == 200
+        assert answer.endswith(b"data: " + NAN_LOGITS + b"\n\ndata: [DONE]\n\n"), answer
+        # The engine checks itself while idle and fails again: still not ready.
+        wait_until(lambda: "engine self-check failed" in srv.log_text(), 30, "a failed self-check")
+        assert_ready_answers(srv, b"503 SERVICE UNAVAILABLE", ENGINE_FAILED)
+    finally:
+        write_in_place(weights, offset, good)
+    # Whole again: the engine's next check succeeds, with no request sent.
+    wait_until(
+        lambda: ready_on_both_ports(srv), 30, lambda: "/ready 200 again; log:\n" + srv.log_tail()
+    )
+    assert_ready_answers(srv, b"200 OK", READY)
+    assert "engine recovered" in srv.log_text()
+
+    # A request's own good step turns readiness back on just as well.
+    write_in_place(weights, offset, nan)
+    try:
+        assert srv.complete(body)[0] == 500
+        assert_ready_answers(srv, b"503 SERVICE UNAVAILABLE", ENGINE_FAILED)
+    finally:
+        write_in_place(weights, offset, good)
+    status, _, answer = srv.complete(body)
+    assert status == 200 and json.loads(answer)["usage"]["completion_tokens"] == 4
+    assert_ready_answers(srv, b"200 OK", READY)

@@ -1,6 +1,8 @@
 """The app factory: wires the settings, the model and its engine, telemetry and the blueprints.
 
-Use ``create_app()`` as gunicorn's app (``wsgi_app:create_app()``); it builds the per-worker state.
+Use ``create_app()`` as gunicorn's app (``wsgi_app:create_app()``); it builds the per-worker state
+(:func:`make_runtime`), installs the hooks (:func:`install_hooks`) and registers the routes
+(:func:`register_blueprints`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from flask import Flask, Response, request
 from model import __version__
 from model.engine import Engine
 from model.loader import LoadedModel, load_model
+from telemetry.metrics import Metrics
 from telemetry.observer import build_observer
 from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app.generation.admission import Admission
+from wsgi_app.generation.context import GenerationContext
 from wsgi_app.generation.faults import Faults, FaultyEngine
 from wsgi_app.http import auth, cors, lifecycle, origin_guard, ratelimit
 from wsgi_app.http.auth_failures import AuthFailures
@@ -102,87 +106,73 @@ def _options_no_content(response: Response) -> Response:
     return response
 
 
-def create_app(settings: Settings | None = None, clock: Callable[[], float] | None = None) -> Flask:
-    """Create the app and load the model (once per worker).
+def make_exporter(settings: Settings, metrics: Metrics) -> SpanExporter | NullExporter:
+    """Return the span exporter: OTLP/HTTP to ``OTEL_EXPORTER_OTLP_ENDPOINT`` (its results counted
+    in ``metrics``), or one that drops every span when that is unset."""
+    if not settings.otlp_endpoint:
+        return NullExporter()
+    return SpanExporter(
+        settings.otlp_endpoint,
+        service_name=settings.service_name,
+        on_result=metrics.on_span_result,
+        scope_version=__version__,
+    )
+
+
+def make_runtime(settings: Settings, clock: Callable[[], float]) -> Runtime:
+    """Load the model and build what the worker serves with: its engine (wrapped with the test-only
+    ``GREENSERVE_FAULTS`` when set), admission, the observer and its heartbeat, the span exporter.
 
     Args:
-        settings: server settings; ``Settings.from_env()`` when None.
-        clock: Unix time in seconds for the request history; ``time.time`` when None (tests step it).
+        settings: the server settings.
+        clock: Unix time in seconds for the request history.
 
     Raises:
-        ValueError: a setting, the model config or the checkpoint is invalid (the message names it).
+        ValueError: the model config, the checkpoint or the chat template is invalid (the message
+            names it).
     """
-    settings = settings or Settings.from_env()
-    logging.getLogger("greenserve").setLevel(settings.log_level.upper())
     model = load_model(settings.model_dir)
     chat_template = serving_template(model, settings)
     observer = build_observer(
-        clock or time.time,
+        clock,
         stats_db=settings.stats_db,
         slo_ttft_s=settings.slo_ttft_s,
         stats_flush_s=settings.stats_flush_s,
         slow_request_s=settings.slow_request_s,
     )
-    if settings.otlp_endpoint:
-        exporter = SpanExporter(
-            settings.otlp_endpoint,
-            service_name=settings.service_name,
-            on_result=observer.metrics.on_span_result,
-            scope_version=__version__,
-        )
-    else:
-        exporter = NullExporter()
-
-    app = GreenserveFlask(__name__)
-    # "/v1//completions" is a 404 in the JSON shape, not an HTML redirect built from the Host header.
-    app.url_map.merge_slashes = False
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    exporter = make_exporter(settings, observer.metrics)
     engine = make_engine(model, settings, observer.metrics.count_speculative)
-    prefix_cache = getattr(engine, "prefix_cache", None)
+    prefix_cache = engine.prefix_cache
     if settings.faults:
         engine = FaultyEngine(engine, Faults.parse(settings.faults))
-    app.extensions[EXTENSION] = Runtime(
-        settings=settings,
-        model=model,
-        engine=engine,
-        admission=Admission(
-            *model.family.limits(settings.max_slots, settings.max_queue),
-            observer.set_load,
-            kv_budget_bytes=settings.kv_cache_budget_mb << 20,
-            on_room=None if prefix_cache is None else prefix_cache.set_room,
-        ),
-        exporter=exporter,
-        model_version=f"{model.checksum[:16]}+greenserve-{__version__}",
-        observer=observer,
-        chat_template=chat_template,
+    admission = Admission(
+        *model.family.limits(settings.max_slots, settings.max_queue),
+        observer.set_load,
+        kv_budget_bytes=settings.kv_cache_budget_mb << 20,
+        on_room=None if prefix_cache is None else prefix_cache.set_room,
     )
-    rt = app.extensions[EXTENSION]
-    rt.after_answers = AfterAnswers(lambda: not rt.admission.tickets)
-    # Only the operator's pace refuses a request (Runtime.feasible_max_tokens) or ends a queued one
-    # early: a pace measured here would depend on the load at this worker's start, and two workers
-    # would decide the same request differently (docs/ARCHITECTURE.md §9).
+    generation = GenerationContext(
+        settings, model, engine, admission, f"{model.checksum[:16]}+greenserve-{__version__}"
+    )
+    # Only the operator's pace refuses a request (GenerationContext.feasible_max_tokens) or ends a
+    # queued one early: a pace measured here would depend on the load at this worker's start, and
+    # two workers would decide the same request differently (docs/ARCHITECTURE.md §9).
     if settings.decode_tokens_per_s is not None:
-        rt.generation.decode_tokens_per_s = settings.decode_tokens_per_s
+        generation.decode_tokens_per_s = settings.decode_tokens_per_s
+    rt = Runtime(
+        generation,
+        exporter,
+        chat_template,
+        observer=observer,
+        after_answers=AfterAnswers(admission.idle),
+    )
+    observer.flusher.worker_state = rt.heartbeat
+    return rt
 
-    prefix_seen = [0, 0, 0]
 
-    def sync_prefix_counters() -> None:
-        """Add what the engine thread counted since the last heartbeat to the metrics."""
-        m, c = observer.metrics, prefix_cache
-        counters = (m.prefix_cache_hit_tokens, m.prefix_cache_miss_tokens, m.prefix_cache_evictions)
-        for i, total in enumerate((c.hit_tokens, c.miss_tokens, c.evicted_blocks)):
-            if total > prefix_seen[i]:
-                counters[i].inc(total - prefix_seen[i])
-                prefix_seen[i] = total
-
-    def heartbeat_state() -> dict:
-        state = rt.worker_state()
-        observer.metrics.set_ready(state["ready"])  # greenserve_workers_ready follows /ready
-        if prefix_cache is not None:
-            sync_prefix_counters()
-        return state
-
-    observer.flusher.worker_state = heartbeat_state
+def install_hooks(app: Flask, rt: Runtime) -> None:
+    """Register the per-request hooks and error handlers on ``app``, in the order they must run."""
+    settings = rt.settings
     register_error_handlers(app)
     lifecycle.install(app)
     # After-request hooks run in reverse order: this one runs before lifecycle's, which records the
@@ -199,16 +189,45 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] | No
             settings.auth_failure_limit, settings.rate_limit_storage_uri, settings.client_hash_salt
         )
     auth.install(app, settings.api_keys, failures)
-    ratelimit.install(app, app.extensions[EXTENSION])
-    app.register_blueprint(completions.bp)
-    app.register_blueprint(completions_get.bp)
-    app.register_blueprint(chat.bp)
-    app.register_blueprint(messages.bp)
-    app.register_blueprint(responses.bp)
-    app.register_blueprint(models.bp)
-    app.register_blueprint(openapi.bp)
-    app.register_blueprint(ops.bp)
-    app.register_blueprint(stats.bp)
+    ratelimit.install(app, rt)
+
+
+def register_blueprints(app: Flask, settings: Settings) -> None:
+    """Register the routes: the API, the operational endpoints, and the pages unless ``PAGES=0``."""
+    for bp in (
+        completions.bp,
+        completions_get.bp,
+        chat.bp,
+        messages.bp,
+        responses.bp,
+        models.bp,
+        openapi.bp,
+        ops.bp,
+        stats.bp,
+    ):
+        app.register_blueprint(bp)
     if settings.pages:  # PAGES=0: no demo, no status page, no assets (all 404)
         app.register_blueprint(pages.bp)
+
+
+def create_app(settings: Settings | None = None, clock: Callable[[], float] | None = None) -> Flask:
+    """Create the app and load the model (once per worker).
+
+    Args:
+        settings: server settings; ``Settings.from_env()`` when None.
+        clock: Unix time in seconds for the request history; ``time.time`` when None (tests step it).
+
+    Raises:
+        ValueError: a setting, the model config or the checkpoint is invalid (the message names it).
+    """
+    settings = settings or Settings.from_env()
+    logging.getLogger("greenserve").setLevel(settings.log_level.upper())
+    rt = make_runtime(settings, clock or time.time)
+    app = GreenserveFlask(__name__)
+    # "/v1//completions" is a 404 in the JSON shape, not an HTML redirect built from the Host header.
+    app.url_map.merge_slashes = False
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.extensions[EXTENSION] = rt
+    install_hooks(app, rt)
+    register_blueprints(app, settings)
     return app

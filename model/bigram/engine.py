@@ -44,6 +44,11 @@ class BigramEngine:
     Source: docs/ARCHITECTURE.md §5 (engine contract), §12 (start from the prompt's last id), §6.
     """
 
+    # The engine contract (model.engine.Engine): no prompt blocks kept across requests, and no step
+    # shared between them (a failure is raised in its own stream only).
+    prefix_cache: None = None
+    failed: None = None
+
     def __init__(self, model: LogitsModel) -> None:
         """Wrap a loaded model (shared, read-only) that gives `logits(prev)`."""
         self.model = model

@@ -143,6 +143,10 @@ class Admission:
         """Requests waiting for a slot."""
         return len(self._waiters)
 
+    def idle(self) -> bool:
+        """True when no request is running or queued (every ticket released)."""
+        return not self.tickets
+
     def retry_after_s(self) -> int:
         """Seconds until a slot is likely free for a new request: the queue ahead, drained at the
         observed throughput (``max_slots / service_s``), rounded up, at least 1."""

@@ -110,7 +110,7 @@ class Completion:
         self.seed = seed
         self.choices: list[Choice] = []
         # usage.prompt_tokens_details only where there is a prefix cache (the bigram keeps its bytes)
-        self._reports_cached = getattr(engine, "prefix_cache", None) is not None
+        self._reports_cached = engine.prefix_cache is not None
         self.echo_texts: list[str] = []  # per prompt: the text its choices' echo chunk carries
         n = req.n
         # A request that may call tools (chat: no echo) has choices that read their calls.

@@ -1,5 +1,5 @@
 """What every generation of one worker runs with: the settings, the model and its engine, admission,
-the stop clock and the engine's health (no Flask).
+the stop clock, the engine's health and the structured-output compiler (no Flask).
 
 One :class:`GenerationContext` per worker, held by the Flask side's ``wsgi_app.http.runtime.Runtime``
 (``Runtime.generation``) and handed to :func:`wsgi_app.generation.lifetime.admit`; a request's
@@ -19,6 +19,7 @@ import gevent
 from model.engine import Engine
 from model.loader import LoadedModel
 from wsgi_app.generation.admission import Admission
+from wsgi_app.generation.grammars import GrammarService
 from wsgi_app.settings import Settings
 
 # The share of REQUEST_TIMEOUT_S that decoding at the operator's best pace may fill: a request needing
@@ -56,11 +57,11 @@ class GenerationContext:
         admission: the worker's slots and queue.
         model_version: the ``X-Model-Version`` value, the chat answers' ``system_fingerprint``.
         stop: when in-flight generations must end.
-        engine_ok: False once the engine failed in a way that leaves it untrustworthy (readiness
-            turns off).
         decode_tokens_per_s: the best decode pace of one sequence, tokens per second: the
             operator's ``DECODE_TOKENS_PER_S``, else ``math.inf`` (nothing is refused by a pace;
             a pace measured by a worker would depend on its load and differ between workers).
+        grammars: the structured-output compiler of the model's tokenizer (the compiler builds
+            its llguidance tokenizer on the first constraint).
     """
 
     settings: Settings
@@ -69,8 +70,17 @@ class GenerationContext:
     admission: Admission
     model_version: str
     stop: StopClock = field(default_factory=StopClock)
-    engine_ok: bool = True
     decode_tokens_per_s: float = math.inf
+    grammars: GrammarService = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.grammars = GrammarService(self.model.tokenizer)
+
+    @property
+    def engine_ok(self) -> bool:
+        """False while the engine's last shared step failed (``model.engine.Engine.failed``):
+        readiness is off until a later step succeeds."""
+        return self.engine.failed is None
 
     @property
     def feasible_max_tokens(self) -> int | None:

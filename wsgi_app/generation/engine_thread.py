@@ -11,6 +11,15 @@ The stream has the bigram engine's interface, plus heartbeat ticks: while its ne
 after ``tick_s`` it yields ``None``, so the HTTP layer can check deadlines and write keep-alives (for
 example during a long prefill, which runs in chunks and notices a cancellation within one chunk).
 
+A step that raises fails every live sequence (each stream raises the step's exception: a ``500
+engine_error``) and the thread goes on serving. :attr:`ThreadedEngine.failed` holds that exception,
+and readiness is off, until a later step succeeds: a request's, or the engine's own check. While it
+is failed and has nothing to do, the thread generates one greedy token of a one-token prompt
+(:data:`SELF_CHECK`, its output dropped) every ``idle_s``, so an engine that works again says so
+even when no request reaches it (a balancer sends none to a worker whose ``/ready`` answers 503).
+No other hysteresis: one failed step turns readiness off, one good step turns it back on; a
+balancer's own thresholds (Kubernetes' ``failureThreshold``) smooth what a single bad prompt does.
+
 Source: docs/ARCHITECTURE.md §5, §15 (heavy numpy work off the hub); gevent docs, "Threads and
 the hub" (async watchers are the safe cross-thread wakeup).
 """
@@ -27,7 +36,15 @@ from gevent.event import Event
 from gevent.monkey import get_original
 from gevent.threadpool import ThreadPool
 
-from model.engine import END, GenerationRequest, ScheduledSequence, Scheduler, Step
+from model.engine import (
+    END,
+    GenerationRequest,
+    PrefixCacheView,
+    ScheduledSequence,
+    Scheduler,
+    Step,
+)
+from model.sampling import SamplingParams
 from wsgi_app.server.heap import HeapTrimmer
 
 log = logging.getLogger("greenserve.engine")
@@ -35,6 +52,10 @@ log = logging.getLogger("greenserve.engine")
 # The real ones: under gevent's monkey-patching, threading would give us a greenlet.
 _start_new_thread = get_original("_thread", "start_new_thread")
 _allocate_lock = get_original("_thread", "allocate_lock")
+# What a failed engine generates to find out whether it works again: one greedy token after id 0 (a
+# valid prompt for every vocabulary), seed 0. Its handle is _CHECK, its output dropped.
+SELF_CHECK = GenerationRequest((0,), 1, SamplingParams(temperature=0.0), 0)
+_CHECK = object()
 
 
 class _Stream:
@@ -63,6 +84,10 @@ class ThreadedEngine:
             how many were drafted and how many accepted (the metrics' counters).
     """
 
+    # What the engine's last step raised, None once a later one succeeded (model.engine.Engine):
+    # written by the engine thread only, read from any (one attribute: the GIL keeps it whole).
+    failed: BaseException | None = None
+
     def __init__(
         self,
         scheduler: Scheduler,
@@ -87,13 +112,15 @@ class ThreadedEngine:
         self._watcher.start(self._deliver)
         # Scoring (echo) is one prefill: run it on a dedicated native pool, not on the hub.
         self._score_pool = ThreadPool(1)
-        self.failed: BaseException | None = None
+        self.failed = None
+        self._checks_failed = 0  # since the last step that succeeded (the first one is logged)
+        scheduler.validate(SELF_CHECK)
         _start_new_thread(self._run, ())
 
     # -- greenlet side --------------------------------------------------------------------------
 
     @property
-    def prefix_cache(self) -> Any:
+    def prefix_cache(self) -> PrefixCacheView | None:
         """The scheduler's prefix cache (``model.llama.serving.prefix_cache.PrefixCache``), or None."""
         return self._scheduler.prefix_cache
 
@@ -189,22 +216,49 @@ class ThreadedEngine:
             if scheduler.idle:
                 if self._pending_trim:  # the last sequence just left (False: retry when idle)
                     self._pending_trim = self._on_idle() is False
-                self._doorbell.acquire(timeout=self._idle_s)
+                rung = self._doorbell.acquire(timeout=self._idle_s)
+                if not rung and self.failed is not None and not self._inbox:
+                    self._check()
                 continue
             self._pending_trim = True
             try:
                 touched = scheduler.step()
             except BaseException as exc:  # noqa: BLE001 - fail the live sequences, keep serving
-                log.exception("engine step failed")
-                for seq in scheduler.abort():
-                    self._post(seq.handle, exc)
+                streams = [seq.handle for seq in scheduler.abort() if seq.handle is not _CHECK]
+                if streams or self.failed is None:
+                    log.exception("engine step failed: not ready until a step succeeds")
+                elif not self._checks_failed:  # the first of the engine's own checks to fail
+                    log.warning(
+                        "engine self-check failed: still not ready (checked every %g s): %s: %s",
+                        self._idle_s,
+                        type(exc).__name__,
+                        exc,
+                    )
+                self._checks_failed += not streams
+                self.failed = exc
+                for stream in streams:
+                    self._post(stream, exc)
                 continue
+            if self.failed is not None:
+                log.warning("engine recovered: a step succeeded after a failed one; ready again")
+                self.failed = None
+                self._checks_failed = 0
             for seq in touched:
+                if seq.handle is _CHECK:
+                    seq.steps.clear()
+                    continue
                 for item in seq.steps:
                     self._outbox.append((seq.handle, item))
                 seq.steps.clear()
             self._watcher.send()
             self._report_speculation()
+
+    def _check(self) -> None:
+        """Start the engine's own check (:data:`SELF_CHECK`): its step is the next one."""
+        try:
+            self._scheduler.add(SELF_CHECK, _CHECK)
+        except Exception:  # noqa: BLE001 - no room for it now: the next idle turn tries again
+            log.debug("engine self-check not started", exc_info=True)
 
     def _report_speculation(self) -> None:
         now = self._scheduler.speculated

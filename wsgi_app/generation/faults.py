@@ -2,7 +2,9 @@
 
 The spec is a comma-separated list of ``key=value``: ``slow_step_s=0.05`` (sleep before every token,
 cooperatively), ``fail_at=3`` (raise ``RuntimeError`` before token 3, counted from 1), ``oom_at=3`` (raise
-``MemoryError`` before token 3), ``fatal=1`` (an injected failure also marks the engine untrustworthy),
+``MemoryError`` before token 3), ``fatal=1`` (an injected failure is the engine's, as a failed shared step
+is: :attr:`FaultyEngine.failed` holds it, so readiness is off, until a later step of any stream
+succeeds; without it, the failure is its request's alone, as a grammar matcher's is),
 ``matcher_fail_at=3`` (a constrained choice's grammar matcher is fed a token it forbids at token 3, so
 llguidance enters its error state: the engine's own error path for structured outputs).
 Never set it in production.
@@ -18,7 +20,7 @@ from typing import Any
 
 import gevent
 
-from model.engine import Engine, GenerationRequest, Step
+from model.engine import Engine, GenerationRequest, PrefixCacheView, Step
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,8 @@ def _number(key: str, raw: str) -> int | float:
 
 
 class EngineFailure(RuntimeError):
-    """An injected engine failure; ``fatal`` says the engine can no longer be trusted."""
+    """An injected engine failure; ``fatal`` says it is the engine's (readiness turns off), not only
+    its request's."""
 
     def __init__(self, message: str, fatal: bool) -> None:
         super().__init__(message)
@@ -101,9 +104,21 @@ class FaultyEngine:
     def __init__(self, engine: Engine, faults: Faults) -> None:
         self._engine = engine
         self._faults = faults
+        self._failed: EngineFailure | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
+
+    @property
+    def prefix_cache(self) -> PrefixCacheView | None:
+        """The wrapped engine's prefix cache, or None."""
+        return self._engine.prefix_cache
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The last fatal injected failure until a later step succeeds, else the wrapped engine's
+        own (``model.engine.Engine.failed``)."""
+        return self._failed if self._failed is not None else self._engine.failed
 
     def stream(self, req: GenerationRequest) -> Iterator[Step | None]:
         """Return the wrapped engine's stream with the faults applied (see module docstring)."""
@@ -124,9 +139,14 @@ class FaultyEngine:
                 if f.slow_step_s:
                     gevent.sleep(f.slow_step_s)
                 if n == f.fail_at:
-                    raise EngineFailure(f"injected engine failure at step {n}", f.fatal)
+                    failure = EngineFailure(f"injected engine failure at step {n}", f.fatal)
+                    if f.fatal:
+                        self._failed = failure
+                    raise failure
                 if n == f.oom_at:
                     raise MemoryError(f"injected memory error at step {n}")
+                if step is not None:  # a token: the engine works
+                    self._failed = None
                 yield step
         finally:
             steps.close()

@@ -230,11 +230,3 @@ def _check_keywords(tools: ToolRequest) -> None:
                 "keyword enforced here",
                 param,
             )
-
-
-def grammar_service(rt: Any) -> GrammarService:
-    """Return the worker's :class:`GrammarService` (made on first use, kept on the runtime)."""
-    service = rt.grammars
-    if service is None:
-        service = rt.grammars = GrammarService(rt.model.tokenizer)
-    return service

@@ -27,7 +27,6 @@ from wsgi_app.api.errors import ApiError, invalid, unavailable
 from wsgi_app.generation.admission import Ticket
 from wsgi_app.generation.completion import Completion
 from wsgi_app.generation.context import GenerationContext
-from wsgi_app.generation.faults import EngineFailure
 from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.pacer import ClientGone, Pacer
 from wsgi_app.generation.record import RequestRecord
@@ -45,19 +44,19 @@ def random_seed() -> int:
     return int.from_bytes(os.urandom(8), "little")
 
 
-def engine_error(ctx: GenerationContext, exc: BaseException) -> ApiError:
+def engine_error(exc: BaseException) -> ApiError:
     """Map an exception raised while generating to its OpenAI error.
 
     ``ApiError`` (deadline, shutdown) passes through; ``MemoryError`` is a 503 the worker recovers from;
-    anything else is a 500 ``engine_error``, and a fatal engine failure also turns readiness off
-    (``ctx.engine_ok``).
+    anything else is a 500 ``engine_error``. Readiness is not decided here: the engine says whether
+    the failure was its own (``model.engine.Engine.failed``, read by ``GenerationContext.engine_ok``).
+
+    Source: OpenAI API reference, "Error codes" (500 server error, 503 overloaded).
     """
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, MemoryError):
         return unavailable("Out of memory while generating; retry later.")
-    if isinstance(exc, EngineFailure) and exc.fatal:
-        ctx.engine_ok = False
     return ApiError(
         500, f"Generation failed: {type(exc).__name__}.", type="server_error", code="engine_error"
     )
@@ -164,7 +163,7 @@ def admit(
         raise
     ticket.progress = completion
     record.span.attributes["gen_ai.request.seed"] = str(seed)
-    return Generation(ctx, completion, ticket, pacer, record, sock)
+    return Generation(completion, ticket, pacer, record, sock)
 
 
 def queue_heartbeats(ticket: Ticket, pacer: Pacer, heartbeat_s: float) -> Iterator[None]:
@@ -224,18 +223,16 @@ class Generation:
             reads its ``end_reason`` mark.
     """
 
-    __slots__ = ("_ctx", "completion", "ticket", "pacer", "record", "sock", "_events")
+    __slots__ = ("completion", "ticket", "pacer", "record", "sock", "_events")
 
     def __init__(
         self,
-        ctx: GenerationContext,
         completion: Completion,
         ticket: Ticket,
         pacer: Pacer,
         record: RequestRecord,
         sock: socket.socket | None = None,
     ) -> None:
-        self._ctx = ctx
         self.completion = completion
         self.ticket = ticket
         self.pacer = pacer
@@ -270,7 +267,7 @@ class Generation:
             record.end(CLIENT_LEFT)
             record.error = str(exc)
         except Exception as exc:  # noqa: BLE001 - every failure must end the stream cleanly
-            failure = engine_error(self._ctx, exc)
+            failure = engine_error(exc)
             record.end(ENGINE_ERROR)  # unless the pacer named it (deadline, shutdown)
             if failure.status >= 500 and failure.code not in ("timeout", "unavailable"):
                 log.exception("stream %s failed", record.request_id)
@@ -318,7 +315,7 @@ class Generation:
             raise
         except Exception as exc:
             record.end(ENGINE_ERROR)
-            err = engine_error(self._ctx, exc)
+            err = engine_error(exc)
             if err.status == 500:
                 log.exception("completion %s failed", record.request_id)
             raise err from exc

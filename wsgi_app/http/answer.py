@@ -17,7 +17,6 @@ from typing import Any
 from flask import Response, request
 
 from wsgi_app.api.errors import ApiError, invalid
-from wsgi_app.generation.grammars import grammar_service
 from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.lifetime import admit, random_seed
 from wsgi_app.generation.pacer import ClientGone
@@ -57,7 +56,8 @@ def answer(
             and queue are full, 503 when stopping or out of memory, 504 when the deadline passes
             before the answer, 500 ``engine_error``.
     """
-    grammar = grammar_service(rt).prepare(req, record)  # structured outputs: 400 before any byte
+    # Structured outputs: a constraint that cannot be enforced is a 400 before any byte.
+    grammar = rt.generation.grammars.prepare(req, record)
     framing, completion_id = PLAIN, None
     if query is None:
         seed = req.seed if req.seed is not None else random_seed()

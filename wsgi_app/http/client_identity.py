@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from flask import g, request
 
-from wsgi_app.http.runtime import runtime
+from wsgi_app.http.runtime import Runtime, runtime
 
 # gunicorn's own default for FORWARDED_ALLOW_IPS: only a proxy on this host is believed.
 DEFAULT_ALLOWED = ("127.0.0.1", "::1")
@@ -118,19 +118,35 @@ def client_identity() -> str:
 
 
 def client_address() -> str:
-    """Return the current request's client address (see :func:`forwarded_client`).
+    """Return the current request's client address (see :func:`client_of`)."""
+    environ = request.environ
+    return client_of(
+        runtime(),
+        environ.get("REMOTE_ADDR"),  # werkzeug's ``request.remote_addr``
+        environ.get("HTTP_X_FORWARDED_FOR"),  # ``request.headers.get("X-Forwarded-For")``
+        environ.get("SERVER_PORT"),
+    )
+
+
+def client_of(
+    rt: Runtime, remote_addr: str | None, forwarded_for: str | None, server_port: str | None
+) -> str:
+    """Return the client address of a request (see :func:`forwarded_client`), through Flask or
+    answered by the worker (``wsgi_app.http.probes``).
 
     On the health port (``Runtime.health_port``) ``X-Forwarded-For`` is never believed: probes and
     scrapes reach it directly, so a header there was written by whoever sent the request.
+
+    Args:
+        rt: the worker's runtime (``TRUSTED_PROXIES``, ``FORWARDED_ALLOW_IPS``, the health port).
+        remote_addr: the TCP peer address (``REMOTE_ADDR``), or None.
+        forwarded_for: the ``X-Forwarded-For`` header, or None.
+        server_port: the port the request came in on (``SERVER_PORT``), or None.
     """
-    rt = runtime()
-    environ = request.environ
-    on_health_port = rt.health_port is not None and environ.get("SERVER_PORT") == str(
-        rt.health_port
-    )
+    on_health_port = rt.health_port is not None and server_port == str(rt.health_port)
     return forwarded_client(
-        environ.get("REMOTE_ADDR"),  # werkzeug's ``request.remote_addr``
-        environ.get("HTTP_X_FORWARDED_FOR"),  # ``request.headers.get("X-Forwarded-For")``
+        remote_addr,
+        forwarded_for,
         0 if on_health_port else rt.settings.trusted_proxies,
         rt.settings.forwarded_allow_ips,
     )

@@ -49,6 +49,16 @@ def allowed_origin(origin: str | None, origins: Sequence[str]) -> str | None:
     return origin if origin in origins else None
 
 
+def varies_by_origin(origin: str | None, origins: Sequence[str]) -> bool:
+    """True when the answer to a request with ``origin`` (its ``Origin`` header, or None) depends on
+    it and says so in ``Vary: Origin``: whenever CORS is on, except when any origin is allowed and
+    this request named one (its answer is ``*`` for everyone).
+
+    Source: WHATWG Fetch Standard, §3.2.5 "CORS protocol and HTTP caches".
+    """
+    return bool(origins) and allowed_origin(origin, origins) != "*"
+
+
 def allow_headers(requested: str | None) -> str:
     """Return the ``Access-Control-Allow-Headers`` value for an allowed origin's preflight.
 
@@ -99,8 +109,9 @@ def install(app: Flask, origins: Sequence[str]) -> None:
         return response
 
     def add_headers(response: Response) -> Response:
-        allow = allowed_origin(request.headers.get("Origin"), origins)
-        if allow != "*":
+        origin = request.headers.get("Origin")
+        allow = allowed_origin(origin, origins)
+        if varies_by_origin(origin, origins):
             response.vary.add("Origin")  # caches must not reuse one origin's answer for another
         if allow is None:
             return response

@@ -30,6 +30,7 @@ from wsgi_app.generation.record import RequestRecord
 from wsgi_app.http.client_identity import client_address
 from wsgi_app.http.runtime import runtime
 from wsgi_app.server.end_reason import SHUTDOWN
+from wsgi_app.settings import Settings
 
 # A client cut for not reading is the client's doing, not a failure: a warning, not an error.
 stall_log = logging.getLogger("greenserve.access")
@@ -44,44 +45,79 @@ def request_id_from(value: str | None) -> str:
     return secrets.token_hex(16)  # 32 hex digits, as uuid4().hex, for a third of its cost
 
 
-def _begin() -> None:
-    # The request's own objects, looked up once: each use of Flask's ``request`` proxy is a
-    # context-variable lookup, and this runs for every request.
-    req = request._get_current_object()
-    environ = req.environ
-    # ``request.headers.get(name)`` is the environ's ``HTTP_<NAME>`` (werkzeug's EnvironHeaders).
-    rid = request_id_from(environ.get("HTTP_X_REQUEST_ID"))
-    parent = traceparent.parse(environ.get("HTTP_TRACEPARENT"))
-    method, path, url_rule = req.method, req.path, req.url_rule
-    rule = url_rule.rule if url_rule is not None else None
-    name = f"{method} {rule}" if rule else method
+def new_record(
+    settings: Settings,
+    method: str,
+    path: str,
+    rule: str | None,
+    request_id: str | None,
+    parent: str | None,
+    client: str,
+) -> RequestRecord:
+    """Return a new request's record with its server span started: through Flask (before routing)
+    or answered by the worker (a health probe, ``wsgi_app.http.probes``).
+
+    Args:
+        settings: the settings (the client hash's salt).
+        method, path: the request's method and path (no query string).
+        rule: the matched route, or None (a 404).
+        request_id: the ``X-Request-Id`` header, or None (see :func:`request_id_from`).
+        parent: the ``traceparent`` header, or None.
+        client: the client's address (``wsgi_app.http.client_identity.client_of``), hashed here.
+
+    Source: W3C Trace Context; OpenTelemetry semantic conventions for HTTP server spans.
+    """
+    rid = request_id_from(request_id)
     span = start_server_span(
-        name,
-        parent,
+        f"{method} {rule}" if rule else method,
+        traceparent.parse(parent),
         {"http.request.method": method, "url.path": path, "greenserve.request_id": rid},
     )
     if rule:
         span.attributes["http.route"] = rule
-    settings = runtime().settings
-    peer = client_address()
-    g.record = RequestRecord(
+    return RequestRecord(
         request_id=rid,
         span=span,
         method=method,
         path=path,
         route=rule,
-        client_hash=client_hash(settings.client_hash_salt, peer),
+        client_hash=client_hash(settings.client_hash_salt, client),
+    )
+
+
+def answer_headers(model_version: str, request_id: str) -> list[tuple[str, str]]:
+    """Return the headers every answer carries (after its own): ``X-Model-Version`` and
+    ``X-Request-Id``."""
+    return [("X-Model-Version", model_version), ("X-Request-Id", request_id)]
+
+
+def _begin() -> None:
+    # The request's own objects, looked up once: each use of Flask's ``request`` proxy is a
+    # context-variable lookup, and this runs for every request.
+    req = request._get_current_object()
+    environ = req.environ
+    url_rule = req.url_rule
+    # ``request.headers.get(name)`` is the environ's ``HTTP_<NAME>`` (werkzeug's EnvironHeaders).
+    g.record = new_record(
+        runtime().settings,
+        req.method,
+        req.path,
+        url_rule.rule if url_rule is not None else None,
+        environ.get("HTTP_X_REQUEST_ID"),
+        environ.get("HTTP_TRACEPARENT"),
+        client_address(),
     )
 
 
 def _headers(response: Response) -> Response:
     record: RequestRecord | None = g.get("record")
     rt = runtime()
-    response.headers["X-Model-Version"] = rt.model_version
-    if record is None:  # a failure before _begin ran; still answer with an id
-        response.headers["X-Request-Id"] = request_id_from(None)
+    # A failure before _begin ran still answers with an id.
+    request_id = request_id_from(None) if record is None else record.request_id
+    for name, value in answer_headers(rt.model_version, request_id):
+        response.headers[name] = value
+    if record is None:
         return response
-    response.headers["X-Request-Id"] = record.request_id
     if record.ignored_fields:  # the unknown fields a generation request sent (DESIGN.md §5)
         response.headers["X-Ignored-Fields"] = ",".join(record.ignored_fields)
     record.status = response.status_code

@@ -1,30 +1,54 @@
-"""The app's answers to the health probes the worker serves itself (``wsgi_app.server.probes``).
+"""The health probes, defined once: what ``/healthz``, ``/health`` and ``/ready`` answer, whoever
+answers them.
 
-The same meaning and bytes as the routes in ``routes/ops.py`` (which still answer whatever the worker
-passes on: a probe with a body, an ``Origin``, or under another worker class): ``/healthz`` and
-``/health`` 200 ``{"status":"ok"}`` while the worker runs; ``/ready`` 200 ``{"status":"ready"}``, or
-503 ``{"status":"not_ready","reason":...}`` while draining or after an engine failure. The headers
-are the app's (``X-Model-Version``, ``X-Request-Id``, ``Vary: Origin`` when CORS is on), and each
-probe gets the request's span and its (debug) log line, as through Flask.
+- Liveness, ``/healthz`` and ``/health``: 200 ``{"status":"ok"}`` while the worker runs (its hub
+  answers).
+- Readiness, ``/ready``: 200 ``{"status":"ready"}`` while the worker should get traffic, else 503
+  ``{"status":"not_ready","reason":R}`` (``Runtime.not_ready_reason``): ``draining`` (stopping on
+  SIGTERM, or the server drained by ``POST /debug/drain``), else ``engine_failed`` (the engine's
+  last shared step failed, until a later step succeeds: ``model.engine.Engine.failed``).
+
+Both answer with ``Content-Type: application/json``, then the headers of every answer of the app
+(``Vary: Origin`` when CORS is on, ``X-Model-Version``, ``X-Request-Id``), and each probe gets a
+request's span and its (debug) log line. The worker answers a plain probe itself, before the app
+(``wsgi_app.server.probes``), with :class:`AppProbes`; the Flask routes (``routes/ops.py``) answer
+what it passes on (a probe with a body or an ``Origin``, or under another worker class) with
+:func:`probe_answer` too, so both give the same bytes.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from werkzeug.http import HTTP_STATUS_CODES
 
-from telemetry import traceparent
-from telemetry.logs import client_hash
-from telemetry.spans import start_server_span
 from wsgi_app.api.errors import json_bytes
 from wsgi_app.generation.record import RequestRecord
-from wsgi_app.http.client_identity import forwarded_client
-from wsgi_app.http.lifecycle import finish, request_id_from
+from wsgi_app.http.client_identity import client_of
+from wsgi_app.http.cors import varies_by_origin
+from wsgi_app.http.lifecycle import answer_headers, finish, new_record
 from wsgi_app.http.runtime import Runtime
-from wsgi_app.server.probes import Probe
+from wsgi_app.server.probes import READY_PATH, Probe
 
+CONTENT_TYPE = "application/json"
 _ALIVE = json_bytes({"status": "ok"})
 _READY = json_bytes({"status": "ready"})
-_STATUS_LINES = {200: "200 OK", 503: "503 SERVICE UNAVAILABLE"}
+_NOT_READY = {
+    reason: json_bytes({"status": "not_ready", "reason": reason})
+    for reason in ("draining", "engine_failed")
+}
+
+
+def probe_answer(rt: Runtime, path: str) -> tuple[int, bytes]:
+    """Return the status and JSON body of the probe of ``path`` (one of
+    ``wsgi_app.server.probes.PROBE_PATHS``) from the worker of ``rt``."""
+    if path != READY_PATH:
+        return 200, _ALIVE
+    reason = rt.not_ready_reason
+    return (200, _READY) if reason is None else (503, _NOT_READY[reason])
+
+
+def _status_line(status: int) -> str:
+    """``"503 SERVICE UNAVAILABLE"``: werkzeug's status line, which the routes' answers carry."""
+    return f"{status} {HTTP_STATUS_CODES[status].upper()}"
 
 
 class AppProbes:
@@ -36,29 +60,24 @@ class AppProbes:
 
     def __init__(self, rt: Runtime) -> None:
         self._rt = rt
-        # Every answer of a CORS-enabled app to a request without Origin says it depends on it.
-        self._vary = [("Vary", "Origin")] if rt.settings.cors_origins else []
+        # A probe the worker answers sends no Origin (wsgi_app.server.probes.plain_probe).
+        self._vary = (
+            [("Vary", "Origin")] if varies_by_origin(None, rt.settings.cors_origins) else []
+        )
 
     def respond(self, probe: Probe) -> tuple[str, list[tuple[str, str]], bytes]:
         """Return the status line, headers and body of ``probe``'s answer; start its record."""
-        status, body = 200, _ALIVE
-        if probe.path == "/ready":
-            rt = self._rt
-            if rt.ready:
-                body = _READY
-            else:
-                reason = "draining" if rt.draining else "engine_failed"
-                status, body = 503, json_bytes({"status": "not_ready", "reason": reason})
+        rt = self._rt
+        status, body = probe_answer(rt, probe.path)
         record = self._record(probe)
         probe.state = record
         headers = [
-            ("Content-Type", "application/json"),
+            ("Content-Type", CONTENT_TYPE),
             ("Content-Length", str(len(body))),
             *self._vary,
-            ("X-Model-Version", self._rt.model_version),
-            ("X-Request-Id", record.request_id),
+            *answer_headers(rt.model_version, record.request_id),
         ]
-        return _STATUS_LINES[status], headers, body
+        return _status_line(status), headers, body
 
     def observe(self, probe: Probe, status: int) -> None:
         """End the probe's span and write its log line (``lifecycle.finish``)."""
@@ -68,29 +87,18 @@ class AppProbes:
         finish(record, rt.exporter, rt.observer, probe.sock)
 
     def _record(self, probe: Probe) -> RequestRecord:
-        """The probe's record, as ``lifecycle._begin`` makes it for a request through Flask."""
-        settings = self._rt.settings
-        rid = request_id_from(probe.header("X-REQUEST-ID"))
-        route = probe.path
-        span = start_server_span(
-            f"{probe.method} {route}",
-            traceparent.parse(probe.header("TRACEPARENT")),
-            {
-                "http.request.method": probe.method,
-                "url.path": probe.path,
-                "greenserve.request_id": rid,
-                "http.route": route,
-            },
+        """The probe's record, as ``lifecycle`` makes it for a request through Flask."""
+        rt = self._rt
+        sockname = probe.sock.getsockname() if probe.sock is not None else None
+        port = str(sockname[1]) if isinstance(sockname, tuple) else None  # gunicorn's SERVER_PORT
+        record = new_record(
+            rt.settings,
+            probe.method,
+            probe.path,
+            probe.path,  # the route is the path: each probe path is its own rule
+            probe.header("X-REQUEST-ID"),
+            probe.header("TRACEPARENT"),
+            client_of(rt, probe.peer, probe.header("X-FORWARDED-FOR"), port),
         )
-        peer: Any = forwarded_client(
-            probe.peer, probe.header("X-FORWARDED-FOR"), settings.trusted_proxies
-        )
-        return RequestRecord(
-            request_id=rid,
-            span=span,
-            started=probe.started,
-            method=probe.method,
-            path=probe.path,
-            route=route,
-            client_hash=client_hash(settings.client_hash_salt, peer),
-        )
+        record.started = probe.started
+        return record

@@ -1,4 +1,5 @@
-"""Per-worker state: the settings, the model and its engine, the span exporter.
+"""Per-worker state: what generations run with (the settings, the model and its engine, admission),
+the span exporter and the request observer, readiness.
 
 This is the only state the app keeps beyond a request; it lives on ``app.extensions["greenserve"]``, made
 by the app factory in the worker (after gevent's patching), never in the gunicorn master.
@@ -10,17 +11,20 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from flask import current_app
 from gevent.threadpool import ThreadPool
 
+from model.chat_template import ChatTemplate
 from model.engine import Engine
 from model.loader import LoadedModel
 from model.tokenizer import ByteTokenizer
 from telemetry.observer import Observer
+from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app.generation.admission import Admission
 from wsgi_app.generation.context import GenerationContext
+from wsgi_app.server.heap import AfterAnswers
 from wsgi_app.server.worker import END_STREAMS_S
 from wsgi_app.settings import Settings
 
@@ -30,6 +34,7 @@ RENDER_THREADS = 2
 INLINE_ENCODE_CHARS = 4096
 T = TypeVar("T")
 DRAIN_FILE = "greenserve-drained"  # in PROMETHEUS_MULTIPROC_DIR: see Runtime.drain_path
+NotReady = Literal["draining", "engine_failed"]  # why /ready answers 503
 
 
 @dataclass
@@ -37,60 +42,68 @@ class Runtime:
     """What one worker serves with.
 
     Attributes:
-        settings: the frozen settings.
-        model: the loaded model and its tokenizer (``model.loader.LoadedModel``).
-        engine: the token-stream engine over it: the bigram's inline engine, or the Llama batching
-            engine on its native thread (``wsgi_app.generation.engine_thread.ThreadedEngine``).
-        exporter: the span exporter (``telemetry.otlp.SpanExporter`` or ``NullExporter``).
-        model_version: ``X-Model-Version`` value: checkpoint hash + code version.
-        admission: the worker's slots and queue.
+        generation: what every generation runs with (the settings, the model, its engine,
+            admission, the model version, the stop clock, the engine's health): the Flask-free
+            part, which the answer path hands to ``wsgi_app.generation``; :attr:`settings`,
+            :attr:`model`, :attr:`engine`, :attr:`admission` and :attr:`model_version` are its.
+        exporter: the span exporter.
+        chat_template: the chat template chat requests are rendered with: ``CHAT_TEMPLATE``, else
+            the model's, else the default.
         started_at: Unix time the worker became ready, in seconds.
         stopping: SIGTERM happened: ``/ready`` answers 503.
         drained_here: the server was drained with no shared directory to say so (single process).
         rate_limit_storage_errors: times the rate-limit storage (Redis) could not be reached; the
             limiter fails open, so requests are served unchecked meanwhile.
         observer: the request observer (logs, metrics, history), or None.
-        chat_template: the chat template (``model.chat_template.ChatTemplate``) chat requests are
-            rendered with: ``CHAT_TEMPLATE``, else the model's, else the default.
         render_pool: native threads that render chat templates and tokenize their prompts (see
             :meth:`offload`), made on first use.
         after_answers: told when a generation request's answer is written, to give the freed heap
-            back once the worker is idle (``wsgi_app.server.heap.AfterAnswers``), or None.
+            back once the worker is idle, or None.
         health_port: the port of the health socket (gunicorn's second bind), or None; set by
             ``gunicorn_config.post_worker_init``.
-        grammars: the structured-output compiler (``wsgi_app.generation.grammars``), made on
-            first use.
-        generation: what every generation runs with (``settings``, ``model``, ``engine``,
-            ``admission`` and ``model_version`` above, the stop clock, the engine's health): the
-            Flask-free part, which the answer path hands to ``wsgi_app.generation``.
     """
 
-    settings: Settings
-    model: LoadedModel
-    engine: Engine
-    exporter: Any
-    model_version: str
-    admission: Admission
+    generation: GenerationContext
+    exporter: SpanExporter | NullExporter
+    chat_template: ChatTemplate
     started_at: float = field(default_factory=time.time)
     stopping: bool = False
     drained_here: bool = False
     rate_limit_storage_errors: int = 0
     observer: Observer | None = None
-    chat_template: Any = None
-    render_pool: Any = field(default=None, repr=False)
-    after_answers: Any = field(default=None, repr=False)
+    render_pool: ThreadPool | None = field(default=None, repr=False)
+    after_answers: AfterAnswers | None = field(default=None, repr=False)
     health_port: int | None = None
-    grammars: Any = field(default=None, repr=False)
-    generation: GenerationContext = field(init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.generation = GenerationContext(
-            self.settings, self.model, self.engine, self.admission, self.model_version
-        )
+    @property
+    def settings(self) -> Settings:
+        """The frozen settings."""
+        return self.generation.settings
+
+    @property
+    def model(self) -> LoadedModel:
+        """The loaded model and its tokenizer."""
+        return self.generation.model
+
+    @property
+    def engine(self) -> Engine:
+        """The token-stream engine over the model: the bigram's inline engine, or the Llama
+        batching engine on its native thread (``wsgi_app.generation.engine_thread``)."""
+        return self.generation.engine
+
+    @property
+    def admission(self) -> Admission:
+        """The worker's slots and queue."""
+        return self.generation.admission
+
+    @property
+    def model_version(self) -> str:
+        """The ``X-Model-Version`` value: checkpoint hash + code version."""
+        return self.generation.model_version
 
     @property
     def engine_ok(self) -> bool:
-        """False once the engine failed in a way that leaves it untrustworthy."""
+        """False while the engine's last shared step failed (until a later step succeeds)."""
         return self.generation.engine_ok
 
     @property
@@ -172,9 +185,17 @@ class Runtime:
                 pass
 
     @property
+    def not_ready_reason(self) -> NotReady | None:
+        """Why the worker should get no traffic now: ``"draining"`` (stopping, or the server
+        drained), else ``"engine_failed"`` (:attr:`engine_ok` is False); None when ready."""
+        if self.draining:
+            return "draining"
+        return None if self.engine_ok else "engine_failed"
+
+    @property
     def ready(self) -> bool:
-        """True while the worker should get traffic: not draining, engine trusted."""
-        return self.engine_ok and not self.draining
+        """True while the worker should get traffic: not draining, its engine's last step good."""
+        return self.not_ready_reason is None
 
     def begin_shutdown(self, grace_s: float) -> None:
         """Start a graceful stop: readiness turns false and in-flight streams end by ``grace_s``.
@@ -206,6 +227,22 @@ class Runtime:
             "queued": adm.queued,
             "served": adm.served,
         }
+
+    def heartbeat(self) -> dict[str, Any]:
+        """Return :meth:`worker_state` for the history's heartbeat (``telemetry.flusher``, every
+        ``STATS_FLUSH_S``), first bringing up to date the metrics that follow state kept elsewhere:
+        ``greenserve_workers_ready`` follows ``/ready``, and the prefix cache's counters what the
+        engine thread counted."""
+        state = self.worker_state()
+        if self.observer is not None:
+            metrics = self.observer.metrics
+            metrics.set_ready(state["ready"])
+            cache = self.engine.prefix_cache
+            if cache is not None:
+                metrics.set_prefix_cache_totals(
+                    cache.hit_tokens, cache.miss_tokens, cache.evicted_blocks
+                )
+        return state
 
 
 def runtime() -> Runtime:

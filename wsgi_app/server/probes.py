@@ -8,7 +8,8 @@ bytes the app's route gives; and a new connection whose first bytes are already 
 is served at once, from the accept itself, ahead of the connections accepted before it
 (:func:`plain_probe_head`, ``wsgi_app.server.worker``).
 
-What is answered is the app's: it registers a :class:`ProbeResponder` with the worker at start
+What is answered is the app's, defined once in ``wsgi_app.http.probes`` (its routes give the same
+bytes): it registers a :class:`ProbeResponder` with the worker at start
 (``gunicorn_config.post_worker_init``), which gives the status, the headers and the body, and after
 the answer has left writes the request's log line and span, as for any other request. Anything else
 (a body, an ``Origin``, another method) goes to the app as before.
@@ -26,7 +27,9 @@ from typing import Any, Protocol
 
 from wsgi_app.server.response import Response
 
-PROBE_PATHS = frozenset({"/healthz", "/health", "/ready"})
+ALIVE_PATHS = ("/healthz", "/health")  # liveness: the worker runs
+READY_PATH = "/ready"  # readiness: the worker should get traffic
+PROBE_PATHS = frozenset({*ALIVE_PATHS, READY_PATH})
 # A whole probe head at the start of a new connection: the request line's start (method, path and a
 # space), then the head's end within PEEK_BYTES.
 _PROBE_STARTS = tuple(
@@ -68,7 +71,8 @@ class Probe:
 
 
 class ProbeResponder(Protocol):
-    """What the app gives the worker to answer probes with (``wsgi_app.http.probes``)."""
+    """What the app gives the worker to answer probes with (``wsgi_app.http.probes.AppProbes``,
+    where what each probe answers is defined)."""
 
     def respond(self, probe: Probe) -> tuple[str, list[tuple[str, str]], bytes]:
         """Return the status (``"200 OK"``), the headers after gunicorn's own, and the body."""

@@ -30,6 +30,11 @@ class LlamaEngine:
     - the stream runs out after ``max_tokens`` plain steps: finish reason ``"length"``.
     """
 
+    # The engine contract (model.engine.Engine): no prompt blocks kept across requests, and no step
+    # shared between them (a failure is raised in its own stream only).
+    prefix_cache: None = None
+    failed: None = None
+
     def __init__(self, model: Llama, eos_ids: frozenset[int]) -> None:
         """Wrap a loaded model (shared, read-only).
 

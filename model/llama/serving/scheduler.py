@@ -233,10 +233,15 @@ class BatchScheduler:
         self.live = [s for s in self.live if not s.cancelled]
 
     def abort(self) -> list[Sequence]:
-        """Drop every live sequence (after a failed step) and return them."""
+        """Drop every live sequence (after a failed step) and return them, and empty the prefix
+        cache: the failed step may have published a prompt it computed before it failed, from a
+        model gone bad (weights read as NaN publish NaN logits, then the sampler refuses them), and
+        a cached prompt end would fail its prompt forever after, the model whole again or not."""
         dropped, self.live = self.live, []
         for seq in dropped:
             self._drop_cache(seq)
+        if self._prefix_cache is not None:
+            self._prefix_cache.clear()
         return dropped
 
     @property

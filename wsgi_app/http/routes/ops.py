@@ -1,9 +1,9 @@
 """Operational endpoints: liveness, readiness, and the loopback-only debug views.
 
 Served on both the API port and the health port, so probes never queue behind API traffic. A plain
-``GET``/``HEAD`` of ``/healthz``, ``/health`` or ``/ready`` is answered by the worker before the app,
-with the same bytes (``wsgi_app.server.probes``, ``wsgi_app.http.probes``); these routes answer the rest
-(a probe with a body or an ``Origin``, or under another worker class).
+``GET``/``HEAD`` of ``/healthz``, ``/health`` or ``/ready`` is answered by the worker before the app
+(``wsgi_app.server.probes``); these routes answer the rest (a probe with a body or an ``Origin``, or
+under another worker class), both with the answers ``wsgi_app.http.probes`` defines.
 """
 
 from __future__ import annotations
@@ -16,32 +16,23 @@ from flask import Blueprint, Response, request
 
 from wsgi_app.api.errors import ApiError
 from wsgi_app.http.error_handlers import json_response
+from wsgi_app.http.probes import CONTENT_TYPE, probe_answer
 from wsgi_app.http.runtime import runtime
+from wsgi_app.server.probes import PROBE_PATHS
 
 bp = Blueprint("ops", __name__)
 
 
-@bp.get("/healthz")
-def healthz() -> Response:
-    """Answer 200 ``{"status":"ok"}`` while the worker's hub is responsive."""
-    return json_response({"status": "ok"})
+def probe() -> Response:
+    """Answer a health probe: liveness (``/healthz``, ``/health``) or readiness (``/ready``), as
+    ``wsgi_app.http.probes`` defines them."""
+    status, body = probe_answer(runtime(), request.path)
+    return Response(body, status, content_type=CONTENT_TYPE)
 
 
-@bp.get("/health")
-def health() -> Response:
-    """Liveness: 200 ``{"status":"ok"}`` while the worker runs."""
-    return json_response({"status": "ok"})
-
-
-@bp.get("/ready")
-def ready() -> Response:
-    """Readiness: 200 when this worker should get traffic; 503 while draining or after an engine
-    failure that leaves the engine untrustworthy."""
-    rt = runtime()
-    if rt.ready:
-        return json_response({"status": "ready"})
-    reason = "draining" if rt.draining else "engine_failed"
-    return json_response({"status": "not_ready", "reason": reason}, 503)
+# The paths the worker answers itself, so that what it passes on finds the same answer here.
+for _path in sorted(PROBE_PATHS):
+    bp.add_url_rule(_path, view_func=probe, methods=["GET"])
 
 
 def loopback_host(host: str) -> bool:
@@ -94,7 +85,7 @@ def debug_state() -> Response:
     rt = runtime()
     state = rt.admission.state()
     state["rate_limit"] = {"storage_errors": rt.rate_limit_storage_errors}
-    prefix_cache = getattr(rt.engine, "prefix_cache", None)
+    prefix_cache = rt.engine.prefix_cache
     if prefix_cache is not None:  # the Llama engine's cached prompt blocks (PREFIX_CACHE=1)
         state["kv_cache_bytes"]["cached"] = prefix_cache.nbytes
         state["prefix_cache"] = prefix_cache.state()
