@@ -8,15 +8,14 @@ constraint, so that the same conversation renders the same prompt and generates 
 both. A :class:`ResponsesRequest` with its messages is a ``wsgi_app.api.chat.Conversation``.
 
 What differs from chat: ``max_output_tokens``; ``instructions`` (a first system message, never
-carried over by ``previous_response_id``, as OpenAI's); flat function tools (``{"type":
-"function", "name", "description", "parameters", "strict"}``) and ``tool_choice`` ``{"type":
-"function", "name"}``; ``text.format`` as the output constraint; ``store``. Tool types this server
-cannot run (web search, file search, code interpreter, MCP, custom freeform tools...) are not an
-error: clients such as Codex send them on every request. They are left out of the prompt and named
-in ``X-Ignored-Fields`` (``tools[2]``) with the other ignored fields, among them keys an item or a
-tool holds that the API does not define for it. Documented fields this server does not implement
-(``background: true``, ``conversation``, ``prompt``, ``top_logprobs`` above 0) are a 400 saying so.
-``null`` means absent.
+carried over by ``previous_response_id``, as OpenAI's); flat function tools and ``tool_choice``
+(``wsgi_app.api.response_tools``); ``text.format`` as the output constraint; ``store``. Tool types
+this server cannot run (web search, file search, code interpreter, MCP, custom freeform tools...)
+are not an error: clients such as Codex send them on every request. They are left out of the prompt
+and named in ``X-Ignored-Fields`` (``tools[2]``) with the other ignored fields, among them keys an
+item or a tool holds that the API does not define for it. Documented fields this server does not
+implement (``background: true``, ``conversation``, ``prompt``, ``top_logprobs`` above 0) are a 400
+saying so. ``null`` means absent.
 
 Source: OpenAI API reference, "Responses" (create).
 """
@@ -28,7 +27,7 @@ from typing import Any, ClassVar
 
 from model.sampling import SamplingParams
 from wsgi_app.api.completions import MAX_TOKENS_LIMIT
-from wsgi_app.api.errors import invalid, quote_name
+from wsgi_app.api.errors import invalid
 from wsgi_app.api.fields import (
     boolean_field,
     build_sampling,
@@ -40,13 +39,13 @@ from wsgi_app.api.fields import (
     unsupported,
 )
 from wsgi_app.api.response_items import Item, conversation_messages, read_input
+from wsgi_app.api.response_tools import choice_echo, response_tools
 from wsgi_app.api.structured import RequestConstraint, text_format
 from wsgi_app.api.table import Field, FieldTable, shown_names
-from wsgi_app.api.tools import MAX_TOOLS, ToolRequest, check_strings, function_tool
+from wsgi_app.api.tools import ToolRequest, check_strings
 
 MAX_CHAT_MESSAGES = 1024  # the MAX_CHAT_MESSAGES setting's default: the most items
 MAX_ID_CHARS = 256
-FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -189,7 +188,7 @@ def parse_responses_request(
             raise invalid("'instructions' must be a string.", "instructions")
         check_unicode(instructions, "instructions")
     items = read_input(body.get("input"), max_items, ignored)
-    tools, tools_echo = _tools(body, ignored)
+    tools, tools_echo = response_tools(body, ignored)
     text, constraint = _text(body.get("text"), ignored)
     max_tokens = integer_field(body, "max_output_tokens", None, 1, MAX_TOKENS_LIMIT)
     sampling_body = {k: body[k] for k in (*SAMPLING_FIELDS, "logit_bias") if k in body}
@@ -222,7 +221,7 @@ def parse_responses_request(
         "store": store is not False,
         "temperature": fields.temperature,
         "text": text,
-        "tool_choice": _choice_echo(tools, body.get("tool_choice")),
+        "tool_choice": choice_echo(tools, body.get("tool_choice")),
         "tools": tools_echo,
         "top_logprobs": 0,
         "top_p": fields.top_p,
@@ -259,107 +258,6 @@ def _previous_response_id(value: Any) -> str | None:
         )
     check_unicode(value, "previous_response_id")
     return value
-
-
-def _tools(body: dict[str, Any], ignored: list[str]) -> tuple[ToolRequest | None, list[dict]]:
-    """Return the function tools as a :class:`ToolRequest` (None without any) and as the answer
-    echoes them; other tool types are named in ``ignored``.
-
-    Raises:
-        ApiError: 400 naming the param: a malformed list or tool (``tools[1].name``), a
-            duplicate name, a malformed ``tool_choice`` or one naming no function tool,
-            ``parallel_tool_calls`` or ``max_tool_calls`` of the wrong type.
-    """
-    value = body.get("tools")
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise invalid("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls")
-    most = integer_field(body, "max_tool_calls", None, 1, 1 << 20)
-    if value is None:
-        value = []
-    if not isinstance(value, list):
-        raise invalid("'tools' must be a list of tools.", "tools")
-    if len(value) > MAX_TOOLS:
-        raise invalid(
-            f"'tools' holds {len(value)} tools; the limit is {MAX_TOOLS} (MAX_TOOLS).", "tools"
-        )
-    tools, echo, seen = [], [], {}
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise invalid(f"'{where}' must be an object.", where)
-        kind = tool.get("type")
-        if not isinstance(kind, str):
-            raise invalid(f"'{where}.type' is required and must be a string.", f"{where}.type")
-        if kind != "function":  # a tool this server cannot run: left out, and named
-            ignored.append(where)
-            continue
-        ignored += (f"{where}.{k}" for k in tool if k not in (*FUNCTION_KEYS, "type"))
-        read = function_tool({k: v for k, v in tool.items() if k in FUNCTION_KEYS}, where)
-        read = replace(read, schema_param=f"{where}.parameters")  # flat: not the chat's place
-        if read.name in seen:
-            raise invalid(
-                f"Duplicate function name {read.name!r} ('{seen[read.name]}' has it too).",
-                f"{where}.name",
-            )
-        seen[read.name] = where
-        tools.append(read)
-        echo.append(
-            {
-                "type": "function",
-                "name": read.name,
-                "description": read.description,
-                "parameters": read.parameters,
-                "strict": read.strict,
-            }
-        )
-    choice, name = _choice(body.get("tool_choice"), seen)
-    if not tools:
-        if choice in ("required", "named"):
-            raise invalid("'tool_choice' requires a function in 'tools'.", "tool_choice")
-        return None, echo
-    request = ToolRequest(
-        tools=tuple(tools),
-        choice=choice,
-        name=name,
-        parallel=parallel is not False and most != 1,
-    )
-    return request, echo
-
-
-def _choice(value: Any, names: dict[str, str]) -> tuple[str, str | None]:
-    """Return (choice, named function or None) of a Responses ``tool_choice``."""
-    if value is None:
-        return "auto", None
-    if isinstance(value, str):
-        if value not in ("none", "auto", "required"):
-            raise invalid(
-                f"Invalid value for 'tool_choice': {quote_name(value)!r}; expected 'none', "
-                "'auto', 'required' or an object naming a function.",
-                "tool_choice",
-            )
-        return value, None
-    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise invalid("'tool_choice' must be a string or an object with a 'type'.", "tool_choice")
-    if value["type"] != "function":
-        raise unsupported("tool_choice", f"A 'tool_choice' of type {quote_name(value['type'])!r}")
-    name = value.get("name")
-    if not isinstance(name, str):
-        raise invalid("'tool_choice.name' is required and must be a string.", "tool_choice.name")
-    if name not in names:
-        raise invalid(
-            f"'tool_choice.name' names the function {quote_name(name)!r}, which is not among "
-            "the tools.",
-            "tool_choice.name",
-        )
-    return "named", name
-
-
-def _choice_echo(tools: ToolRequest | None, value: Any) -> Any:
-    """Return the ``tool_choice`` the answer repeats."""
-    if tools is not None and tools.choice == "named":
-        return {"type": "function", "name": tools.name}
-    return value if isinstance(value, str) else "auto"
 
 
 def _text(value: Any, ignored: list[str]) -> tuple[dict[str, Any], RequestConstraint | None]:
