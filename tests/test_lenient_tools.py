@@ -124,6 +124,32 @@ def test_the_names_join_the_unknown_fields_and_name_list_items(default_server):
     )
 
 
+def test_a_responses_flat_tool_is_named_in_its_place(default_server):
+    tool = {"type": "function", "name": "label", "parameters": LABELED}
+    body = {
+        "model": "m",
+        "input": "Label the task.",
+        "tools": [tool],
+        "tool_choice": {"type": "function", "name": "label"},
+        "max_output_tokens": 300,
+        "seed": 3,
+        "store": False,
+    }
+    status, headers, raw = default_server.post("/v1/responses", body)
+    doc = json.loads(raw)
+    assert status == 200, doc
+    assert headers["x-ignored-fields"] == "tools%5B0%5D.parameters.properties.labels.propertyNames"
+    (call,) = [item for item in doc["output"] if item["type"] == "function_call"]
+    assert call["name"] == "label"
+    jsonschema.validate(json.loads(call["arguments"]), LABELED)
+    status, _, raw = default_server.post(
+        "/v1/responses", {**body, "tools": [{**tool, "strict": True}]}
+    )
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == "tools[0].parameters", error
+    assert "'propertyNames' at #/properties/labels" in error["message"]
+
+
 def test_the_legacy_functions_are_named_in_their_place(default_server):
     body = {
         "model": "m",

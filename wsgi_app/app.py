@@ -36,6 +36,7 @@ from wsgi_app.http.routes import (
     openapi,
     ops,
     pages,
+    responses,
     stats,
 )
 from wsgi_app.http.runtime import EXTENSION, Runtime
@@ -198,6 +199,7 @@ def register_blueprints(app: Flask, settings: Settings) -> None:
         completions_get.bp,
         chat.bp,
         messages.bp,
+        responses.bp,
         models.bp,
         openapi.bp,
         ops.bp,

@@ -161,6 +161,8 @@ def _check_config_or_exit():
         except socket.gaierror as exc:
             raise ValueError(f"HOST cannot be resolved: {_server.host!r} ({exc.strerror})") from exc
         check_stats_db(settings.stats_db)
+        if not settings.responses_redis_url:
+            check_stats_db(settings.responses_db, "RESPONSES_DB")
         try:
             if settings.model_dir is not None:
                 _log_gguf_loading(gguf_file(settings.model_dir))

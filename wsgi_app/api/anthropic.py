@@ -296,12 +296,12 @@ def _tool_choice(value: Any, tools: tuple[Tool, ...]) -> ToolRequest | None:
     """
     choice, name, parallel = "auto", None, True
     if value is not None:
-        if not isinstance(value, dict) or value.get("type") not in CHOICES:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if not isinstance(kind, str) or kind not in CHOICES:
             raise invalid(
                 "'tool_choice' must be an object whose 'type' is 'auto', 'any', 'tool' or 'none'.",
                 "tool_choice",
             )
-        kind = value["type"]
         allowed = ("type", "disable_parallel_tool_use", *(("name",) if kind == "tool" else ()))
         for key in value:
             if key not in allowed:
@@ -315,7 +315,9 @@ def _tool_choice(value: Any, tools: tuple[Tool, ...]) -> ToolRequest | None:
         parallel = not disable
         if kind == "tool":
             name = value.get("name")
-            if not isinstance(name, str) or name not in {t.name for t in tools}:
+            if not isinstance(name, str):
+                raise invalid("'tool_choice.name' must be a string.", "tool_choice.name")
+            if name not in {t.name for t in tools}:
                 raise invalid(
                     f"'tool_choice.name' names the tool {quote_name(name)!r}, which is not among "
                     "the tools.",

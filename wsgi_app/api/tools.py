@@ -53,7 +53,8 @@ class Tool:
             of it is what is enforced); an empty object's schema when absent, as OpenAI reads it.
         strict: the client's ``strict`` flag (the schema is enforced either way).
         schema_param: where the schema sits in the request, for a refusal to name
-            (``tools[3].input_schema``); "" for the chat place, ``tools[i].function.parameters``.
+            (``tools[3].input_schema``, a Responses tool's flat ``tools[3].parameters``); "" for
+            the chat place, ``tools[i].function.parameters``.
         sent: the schema as sent, when keywords were left out of :attr:`parameters` (the
             template shows it: the model reads the whole schema); None when they are the same.
         dropped: the paths of the keywords left out (``tools[0].function.parameters.propertyNames``).
@@ -197,17 +198,27 @@ def _tool(value: Any, where: str, legacy: bool) -> Tool:
         function, fwhere = value.get("function"), f"{where}.function"
         if not isinstance(function, dict):
             raise invalid(f"'{fwhere}' is required and must be an object.", fwhere)
-    named = described_object(function, fwhere, _FUNCTION_KEYS, name_required=True)
+    return function_tool(function, fwhere)
+
+
+def function_tool(function: dict[str, Any], where: str) -> Tool:
+    """Read one function's ``name``, ``description``, ``parameters`` and ``strict`` (the keys
+    it may hold): a chat tool's ``function`` object, a legacy ``functions`` entry, or (its
+    ``type`` taken out) a Responses tool, which holds the same keys flat.
+
+    Raises:
+        ApiError: 400 naming ``<where>.<key>``: another key, a malformed name, description,
+            ``strict`` or ``parameters``, a lone surrogate in them.
+    """
+    named = described_object(function, where, _FUNCTION_KEYS, name_required=True)
     if named.description is not None:
-        check_unicode(named.description, f"{fwhere}.description")
+        check_unicode(named.description, f"{where}.description")
     parameters = function.get("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
-        raise invalid(
-            f"'{fwhere}.parameters' must be a JSON Schema object.", f"{fwhere}.parameters"
-        )
-    check_strings(parameters, f"{fwhere}.parameters")
+        raise invalid(f"'{where}.parameters' must be a JSON Schema object.", f"{where}.parameters")
+    check_strings(parameters, f"{where}.parameters")
     kind = parameters.get("type", "object")
     if kind != "object":  # arguments are an object: OpenAI refuses any other type, so do we
         got = kind if isinstance(kind, str) else json.dumps(kind)
@@ -215,14 +226,14 @@ def _tool(value: Any, where: str, legacy: bool) -> Tool:
             400,
             f"Invalid schema for function '{named.name}': schema must be a JSON Schema of "
             f"'type: \"object\"', got 'type: \"{got}\"'.",
-            param=f"{fwhere}.parameters",
+            param=f"{where}.parameters",
             code="invalid_function_parameters",
         )
     if named.strict:
-        refuse_open_object(parameters, f"{fwhere}.parameters")
+        refuse_open_object(parameters, f"{where}.parameters")
     return lenient_schema(
         Tool(named.name, named.description, parameters, bool(named.strict)),
-        f"{fwhere}.parameters",
+        f"{where}.parameters",
     )
 
 
