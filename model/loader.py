@@ -43,8 +43,8 @@ from model.llama.gguf_tokenizer import tokenizer_from_gguf
 from model.llama.kv_cache import bytes_per_token, reservation_bytes
 from model.llama.kv_cache import can_ever_fit as can_ever_fit  # the contract's, for admission
 from model.llama.model import Llama
-from model.llama.prefix_cache import PrefixCache
-from model.llama.scheduler import PREFILL_CHUNK, BatchScheduler
+from model.llama.prefix_cache import BLOCK_TOKENS, PrefixCache
+from model.llama.scheduler import BatchScheduler
 from model.llama.tensors import check_tensors
 from model.locate import gguf_file
 from model.tokenizer import ByteTokenizer, HFTokenizer
@@ -160,7 +160,7 @@ class LoadedModel:
                 (``BATCH_INVARIANT``).
             speculative_tokens: most tokens a sequence drafts per step (``SPECULATIVE_TOKENS``;
                 0: off). The answers are the same either way.
-            prefix_cache_bytes: keep whole prompt blocks for reuse in at most this many bytes
+            prefix_cache_bytes: keep whole blocks of KV for reuse in at most this many bytes
                 (``PREFIX_CACHE=1``: the KV budget, less what the running requests reserve, see
                 :class:`model.llama.prefix_cache.PrefixCache`); None for no prefix cache.
 
@@ -171,7 +171,7 @@ class LoadedModel:
             raise ValueError(f"the {self.engine_kind} family runs inline: it has no scheduler")
         cache = None
         if prefix_cache_bytes is not None:
-            cache = PrefixCache.for_model(self.model.config, PREFILL_CHUNK, prefix_cache_bytes)
+            cache = PrefixCache.for_model(self.model.config, BLOCK_TOKENS, prefix_cache_bytes)
         return BatchScheduler(
             self.model,
             self.tokenizer.eos_ids,
