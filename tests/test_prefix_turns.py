@@ -19,6 +19,7 @@ import json
 import pytest
 
 from tests.server import GunicornServer
+from tests.test_prefix_cache_smollm2 import start
 from wsgi_app.http.chat import serving_template
 from wsgi_app.settings import Settings
 
@@ -31,16 +32,6 @@ TURNS = [
     "Now summarise that in one sentence.",
 ]
 SAMPLINGS = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.8, "seed": 28, "n": 2}}
-
-
-def start(tmp_path_factory, smollm2_gguf, gguf_cache_dir, name: str, **env: str) -> GunicornServer:
-    settings = {
-        "MODEL_DIR": str(smollm2_gguf),
-        "GREENSERVE_CACHE_DIR": str(gguf_cache_dir),
-        "REQUEST_TIMEOUT_S": "600",  # a loaded machine must not turn a slow answer into a 504
-        **env,
-    }
-    return GunicornServer(tmp_path_factory.mktemp(name), settings, health_port=False)
 
 
 @pytest.fixture(scope="module")

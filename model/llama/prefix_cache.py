@@ -21,8 +21,10 @@ sequence's own (:class:`model.llama.scheduler.BatchScheduler` decides when):
 - when it leaves, the whole blocks of everything it computed, the positions it decoded included
   (:meth:`PrefixCache.publish_blocks`), so a conversation's next turn (the same messages, the
   answer and a new message) reuses the previous prompt and answer up to the last whole block. The
-  last sampled token has no KV (it was never fed), and a verify chunk's rejected rows are never
-  counted (speculation takes their positions back before anything is published).
+  last sampled token has no KV (it was never fed), and a verify chunk's rows count only once their
+  drafted token is accepted (:func:`model.llama.speculative.accept`). A sequence that finished
+  evicts older entries for its blocks; one that was cancelled keeps only what fits the room left
+  free; the sequences of a step that raised publish nothing.
 
 Keys chain: a block's key is a hash of (its parent block's key, the cache salt, its token ids), so a
 key names the whole prefix up to the block's end, and requests with different salts (API keys,
