@@ -67,8 +67,8 @@ if TYPE_CHECKING:
 # Positions per block, as vLLM's default. Smaller blocks reuse more of a shared prefix (up to
 # BLOCK_TOKENS - 1 of its positions are computed again) but cost a hash, a dictionary entry and two
 # array copies each: at 16, the keys of a 2,048-token prompt take 0.3 ms, and publishing or restoring
-# its SmolLM2 KV ~75 ms (the copies, no slower than with 128-token blocks) against 10-18 s to compute
-# it (bench/prefix_turns.py --micro), so it is a constant, not a setting.
+# its SmolLM2 KV 75-130 ms (the copies, no slower than with 128-token blocks) where computing it took
+# ~18 s on the same loaded core (bench/prefix_turns.py --micro), so it is a constant, not a setting.
 BLOCK_TOKENS = 16
 _KEY_BYTES = 16  # blake2b digest size: 128 bits, no accidental collision among cached entries
 _END = b"end"  # marks a prompt end's key apart from a block's
