@@ -97,7 +97,7 @@ def test_shared_system_prompt_gives_the_same_bits_with_the_cache(servers):
     first = ask(on, 0)  # cold: publishes the system prompt's whole blocks
     assert first[0] == want[0][0] and first[1]["prompt_tokens_details"] == {"cached_tokens": 0}
     got = concurrently(lambda i: ask(on, i), len(cases), timeout_s=300)  # every user at once
-    shared = (prompt_tokens - 20) // 128 * 128  # the blocks before the user's message
+    shared = (prompt_tokens - 20) // 16 * 16  # the 16-token blocks before the user's message
     for (choices, usage), (want_choices, want_usage) in zip(got, want, strict=True):
         assert choices == want_choices
         assert usage["completion_tokens"] == want_usage["completion_tokens"]

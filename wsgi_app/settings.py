@@ -110,8 +110,8 @@ class Settings:
         speculative_tokens: most tokens a Llama sequence drafts per step by prompt lookup
             (``SPECULATIVE_TOKENS``, ``model.llama.serving.speculative``); 0 turns speculation off. The
             answers are the same bits either way (with ``batch_invariant``).
-        prefix_cache: keep the KV of whole prompt blocks of a Llama model for reuse by later
-            prompts that start with them (``1``), within ``kv_cache_budget_mb``; ``0``: none.
+        prefix_cache: keep the KV of whole blocks of a Llama model's prompts and answers for reuse
+            by later prompts that start with them (``1``), within ``kv_cache_budget_mb``; ``0``: none.
         max_body_bytes: largest request body accepted, in bytes (413 beyond).
         max_prompt_tokens: largest prompt, in tokens (bytes for the bigram).
         max_n: largest ``n`` (choices per request).
