@@ -46,7 +46,7 @@ from model.llama.forward.model import Llama
 from model.llama.forward.tensors import check_tensors
 from model.llama.serving.engine import LlamaEngine
 from model.llama.serving.prefix_cache import BLOCK_TOKENS, PrefixCache
-from model.llama.serving.scheduler import PREFILL_CHUNK, BatchScheduler
+from model.llama.serving.scheduler import BatchScheduler
 from model.locate import gguf_file
 from model.tokenizer import ByteTokenizer, HFTokenizer
 

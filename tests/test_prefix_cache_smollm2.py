@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from tests.gguffiles import smollm2_server_unstarted as start
 from tests.server import GunicornServer, concurrently
 from tests.sse import events
 
@@ -35,16 +36,6 @@ def chat(question: str, sampling: dict, **extra) -> dict:
         **sampling,
         **extra,
     }
-
-
-def start(tmp_path_factory, smollm2_gguf, gguf_cache_dir, name: str, **env: str) -> GunicornServer:
-    settings = {
-        "MODEL_DIR": str(smollm2_gguf),
-        "GREENSERVE_CACHE_DIR": str(gguf_cache_dir),
-        "REQUEST_TIMEOUT_S": "600",  # a loaded machine must not turn a slow answer into a 504
-        **env,
-    }
-    return GunicornServer(tmp_path_factory.mktemp(name), settings, health_port=False)
 
 
 @pytest.fixture(scope="module")

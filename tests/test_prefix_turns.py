@@ -18,8 +18,8 @@ import json
 
 import pytest
 
+from tests.gguffiles import smollm2_server_unstarted as start
 from tests.server import GunicornServer
-from tests.test_prefix_cache_smollm2 import start
 from wsgi_app.http.chat import serving_template
 from wsgi_app.settings import Settings
 
