@@ -218,7 +218,7 @@ class Scheduler(Protocol):
 
     @property
     def prefix_cache(self) -> PrefixCacheView | None:
-        """The cache of prompt blocks reused across requests, or None without one."""
+        """The cache of KV blocks (prompts and answers) reused across requests, or None."""
         ...
 
     def validate(self, req: GenerationRequest) -> PCG32:

@@ -46,8 +46,8 @@ from model.llama.forward.kv_cache import can_ever_fit as can_ever_fit  # for adm
 from model.llama.forward.model import Llama
 from model.llama.forward.tensors import check_tensors
 from model.llama.serving.engine import LlamaEngine
-from model.llama.serving.prefix_cache import PrefixCache
-from model.llama.serving.scheduler import PREFILL_CHUNK, BatchScheduler
+from model.llama.serving.prefix_cache import BLOCK_TOKENS, PrefixCache
+from model.llama.serving.scheduler import BatchScheduler
 from model.locate import gguf_file
 from model.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -173,7 +173,7 @@ class LoadedModel:
                 (``BATCH_INVARIANT``).
             speculative_tokens: most tokens a sequence drafts per step (``SPECULATIVE_TOKENS``;
                 0: off). The answers are the same either way.
-            prefix_cache_bytes: keep whole prompt blocks for reuse in at most this many bytes
+            prefix_cache_bytes: keep whole blocks of KV for reuse in at most this many bytes
                 (``PREFIX_CACHE=1``: the KV budget, less what the running requests reserve, see
                 :class:`model.llama.serving.prefix_cache.PrefixCache`); None for no prefix cache.
 
@@ -184,7 +184,7 @@ class LoadedModel:
             raise ValueError(f"the {self.engine_kind} family runs inline: it has no scheduler")
         cache = None
         if prefix_cache_bytes is not None:
-            cache = PrefixCache.for_model(self.model.config, PREFILL_CHUNK, prefix_cache_bytes)
+            cache = PrefixCache.for_model(self.model.config, BLOCK_TOKENS, prefix_cache_bytes)
         return BatchScheduler(
             self.model,
             self.tokenizer.eos_ids,

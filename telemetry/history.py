@@ -24,7 +24,7 @@ from typing import Any
 from telemetry.recorder import COLUMNS, SKETCHED, Batch
 from telemetry.sketch import quantiles
 
-__all__ = ["KEEP_MINUTES", "WEEK_S", "HistoryStore"]
+__all__ = ["KEEP_MINUTES", "WEEK_S", "HistoryStore", "retry_locked"]
 
 log = logging.getLogger("greenserve.history")
 
@@ -61,7 +61,14 @@ _UPSERT_WORKER = (
 )
 
 
-def _retry_locked(fn: Callable[[], Any], attempts: int = 50) -> Any:
+def retry_locked(fn: Callable[[], Any], attempts: int = 50) -> Any:
+    """Return ``fn()``, called again (up to ``attempts`` times, backing off 20 ms more each time)
+    while SQLite says the database is locked: two processes opening a new file at once (both
+    switching it to WAL) collide there, whatever ``busy_timeout`` says.
+
+    Raises:
+        sqlite3.OperationalError: another error, or still locked after ``attempts`` calls.
+    """
     for attempt in range(attempts):
         try:
             return fn()
@@ -86,7 +93,7 @@ class HistoryStore:
     def __init__(self, path: str, busy_timeout_s: float = 5.0) -> None:
         self.path = path
         self.busy_timeout_s = busy_timeout_s
-        _retry_locked(self._create)
+        retry_locked(self._create)
 
     def _create(self) -> None:
         with self._connect() as conn:

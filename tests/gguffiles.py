@@ -182,6 +182,25 @@ def smollm2(smollm2_gguf: Path, gguf_cache_dir: Path) -> LoadedModel:
     return load_model(smollm2_gguf, cache_dir=gguf_cache_dir)
 
 
+def smollm2_server_unstarted(
+    tmp_path_factory: pytest.TempPathFactory,
+    smollm2_gguf: Path,
+    gguf_cache_dir: Path,
+    name: str,
+    **env: str,
+) -> GunicornServer:
+    """Return a gunicorn (not started) serving SmolLM2 on the API port only, with ``env``'s settings
+    over these: the weights cache in ``gguf_cache_dir``, and a 600 s request timeout (a loaded
+    machine must not turn a slow answer into a 504)."""
+    settings = {
+        "MODEL_DIR": str(smollm2_gguf),
+        "GREENSERVE_CACHE_DIR": str(gguf_cache_dir),
+        "REQUEST_TIMEOUT_S": "600",
+        **env,
+    }
+    return GunicornServer(tmp_path_factory.mktemp(name), settings, health_port=False)
+
+
 @pytest.fixture(scope="session")
 def smollm2_server(
     smollm2_gguf: Path,

@@ -51,7 +51,7 @@ def test_preflight_from_an_allowed_origin(cors_server):
     assert "content-type" not in headers
     assert cors_headers(headers) == {
         "access-control-allow-origin": ALLOWED,
-        "access-control-allow-methods": "GET, POST, OPTIONS",
+        "access-control-allow-methods": "GET, POST, DELETE, OPTIONS",
         "access-control-allow-headers": "content-type, authorization",
         "access-control-max-age": "600",
     }
@@ -65,7 +65,7 @@ def test_preflight_allows_the_headers_the_openai_sdk_sends(cors_server, path):
     assert (status, body) == (204, b"")
     assert cors_headers(got) == {
         "access-control-allow-origin": ALLOWED,
-        "access-control-allow-methods": "GET, POST, OPTIONS",
+        "access-control-allow-methods": "GET, POST, DELETE, OPTIONS",
         "access-control-allow-headers": "authorization, content-type, x-stainless-os, "
         "x-stainless-timeout",
         "access-control-max-age": "600",

@@ -152,12 +152,12 @@ def test_cached_prompt_blocks_are_given_up_before_a_request_would_wait(budget_se
     """Cached blocks fill what the reservations leave of the budget, and go (least recently used
     first) as soon as a request needs the room: caching never makes a request wait."""
     srv = budget_server
-    block = 128 * STORY_TOKEN_BYTES  # 163,840 bytes: a 128-token block
+    block = 16 * STORY_TOKEN_BYTES  # 20,480 bytes: a 16-token block
     prompts = [[1] + [3 + (97 * i + 31 * t) % 500 for t in range(299)] for i in range(3)]
-    # Each reserves 301 tokens (385,280 bytes) and publishes its two whole blocks and its prompt end
-    # (44 positions and 512 logits) while it holds them: beside it there is room for not quite two
+    # Each reserves 301 tokens (385,280 bytes) and publishes its 18 whole blocks and its prompt end
+    # (12 positions and 512 logits) while it holds them: beside it there is room for not quite two
     # prompts' worth, so the later ones evict the first's entries, its end first.
-    prompt_bytes = 2 * block + 44 * STORY_TOKEN_BYTES + 512 * 4  # 386,048
+    prompt_bytes = 18 * block + 12 * STORY_TOKEN_BYTES + 512 * 4  # 386,048
     for p in prompts:
         status, _, raw = srv.complete({"model": "s", "prompt": p, "max_tokens": 1})
         assert status == 200, raw

@@ -314,6 +314,20 @@ BAD = [
         {"model": "m", "max_tokens": 1, "messages": ASK, "tool_choice": {"type": "any"}},
         "'tool_choice' of type 'any' needs 'tools'.",
     ),
+    (  # not a string: no 500 from hashing it (schemathesis found one)
+        {"model": "m", "max_tokens": 1, "messages": ASK, "tool_choice": {"type": {}}},
+        "'tool_choice' must be an object whose 'type' is 'auto', 'any', 'tool' or 'none'.",
+    ),
+    (
+        {
+            "model": "m",
+            "max_tokens": 1,
+            "messages": ASK,
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "tool", "name": ["f"]},
+        },
+        "'tool_choice.name' must be a string.",
+    ),
     (
         {"model": "m", "max_tokens": 1, "messages": ASK, "stop_sequences": ["a", "b", "c", "d"]},
         "'stop_sequences' holds 4 strings; with this chat template's own stop strings at most 3 "

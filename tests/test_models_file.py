@@ -120,6 +120,7 @@ def test_every_endpoint_routes_by_model(server, models_dir):
         ("/v1/chat/completions", {"messages": messages, "max_tokens": 2}),
         ("/v1/messages", {"messages": messages, "max_tokens": 2}),
         ("/v1/messages/count_tokens", {"messages": messages}),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 16, "store": False}),
     ):
         for model, expected in (("loop", xyz), ("stories", stories)):
             status, headers, raw = server.post(path, {**body, "model": model})

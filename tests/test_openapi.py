@@ -11,9 +11,11 @@ from jsonschema import ValidationError
 from openapi_spec_validator import validate
 
 from tests.contract import DOC_PATH, Contract
+from tests.responses import city_tool
 from tests.sse import events
 from wsgi_app.api.chat import FIELDS as CHAT_FIELDS
 from wsgi_app.api.completions import FIELDS as COMPLETION_FIELDS
+from wsgi_app.api.responses import FIELDS as RESPONSES_FIELDS
 from wsgi_app.api.table import CONSTRAINT_FIELDS
 
 SSE = {"Accept": "text/event-stream"}
@@ -178,3 +180,35 @@ def test_the_documented_fields_are_the_endpoints_field_table(schema, path, alias
     )
     params = {p["name"] for p in doc["paths"][path]["get"]["parameters"] if p["in"] == "query"}
     assert params == {f.name for f in table.fields if f.query} | aliases
+
+
+def test_the_responses_request_schema_is_its_field_table():
+    doc = json.loads(DOC_PATH.read_text())
+    assert set(doc["components"]["schemas"]["ResponsesRequest"]["properties"]) == (
+        RESPONSES_FIELDS.names | set(CONSTRAINT_FIELDS)
+    )
+
+
+def test_responses_answers_validate(succ_server, contract):
+    tool = city_tool()
+    cases = [
+        {"model": "m", "input": "a", "max_output_tokens": 3},
+        {"model": "m", "input": "a", "tools": [tool], "tool_choice": "required", "seed": 1},
+        {"model": "m", "input": "a", "text": {"format": {"type": "json_object"}}, "seed": 2},
+    ]
+    stored = []
+    for body in cases:
+        for streamed in (False, True):
+            status, headers, raw = succ_server.post("/v1/responses", {**body, "stream": streamed})
+            assert status == 200, raw
+            contract.check("/v1/responses", "POST", status, headers, raw)
+            if not streamed:
+                stored.append(json.loads(raw)["id"])
+    path = "/v1/responses/{response_id}"
+    for method, status in (("GET", 200), ("DELETE", 200), ("GET", 404), ("DELETE", 404)):
+        got, headers, raw = succ_server.request(method, f"/v1/responses/{stored[0]}")
+        assert got == status
+        contract.check(path, method, got, headers, raw)
+    status, headers, raw = succ_server.post("/v1/responses", {"model": "m"})
+    assert status == 400
+    contract.check("/v1/responses", "POST", status, headers, raw)

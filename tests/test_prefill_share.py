@@ -18,7 +18,7 @@ import pytest
 
 from model.engine import GenerationRequest
 from model.llama.forward.model import Llama
-from model.llama.serving.prefix_cache import PrefixCache
+from model.llama.serving.prefix_cache import BLOCK_TOKENS, PrefixCache
 from model.llama.serving.scheduler import PREFILL_CHUNK, BatchScheduler, steps_of
 from model.sampling import SamplingParams
 from tests.llamafiles import convert_stories
@@ -43,7 +43,7 @@ def request(prompt: list[int], max_tokens: int, seed: int) -> GenerationRequest:
 
 
 def scheduler(model: Llama) -> BatchScheduler:
-    cache = PrefixCache.for_model(model.config, PREFILL_CHUNK, 1 << 30)
+    cache = PrefixCache.for_model(model.config, BLOCK_TOKENS, 1 << 30)
     return BatchScheduler(model, EOS, 4, speculative_tokens=7, prefix_cache=cache)
 
 
@@ -63,7 +63,8 @@ def alone(model: Llama, req: GenerationRequest) -> list:
 
 def test_a_prompt_read_beside_decoding_sequences_is_its_bits_alone(stories, monkeypatch):
     long = request(prompt_of(1, 300), 12, 5)  # chunks of 128, 128 and 44 tokens
-    # its two whole blocks, then 120 new tokens: a prefix hit whose rest is read beside them
+    # its 18 whole blocks (288 tokens), then 12 + 120 new tokens: a prefix hit whose rest is read
+    # beside them
     longer = request(long.prompt_ids + tuple(prompt_of(2, 121)[1:]), 12, 6)
     want = {"long": alone(stories, long), "longer": alone(stories, longer)}
     rows: list[tuple[int, int]] = []  # (prompt rows, decode rows) of every step
@@ -92,7 +93,7 @@ def test_a_prompt_read_beside_decoding_sequences_is_its_bits_alone(stories, monk
         # at least half of every step, but where the prompt had fewer rows left than the decoders
         assert all(p >= d or p < 2 for p, d in reading), reading
         cached = steps[0].cached_tokens
-        assert (name, cached) in (("long", 0), ("longer", 256))
+        assert (name, cached) in (("long", 0), ("longer", 288))
         assert len(reading) == -(-(len(req.prompt_ids) - cached) // 8)  # 8 rows a step
     assert got == want
     assert any(d > 2 for _, d in rows)  # the decoders drafted beside the prompt

@@ -4,9 +4,11 @@ Every case runs on a server with the cache off (the reference) and one with it o
 (a full hit), alone and all at once in one batch, greedy and seeded, with logprobs: the choices
 (text, tokens, logprobs, top alternatives, finish reasons) are the same bytes, and only
 ``usage.prompt_tokens_details.cached_tokens`` tells the runs apart. Prompts are token ids; blocks are
-the 128-token prefill chunks, so a prompt of 300 tokens caches two blocks (256 tokens), and a prompt of
-exactly 256 reuses one block and computes its last one again (its last logits come only from that),
-until its own prompt end (its last partial chunk and its last logits) is cached: a repeat reuses it all.
+16 tokens, so a prompt of 300 tokens caches 18 blocks (288 tokens), and a prompt of exactly 256 reuses
+15 blocks and computes its last one again (its last logits come only from that), until its own prompt
+end (its last partial block and its last logits) is cached: a repeat reuses it all. A sequence also
+publishes the whole blocks of its answer when it ends (the next turn of a conversation reuses them:
+tests/test_prefix_turns.py).
 """
 
 from __future__ import annotations
@@ -17,24 +19,30 @@ from urllib.parse import urlencode
 import numpy as np
 import pytest
 
+from model.engine import GenerationRequest
+from model.llama.forward.model import Llama
+from model.llama.serving.prefix_cache import BLOCK_TOKENS, PrefixCache
+from model.llama.serving.scheduler import BatchScheduler
+from model.sampling import SamplingParams
+from tests.decoding import run_to_end
 from tests.llamafiles import convert_stories
 from tests.server import GunicornServer, concurrently, wait_until
 from tests.sse import events
 from wsgi_app.settings import Settings
 
-BLOCK = 128
+BLOCK = BLOCK_TOKENS
 _rng = np.random.default_rng(28)
 BASE = [1] + [int(t) for t in _rng.integers(3, 512, 480)]  # BOS, then ids of the 512-token vocab
 OTHER = [1] + [int(t) for t in _rng.integers(3, 512, 480)]
 # name -> (prompt ids, tokens its first request reuses in this order: whole blocks of the earlier
-# prompts; a repeat reuses the whole prompt)
+# prompts, leaving a position to compute; a repeat reuses the whole prompt)
 CASES = {
     "300 tokens": (BASE[:300], 0),
-    "256 tokens, whole blocks": (BASE[:256], 128),
+    "256 tokens, whole blocks": (BASE[:256], 240),
     "256 + a new tail": (BASE[:256] + OTHER[1:40], 256),
-    "200 + a new tail": (BASE[:200] + OTHER[1:100], 128),
-    "one block and one token": (BASE[:129], 128),
-    "short": (BASE[:60], 0),
+    "200 + a new tail": (BASE[:200] + OTHER[1:100], 192),
+    "128 and one token": (BASE[:129], 128),
+    "short": (BASE[:60], 48),
     "other 400": (OTHER[:400], 0),
 }
 SAMPLINGS = {
@@ -102,7 +110,7 @@ def cached(doc: dict) -> int:
     return usage["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_cache_on_or_off_cold_warm_alone_or_batched_gives_the_same_bits(off, on):
+def test_cache_on_or_off_cold_warm_alone_or_batched_gives_the_same_bits(off, on, stories_dir):
     cases = [(name, s) for name in CASES for s in SAMPLINGS]
     want = {}
     for name, s in cases:
@@ -128,12 +136,30 @@ def test_cache_on_or_off_cold_warm_alone_or_batched_gives_the_same_bits(off, on)
         same_choices(doc, want[name, s])
         assert cached(doc) == len(CASES[name][0]), name
     state = on.state()
-    # BASE's blocks 0 and 1, the second block of "200 + a new tail", OTHER's blocks 0, 1 and 2; one
-    # prompt end per prompt (its last partial chunk and its 512 float32 logits)
-    assert (state["prefix_cache"]["blocks"], state["prefix_cache"]["prompt_ends"]) == (6, 7)
+    # The same requests in-process hold the same entries: every whole block of each prompt and
+    # each answer (but its last token), and one prompt end per prompt (its last partial block
+    # and its 512 float32 logits).
+    blocks = replayed_blocks(stories_dir, [(CASES[name][0], SAMPLINGS[s]) for name, s in cases])
+    assert (state["prefix_cache"]["blocks"], state["prefix_cache"]["prompt_ends"]) == (blocks, 7)
     tails = sum(len(p) % BLOCK for p, _ in CASES.values())
-    nbytes = (6 * BLOCK + tails) * 1280 + 7 * 512 * 4
+    nbytes = (blocks * BLOCK + tails) * 1280 + 7 * 512 * 4
     assert state["kv_cache_bytes"]["cached"] == state["prefix_cache"]["bytes"] == nbytes
+
+
+def replayed_blocks(stories_dir, requests: list[tuple[list[int], dict]]) -> int:
+    """Return the whole blocks a scheduler caches for ``requests`` (their body's sampling), run one
+    at a time in-process: what a server that answered them holds (with room for all)."""
+    model = Llama.load(stories_dir)
+    cache = PrefixCache.for_model(model.config, BLOCK, 1 << 30)
+    sched = BatchScheduler(model, frozenset(), 4, prefix_cache=cache)
+    for prompt, sampling in requests:
+        params = SamplingParams(
+            temperature=sampling["temperature"], top_p=sampling.get("top_p", 1.0)
+        )
+        seed = sampling.get("seed", 0)
+        req = GenerationRequest(tuple(prompt), 24, params, seed, logprobs=3, ignore_eos=True)
+        run_to_end(sched, [req])
+    return cache.blocks
 
 
 def test_first_pass_of_a_batch_publishes_only_finished_prefills(off, tmp_path_factory, stories_dir):

@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from tests.gguffiles import smollm2_server_unstarted as start
 from tests.server import GunicornServer, concurrently
 from tests.sse import events
 
@@ -35,16 +36,6 @@ def chat(question: str, sampling: dict, **extra) -> dict:
         **sampling,
         **extra,
     }
-
-
-def start(tmp_path_factory, smollm2_gguf, gguf_cache_dir, name: str, **env: str) -> GunicornServer:
-    settings = {
-        "MODEL_DIR": str(smollm2_gguf),
-        "GREENSERVE_CACHE_DIR": str(gguf_cache_dir),
-        "REQUEST_TIMEOUT_S": "600",  # a loaded machine must not turn a slow answer into a 504
-        **env,
-    }
-    return GunicornServer(tmp_path_factory.mktemp(name), settings, health_port=False)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +88,7 @@ def test_shared_system_prompt_gives_the_same_bits_with_the_cache(servers):
     first = ask(on, 0)  # cold: publishes the system prompt's whole blocks
     assert first[0] == want[0][0] and first[1]["prompt_tokens_details"] == {"cached_tokens": 0}
     got = concurrently(lambda i: ask(on, i), len(cases), timeout_s=300)  # every user at once
-    shared = (prompt_tokens - 20) // 128 * 128  # the blocks before the user's message
+    shared = (prompt_tokens - 20) // 16 * 16  # the 16-token blocks before the user's message
     for (choices, usage), (want_choices, want_usage) in zip(got, want, strict=True):
         assert choices == want_choices
         assert usage["completion_tokens"] == want_usage["completion_tokens"]

@@ -253,13 +253,18 @@ def test_accept_takes_back_the_rejected_positions():
         cache = Cache()
 
     picks = iter([4, 5, 9])
+    lengths = []  # what a sequence that ended at each row would publish (prefix_cache)
 
     def emit(seq, row):
+        lengths.append(seq.cache.length)
         seq.last_token = next(picks)
 
     seq = Seq()
     assert accept(seq, [4, 5, 6, 7], np.zeros((5, 3)), emit) == 2
     assert seq.cache.length == 10 - 2  # 2 of the 4 drafted positions are taken back
+    # The step fed 5 rows (length 5 -> 10): at row i only the first i drafts count as the
+    # sequence's own, never a rejected or unsampled one.
+    assert lengths == [6, 7, 8]
 
 
 def constrained(tok, grammar, max_tokens: int, seed: int) -> list[GenerationRequest]:
@@ -317,13 +322,13 @@ def test_constrained_prefix_hits_are_the_same_with_speculation(stories, cheap_ro
     from dataclasses import replace
 
     from model.grammar.compile import Constraint, GrammarCompiler
-    from model.llama.serving.prefix_cache import PrefixCache
+    from model.llama.serving.prefix_cache import BLOCK_TOKENS, PrefixCache
 
     tok = stories.tokenizer
     grammar = GrammarCompiler(tok).compile(Constraint("regex", "( ?[a-zA-Z]+[.,]?){1,40}"))[0]
     reqs = constrained(tok, grammar, 60, 9)
     base = [run(stories, [req], 0)[0][0] for req in reqs]
-    cache = PrefixCache.for_model(stories.model.config, 128, 1 << 30)
+    cache = PrefixCache.for_model(stories.model.config, BLOCK_TOKENS, 1 << 30)
     sch = BatchScheduler(
         stories.model, stories.tokenizer.eos_ids, 16, speculative_tokens=7, prefix_cache=cache
     )

@@ -51,6 +51,16 @@ BAD = [
     ),
     # the app's settings, checked in the master before the workers start
     ({"RATE_LIMIT": "lots"}, "RATE_LIMIT must look like '600/minute', got 'lots'"),
+    (  # the URL may hold a password: only its scheme is shown
+        {"RESPONSES_REDIS_URL": "http://user:secret@h:1/0"},
+        "RESPONSES_REDIS_URL must be a redis://host:port/db URL, got a 'http://' URL",
+    ),
+    (
+        {"RESPONSES_DB": "/nonexistent/responses.db"},
+        "RESPONSES_DB must be a file in a writable directory, got '/nonexistent/responses.db'",
+    ),
+    ({"RESPONSES_MAX_COUNT": "0"}, "RESPONSES_MAX_COUNT must be in 1..100000000, got 0"),
+    ({"RESPONSES_TTL_S": "0"}, "RESPONSES_TTL_S must be in 1.0..31536000.0, got 0"),
     (
         {**RL, "RATE_LIMIT_STORAGE_URI": "bogus://x"},
         "RATE_LIMIT_STORAGE_URI must be memory:// or redis://host:port/db, got a 'bogus://' URI",

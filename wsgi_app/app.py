@@ -37,6 +37,7 @@ from wsgi_app.http.routes import (
     openapi,
     ops,
     pages,
+    responses,
     stats,
 )
 from wsgi_app.http.runtime import EXTENSION, Runtime
@@ -247,6 +248,7 @@ def register_blueprints(app: Flask, settings: Settings) -> None:
         completions_get.bp,
         chat.bp,
         messages.bp,
+        responses.bp,
         models.bp,
         openapi.bp,
         ops.bp,

@@ -162,6 +162,8 @@ def _check_config_or_exit():
         except socket.gaierror as exc:
             raise ValueError(f"HOST cannot be resolved: {_server.host!r} ({exc.strerror})") from exc
         check_stats_db(settings.stats_db)
+        if not settings.responses_redis_url:
+            check_stats_db(settings.responses_db, "RESPONSES_DB")
         models = _checked_models(settings)
         if models.path is not None and _made_metrics_dir is not None:
             # The workers serve from the last good file, which a reload replaces only once checked.

@@ -16,20 +16,40 @@ if TYPE_CHECKING:
     from limits import RateLimitItem
 
 
-def check_stats_db(path: str) -> None:
-    """Check that the workers can create or write the history database at ``path`` (``STATS_DB``,
-    and SQLite's ``-wal`` file beside it), without creating it: the master may run as another user.
+def check_stats_db(path: str, name: str = "STATS_DB") -> None:
+    """Check that the workers can create or write the SQLite database at ``path`` (``STATS_DB``, or
+    the setting ``name``: ``RESPONSES_DB``; and SQLite's ``-wal`` file beside it), without creating
+    it: the master may run as another user.
 
     Raises:
         ValueError: the directory is missing or not writable, or ``path`` is a directory or a file
-            that is not writable (the message names ``STATS_DB``).
+            that is not writable (the message names the setting).
     """
     directory = os.path.dirname(os.path.abspath(path))
     usable = os.path.isdir(directory) and os.access(directory, os.W_OK | os.X_OK)
     if os.path.lexists(path):
         usable = usable and os.path.isfile(path) and os.access(path, os.R_OK | os.W_OK)
     if not usable:
-        raise ValueError(f"STATS_DB must be a file in a writable directory, got {path!r}")
+        raise ValueError(f"{name} must be a file in a writable directory, got {path!r}")
+
+
+def check_redis_url(name: str, url: str) -> None:
+    """Check that the setting ``name`` is a Redis URL redis-py takes (``redis://``, ``rediss://``,
+    ``unix://``) with a valid port if any, without connecting to it.
+
+    Raises:
+        ValueError: another scheme or a malformed port; the message shows the scheme only (the
+            URL may hold a password).
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(
+            f"{name} must be a redis://host:port/db URL, got a {parts.scheme + '://'!r} URL"
+        )
+    try:
+        parts.port  # noqa: B018 - parsing the port is the check
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 def _http_url(name: str, raw: str) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 from wsgi_app.setting_checks import (
     check_rate_limit_storage,
+    check_redis_url,
     parse_rate_limit,
 )
 
@@ -101,6 +102,20 @@ def env_rate_limit(env: Mapping[str, str], storage_uri: str) -> str:
         parse_rate_limit(text)
         check_rate_limit_storage(storage_uri)
     return text
+
+
+def env_redis_url(env: Mapping[str, str], name: str) -> str:
+    """Return ``env[name]``, a Redis URL (``redis://``, ``rediss://`` or ``unix://``) with a valid
+    port if any, or "" when unset or blank.
+
+    Raises:
+        ValueError: another scheme or a malformed port (the message names ``name`` and the scheme
+            only: the URL may hold a password).
+    """
+    url = env_str(env, name, "")
+    if url:
+        check_redis_url(name, url)
+    return url
 
 
 def env_forwarded_allow_ips(env: Mapping[str, str], default: tuple[str, ...]) -> tuple[str, ...]:

@@ -28,27 +28,29 @@ from wsgi_app.setting_values import (
     env_metrics_dir,
     env_rate_limit,
     env_readable_file,
+    env_redis_url,
     env_str,
     field_defaults,
 )
 
 
-def default_stats_db(env: Mapping[str, str] | None = None) -> str:
-    """Return the default ``STATS_DB``: one server start's own history.
+def default_stats_db(env: Mapping[str, str] | None = None, name: str = "stats") -> str:
+    """Return the default ``STATS_DB``: one server start's own history (with ``name``
+    ``"responses"``, the default ``RESPONSES_DB``: its own stored responses).
 
-    Under gunicorn, ``greenserve-stats.sqlite3`` in the master's own metrics directory
+    Under gunicorn, ``greenserve-<name>.sqlite3`` in the master's own metrics directory
     (``GREENSERVE_OWN_METRICS_DIR``, made per master by ``wsgi_app.gunicorn_config`` and removed when
     it exits): the workers of one master share it, and no later server on the same port inherits
-    it. Outside gunicorn (``create_app`` in a script), ``greenserve-stats-<PORT>.db`` in the system
+    it. Outside gunicorn (``create_app`` in a script), ``greenserve-<name>-<PORT>.db`` in the system
     temp directory. A configured ``STATS_DB`` is kept across restarts instead.
     """
     env = os.environ if env is None else env
     own = env.get("GREENSERVE_OWN_METRICS_DIR", "").strip()
     if own and own == env.get("PROMETHEUS_MULTIPROC_DIR", "").strip():
         # not "*.db": prometheus_client reads every *.db file of this directory as metrics
-        return os.path.join(own, "greenserve-stats.sqlite3")
+        return os.path.join(own, f"greenserve-{name}.sqlite3")
     port = env.get("PORT", "").strip() or "8000"
-    return os.path.join(tempfile.gettempdir(), f"greenserve-stats-{port}.db")
+    return os.path.join(tempfile.gettempdir(), f"greenserve-{name}-{port}.db")
 
 
 def env_model_dir(env: Mapping[str, str]) -> str | None:
@@ -117,8 +119,8 @@ class Settings:
         speculative_tokens: most tokens a Llama sequence drafts per step by prompt lookup
             (``SPECULATIVE_TOKENS``, ``model.llama.serving.speculative``); 0 turns speculation off. The
             answers are the same bits either way (with ``batch_invariant``).
-        prefix_cache: keep the KV of whole prompt blocks of a Llama model for reuse by later
-            prompts that start with them (``1``), within ``kv_cache_budget_mb``; ``0``: none.
+        prefix_cache: keep the KV of whole blocks of a Llama model's prompts and answers for reuse
+            by later prompts that start with them (``1``), within ``kv_cache_budget_mb``; ``0``: none.
         max_body_bytes: largest request body accepted, in bytes (413 beyond).
         max_prompt_tokens: largest prompt, in tokens (bytes for the bigram).
         max_n: largest ``n`` (choices per request).
@@ -173,6 +175,16 @@ class Settings:
             A template that renders tools itself names its own (``ChatTemplate.tool_format``).
         server_started_at: when the gunicorn master started, Unix seconds (``GREENSERVE_STARTED_AT``,
             set by gunicorn.conf.py), or None outside gunicorn.
+        responses_db: the SQLite file of stored responses (``/v1/responses`` with ``store``),
+            shared by the host's workers (``RESPONSES_DB``; unused with ``responses_redis_url``).
+        responses_redis_url: a Redis URL holding the stored responses instead, shared by every
+            host (``RESPONSES_REDIS_URL``); empty: ``responses_db``.
+        responses_redis_prefix: the prefix of every Redis key of the store
+            (``RESPONSES_REDIS_PREFIX``).
+        responses_max_count: the most stored responses kept (``RESPONSES_MAX_COUNT``); the oldest
+            go first.
+        responses_max_mb: the most MiB of stored responses kept (``RESPONSES_MAX_MB``).
+        responses_ttl_s: seconds a stored response is kept (``RESPONSES_TTL_S``).
     """
 
     model_dir: str | None = None
@@ -221,6 +233,12 @@ class Settings:
     max_chat_messages: int = 1024
     tool_call_format: str = "smollm2"
     server_started_at: float | None = None
+    responses_db: str = field(default_factory=lambda: default_stats_db(name="responses"))
+    responses_redis_url: str = field(default="", repr=False)  # may hold a password
+    responses_redis_prefix: str = "greenserve:responses:"
+    responses_max_count: int = 10_000
+    responses_max_mb: int = 256
+    responses_ttl_s: float = 86_400.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -301,6 +319,18 @@ class Settings:
                 env_float(env, "GREENSERVE_STARTED_AT", 0.0, 0.0, 1e12)
                 if env.get("GREENSERVE_STARTED_AT")
                 else None
+            ),
+            responses_db=env_str(env, "RESPONSES_DB", default_stats_db(env, "responses")),
+            responses_redis_url=env_redis_url(env, "RESPONSES_REDIS_URL"),
+            responses_redis_prefix=env_str(
+                env, "RESPONSES_REDIS_PREFIX", d["responses_redis_prefix"]
+            ),
+            responses_max_count=env_int(
+                env, "RESPONSES_MAX_COUNT", d["responses_max_count"], 1, 100_000_000
+            ),
+            responses_max_mb=env_int(env, "RESPONSES_MAX_MB", d["responses_max_mb"], 1, 1 << 20),
+            responses_ttl_s=env_float(
+                env, "RESPONSES_TTL_S", d["responses_ttl_s"], 1.0, 365 * 86_400.0
             ),
         )
 

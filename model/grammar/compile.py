@@ -3,7 +3,8 @@
 A :class:`Constraint` is what a request asks for (a JSON Schema, any JSON object, a regex, a choice
 of strings, a Lark grammar), already in its canonical form. :class:`GrammarCompiler` turns it into
 llguidance's grammar and a template matcher, refusing what llguidance cannot enforce exactly: a
-schema it cannot compile, a keyword it does not implement (``lenient`` is never on), a regex or
+schema it cannot compile, a keyword it does not implement (``lenient`` is never on: a tool that is
+not strict has such keywords left out before, where the request names them), a regex or
 grammar that does not parse, or anything over :data:`MAX_CONSTRAINT_BYTES` and the parser limits;
 a schema is read first for what llguidance would skip, misread or never end
 (``model.grammar.schema``).
@@ -42,6 +43,7 @@ from model.grammar.schema import arguments_schema as arguments_schema
 from model.grammar.schema import closed as closed
 from model.grammar.schema import open_object as open_object
 from model.grammar.schema import unknown_keyword as unknown_keyword
+from model.grammar.schema import without_unimplemented as without_unimplemented
 from model.tokenizer import TextTokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")

@@ -11,8 +11,13 @@ of the part at fault:
   JSON Schema says (the ``u`` flag; identity escapes of ASCII punctuation such as ``\\-`` allowed as
   in plain ECMA-262): llguidance reads patterns in Rust's regex syntax, which takes ``(?P<x>a)`` and
   reads ``\\z`` otherwise;
+- a keyword llguidance does not implement (:data:`UNIMPLEMENTED`: ``propertyNames``, ``if``...),
+  named by its pointer (llguidance's own message names no place);
 - a schema with no finite value (:func:`endless`): every value of it holds a required property or
   item whose schema refers back to an enclosing one; generating it would never end.
+
+:func:`without_unimplemented` leaves those keywords out instead, saying where each was: what a tool
+that is not strict is enforced by (``wsgi_app.api.tools``), every other constraint of the schema kept.
 
 :func:`closed` closes the object schemas that do not say ``additionalProperties`` (llama.cpp's and
 vLLM's reading; :func:`arguments_schema` for a tool's ``parameters``), and :func:`open_object`
@@ -51,6 +56,12 @@ REFUSED_BY_LLGUIDANCE = frozenset(
     "dependentRequired dependentSchemas dependencies unevaluatedProperties unevaluatedItems "
     "additionalItems".split()
 )
+# What llguidance 1.9 answers "Unimplemented keys" for (checked against it by tests/test_lenient_tools.py);
+# ``additionalItems`` of REFUSED_BY_LLGUIDANCE is not among them: llguidance enforces it.
+UNIMPLEMENTED = frozenset(
+    "uniqueItems if then else not contains minContains maxContains propertyNames "
+    "dependentRequired dependentSchemas dependencies unevaluatedProperties unevaluatedItems".split()
+)
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_ONE = (
     "items additionalProperties not if then else contains propertyNames unevaluatedProperties "
@@ -73,11 +84,15 @@ def pointer(where: str, key: str | int) -> str:
     return f"{where}/{str(key).replace('~', '~0').replace('/', '~1')}"
 
 
-def subschemas(schema: Any, where: str = "#") -> Iterator[tuple[str, dict[str, Any], str | None]]:
+def subschemas(
+    schema: Any, where: str = "#", skip: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, dict[str, Any], str | None]]:
     """Yield ``(JSON pointer, subschema, keyword)`` for ``schema`` and every subschema in it, parents
     first; ``keyword`` is the one the subschema sits under (``allOf``, ``properties``...), None for
     the root. Boolean subschemas are skipped, and so are values that are data (``enum``, ``const``,
-    ``default``...) and property names. Iterative: a schema nested as deep as JSON goes is read.
+    ``default``...) and property names, and the subschemas under a keyword of ``skip``. Iterative:
+    a schema nested as deep as JSON goes is read. A subschema's children are found when the next
+    one is asked for, so a caller may remove keys of the one yielded and its walk skips them.
 
     Source: JSON Schema 2020-12 Core §10 (where subschemas sit), and the drafts' ``definitions``,
     ``dependencies`` and array ``items``.
@@ -90,6 +105,8 @@ def subschemas(schema: Any, where: str = "#") -> Iterator[tuple[str, dict[str, A
         yield at, node, keyword
         found = []
         for key, value in node.items():
+            if key in skip:
+                continue
             if key in _SCHEMA_MAPS and isinstance(value, dict):
                 found += [(pointer(pointer(at, key), k), v, key) for k, v in value.items()]
             elif key in _SCHEMA_LISTS and isinstance(value, list):
@@ -105,6 +122,14 @@ def refusal(schema: Any) -> str | None:
     unknown = unknown_keyword(schema)
     if unknown is not None:
         return f"uses {unknown}, which is not a JSON Schema keyword enforced here"
+    found = unimplemented(schema)
+    if found:
+        *path, key = found[0]
+        at = "#" + "".join(pointer("", p) for p in path)
+        return (
+            f"uses {key!r} at {at}, a JSON Schema keyword llguidance does not implement "
+            "(only the schema of a tool that is not strict is enforced without it)"
+        )
     return bad_number(schema) or bad_pattern(schema) or endless(schema)
 
 
@@ -120,6 +145,50 @@ def unknown_keyword(schema: Any, where: str = "#") -> str | None:
             if key not in ENFORCED and key not in ANNOTATIONS and key not in REFUSED_BY_LLGUIDANCE:
                 return f"{key!r} at {at}"
     return None
+
+
+def unimplemented(schema: Any) -> list[list[str | int]]:
+    """Return where ``schema`` uses a keyword of :data:`UNIMPLEMENTED`: for each, the keys and
+    indices from the root to it, the keyword last (``["properties", "todos", "propertyNames"]``),
+    parents first. One inside another's subschema (a ``not`` in an ``if``) is not listed: it goes
+    with that one. A property named like a keyword is a name, not a keyword (:func:`subschemas`).
+    """
+    return [
+        [*_parts(schema, at), key]
+        for at, node, _ in subschemas(schema, skip=UNIMPLEMENTED)
+        for key in node
+        if key in UNIMPLEMENTED
+    ]
+
+
+def without_unimplemented(schema: Any) -> tuple[Any, list[list[str | int]]]:
+    """Return ``schema`` without the keywords llguidance does not implement (a copy when it had
+    any; ``schema`` is unchanged), and where they were (:func:`unimplemented`). What is left
+    allows every value ``schema`` allows, and is enforced whole.
+
+    Source: llguidance docs/json_schema.md (the keywords it enforces); JSON Schema 2020-12 Core §10.
+    """
+    dropped = unimplemented(schema)
+    if not dropped:
+        return schema, []
+    copy = _copy(schema)
+    for _, node, _ in subschemas(copy, skip=UNIMPLEMENTED):
+        for key in UNIMPLEMENTED.intersection(node):
+            del node[key]
+    return copy, dropped
+
+
+def _parts(schema: Any, at: str) -> list[str | int]:
+    """Return the keys and indices (ints) of ``at``, a JSON pointer :func:`subschemas` yielded for
+    ``schema``: unescaped as RFC 6901 says (its pointers are not percent-encoded)."""
+    node, parts = schema, []
+    for token in at.split("/")[1:]:
+        part: str | int = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, list):
+            part = int(part)
+        node = node[part]
+        parts.append(part)
+    return parts
 
 
 def bad_number(schema: Any) -> str | None:

@@ -9,8 +9,10 @@ rendered the prompt, :func:`completion_request` makes it the request generation 
 The house's rules hold here as on the OpenAI endpoints: an unknown top-level field is ignored and
 named in ``X-Ignored-Fields`` (Anthropic's own API refuses them), and so is a tool of a type this
 server cannot run (Anthropic's server and built-in tools: ``tools[2]``), which is left out of the
-prompt; ``seed`` (0..2**64-1) and ``cache_salt`` are this server's extensions. ``max_tokens`` is
-required, ``temperature`` and ``top_p`` lie in 0..1, as Anthropic has them.
+prompt, and a keyword llguidance does not implement in the ``input_schema`` of a tool that is not
+``strict``, which is left out of what is enforced (``wsgi_app.api.tools.lenient_schema``); ``seed``
+(0..2**64-1) and ``cache_salt`` are this server's extensions. ``max_tokens`` is required,
+``temperature`` and ``top_p`` lie in 0..1, as Anthropic has them.
 
 Source: Anthropic API reference, "Messages" (create) and "Count Message tokens".
 """
@@ -40,7 +42,7 @@ from wsgi_app.api.fields import (
 )
 from wsgi_app.api.structured import RequestConstraint, refuse_stop
 from wsgi_app.api.table import Field, FieldTable, shown_names
-from wsgi_app.api.tools import MAX_TOOLS, Tool, ToolRequest, check_strings
+from wsgi_app.api.tools import MAX_TOOLS, Tool, ToolRequest, check_strings, lenient_schema
 
 # Anthropic's rule for a tool's name (the call parser relies on names without quotes or escapes).
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -84,7 +86,9 @@ class MessagesRequest:
         model: the requested model name, echoed in the answer.
         messages: the chat template's messages (a leading ``system`` one when any system text).
         tools: the tools the model may call and how, or None.
-        ignored_fields: the unknown top-level fields and the left-out tools (``tools[i]``), as
+        ignored_fields: the unknown top-level fields, the left-out tools (``tools[i]``) and the
+            schema keywords left out of tools that are not strict
+            (``tools[i].input_schema.properties.x.propertyNames``: ``wsgi_app.api.tools``), as
             ``X-Ignored-Fields`` lists them.
         max_tokens: the most tokens to generate (1..4096; 0 for ``count_tokens``).
         sampling: ``temperature``, ``top_p``, ``top_k`` as sampling parameters.
@@ -211,19 +215,18 @@ def completion_request(
 
 def _conversation(body: dict[str, Any], table: FieldTable, max_messages: int) -> MessagesRequest:
     """Validate the fields both endpoints share: the model, the conversation and the tools."""
-    ignored = table.check(body)
+    unknown = table.unknown(body)
     model = parse_model(body)
     messages = parse_conversation(body.get("system"), body.get("messages"), max_messages)
     tools, left_out = _tools(body.get("tools"))
+    dropped = [path for tool in tools for path in tool.dropped]
     tools = _tool_choice(body.get("tool_choice"), tools)
     _thinking(body.get("thinking"))
-    if left_out:
-        ignored = shown_names([*ignored, *left_out])
     return MessagesRequest(
         model=model,
         messages=messages,
         tools=tools,
-        ignored_fields=ignored,
+        ignored_fields=shown_names([*unknown, *left_out, *dropped]),
         constraint=_output_format(body.get("output_format")),
     )
 
@@ -279,7 +282,8 @@ def _tools(value: Any) -> tuple[tuple[Tool, ...], list[str]]:
         strict = tool.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise invalid(f"'{where}.strict' must be a boolean.", f"{where}.strict")
-        tools.append(Tool(name, description, schema, bool(strict), f"{where}.input_schema"))
+        at = f"{where}.input_schema"
+        tools.append(lenient_schema(Tool(name, description, schema, bool(strict), at), at))
     return tuple(tools), left_out
 
 
@@ -292,12 +296,12 @@ def _tool_choice(value: Any, tools: tuple[Tool, ...]) -> ToolRequest | None:
     """
     choice, name, parallel = "auto", None, True
     if value is not None:
-        if not isinstance(value, dict) or value.get("type") not in CHOICES:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if not isinstance(kind, str) or kind not in CHOICES:
             raise invalid(
                 "'tool_choice' must be an object whose 'type' is 'auto', 'any', 'tool' or 'none'.",
                 "tool_choice",
             )
-        kind = value["type"]
         allowed = ("type", "disable_parallel_tool_use", *(("name",) if kind == "tool" else ()))
         for key in value:
             if key not in allowed:
@@ -311,7 +315,9 @@ def _tool_choice(value: Any, tools: tuple[Tool, ...]) -> ToolRequest | None:
         parallel = not disable
         if kind == "tool":
             name = value.get("name")
-            if not isinstance(name, str) or name not in {t.name for t in tools}:
+            if not isinstance(name, str):
+                raise invalid("'tool_choice.name' must be a string.", "tool_choice.name")
+            if name not in {t.name for t in tools}:
                 raise invalid(
                     f"'tool_choice.name' names the tool {quote_name(name)!r}, which is not among "
                     "the tools.",

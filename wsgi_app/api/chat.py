@@ -14,7 +14,7 @@ Source: OpenAI API reference, "Chat Completions" (create).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 from model.sampling import SamplingParams
 from wsgi_app.api.completions import MAX_TOKENS_LIMIT, CompletionRequest
@@ -37,7 +37,15 @@ from wsgi_app.api.structured import (
     parse_constraint,
     refuse_stop,
 )
-from wsgi_app.api.table import BOOLEAN, JSON, NUMBER, SHARED_FIELDS, Field, FieldTable
+from wsgi_app.api.table import (
+    BOOLEAN,
+    JSON,
+    NUMBER,
+    SHARED_FIELDS,
+    Field,
+    FieldTable,
+    shown_names,
+)
 from wsgi_app.api.tools import ToolRequest, parse_tools
 
 MAX_TOP_LOGPROBS = 20
@@ -77,6 +85,36 @@ FIELDS = FieldTable(
 )
 
 
+class Conversation(Protocol):
+    """What a conversation endpoint asks for once validated, whatever its wire: a
+    :class:`ChatRequest`, or a Responses request (``wsgi_app.api.responses``) once its items are
+    the template's messages. :func:`completion_request` and
+    ``wsgi_app.http.chat.chat_completion_request`` read only these (see :class:`ChatRequest` for
+    each), so every such conversation is rendered, checked and generated the same way.
+
+    Attributes:
+        messages_param: the field a refusal of the conversation names (``messages``, ``input``).
+    """
+
+    model: str
+    messages: tuple[dict[str, Any], ...]
+    max_tokens: int | None
+    max_tokens_param: str
+    sampling: SamplingParams
+    seed: int | None
+    n: int
+    stop: tuple[str, ...]
+    logprobs: int | None
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    cache_salt: str
+    ignored_fields: tuple[str, ...]
+    constraint: RequestConstraint | None
+    tools: ToolRequest | None
+    messages_param: str
+
+
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
     """A validated ``POST /v1/chat/completions`` request, before its template is rendered.
@@ -99,8 +137,9 @@ class ChatRequest:
         ignore_eos: keep generating past end-of-sequence (vLLM's extension).
         user: the client's end-user id, or None (log it hashed).
         cache_salt: the request's ``cache_salt`` (vLLM's extension), "" without one.
-        ignored_fields: the unknown top-level fields the request sent, as ``X-Ignored-Fields``
-            lists them.
+        ignored_fields: the unknown top-level fields the request sent, and the schema keywords
+            left out of tools that are not strict (``wsgi_app.api.tools.lenient_schema``), as
+            ``X-Ignored-Fields`` lists them.
         constraint: the output constraint (``response_format`` and the other spellings of
             ``wsgi_app.api.structured``), or None.
         tools: the functions the model may call and how (``wsgi_app.api.tools``), or None.
@@ -123,6 +162,7 @@ class ChatRequest:
     ignored_fields: tuple[str, ...] = ()
     constraint: RequestConstraint | None = None
     tools: ToolRequest | None = None
+    messages_param: ClassVar[str] = "messages"
 
 
 def parse_chat_request(
@@ -145,7 +185,7 @@ def parse_chat_request(
             field, an unsupported one, or a bad value, down to the part
             (``messages[2].content[0].type``; an unknown key inside a message is still refused).
     """
-    ignored = FIELDS.check(body)
+    unknown = FIELDS.unknown(body)
     for name in FIELDS.unsupported:
         if body.get(name) is not None:
             raise unsupported(name)
@@ -176,14 +216,16 @@ def parse_chat_request(
         ignore_eos=stream.ignore_eos,
         user=body.get("user"),
         cache_salt=stream.cache_salt,
-        ignored_fields=ignored,
+        # A tool that is not strict is enforced without the keywords llguidance does not
+        # implement: each is named as an ignored field is (wsgi_app.api.tools.lenient_schema).
+        ignored_fields=shown_names([*unknown, *(tools.dropped_keywords() if tools else ())]),
         constraint=refuse_stop(parse_constraint(body), stop),
         tools=tools,
     )
 
 
 def completion_request(
-    chat: ChatRequest,
+    chat: Conversation,
     prompt_ids: list[int] | tuple[int, ...],
     prompt_text: str,
     *,
@@ -196,7 +238,7 @@ def completion_request(
     """Return the generation request for ``chat`` once its template has rendered the prompt.
 
     Args:
-        chat: the validated chat request.
+        chat: the validated conversation (a chat request, a Responses request).
         prompt_ids: the rendered prompt's token ids (``ChatTemplate.encode``).
         prompt_text: the rendered prompt (``ChatTemplate.render``).
         context_length: the model's context in tokens, or None for no limit.
@@ -212,13 +254,14 @@ def completion_request(
             ``max_tokens`` is capped by it; an explicit one over it is refused.
 
     Raises:
-        ApiError: 400 ``messages`` when the rendered prompt is empty, fills the context, or (without
-            ``max_tokens``) leaves no room in the KV budget; 400 naming the client's
+        ApiError: 400 naming the conversation (``messages``, ``input``) when the rendered prompt
+            is empty, fills the context, or (without ``max_tokens``) leaves no room in the KV
+            budget; 400 naming the client's
             ``max_tokens``/``max_completion_tokens`` when prompt + it exceed the context; 400
             ``top_logprobs`` when the answer's logprobs could exceed ``max_logprob_entries``.
     """
-    n_prompt = len(prompt_ids)
-    room = prompt_room(n_prompt, context_length)
+    n_prompt, param = len(prompt_ids), chat.messages_param
+    room = prompt_room(n_prompt, context_length, param)
     max_tokens = chat.max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens if room is None else min(default_max_tokens, room)
@@ -228,11 +271,11 @@ def completion_request(
                     f"The rendered conversation has {n_prompt} tokens; this server's KV-cache "
                     f"budget holds at most {kv_tokens_per_choice} tokens for each of the "
                     f"{chat.n} choices, which leaves no room for an answer.",
-                    "messages",
+                    param,
                 )
             max_tokens = min(max_tokens, kv_tokens_per_choice - n_prompt)
     else:
-        check_answer_fits(n_prompt, max_tokens, room, context_length, chat.max_tokens_param)
+        check_answer_fits(n_prompt, max_tokens, room, context_length, chat.max_tokens_param, param)
     if chat.logprobs is not None and max_logprob_entries is not None:
         max_tokens = _logprob_budget(chat, max_tokens, max_logprob_entries)
     return CompletionRequest(
@@ -255,30 +298,41 @@ def completion_request(
     )
 
 
-def prompt_room(n_prompt: int, context_length: int | None) -> int | None:
+def prompt_room(
+    n_prompt: int, context_length: int | None, conversation: str = "messages"
+) -> int | None:
     """Return the tokens a rendered prompt of ``n_prompt`` tokens leaves for an answer (None for a
     model without a context limit).
 
     Raises:
-        ApiError: 400 ``messages`` when the prompt is empty or fills the context.
+        ApiError: 400 naming the ``conversation`` (``messages``, a Responses request's
+            ``input``) when the prompt is empty or fills the context.
     """
     if n_prompt == 0:
-        raise invalid("The chat template rendered an empty prompt for 'messages'.", "messages")
+        raise invalid(
+            f"The chat template rendered an empty prompt for '{conversation}'.", conversation
+        )
     room = None if context_length is None else context_length - n_prompt
     if room is not None and room <= 0:
         raise invalid(
             f"This model's maximum context length is {context_length} tokens; the rendered "
             f"conversation has {n_prompt} tokens, which leaves no room for an answer.",
-            "messages",
+            conversation,
         )
     return room
 
 
 def check_answer_fits(
-    n_prompt: int, max_tokens: int, room: int | None, context_length: int | None, param: str
+    n_prompt: int,
+    max_tokens: int,
+    room: int | None,
+    context_length: int | None,
+    param: str,
+    conversation: str = "messages",
 ) -> None:
     """Refuse a client's ``max_tokens`` (named ``param``) over the ``room`` a prompt of
-    ``n_prompt`` tokens leaves in the context (:func:`prompt_room`; None: no limit).
+    ``n_prompt`` tokens leaves in the context (:func:`prompt_room`; None: no limit); the message
+    names the ``conversation`` field to shorten too.
 
     Raises:
         ApiError: 400 naming ``param``.
@@ -287,12 +341,12 @@ def check_answer_fits(
         raise invalid(
             f"This model's maximum context length is {context_length} tokens; you requested "
             f"{n_prompt + max_tokens} ({n_prompt} in the rendered conversation, {max_tokens} for "
-            f"the answer). Reduce the messages or '{param}'.",
+            f"the answer). Reduce the {conversation} or '{param}'.",
             param,
         )
 
 
-def _logprob_budget(chat: ChatRequest, max_tokens: int, budget: int) -> int:
+def _logprob_budget(chat: Conversation, max_tokens: int, budget: int) -> int:
     """Return ``max_tokens`` within the request's ``logprobs`` budget: a default one is capped to
     it, an explicit one over it is refused (every token of every choice holds ``top_logprobs`` + 1
     entries until the answer is written; the completions endpoint's budget, without an echo).

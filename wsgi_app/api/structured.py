@@ -217,6 +217,42 @@ def _response_format(value: Any, param: str) -> RequestConstraint | None:
     return RequestConstraint(_schema(schema, param, strict=strict), param)
 
 
+def text_format(value: Any, param: str = "text.format") -> RequestConstraint | None:
+    """Read the Responses API's ``text.format``: ``{"type": "text"}`` (no constraint),
+    ``{"type": "json_object"}``, or ``{"type": "json_schema", "name", "schema", "strict",
+    "description"}`` (the chat's ``json_schema`` object, flat beside ``type``), enforced as
+    ``response_format`` is.
+
+    Raises:
+        ApiError: 400 naming ``param`` (``text.format``) or its key at fault: a missing or
+            unknown ``type``, an unknown key, a malformed name, description or strict flag, a
+            missing or malformed ``schema``.
+
+    Source: OpenAI API reference, "Responses" (create: ``text.format``).
+    """
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise invalid(f"'{param}' must be an object with a string 'type'.", param)
+    kind = value["type"]
+    if kind not in ("text", "json_object", "json_schema"):
+        raise invalid(
+            f"Invalid '{param}.type': {quote_name(kind)!r}; expected 'text', 'json_object' or "
+            "'json_schema'.",
+            f"{param}.type",
+        )
+    keys = (
+        ("type", "name", "schema", "strict", "description") if kind == "json_schema" else ("type",)
+    )
+    described_object(value, param, keys, name_required=False)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return RequestConstraint(Constraint("json_object"), param)
+    if value.get("schema") is None:
+        at = f"{param}.schema"
+        raise invalid(f"'{at}' is required for type 'json_schema'.", at)
+    return RequestConstraint(_schema(value["schema"], param), param)
+
+
 def _json_schema_object(value: Any, param: str) -> Any:
     """Check OpenAI's ``json_schema`` object and return its ``schema`` (None when absent)."""
     if value is None:

@@ -57,8 +57,17 @@ class FieldTable:
         self._query = {f.name: f.query for f in self.fields}
 
     def check(self, body: dict[str, Any]) -> tuple[str, ...]:
+        """Return :meth:`unknown` as ``X-Ignored-Fields`` shows them (:func:`shown_names`).
+
+        Raises:
+            ApiError: as :meth:`unknown`.
+        """
+        return shown_names(self.unknown(body))
+
+    def unknown(self, body: dict[str, Any]) -> list[str]:
         """Refuse another server's constraint field; return the names of the fields ``body`` sends
-        that this table does not know (ignored), sorted, each fit for a header (:func:`shown_names`).
+        that this table does not know (ignored), as sent (an endpoint that ignores more, such as
+        a tool's schema keyword, shows them all at once with :func:`shown_names`).
 
         Unknown fields are noise a client written for another server sends (vLLM, llama.cpp and
         pydantic-based servers ignore them too); a field that would change the answer's meaning is
@@ -78,8 +87,7 @@ class FieldTable:
                     "this server; remove it for unconstrained text.",
                     name,
                 )
-        unknown = [name for name in body if name not in self.names]
-        return shown_names(unknown) if unknown else ()
+        return [name for name in body if name not in self.names]
 
     def query_kind(self, name: str) -> str | None:
         """Return how a query string carries ``name`` (None: POST only, or not a field)."""

@@ -12,6 +12,10 @@ one llguidance cannot enforce, naming ``tools[i].function.parameters``, whatever
 refuses it; none is read as ``"object"``); its objects that do not say ``additionalProperties``
 are enforced closed (``model.grammar.schema.arguments_schema``), as llama.cpp reads them, and
 under ``strict: true`` one that says they are open is refused, as OpenAI's strict mode refuses it.
+A keyword llguidance does not implement (``propertyNames``, ``if``...) is refused under
+``strict: true``; without it, it is left out of what is enforced (everything else of the schema
+is) and named by its path (``tools[3].function.parameters.properties.tags.propertyNames``) among
+the request's ignored fields (``X-Ignored-Fields``): :func:`lenient_schema`.
 
 Source: OpenAI API reference, "Chat Completions" (create: ``tools``, ``tool_choice``,
 ``parallel_tool_calls``, the deprecated ``functions`` and ``function_call``); the "Function calling"
@@ -21,9 +25,10 @@ guide.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from model.grammar.compile import without_unimplemented
 from wsgi_app.api.errors import ApiError, invalid, quote_name
 from wsgi_app.api.fields import check_unicode
 from wsgi_app.api.naming import described_object
@@ -43,12 +48,16 @@ class Tool:
     Attributes:
         name: 1..64 characters of ``a-z A-Z 0-9 _ -``, unique in the request.
         description: what it does (for the prompt), or None.
-        parameters: the JSON Schema of its arguments (an object schema), as sent (the template
-            shows it; ``model.grammar.schema.arguments_schema`` is what is enforced); an empty
-            object's schema when absent, as OpenAI reads it.
+        parameters: the JSON Schema of its arguments (an object schema): as sent, less the
+            keywords :func:`lenient_schema` leaves out (``model.grammar.schema.arguments_schema``
+            of it is what is enforced); an empty object's schema when absent, as OpenAI reads it.
         strict: the client's ``strict`` flag (the schema is enforced either way).
         schema_param: where the schema sits in the request, for a refusal to name
-            (``tools[3].input_schema``); "" for the chat place, ``tools[i].function.parameters``.
+            (``tools[3].input_schema``, a Responses tool's flat ``tools[3].parameters``); "" for
+            the chat place, ``tools[i].function.parameters``.
+        sent: the schema as sent, when keywords were left out of :attr:`parameters` (the
+            template shows it: the model reads the whole schema); None when they are the same.
+        dropped: the paths of the keywords left out (``tools[0].function.parameters.propertyNames``).
     """
 
     name: str
@@ -56,13 +65,15 @@ class Tool:
     parameters: dict[str, Any]
     strict: bool = False
     schema_param: str = ""
+    sent: dict[str, Any] | None = None
+    dropped: tuple[str, ...] = ()
 
     def openai(self) -> dict[str, Any]:
         """Return the tool as a chat template sees it: ``{"type": "function", "function": {...}}``."""
         function: dict[str, Any] = {"name": self.name}
         if self.description is not None:
             function["description"] = self.description
-        function["parameters"] = self.parameters
+        function["parameters"] = self.parameters if self.sent is None else self.sent
         return {"type": "function", "function": function}
 
 
@@ -100,6 +111,10 @@ class ToolRequest:
         if self.legacy:
             return "function_call"
         return "stop" if self.choice == "named" else "tool_calls"
+
+    def dropped_keywords(self) -> tuple[str, ...]:
+        """Return the paths of the schema keywords left out of every tool (:attr:`Tool.dropped`)."""
+        return tuple(path for tool in self.tools for path in tool.dropped)
 
 
 def parse_tools(body: dict[str, Any], max_tools: int = MAX_TOOLS) -> ToolRequest | None:
@@ -183,17 +198,27 @@ def _tool(value: Any, where: str, legacy: bool) -> Tool:
         function, fwhere = value.get("function"), f"{where}.function"
         if not isinstance(function, dict):
             raise invalid(f"'{fwhere}' is required and must be an object.", fwhere)
-    named = described_object(function, fwhere, _FUNCTION_KEYS, name_required=True)
+    return function_tool(function, fwhere)
+
+
+def function_tool(function: dict[str, Any], where: str) -> Tool:
+    """Read one function's ``name``, ``description``, ``parameters`` and ``strict`` (the keys
+    it may hold): a chat tool's ``function`` object, a legacy ``functions`` entry, or (its
+    ``type`` taken out) a Responses tool, which holds the same keys flat.
+
+    Raises:
+        ApiError: 400 naming ``<where>.<key>``: another key, a malformed name, description,
+            ``strict`` or ``parameters``, a lone surrogate in them.
+    """
+    named = described_object(function, where, _FUNCTION_KEYS, name_required=True)
     if named.description is not None:
-        check_unicode(named.description, f"{fwhere}.description")
+        check_unicode(named.description, f"{where}.description")
     parameters = function.get("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
-        raise invalid(
-            f"'{fwhere}.parameters' must be a JSON Schema object.", f"{fwhere}.parameters"
-        )
-    check_strings(parameters, f"{fwhere}.parameters")
+        raise invalid(f"'{where}.parameters' must be a JSON Schema object.", f"{where}.parameters")
+    check_strings(parameters, f"{where}.parameters")
     kind = parameters.get("type", "object")
     if kind != "object":  # arguments are an object: OpenAI refuses any other type, so do we
         got = kind if isinstance(kind, str) else json.dumps(kind)
@@ -201,12 +226,40 @@ def _tool(value: Any, where: str, legacy: bool) -> Tool:
             400,
             f"Invalid schema for function '{named.name}': schema must be a JSON Schema of "
             f"'type: \"object\"', got 'type: \"{got}\"'.",
-            param=f"{fwhere}.parameters",
+            param=f"{where}.parameters",
             code="invalid_function_parameters",
         )
     if named.strict:
-        refuse_open_object(parameters, f"{fwhere}.parameters")
-    return Tool(named.name, named.description, parameters, bool(named.strict))
+        refuse_open_object(parameters, f"{where}.parameters")
+    return lenient_schema(
+        Tool(named.name, named.description, parameters, bool(named.strict)),
+        f"{where}.parameters",
+    )
+
+
+def lenient_schema(tool: Tool, where: str) -> Tool:
+    """Return ``tool`` with the keywords llguidance does not implement left out of its
+    ``parameters`` (``model.grammar.schema.without_unimplemented``) unless it is strict, each
+    named in :attr:`Tool.dropped` by its path under ``where`` (the schema's place in the request).
+
+    A tool that is not strict asks for its schema to guide the arguments, not to be enforced
+    exactly (OpenAI: only ``strict: true`` guarantees that the arguments match it), so such a
+    keyword is reported as ignored rather than refused; the rest of the schema is enforced, which
+    allows every valid argument. A strict tool keeps them, and its schema is refused for them
+    when compiled (``wsgi_app.generation.grammars``), as a ``response_format`` schema is.
+
+    Source: OpenAI "Function calling" guide (strict mode); llguidance docs/json_schema.md.
+    """
+    if tool.strict:
+        return tool
+    enforced, dropped = without_unimplemented(tool.parameters)
+    if not dropped:
+        return tool
+    paths = tuple(
+        where + "".join(f"[{p}]" if isinstance(p, int) else f".{quote_name(p)}" for p in parts)
+        for parts in dropped
+    )
+    return replace(tool, parameters=enforced, sent=tool.parameters, dropped=paths)
 
 
 def check_strings(value: Any, where: str) -> None:

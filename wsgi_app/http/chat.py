@@ -20,7 +20,7 @@ from typing import Any
 from model.chat_template import ChatTemplate, TemplateError
 from model.loader import LoadedModel
 from model.tool_formats import FORMATS, SAMPLE_CALL, SAMPLE_TOOLS, ToolFormat, tool_format
-from wsgi_app.api.chat import ChatRequest, completion_request
+from wsgi_app.api.chat import Conversation, completion_request
 from wsgi_app.api.errors import invalid
 from wsgi_app.api.tools import ToolRequest
 from wsgi_app.generation.inputs import GenerationInput, generation_input
@@ -115,7 +115,7 @@ def _inline(func: Callable[..., Any], args: Sequence[Any]) -> Any:
 
 
 def chat_completion_request(
-    chat: ChatRequest,
+    chat: Conversation,
     template: ChatTemplate,
     model: LoadedModel,
     *,
@@ -126,13 +126,15 @@ def chat_completion_request(
     max_logprob_entries: int | None = None,
     tool_call_format: str | None = None,
 ) -> GenerationInput:
-    """Render ``chat``'s conversation, with its tools, and return the generation input it stands for.
+    """Render ``chat``'s conversation, with its tools, and return the generation input it stands for
+    (a chat request's, or a Responses request's once its items are messages: the same conversation,
+    the same prompt).
 
     The tools are rendered whatever ``tool_choice`` says (with ``"none"`` the model sees them and
     cannot call them), so ``usage.prompt_tokens`` counts them.
 
     Args:
-        chat: the validated chat request.
+        chat: the validated conversation (``wsgi_app.api.chat.Conversation``).
         template: the worker's chat template.
         model: the loaded model (its tokenizer and context length).
         max_prompt_tokens: the longest rendered prompt, tokens (``MAX_PROMPT_TOKENS``).
@@ -149,10 +151,11 @@ def chat_completion_request(
             (``ChatTemplate.tool_format``: its own, or ``TOOL_CALL_FORMAT``'s).
 
     Raises:
-        ApiError: 400 ``messages`` when the contents are longer than any acceptable prompt
-            (:func:`content_char_limit`), the template fails (its message) or the rendered prompt
-            is over ``max_prompt_tokens`` or fills the context; 400 naming ``max_tokens`` or
-            ``max_completion_tokens`` when the answer would not fit; 400 ``top_logprobs`` over
+        ApiError: 400 naming the conversation (``messages``, ``input``) when the contents are
+            longer than any acceptable prompt (:func:`content_char_limit`), the template fails
+            (its message) or the rendered prompt is over ``max_prompt_tokens`` or fills the
+            context; 400 naming ``max_tokens``, ``max_completion_tokens`` or
+            ``max_output_tokens`` when the answer would not fit; 400 ``top_logprobs`` over
             ``max_logprob_entries``.
     """
     prompt_text, prompt_ids = render_conversation(
@@ -163,6 +166,7 @@ def chat_completion_request(
         max_prompt_tokens=max_prompt_tokens,
         offload=offload,
         tool_call_format=tool_call_format,
+        param=chat.messages_param,
     )
     per_token = model.kv_bytes_per_token
     req = completion_request(
@@ -194,15 +198,17 @@ def render_conversation(
     max_prompt_tokens: int,
     offload: Callable[[Callable[..., Any], Sequence[Any]], Any] = _inline,
     tool_call_format: str | None = None,
+    param: str = "messages",
 ) -> tuple[str, list[int]]:
     """Render and encode a conversation with its tools (whatever the ``tool_choice``): the prompt
     text and ids of a chat or Messages request, or what a ``count_tokens`` counts.
 
     Args: as :func:`chat_completion_request`'s (``messages`` the template's messages, ``tools``
-    the request's tools or None).
+    the request's tools or None), and ``param``, the field a refusal names (a Responses request's
+    conversation is its ``input``).
 
     Raises:
-        ApiError: 400 ``messages`` when the contents are longer than any acceptable prompt
+        ApiError: 400 naming ``param`` when the contents are longer than any acceptable prompt
             (:func:`content_char_limit`), the template fails (its message) or the rendered prompt
             is over ``max_prompt_tokens``.
     """
@@ -212,7 +218,7 @@ def render_conversation(
         raise invalid(
             f"The messages hold {chars} characters; no conversation over {limit} characters fits "
             f"the prompt limit of {max_prompt_tokens} tokens.",
-            "messages",
+            param,
         )
     dicts = [tool.openai() for tool in tools.tools] if tools else None
     try:
@@ -220,11 +226,11 @@ def render_conversation(
             template.render_and_encode, (messages, model.tokenizer, dicts, tool_call_format)
         )
     except TemplateError as exc:
-        raise invalid(f"The chat template failed on 'messages': {exc}", "messages") from None
+        raise invalid(f"The chat template failed on '{param}': {exc}", param) from None
     if len(prompt_ids) > max_prompt_tokens:
         raise invalid(
             f"The rendered conversation is {len(prompt_ids)} tokens; the limit is "
             f"{max_prompt_tokens}.",
-            "messages",
+            param,
         )
     return prompt_text, prompt_ids

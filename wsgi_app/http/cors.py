@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from flask import Flask, Response, request
 
-ALLOW_METHODS = "GET, POST, OPTIONS"
+ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 # Request headers a page may send when its preflight's list cannot be echoed: the API's own, and the
 # ones EventSource and fetch() add.
 ALLOW_HEADERS = "Authorization, Content-Type, Last-Event-ID, X-Request-Id, traceparent"

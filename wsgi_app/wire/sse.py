@@ -37,8 +37,8 @@ def data_event(payload: bytes, event_id: str | None = None) -> bytes:
 
 def named_event(name: str, payload: bytes) -> bytes:
     """Frame ``payload`` (one line of JSON) as one SSE event of type ``name``:
-    ``event: <name>\ndata: <payload>\n\n`` (the Anthropic API's framing, where every event is
-    named after its ``type``)."""
+    ``event: <name>\ndata: <payload>\n\n`` (the Anthropic and the Responses APIs' framing, where
+    every event is named after its ``type``)."""
     return b"event: " + name.encode() + b"\n" + DATA + payload + END
 
 

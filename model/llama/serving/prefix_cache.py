@@ -1,33 +1,40 @@
-"""Automatic prefix caching that never changes an answer: the KV of whole prompt blocks, kept for reuse.
+"""Automatic prefix caching that never changes an answer: the KV of whole blocks of a sequence, kept.
 
-A block is ``block_tokens`` consecutive prompt positions starting at a multiple of ``block_tokens``
-from position 0, and ``block_tokens`` is the scheduler's prefill chunk: the blocks *are* the chunks a
-cold prefill computes (:class:`model.llama.serving.scheduler.BatchScheduler` starts a prompt's chunks at fixed
-multiples from position 0). A block's keys and values are exactly the bits the cold run would compute
-for those positions, whatever came after them: every prompt row attends with the decode arithmetic at
-its own position (:mod:`model.llama.forward.attend`), so neither the chunk nor the step it was read in
-changes a bit. A hit ends on a block boundary, so the rest of the prompt is computed on the same
-grid; a full hit leaves its last block to be computed again, which yields the last position's logits
-as the cold run computed them. Only KV computed by prompt chunks is kept (never decoded positions),
-and only once the whole prompt of its sequence is in (a prefill that fails or is cancelled publishes
-nothing, and blocks of a prefill still running are never hit).
+A block is :data:`BLOCK_TOKENS` consecutive positions of a sequence starting at a multiple of it from
+position 0, whatever the scheduler's prefill chunk. A block's keys and values are exactly the bits the
+cold run would compute for those positions, whatever came after them and however they were computed:
+every row of a pass attends with the decode arithmetic at its own position and its products are
+rows of our own kernels (:mod:`model.llama.forward.attend`, :mod:`model.kernels`), so neither the chunk a
+prompt position was read in, nor the step, nor whether the position was read as a prompt or decoded
+changes a bit. A hit ends on a block boundary and the rest of the prompt is computed from there; a
+full hit leaves its last block to be computed again, which yields the last position's logits as the
+cold run computed them.
 
-A partial last chunk is not a block (blocks are whole), but it is the end of exactly its own prompt:
-with the whole blocks, each prompt also keeps a *prompt end*, the KV of its last partial chunk
-(possibly empty) and the logits the cold run computed after its last position, keyed by its last
-block's key and the remaining ids. A request whose whole prompt is cached (the same request again)
-then computes nothing: its first token is drawn from those logits, the very bits of the cold run.
+What a sequence publishes, only ever positions whose token was fed to the model and is the
+sequence's own (:class:`model.llama.serving.scheduler.BatchScheduler` decides when):
+
+- its prompt's whole blocks and its *prompt end* right after the pass that completed its prompt
+  (:meth:`PrefixCache.publish_prompt`): the end is the KV of the last partial block (possibly empty)
+  and the logits the cold run computed after the last position, keyed by the last block's key and
+  the remaining ids, so the same request again computes nothing: its first token is drawn from
+  those logits, the very bits of the cold run;
+- when it leaves, the whole blocks of everything it computed, the positions it decoded included
+  (:meth:`PrefixCache.publish_blocks`), so a conversation's next turn (the same messages, the
+  answer and a new message) reuses the previous prompt and answer up to the last whole block. The
+  last sampled token has no KV (it was never fed), and a verify chunk's rows count only once their
+  drafted token is accepted (:func:`model.llama.serving.speculative.accept`). A sequence that finished
+  evicts older entries for its blocks; one that was cancelled keeps only what fits the room left
+  free; the sequences of a step that raised publish nothing.
 
 Keys chain: a block's key is a hash of (its parent block's key, the cache salt, its token ids), so a
 key names the whole prefix up to the block's end, and requests with different salts (API keys,
 ``cache_salt``) never share a block. A hit is copied into the sequence's own lane of the
-:class:`~model.llama.forward.kv_cache.KVPool` (one contiguous ``memcpy`` per layer and head: ~25 ms for the
-1,536 positions of a long SmolLM2 prompt, against ~6 s to compute them), so attention reads the lane
-exactly as it does cold; sharing the cached arrays read-only would need attention to gather over
-scattered blocks, i.e. other arithmetic. So a hit reserves its whole prompt like a miss does, and the
-cache's own bytes are extra: the serving layer keeps them within what the reservations leave of the
-budget (:attr:`PrefixCache.room_bytes`), evicting least-recently-used blocks whenever the reservations
-grow, so a cached block never makes a request wait.
+:class:`~model.llama.forward.kv_cache.KVPool` (a ``memcpy`` per layer and head of each block), so attention
+reads the lane exactly as it does cold; sharing the cached arrays read-only would need attention to
+gather over scattered blocks, i.e. other arithmetic. So a hit reserves its whole prompt like a miss
+does, and the cache's own bytes are extra: the serving layer keeps them within what the reservations
+leave of the budget (:attr:`PrefixCache.room_bytes`), evicting least-recently-used blocks whenever the
+reservations grow, so a cached block never makes a request wait.
 
 Eviction is least-recently-used over blocks and prompt ends, and a chain is touched from its end back to
 its first block, so a parent is always more recent than its children and what is evicted first is
@@ -37,15 +44,16 @@ Single-threaded: every method runs on the scheduler's thread. Another thread may
 :attr:`PrefixCache.room_bytes` and read the counters (single attribute reads and writes).
 
 Source: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with
-PagedAttention" and vLLM's automatic prefix caching (blocks keyed by a hash of the parent's key and the
-block's tokens, LRU eviction of leaves first); docs/ARCHITECTURE.md §5.
+PagedAttention" and vLLM's automatic prefix caching (blocks of 16 tokens keyed by a hash of the
+parent's key and the block's tokens, full blocks of decoded tokens cached too, LRU eviction of leaves
+first); docs/ARCHITECTURE.md §5.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,6 +64,12 @@ from model.llama.forward.kv_cache import FLOAT32_BYTES, KVCache
 if TYPE_CHECKING:
     from model.llama.forward.config import LlamaConfig
 
+# Positions per block, as vLLM's default. Smaller blocks reuse more of a shared prefix (up to
+# BLOCK_TOKENS - 1 of its positions are computed again) but cost a hash, a dictionary entry and two
+# array copies each: at 16, the keys of a 2,048-token prompt take 0.3 ms, and publishing or restoring
+# its SmolLM2 KV 75-130 ms (the copies, no slower than with 128-token blocks) where computing it took
+# ~18 s on the same loaded core (bench/prefix_turns.py --micro), so it is a constant, not a setting.
+BLOCK_TOKENS = 16
 _KEY_BYTES = 16  # blake2b digest size: 128 bits, no accidental collision among cached entries
 _END = b"end"  # marks a prompt end's key apart from a block's
 
@@ -66,7 +80,7 @@ class _Entry:
 
     Attributes:
         k: ``(n_layers, n_kv_heads, positions, head_dim)`` float32 keys (after RoPE): ``block_tokens``
-            positions for a block, the last partial chunk's (0 or more) for a prompt end.
+            positions for a block, the last partial block's (0 or more) for a prompt end.
         v: the values, likewise.
         logits: ``(vocab_size,)`` float32 logits after the prompt's last position (a prompt end), or
             None (a block).
@@ -88,6 +102,7 @@ class PrefixHit:
     Attributes:
         keys: the keys of every whole block of its prompt, first to last, then its prompt end's
             (published from these once its prefill is done).
+        salt: the 16-byte digest of its cache salt (the blocks it decodes chain on with it).
         cached_tokens: prompt positions copied from the cache into its lane: a multiple of
             ``block_tokens`` below the prompt's length, or all of it.
         logits: ``(vocab_size,)`` float32 logits after the last prompt position when the whole
@@ -95,50 +110,79 @@ class PrefixHit:
     """
 
     keys: tuple[bytes, ...]
+    salt: bytes
     cached_tokens: int
     logits: np.ndarray | None = None
+
+
+def salt_digest(salt: str) -> bytes:
+    """Return the 16-byte BLAKE2b of a cache salt (what every key of its blocks hashes)."""
+    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def chain_keys(
+    parent: bytes, salt: bytes, token_ids: Sequence[int], block_tokens: int
+) -> list[bytes]:
+    """Return the chained keys of the whole blocks of ``token_ids``, which follow ``parent``'s block.
+
+    Key ``b`` is the 16-byte BLAKE2b of (key ``b - 1``, or ``parent`` for the first; ``salt``; the
+    block's ids as little-endian int64), so it names the whole prefix up to the end of its block.
+
+    Args:
+        parent: the key of the block before the first (``b""`` when the ids start at position 0).
+        salt: the salt's digest (:func:`salt_digest`).
+        token_ids: the ids from that block boundary on; a partial last block has no key.
+        block_tokens: positions per block.
+
+    Source: vLLM automatic prefix caching (hash of the parent block's hash, the block's tokens and
+    extra keys such as the cache salt).
+    """
+    ids = np.asarray(token_ids, dtype="<i8")
+    keys = []
+    for b in range(len(ids) // block_tokens):
+        h = hashlib.blake2b(parent, digest_size=_KEY_BYTES)
+        h.update(salt)
+        h.update(ids[b * block_tokens : (b + 1) * block_tokens].tobytes())
+        parent = h.digest()
+        keys.append(parent)
+    return keys
 
 
 def block_keys(prompt_ids: Sequence[int], salt: str, block_tokens: int) -> tuple[bytes, ...]:
     """Return the chained key of every whole block of ``prompt_ids``, then of its prompt end.
 
-    Key ``b`` is the 16-byte BLAKE2b of (key ``b - 1``, or nothing for the first block; the salt's
-    digest; the block's ids as little-endian int64), so it names the whole prefix up to the end of
-    block ``b`` under that salt. The last key (the prompt end's) hashes the last block's key, the
-    salt's digest, a marker and the remaining ids (none when the prompt is whole blocks).
+    The blocks' keys are :func:`chain_keys` from position 0; the last key (the prompt end's) hashes
+    the last block's key (or nothing), the salt's digest, a marker and the remaining ids (none when
+    the prompt is whole blocks).
 
     Args:
         prompt_ids: the prompt's token ids.
         salt: the cache salt (the API key's digest and the request's ``cache_salt``); requests
             with different salts share nothing.
         block_tokens: positions per block.
-
-    Source: vLLM automatic prefix caching (hash of the parent block's hash, the block's tokens and
-    extra keys such as the cache salt).
     """
-    salt_digest = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-    ids = np.asarray(prompt_ids, dtype="<i8")
-    keys, parent = [], b""
-    n = len(ids) // block_tokens
-    for b in range(n + 1):
-        h = hashlib.blake2b(parent, digest_size=_KEY_BYTES)
-        h.update(salt_digest)
-        if b == n:
-            h.update(_END)
-        h.update(ids[b * block_tokens : (b + 1) * block_tokens].tobytes())
-        parent = h.digest()
-        keys.append(parent)
-    return tuple(keys)
+    return _prompt_keys(prompt_ids, salt_digest(salt), block_tokens)
+
+
+def _prompt_keys(prompt_ids: Sequence[int], salt: bytes, block_tokens: int) -> tuple[bytes, ...]:
+    """Return :func:`block_keys` under the salt's digest."""
+    keys = chain_keys(b"", salt, prompt_ids, block_tokens)
+    h = hashlib.blake2b(keys[-1] if keys else b"", digest_size=_KEY_BYTES)
+    h.update(salt)
+    h.update(_END)
+    h.update(np.asarray(prompt_ids[len(keys) * block_tokens :], dtype="<i8").tobytes())
+    return (*keys, h.digest())
 
 
 class PrefixCache:
-    """The cached prompt blocks and prompt ends of one scheduler, least-recently-used first.
+    """The cached blocks and prompt ends of one scheduler, least-recently-used first.
 
     Args:
         n_layers: transformer blocks of the model.
         n_kv_heads: key/value heads.
         head_dim: width of one head.
-        block_tokens: positions per block: the scheduler's prefill chunk.
+        block_tokens: positions per block (:data:`BLOCK_TOKENS`; any size works with any prefill
+            chunk).
         room_bytes: bytes the cache may hold at first (the serving layer sets :attr:`room_bytes`
             from then on).
 
@@ -227,7 +271,8 @@ class PrefixCache:
         """
         if cache.length:
             raise ValueError(f"prefix cache: restoring into a cache of {cache.length} positions")
-        keys = block_keys(prompt_ids, salt, self.block_tokens)
+        digest = salt_digest(salt)
+        keys = _prompt_keys(prompt_ids, digest, self.block_tokens)
         hit: list[_Entry] = []
         for key in keys:
             entry = self._entries.get(key)
@@ -249,16 +294,16 @@ class PrefixCache:
         self.hit_tokens += at
         self.miss_tokens += len(prompt_ids) - at
         logits = hit[-1].logits if len(hit) == len(keys) else None
-        return PrefixHit(keys, at, logits)
+        return PrefixHit(keys, digest, at, logits)
 
-    def publish(self, hit: PrefixHit, cache: KVCache, logits: np.ndarray) -> int:
+    def publish_prompt(self, hit: PrefixHit, cache: KVCache, logits: np.ndarray) -> int:
         """Keep the whole prompt blocks and the prompt end of a sequence whose prefill just completed.
 
         Call it right after the pass that computed the prompt's last position, before anything is
-        decoded into ``cache``: positions ``0 .. cache.length`` then hold KV computed by prompt
-        chunks only. Entries already held are only marked as recently used. Evicts
-        least-recently-used entries to make room; keeps fewer (the first blocks, then the end)
-        when even an empty cache has no room for all.
+        decoded into ``cache``: positions ``0 .. cache.length`` then hold the prompt. Entries
+        already held are only marked as recently used. Evicts least-recently-used entries to make
+        room; keeps fewer (the first blocks, then the end) when even an empty cache has no room for
+        all.
 
         Args:
             hit: what :meth:`restore` returned for the sequence.
@@ -268,26 +313,75 @@ class PrefixCache:
         Returns:
             Entries added.
         """
-        b, room = self.block_tokens, max(0, self.room_bytes)
+        b, last = self.block_tokens, len(hit.keys) - 1
+
+        def entry(i: int) -> _Entry:
+            stop = cache.length if i == last else (i + 1) * b
+            # (n_layers, n_kv_heads, positions, head_dim) copies: the lane is reused once freed
+            k, v = cache.k[:, :, i * b : stop].copy(), cache.v[:, :, i * b : stop].copy()
+            return _Entry(k, v, logits.copy() if i == last else None)
+
+        return self._keep(hit.keys, entry, evict=True)
+
+    def publish_blocks(
+        self, hit: PrefixHit, token_ids: Sequence[int], cache: KVCache, evict: bool = True
+    ) -> int:
+        """Keep the whole blocks of what a sequence computed: its prompt, then what it decoded.
+
+        Args:
+            hit: what :meth:`restore` returned for the sequence.
+            token_ids: the ids whose KV ``cache`` holds at positions ``0 .. len(token_ids)``: its
+                prompt's, then the tokens it fed after it (never a rejected draft, never its last
+                sampled token, which was not fed).
+            cache: the sequence's lane.
+            evict: evict least-recently-used entries to make room, as :meth:`publish_prompt`; False
+                keeps only the blocks that fit the room left free (a sequence that was cancelled:
+                its blocks are not worth another's).
+
+        Returns:
+            Entries added.
+
+        Raises:
+            ValueError: ``cache`` holds fewer than ``len(token_ids)`` positions.
+        """
+        if len(token_ids) > cache.length:
+            raise ValueError(
+                f"prefix cache: {len(token_ids)} ids for a cache of {cache.length} positions"
+            )
+        b = self.block_tokens
+        prompt_blocks, whole = len(hit.keys) - 1, len(token_ids) // b
+        keys = list(hit.keys[: min(prompt_blocks, whole)])
+        if whole > prompt_blocks:  # chain on past the prompt's last whole block
+            parent = keys[-1] if keys else b""
+            keys += chain_keys(parent, hit.salt, token_ids[prompt_blocks * b : whole * b], b)
+
+        def entry(i: int) -> _Entry:
+            return _Entry(
+                cache.k[:, :, i * b : (i + 1) * b].copy(), cache.v[:, :, i * b : (i + 1) * b].copy()
+            )
+
+        return self._keep(keys, entry, evict)
+
+    def _keep(self, keys: Sequence[bytes], entry: Callable[[int], _Entry], evict: bool) -> int:
+        """Add the chain ``keys`` (entry ``i`` made by ``entry(i)`` unless held) from its first key
+        while it fits; mark what it kept as just used; return the entries added."""
+        room = max(0, self.room_bytes)
         kept: list[bytes] = []
         total = added = 0
-        for i, key in enumerate(hit.keys):
-            end = i == len(hit.keys) - 1
-            entry = self._entries.get(key)
-            if entry is None:
-                stop = cache.length if end else (i + 1) * b
-                k = cache.k[
-                    :, :, i * b : stop
-                ].copy()  # (n_layers, n_kv_heads, positions, head_dim)
-                v = cache.v[:, :, i * b : stop].copy()
-                entry = _Entry(k, v, logits.copy() if end else None)
-            total += entry.nbytes
-            if total > room:
+        for i, key in enumerate(keys):
+            held = self._entries.get(key)
+            new = entry(i) if held is None else held
+            total += new.nbytes
+            if evict:  # the chain alone must fit: older entries make room for it
+                full = total > room
+            else:  # a new entry must fit beside what is held
+                full = held is None and self._nbytes + new.nbytes > room
+            if full:
                 break
-            if key not in self._entries:
-                self._entries[key] = entry
-                self._nbytes += entry.nbytes
-                self._ends += end
+            if held is None:
+                self._entries[key] = new
+                self._nbytes += new.nbytes
+                self._ends += new.logits is not None
                 added += 1
             kept.append(key)
         self._touch(kept)

@@ -22,11 +22,12 @@ A sequence's tokens never depend on its batch: ``Llama.forward`` gives each row 
 the other rows are (unless ``batch_invariant`` is turned off, which lets steps of few rows run one GEMV
 per row), and each sequence samples with its own PCG32.
 
-With a :class:`~model.llama.serving.prefix_cache.PrefixCache` (whose blocks are ``prefill_chunk`` tokens, the
-chunk grid), a joining sequence starts from its longest cached block prefix and prefills only the rest
-(or, its whole prompt cached, draws its first token from the cold run's logits kept with it),
-on the same grid, and a sequence whose prompt is all in publishes its whole prompt blocks: its tokens
-are the same bits as without the cache.
+With a :class:`~model.llama.serving.prefix_cache.PrefixCache`, a joining sequence starts from its longest
+cached block prefix and prefills only the rest (or, its whole prompt cached, draws its first token
+from the cold run's logits kept with it); a sequence whose prompt is all in publishes its whole
+prompt blocks and its prompt end, and a sequence that leaves publishes the whole blocks of all it
+computed, the positions it decoded included (:meth:`BatchScheduler._publish_blocks`): its tokens are
+the same bits as without the cache, as a position's KV is the same bits read or decoded.
 
 Source: docs/ARCHITECTURE.md §5; Yu et al., "Orca" (OSDI 2022) for iteration-level scheduling.
 """
@@ -59,7 +60,7 @@ from model.llama.serving.speculative import SpecState, Speculator, accept
 from model.pcg32 import PCG32
 from model.sampling import sample
 
-PREFILL_CHUNK = 128  # prompt tokens a sequence prefills per step: the chunk grid (and prefix block)
+PREFILL_CHUNK = 128  # prompt tokens a sequence prefills per step (chunks start at its multiples)
 # Prompt tokens scored per pass for echo: bounds the logits held to SCORE_CHUNK x vocab_size floats
 # (SmolLM2: 50 MB, where a 7,000-token prompt at once held 1.4 GB) and lets the caller look at its
 # deadline and its client between chunks. Every row's bits are those of the prompt at once.
@@ -85,11 +86,8 @@ class BatchScheduler:
         speculative_tokens: most tokens a decoding sequence drafts per step
             (``SPECULATIVE_TOKENS``, :mod:`model.llama.serving.speculative`); 0 turns speculation off. It
             changes how many tokens a step yields, never which.
-        prefix_cache: the cache of whole prompt blocks, or None for none (``PREFIX_CACHE=0``);
-            its ``block_tokens`` must be ``prefill_chunk``.
-
-    Raises:
-        ValueError: the prefix cache's blocks are not ``prefill_chunk`` tokens.
+        prefix_cache: the cache of whole blocks, or None for none (``PREFIX_CACHE=0``); its blocks
+            may be of any size (the bits of a position do not depend on the chunk it was read in).
     """
 
     def __init__(
@@ -103,11 +101,6 @@ class BatchScheduler:
         speculative_tokens: int = 0,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
-        if prefix_cache is not None and prefix_cache.block_tokens != prefill_chunk:
-            raise ValueError(
-                f"prefix cache blocks of {prefix_cache.block_tokens} tokens off the prefill chunk "
-                f"grid of {prefill_chunk}: the blocks are the chunks a prompt is read in"
-            )
         self._prefix_cache = prefix_cache
         self.model = model
         self.eos_ids = frozenset(eos_ids)
@@ -122,7 +115,7 @@ class BatchScheduler:
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
-        """The cache of whole prompt blocks reused across sequences, or None."""
+        """The cache of whole blocks reused across sequences, or None."""
         return self._prefix_cache
 
     @property
@@ -229,6 +222,8 @@ class BatchScheduler:
         """Drop cancelled sequences now (before new ones are added: they free batch places)."""
         for seq in self.live:
             if seq.cancelled:
+                # Between steps, a lane holds only its own tokens' positions: publish what fits.
+                self._publish_blocks(seq, evict=False)
                 self._drop_cache(seq)  # the caller may keep the sequence; its KV pages go now
         self.live = [s for s in self.live if not s.cancelled]
 
@@ -236,7 +231,11 @@ class BatchScheduler:
         """Drop every live sequence (after a failed step) and return them, and empty the prefix
         cache: the failed step may have published a prompt it computed before it failed, from a
         model gone bad (weights read as NaN publish NaN logits, then the sampler refuses them), and
-        a cached prompt end would fail its prompt forever after, the model whole again or not."""
+        a cached prompt end would fail its prompt forever after, the model whole again or not.
+
+        The dropped sequences publish nothing: a step that raised may have left a lane's length
+        counting the rows of a verify chunk it had not yet sampled.
+        """
         dropped, self.live = self.live, []
         for seq in dropped:
             self._drop_cache(seq)
@@ -296,7 +295,7 @@ class BatchScheduler:
                     # Its lane holds prompt-computed KV only: it was prefilling, not decoding
                     # (a verify chunk's taken-back positions are only ever in decoding lanes).
                     assert seq.cache is not None and seq.cache.length == seq.prefilled
-                    self._prefix_cache.publish(seq.prefix, seq.cache, row)
+                    self._prefix_cache.publish_prompt(seq.prefix, seq.cache, row)
                 self._emit(seq, row)
                 touched.append(seq)
         row = 0
@@ -408,6 +407,7 @@ class BatchScheduler:
         if seq.counts is not None:
             seq.counts[token_id] += 1
         seq.produced += 1
+        seq.output_ids.append(token_id)
         last = seq.produced == seq.n_tokens
         reason = None
         if token_id in seq.stop_ids:
@@ -432,7 +432,27 @@ class BatchScheduler:
             seq.steps.append(error)
         seq.done = True
         seq.steps.append(END)
+        self._publish_blocks(seq, evict=True)
         self._drop_cache(seq)  # its KV pages go now, even while the caller keeps the sequence
+
+    def _publish_blocks(self, seq: Sequence, evict: bool) -> None:
+        """Keep the whole blocks of what ``seq`` computed, as it leaves (see
+        :meth:`~model.llama.serving.prefix_cache.PrefixCache.publish_blocks`).
+
+        Its lane's ``length`` counts exactly the positions whose tokens were fed and are its own:
+        the prompt positions read (all of them, or fewer for a prefill cancelled midway), then the
+        tokens it decoded but the last one sampled; a verify chunk's rows count only once their
+        drafted token is accepted (:func:`~model.llama.serving.speculative.accept`). Decoded positions are
+        the bits a prompt's would be only with batch invariance; without it, only the prompt's
+        positions are published, as before it decoded.
+        """
+        cache = seq.cache
+        if self._prefix_cache is None or seq.prefix is None or cache is None:
+            return
+        n_prompt = len(seq.req.prompt_ids)
+        length = cache.length if self.batch_invariant else min(cache.length, n_prompt)
+        ids = [*seq.req.prompt_ids[:length], *seq.output_ids[: max(0, length - n_prompt)]]
+        self._prefix_cache.publish_blocks(seq.prefix, ids, cache, evict)
 
     def _drop_cache(self, seq: Sequence) -> None:
         if seq.cache is not None:

@@ -40,6 +40,7 @@ class Sequence:
     counts: np.ndarray | None = None
     prefilled: int = 0  # prompt tokens already in the cache
     produced: int = 0
+    output_ids: list[int] = field(default_factory=list)  # the tokens it emitted, in order
     last_token: int = -1
     cancelled: bool = False
     done: bool = False

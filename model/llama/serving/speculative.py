@@ -244,14 +244,17 @@ def accept(
         rows: ``(len(draft) + 1, vocab_size)`` float32 logits of the verify chunk's rows.
         emit: Samples one row and appends its Step (the scheduler's one-token decode step).
 
-    The cache's ``length`` is taken back to the positions whose tokens were accepted.
+    The cache's ``length`` counts a drafted position only once its token is accepted: when row
+    ``i`` is sampled it is the positions up to row ``i``'s own (whose tokens are the sequence's),
+    so a sequence that ends there (and publishes its blocks, :mod:`model.llama.serving.prefix_cache`)
+    never counts a rejected or unsampled draft; the rows past it are taken back.
     """
+    seq.cache.length -= len(draft)
     accepted = 0
     for i, row in enumerate(rows):
         emit(seq, row)
         if seq.done or i == len(draft) or seq.last_token != draft[i]:
             break
         accepted += 1
-    if seq.cache is not None:
-        seq.cache.length -= len(draft) - accepted
+        seq.cache.length += 1
     return accepted
