@@ -63,8 +63,8 @@ class Metrics:
 
     Attributes:
         requests: ``greenserve_requests_total{endpoint,status,finish_reason,end_reason}``,
-            generation requests answered (``endpoint``: ``/v1/completions`` or
-            ``/v1/chat/completions``; ``end_reason``: why generation ended, ``none`` when it never
+            generation requests answered (``endpoint``: ``/v1/completions``,
+            ``/v1/chat/completions``, ``/v1/responses`` or ``/v1/messages``; ``end_reason``: why generation ended, ``none`` when it never
             started).
         prompt_tokens: ``greenserve_prompt_tokens_total``, prompt tokens of requests that got a slot.
         generation_tokens: ``greenserve_generation_tokens_total``, tokens generated.
@@ -284,7 +284,8 @@ class Metrics:
         """Record one finished generation request.
 
         Args:
-            endpoint: the route answered (``/v1/completions``, ``/v1/chat/completions``).
+            endpoint: the route answered (``/v1/completions``, ``/v1/chat/completions``,
+                ``/v1/responses``, ``/v1/messages``).
             status: the HTTP status sent.
             finish_reason: the request's finish reason label (``length``, ``stop``, ``error``, …).
             end_reason: why generation ended (``finished``, ``stop``, ``client_left``,

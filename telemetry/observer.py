@@ -48,7 +48,7 @@ access_log = logging.getLogger("greenserve.access")
 slow_log = logging.getLogger("greenserve.slow")
 
 # Generation routes: counted in metrics and history. Probes and scrapes only get a debug log line.
-API_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+API_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
 QUIET_ROUTES = frozenset({"/health", "/healthz", "/ready", "/metrics", "/stats", "/stats/history"})
 _ITL_BOUNDS = np.asarray(ITL_BUCKETS, dtype=np.float64)
 _TOP_GAPS = 3  # the longest stalls a slow request's timeline shows
