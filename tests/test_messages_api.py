@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import anthropic
 import jsonschema
@@ -527,3 +528,41 @@ def test_output_format_and_thinking_history(srv):
     assert message["stop_reason"] == "end_turn"
     jsonschema.validate(json.loads(message["content"][0]["text"]), schema)
     assert without_ids(stream(srv, body, AUTH)) == without_ids(message)
+
+
+def test_the_sdks_parse_sends_output_config_format_and_gets_its_model(srv):
+    """``messages.parse(output_format=Model)`` sends Anthropic's ``output_config.format``: it is
+    enforced (the answer parses into the model); ``output_config``'s other keys are named as
+    ignored; ``output_format`` beside it is a 400."""
+    import pydantic
+
+    class Colour(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        colour: Literal["red", "blue"]  # finite: the SDK moves maxLength into the description
+
+    ask = [{"role": "user", "content": "A colour as JSON?"}]
+    with sdk(srv, KEY) as client:
+        message = client.messages.parse(
+            model="m",
+            max_tokens=200,
+            messages=ask,
+            output_format=Colour,
+            extra_body={"temperature": 0},
+        )
+    assert message.stop_reason == "end_turn"
+    assert isinstance(message.parsed_output, Colour)
+    # The same request on the wire, with another output_config key beside the format.
+    schema = Colour.model_json_schema()
+    body = {"model": "m", "max_tokens": 200, "messages": ask, "temperature": 0}
+    body["output_config"] = {"format": {"type": "json_schema", "schema": schema}, "effort": "low"}
+    status, headers, raw = srv.post(PATH, body, headers=AUTH)
+    assert status == 200 and headers["x-ignored-fields"] == "output_config.effort"
+    assert (
+        Colour.model_validate_json(json.loads(raw)["content"][0]["text"]) == message.parsed_output
+    )
+    body["output_format"] = body["output_config"]["format"]
+    status, _, raw = srv.post(PATH, body, headers=AUTH)
+    assert status == 400 and json.loads(raw)["error"] == {
+        "type": "invalid_request_error",
+        "message": "'output_format' and 'output_config.format' are the same setting: send one.",
+    }

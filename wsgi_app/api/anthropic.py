@@ -54,7 +54,16 @@ THINKING = ("enabled", "disabled", "adaptive")
 # What count_tokens reads; anything else is ignored and named (``max_tokens`` too: not a field there).
 COUNT_FIELDS = FieldTable(
     Field(name)
-    for name in ("model", "messages", "system", "tools", "tool_choice", "thinking", "output_format")
+    for name in (
+        "model",
+        "messages",
+        "system",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "output_format",
+        "output_config",
+    )
 )
 # What /v1/messages reads: count_tokens' fields and the answer's.
 FIELDS = FieldTable(
@@ -222,12 +231,13 @@ def _conversation(body: dict[str, Any], table: FieldTable, max_messages: int) ->
     dropped = [path for tool in tools for path in tool.dropped]
     tools = _tool_choice(body.get("tool_choice"), tools)
     _thinking(body.get("thinking"))
+    constraint = _output_constraint(body, unknown)
     return MessagesRequest(
         model=model,
         messages=messages,
         tools=tools,
         ignored_fields=shown_names([*unknown, *left_out, *dropped]),
-        constraint=_output_format(body.get("output_format")),
+        constraint=constraint,
     )
 
 
@@ -377,19 +387,42 @@ def _thinking(value: Any) -> None:
         raise invalid("'thinking.budget_tokens' must be an integer.", "thinking.budget_tokens")
 
 
-def _output_format(value: Any) -> RequestConstraint | None:
-    """Return ``output_format`` (``{"type": "json_schema", "schema": {...}}``) as the constraint
-    every answer keeps to, or None."""
+def _output_constraint(body: dict[str, Any], ignored: list[str]) -> RequestConstraint | None:
+    """Return the structured output every answer keeps to, or None: ``output_config.format``
+    (Anthropic's field, which the ``anthropic`` SDK's ``messages.parse`` sends) or the older
+    top-level ``output_format`` (``{"type": "json_schema", "schema": {...}}`` either way). Other
+    ``output_config`` keys (``effort``) are appended to ``ignored``.
+
+    Source: Anthropic API reference, "Structured outputs" (``output_config.format``).
+
+    Raises:
+        ApiError: 400 naming ``output_config`` (not an object), the format or its ``schema``
+            (malformed), or ``output_format`` when both are sent.
+    """
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise invalid("'output_config' must be an object.", "output_config")
+    config = config or {}
+    ignored += (f"output_config.{quote_name(k)}" for k in config if k != "format")
+    if config.get("format") is not None:
+        if body.get("output_format") is not None:
+            raise invalid(
+                "'output_format' and 'output_config.format' are the same setting: send one.",
+                "output_format",
+            )
+        return _output_format(config["format"], "output_config.format")
+    return _output_format(body.get("output_format"), "output_format")
+
+
+def _output_format(value: Any, where: str) -> RequestConstraint | None:
+    """Return a ``{"type": "json_schema", "schema": {...}}`` format at ``where`` as the
+    constraint, or None."""
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("type") != "json_schema":
-        raise invalid(
-            '\'output_format\' must be {"type": "json_schema", "schema": {...}}.', "output_format"
-        )
+        raise invalid(f'\'{where}\' must be {{"type": "json_schema", "schema": {{...}}}}.', where)
     schema = value.get("schema")
     if not isinstance(schema, dict):
-        raise invalid(
-            "'output_format.schema' must be a JSON Schema object.", "output_format.schema"
-        )
-    check_strings(schema, "output_format.schema")
-    return RequestConstraint(Constraint("json_schema", schema), "output_format.schema")
+        raise invalid(f"'{where}.schema' must be a JSON Schema object.", f"{where}.schema")
+    check_strings(schema, f"{where}.schema")
+    return RequestConstraint(Constraint("json_schema", schema), f"{where}.schema")
