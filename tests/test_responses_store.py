@@ -11,7 +11,7 @@ import re
 import pytest
 
 from tests.responses import PATH, city_tool, output_text, respond
-from tests.server import wait_until
+from tests.server import concurrently, wait_until
 from tests.services import RedisServer
 from wsgi_app.http.response_store import RedisResponseStore, SqliteResponseStore, encode_record
 
@@ -120,6 +120,25 @@ def test_get_and_delete_a_stored_response(server):
             "param": None,
             "code": None,
         }
+
+
+def test_concurrent_creates_reads_and_deletes_all_finish(serve):
+    """30 clients each store, read and delete 10 responses at once: every call is answered (the
+    store's calls run on the hub's thread pool one at a time, the lock taken by the greenlet; a
+    lock taken in the pool threads left some calls asleep for good, their slots with them)."""
+    srv = serve()
+
+    def client(i: int) -> int:
+        for n in range(10):
+            stored = respond(srv, {**ASK, "input": f"hi {i} {n}", "max_output_tokens": 4})
+            status, _, raw = srv.get(f"{PATH}/{stored['id']}", timeout_s=20)
+            assert status == 200 and json.loads(raw)["id"] == stored["id"]
+            status, _, _ = srv.request("DELETE", f"{PATH}/{stored['id']}", timeout_s=20)
+            assert status == 200
+        return 10
+
+    assert sum(concurrently(client, 30, timeout_s=120)) == 300
+    assert srv.state()["slots"]["busy"] == 0
 
 
 def test_store_false_keeps_nothing(server):

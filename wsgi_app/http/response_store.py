@@ -113,9 +113,16 @@ class SqliteResponseStore:
         self.clock = clock
         # One connection for the worker's life, used by one pool thread at a time: a connection
         # per call costs two fsyncs (the last one to close checkpoints the WAL, the next one's
-        # first commit starts it again), ~15 ms a stored response against ~0.1 ms.
+        # first commit starts it again), ~15 ms a stored response against ~0.1 ms. The lock is
+        # taken by the calling greenlet, around the whole trip to the pool (:meth:`_call`): a
+        # monkey-patched lock taken inside pool threads can leave its waiters asleep for good.
         self._lock = threading.Lock()
         self._conn = _on_pool(retry_locked, self._open)
+
+    def _call(self, func: Callable[..., T], *args: Any) -> T:
+        """Run ``func(*args)`` on the pool, one call of this worker's at a time."""
+        with self._lock:
+            return _on_pool(func, *args)
 
     def _open(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, timeout=5.0, check_same_thread=False)
@@ -127,12 +134,12 @@ class SqliteResponseStore:
 
     @contextlib.contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
-        with self._lock, self._conn as conn:  # one transaction, committed on success
+        with self._conn as conn:  # one transaction, committed on success (under _call's lock)
             yield conn
 
     def put(self, owner: str, response_id: str, record: dict[str, Any]) -> None:
         """Keep ``record``, then evict the expired and the oldest beyond the bounds."""
-        _on_pool(self._put, owner, response_id, encode_record(record), self.clock())
+        self._call(self._put, owner, response_id, encode_record(record), self.clock())
 
     def _put(self, owner: str, response_id: str, body: bytes, now: float) -> None:
         with self._connect() as conn:
@@ -156,7 +163,7 @@ class SqliteResponseStore:
 
     def get(self, owner: str, response_id: str) -> dict[str, Any] | None:
         """Return the record, or None (unknown, expired, evicted, another owner's)."""
-        body = _on_pool(self._get, owner, response_id, self.clock())
+        body = self._call(self._get, owner, response_id, self.clock())
         return None if body is None else json.loads(body)
 
     def _get(self, owner: str, response_id: str, now: float) -> bytes | None:
@@ -169,7 +176,7 @@ class SqliteResponseStore:
 
     def delete(self, owner: str, response_id: str) -> bool:
         """Delete the record; return whether this owner had it (expired ones count as gone)."""
-        return _on_pool(self._delete, owner, response_id, self.clock())
+        return self._call(self._delete, owner, response_id, self.clock())
 
     def _delete(self, owner: str, response_id: str, now: float) -> bool:
         with self._connect() as conn:
