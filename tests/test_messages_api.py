@@ -451,6 +451,28 @@ def test_same_text_as_chat_at_temperature_0_and_at_the_same_seed(default_server)
         assert count(default_server, body) == message["usage"]["input_tokens"]
 
 
+def test_an_open_schema_gives_the_chats_text_closed_as_there(default_server):
+    """A schema that leaves ``additionalProperties`` out is closed here as on chat's
+    ``response_format``, so the same seed gives the same text on both."""
+    schema = {"type": "object", "properties": {"e": {"type": "integer"}}, "required": ["e"]}
+    ask = [{"role": "user", "content": "A number?"}]
+    for seed in range(4):
+        body = {"model": "m", "max_tokens": 30, "messages": ask, "seed": seed}
+        message = create(
+            default_server,
+            {**body, "output_config": {"format": {"type": "json_schema", "schema": schema}}},
+        )
+        chat_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+        status, _, raw = default_server.post(
+            "/v1/chat/completions", {**body, "response_format": chat_format}
+        )
+        assert status == 200, raw
+        text = json.loads(raw)["choices"][0]["message"]["content"]
+        assert message["content"][0]["text"] == text
+        if message["stop_reason"] == "end_turn":
+            assert list(json.loads(text)) == ["e"]
+
+
 def test_read_stream_refuses_a_broken_stream():
     good = (
         b'event: message_start\ndata: {"type":"message_start","message":{"content":[],'

@@ -23,7 +23,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from model.grammar.compile import Constraint
 from model.sampling import SamplingParams
 from wsgi_app.api.anthropic_content import parse_conversation
 from wsgi_app.api.chat import MAX_CHAT_MESSAGES, check_answer_fits, prompt_room
@@ -40,7 +39,7 @@ from wsgi_app.api.fields import (
     parse_model,
     seed_field,
 )
-from wsgi_app.api.structured import RequestConstraint, refuse_stop
+from wsgi_app.api.structured import RequestConstraint, refuse_stop, schema_constraint
 from wsgi_app.api.table import Field, FieldTable, shown_names
 from wsgi_app.api.tools import MAX_TOOLS, Tool, ToolRequest, check_strings, lenient_schema
 
@@ -425,4 +424,5 @@ def _output_format(value: Any, where: str) -> RequestConstraint | None:
     if not isinstance(schema, dict):
         raise invalid(f"'{where}.schema' must be a JSON Schema object.", f"{where}.schema")
     check_strings(schema, f"{where}.schema")
-    return RequestConstraint(Constraint("json_schema", schema), f"{where}.schema")
+    # objects closed as on the other endpoints, so the same schema gives the same text
+    return RequestConstraint(schema_constraint(schema, f"{where}.schema"), f"{where}.schema")

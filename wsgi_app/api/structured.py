@@ -131,10 +131,17 @@ def refuse_stop(
     return constraint
 
 
-def _schema(value: Any, param: str, close: bool = True, strict: bool = False) -> Constraint:
-    """A JSON Schema: an object, or (vLLM) its JSON text; its objects closed unless they say
-    otherwise (``model.grammar.schema.closed``) when ``close``; under OpenAI's ``strict``, an
-    object that allows other properties is refused, as OpenAI refuses it."""
+def schema_constraint(
+    value: Any, param: str, close: bool = True, strict: bool = False
+) -> Constraint:
+    """Return the constraint of a JSON Schema at ``param``: an object, or (vLLM) its JSON text; its
+    objects closed unless they say otherwise (``model.grammar.schema.closed``) when ``close``;
+    under OpenAI's ``strict``, an object that allows other properties is refused, as OpenAI
+    refuses it. Every endpoint's JSON-schema output constraint is read here.
+
+    Raises:
+        ApiError: 400 naming ``param``: not an object (nor its JSON text), or open under ``strict``.
+    """
     if isinstance(value, str):
         try:
             value = loads_strict(value)
@@ -214,7 +221,7 @@ def _response_format(value: Any, param: str) -> RequestConstraint | None:
     if schema is None:
         raise invalid(f"'{param}.json_schema.schema' is required for type 'json_schema'.", param)
     strict = outer is None and value["json_schema"].get("strict") is True
-    return RequestConstraint(_schema(schema, param, strict=strict), param)
+    return RequestConstraint(schema_constraint(schema, param, strict=strict), param)
 
 
 def text_format(value: Any, param: str = "text.format") -> RequestConstraint | None:
@@ -250,7 +257,7 @@ def text_format(value: Any, param: str = "text.format") -> RequestConstraint | N
     if value.get("schema") is None:
         at = f"{param}.schema"
         raise invalid(f"'{at}' is required for type 'json_schema'.", at)
-    return RequestConstraint(_schema(value["schema"], param), param)
+    return RequestConstraint(schema_constraint(value["schema"], param), param)
 
 
 def _json_schema_object(value: Any, param: str) -> Any:
@@ -294,7 +301,7 @@ def _structured_outputs(value: Any, param: str) -> RequestConstraint:
         return RequestConstraint(Constraint("json_object"), at)
     if key == "json":  # objects closed unless the request asks for JSON Schema's open ones
         close = value.get("disable_additional_properties") is not False
-        return RequestConstraint(_schema(value[key], at, close), at)
+        return RequestConstraint(schema_constraint(value[key], at, close), at)
     return RequestConstraint(_KIND_READERS[key](value[key], at), at)
 
 
@@ -306,7 +313,7 @@ def _regex(value: Any, param: str) -> Constraint:
     return Constraint("regex", _text(value, param, "a regular expression"))
 
 
-_KIND_READERS = {"json": _schema, "regex": _regex, "choice": _choice, "grammar": _grammar}
+_KIND_READERS = {"json": schema_constraint, "regex": _regex, "choice": _choice, "grammar": _grammar}
 
 
 def _plain(read: Any) -> Any:
@@ -316,10 +323,10 @@ def _plain(read: Any) -> Any:
 _READERS = {
     "response_format": _response_format,
     "structured_outputs": _structured_outputs,
-    "guided_json": _plain(_schema),
+    "guided_json": _plain(schema_constraint),
     "guided_regex": _plain(_regex),
     "guided_choice": _plain(_choice),
     "guided_grammar": _plain(_grammar),
-    "json_schema": _plain(_schema),
+    "json_schema": _plain(schema_constraint),
     "grammar": _plain(_grammar),
 }
