@@ -315,6 +315,18 @@ BAD = [
         {"model": "m", "max_tokens": 1, "messages": ASK, "tool_choice": {"type": "any"}},
         "'tool_choice' of type 'any' needs 'tools'.",
     ),
+    (  # arguments are an object: an array schema would stream its arguments and answer {}
+        {
+            "model": "m",
+            "max_tokens": 1,
+            "messages": ASK,
+            "tools": [
+                {"name": "f", "input_schema": {"type": "array", "items": {"type": "integer"}}}
+            ],
+        },
+        "Invalid schema for function 'f': schema must be a JSON Schema of 'type: \"object\"', got "
+        "'type: \"array\"'.",
+    ),
     (  # not a string: no 500 from hashing it (schemathesis found one)
         {"model": "m", "max_tokens": 1, "messages": ASK, "tool_choice": {"type": {}}},
         "'tool_choice' must be an object whose 'type' is 'auto', 'any', 'tool' or 'none'.",

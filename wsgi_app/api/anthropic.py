@@ -41,7 +41,14 @@ from wsgi_app.api.fields import (
 )
 from wsgi_app.api.structured import RequestConstraint, refuse_stop, schema_constraint
 from wsgi_app.api.table import Field, FieldTable, shown_names
-from wsgi_app.api.tools import MAX_TOOLS, Tool, ToolRequest, check_strings, lenient_schema
+from wsgi_app.api.tools import (
+    MAX_TOOLS,
+    Tool,
+    ToolRequest,
+    check_object_schema,
+    check_strings,
+    lenient_schema,
+)
 
 # Anthropic's rule for a tool's name (the call parser relies on names without quotes or escapes).
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -288,6 +295,7 @@ def _tools(value: Any) -> tuple[tuple[Tool, ...], list[str]]:
             at = f"{where}.input_schema"
             raise invalid(f"'{at}' is required and must be a JSON Schema object.", at)
         check_strings(schema, f"{where}.input_schema")
+        check_object_schema(schema, name, f"{where}.input_schema")
         strict = tool.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise invalid(f"'{where}.strict' must be a boolean.", f"{where}.strict")

@@ -219,16 +219,7 @@ def function_tool(function: dict[str, Any], where: str) -> Tool:
     if not isinstance(parameters, dict):
         raise invalid(f"'{where}.parameters' must be a JSON Schema object.", f"{where}.parameters")
     check_strings(parameters, f"{where}.parameters")
-    kind = parameters.get("type", "object")
-    if kind != "object":  # arguments are an object: OpenAI refuses any other type, so do we
-        got = kind if isinstance(kind, str) else json.dumps(kind)
-        raise ApiError(
-            400,
-            f"Invalid schema for function '{named.name}': schema must be a JSON Schema of "
-            f"'type: \"object\"', got 'type: \"{got}\"'.",
-            param=f"{where}.parameters",
-            code="invalid_function_parameters",
-        )
+    check_object_schema(parameters, named.name, f"{where}.parameters")
     if named.strict:
         refuse_open_object(parameters, f"{where}.parameters")
     return lenient_schema(
@@ -260,6 +251,28 @@ def lenient_schema(tool: Tool, where: str) -> Tool:
         for parts in dropped
     )
     return replace(tool, parameters=enforced, sent=tool.parameters, dropped=paths)
+
+
+def check_object_schema(schema: dict[str, Any], name: str, param: str) -> None:
+    """Refuse a tool's arguments schema whose ``type`` is not ``object`` (no ``type``: an object).
+
+    A call's arguments are a JSON object on every API (OpenAI's ``arguments``, Anthropic's
+    ``input``), and both refuse another type, so do we (an array schema would otherwise stream its
+    arguments and answer ``{}``).
+
+    Raises:
+        ApiError: 400 naming ``param``, code ``invalid_function_parameters`` (OpenAI's message).
+    """
+    kind = schema.get("type", "object")
+    if kind != "object":
+        got = kind if isinstance(kind, str) else json.dumps(kind)
+        raise ApiError(
+            400,
+            f"Invalid schema for function '{name}': schema must be a JSON Schema of "
+            f"'type: \"object\"', got 'type: \"{got}\"'.",
+            param=param,
+            code="invalid_function_parameters",
+        )
 
 
 def check_strings(value: Any, where: str) -> None:
