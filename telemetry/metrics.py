@@ -64,8 +64,8 @@ class Metrics:
     Attributes:
         requests: ``greenserve_requests_total{endpoint,status,finish_reason,end_reason}``,
             generation requests answered (``endpoint``: ``/v1/completions``,
-            ``/v1/chat/completions``, ``/v1/responses`` or ``/v1/messages``; ``end_reason``: why generation ended, ``none`` when it never
-            started).
+            ``/v1/chat/completions``, ``/v1/responses`` or ``/v1/messages``; ``end_reason``: why
+            generation ended, ``none`` when it never started).
         prompt_tokens: ``greenserve_prompt_tokens_total``, prompt tokens of requests that got a slot.
         generation_tokens: ``greenserve_generation_tokens_total``, tokens generated.
         ttft: ``greenserve_time_to_first_token_seconds``, arrival to first generated token.

@@ -141,6 +141,26 @@ def test_concurrent_creates_reads_and_deletes_all_finish(serve):
     assert srv.state()["slots"]["busy"] == 0
 
 
+def test_a_store_that_cannot_be_reached_is_a_503_and_an_answer_not_kept_says_so(serve):
+    srv = serve(RESPONSES_REDIS_URL="redis://127.0.0.1:1/0")  # nothing listens on port 1
+    answer = respond(srv, {**ASK, "input": "Hi"})
+    assert answer["status"] in ("completed", "incomplete") and answer["store"] is False
+    unavailable = {
+        "message": "The response store is unavailable (ConnectionError); try again later.",
+        "type": "server_error",
+        "param": None,
+        "code": "store_unavailable",
+    }
+    for method, path, body in (
+        ("GET", f"{PATH}/{answer['id']}", None),
+        ("DELETE", f"{PATH}/{answer['id']}", None),
+        ("POST", PATH, {**ASK, "input": "More", "previous_response_id": answer["id"]}),
+    ):
+        status, _, raw = srv.request(method, path, body)
+        assert (status, json.loads(raw)["error"]) == (503, unavailable), raw
+    assert srv.get("/ready")[0] == 200  # the engine is fine
+
+
 def test_store_false_keeps_nothing(server):
     a = auth("key-a")
     kept = respond(server, {**ASK, "input": "Hi", "store": False}, **a)

@@ -16,7 +16,9 @@ state" guide.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from flask import current_app
@@ -61,6 +63,28 @@ def response_store(rt: Runtime) -> ResponseStore:
     return store
 
 
+@contextlib.contextmanager
+def store_errors() -> Iterator[None]:
+    """Turn a failure of the store itself (Redis or the database file unreachable, a disk error)
+    into a 503 ``store_unavailable``: the request is sound and may be retried; the engine is fine.
+
+    Raises:
+        ApiError: 503 ``store_unavailable``, naming the failure's type.
+    """
+    try:
+        yield
+    except ApiError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - sqlite3.Error, redis.RedisError, OSError
+        log.exception("the response store failed")
+        raise ApiError(
+            503,
+            f"The response store is unavailable ({type(exc).__name__}); try again later.",
+            type="server_error",
+            code="store_unavailable",
+        ) from exc
+
+
 def owner(record: RequestRecord) -> str:
     """Return who a stored response belongs to: the API key's digest, "" without ``API_KEYS``
     (an open server's store is open too)."""
@@ -96,7 +120,8 @@ def responses_input(
     settings = rt.settings
     stored: tuple[Item, ...] = ()
     if req.previous_response_id is not None:
-        kept = response_store(rt).get(owner(record), req.previous_response_id)
+        with store_errors():
+            kept = response_store(rt).get(owner(record), req.previous_response_id)
         if kept is None:
             raise not_found(req.previous_response_id, "previous_response_id")
         stored = tuple(Item("previous_response_id", item) for item in kept["items"])
@@ -112,16 +137,18 @@ def responses_input(
     )
     on_done = None
     if req.store:
-        store, key = response_store(rt), owner(record)
+        with store_errors():
+            store, key = response_store(rt), owner(record)
         items = [item.item for item in stored + req.items]
 
         def on_done(response: dict[str, Any]) -> None:
             """Keep the finished response and its conversation; a store that fails is logged,
-            and the answer still goes out (only a later follow-up or GET will miss it)."""
+            and the answer still goes out, saying ``"store": false`` (it was not kept)."""
             kept = {"response": response, "items": items + output_as_items(response["output"])}
             try:
                 store.put(key, response["id"], kept)
             except Exception:  # noqa: BLE001 - the answer is made; storing it is a service
                 log.exception("could not store response %s", response["id"])
+                response["store"] = False
 
     return generation, responses_format(req.echo, on_done)

@@ -20,7 +20,13 @@ from wsgi_app.http.answer import answer
 from wsgi_app.http.body import json_body
 from wsgi_app.http.error_handlers import json_response
 from wsgi_app.http.lifecycle import note_user
-from wsgi_app.http.responses import not_found, owner, response_store, responses_input
+from wsgi_app.http.responses import (
+    not_found,
+    owner,
+    response_store,
+    responses_input,
+    store_errors,
+)
 from wsgi_app.http.runtime import runtime
 
 bp = Blueprint("responses", __name__)
@@ -59,9 +65,10 @@ def retrieve_response(response_id: str) -> Response:
 
     Raises:
         ApiError: 404 when this API key stored no response with this id (or it expired, or was
-            evicted or deleted).
+            evicted or deleted); 503 ``store_unavailable`` when the store cannot be reached.
     """
-    kept = response_store(runtime()).get(owner(g.record), response_id)
+    with store_errors():
+        kept = response_store(runtime()).get(owner(g.record), response_id)
     if kept is None:
         raise not_found(response_id)
     return json_response(kept["response"])
@@ -72,8 +79,11 @@ def delete_response(response_id: str) -> Response:
     """Delete a stored response: ``{"id", "object": "response", "deleted": true}``.
 
     Raises:
-        ApiError: 404 when this API key stored no response with this id.
+        ApiError: 404 when this API key stored no response with this id; 503
+            ``store_unavailable`` when the store cannot be reached.
     """
-    if not response_store(runtime()).delete(owner(g.record), response_id):
+    with store_errors():
+        deleted = response_store(runtime()).delete(owner(g.record), response_id)
+    if not deleted:
         raise not_found(response_id)
     return json_response({"id": response_id, "object": "response", "deleted": True})
