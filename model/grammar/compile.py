@@ -31,8 +31,10 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from model.grammar import tokens
-from model.grammar.matcher import ConstraintError, TokenMatcher
-from model.grammar.matcher import MaskViolation as MaskViolation  # the server's door to it
+from model.grammar.matcher import ConstraintError, Offload, TokenMatcher
+from model.grammar.matcher import MaskBudget as MaskBudget  # the server's door to them
+from model.grammar.matcher import MaskTooCostly as MaskTooCostly
+from model.grammar.matcher import MaskViolation as MaskViolation
 from model.tokenizer import TextTokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
@@ -219,9 +221,12 @@ class Grammar:
         self._template = template
         self._sizes = sizes  # (model vocabulary, bridge vocabulary)
 
-    def matcher(self) -> TokenMatcher:
-        """Return a fresh matcher at the grammar's start (µs: the compiled grammar is shared)."""
-        return TokenMatcher(self._template.deep_copy(), *self._sizes)
+    def matcher(
+        self, budget: MaskBudget | None = None, offload: Offload | None = None
+    ) -> TokenMatcher:
+        """Return a fresh matcher at the grammar's start (µs: the compiled grammar is shared),
+        charging ``budget`` and computing :meth:`TokenMatcher.next_mask` on ``offload``."""
+        return TokenMatcher(self._template.deep_copy(), *self._sizes, budget, offload)
 
 
 class RequestGrammar:
@@ -232,24 +237,31 @@ class RequestGrammar:
 
     Args:
         grammar: the compiled grammar (shared by every request with the same constraint).
+        budget: the CPU time the request's masks may take (one, and all together); None: no bound.
+        offload: where its matchers compute :meth:`TokenMatcher.next_mask` (the bigram's masks,
+            off the gevent hub); None for the engine's own thread.
     """
 
-    __slots__ = ("grammar", "kind", "matchers")
+    __slots__ = ("grammar", "kind", "matchers", "budget", "offload")
 
-    def __init__(self, grammar: Grammar) -> None:
+    def __init__(
+        self, grammar: Grammar, budget: MaskBudget | None = None, offload: Offload | None = None
+    ) -> None:
         self.grammar = grammar
         self.kind = grammar.kind
         self.matchers: list[TokenMatcher] = []
+        self.budget = MaskBudget() if budget is None else budget
+        self.offload = offload
 
     def matcher(self) -> TokenMatcher:
         """Return a fresh matcher for one more choice of the request."""
-        m = self.grammar.matcher()
+        m = self.grammar.matcher(self.budget, self.offload)
         self.matchers.append(m)
         return m
 
     @property
     def mask_s(self) -> float:
-        """Seconds spent computing this request's masks, over all its choices."""
+        """CPU seconds spent computing this request's masks, over all its choices."""
         return sum(m.mask_s for m in self.matchers)
 
 
@@ -261,10 +273,18 @@ class GrammarCompiler:
     Args:
         tokenizer: the served tokenizer.
         cache_size: compiled grammars kept.
+        mask_token_s: most CPU seconds one token mask may take (``MaskBudget.token_s``): a
+            constraint whose first masks, computed by the check, take longer is refused.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, cache_size: int = CACHE_SIZE) -> None:
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        cache_size: int = CACHE_SIZE,
+        mask_token_s: float = float("inf"),
+    ) -> None:
         self._tokenizer = tokenizer
+        self._mask_token_s = mask_token_s
         self._lltok: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._cache_size = cache_size
@@ -317,7 +337,9 @@ class GrammarCompiler:
                 raise ConstraintError(template.get_error())
             sizes = (self._tokenizer.vocab_size, lltok.vocab_size)
             outcome = Grammar(constraint.kind, template, sizes, time.perf_counter() - start)
-            _check_satisfiable(outcome)
+            _check_satisfiable(outcome, self._mask_token_s)
+        except MaskTooCostly as exc:
+            outcome = exc
         except ValueError as exc:  # ConstraintError, or llguidance's for a value it cannot read
             outcome = ConstraintError(_short(str(exc)))
         with self._lock:
@@ -327,7 +349,7 @@ class GrammarCompiler:
         return outcome
 
 
-def _check_satisfiable(grammar: Grammar) -> None:
+def _check_satisfiable(grammar: Grammar, mask_token_s: float) -> None:
     """Compute ``grammar``'s first mask, and its mask after each run of tokens every output must
     start with (llguidance's forced tokens, up to :data:`FORCED_RUNS` runs), so a constraint that
     can never be met is refused when compiled, not found while generating: a schema that only
@@ -336,26 +358,38 @@ def _check_satisfiable(grammar: Grammar) -> None:
     array of itself with ``minItems`` 1: llguidance's parser runs out of items right after the
     ``{``). What needs a choice first (a second property before the endless one) is found only
     while generating, where it ends the choice with a 400 naming the constraint (see
-    ``wsgi_app.generation.grammars.constraint_failure``).
+    ``wsgi_app.generation.grammars.constraint_failure``). A constraint that can be met but one of
+    whose masks here took longer than ``mask_token_s`` of CPU is refused too (every request would
+    end at that mask: ``model.grammar.matcher.MaskBudget``).
 
     Raises:
         ConstraintError: a mask on the forced path is an error or allows no token of the model.
+        MaskTooCostly: else, a mask on the forced path took longer than ``mask_token_s``.
     """
     probe = grammar.matcher()
-    try:
+    worst_s = 0.0
+
+    def mask() -> None:
+        nonlocal worst_s
+        before = probe.mask_s
         probe.allowed()
+        worst_s = max(worst_s, probe.mask_s - before)
+
+    try:
+        mask()
         for _ in range(FORCED_RUNS):
             run = probe.forced()
             if not run:
                 break
             if any(probe.consume(token_id) for token_id in run):
                 break  # complete: nothing can follow (a const, a choice of one)
-            probe.allowed()
+            mask()
     except ConstraintError:
         why = probe.error()
         if not why or "non-verbose" in why:  # errors are built without state (verbose_errors off)
             why = "no output can match it"
         raise ConstraintError(f"can never be satisfied: {why}") from None
+    MaskBudget(token_s=mask_token_s).charge(worst_s)  # raises MaskTooCostly past the bound
 
 
 def _short(message: str, limit: int = 300) -> str:

@@ -302,7 +302,7 @@ class Completion:
         except MaskViolation:
             raise  # the engine's fault: a 500
         except ConstraintError as exc:  # the constraint's: a 400 naming it (only c.advance raises)
-            raise constraint_failure(self.req, c) from exc
+            raise constraint_failure(self.req, c, exc) from exc
 
     def usage_chunk(self) -> bytes:
         """Return the ``stream_options.include_usage`` event: no choices, the usage."""

@@ -4,8 +4,9 @@ The spec is a comma-separated list of ``key=value``: ``slow_step_s=0.05`` (sleep
 cooperatively), ``fail_at=3`` (raise ``RuntimeError`` before token 3, counted from 1), ``oom_at=3`` (raise
 ``MemoryError`` before token 3), ``fatal=1`` (an injected failure also marks the engine untrustworthy),
 ``matcher_fail_at=3`` (a constrained choice's grammar matcher is fed a token it forbids at token 3, so
-llguidance enters its error state: the engine's own error path for structured outputs).
-Never set it in production.
+llguidance enters its error state: the engine's own error path for structured outputs),
+``mask_spin_s=0.2`` (every token mask of a constrained choice also spins this many CPU seconds where
+it is computed, as a costly grammar's would, and is charged for them). Never set it in production.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ class Faults:
     oom_at: int = 0
     fatal: bool = False
     matcher_fail_at: int = 0
+    mask_spin_s: float = 0.0
+
+    @property
+    def grammar(self) -> bool:
+        """Whether a fault applies to constrained choices' matchers."""
+        return bool(self.matcher_fail_at or self.mask_spin_s)
 
     @classmethod
     def parse(cls, spec: str) -> Faults:
@@ -58,6 +65,7 @@ _NUMBERS: dict[str, type[int] | type[float]] = {
     "fail_at": int,
     "oom_at": int,
     "matcher_fail_at": int,
+    "mask_spin_s": float,
 }
 
 
@@ -82,16 +90,18 @@ class EngineFailure(RuntimeError):
 
 
 class _FaultyGrammar:
-    """A request's grammar whose matchers fail at token ``matcher_fail_at``."""
+    """A request's grammar whose matchers fail at token ``matcher_fail_at`` and spin
+    ``mask_spin_s`` per mask."""
 
     def __init__(self, grammar: Any, faults: Faults) -> None:
         self._grammar = grammar
-        self._fail_at = faults.matcher_fail_at
+        self._faults = faults
         self.kind = grammar.kind
 
     def matcher(self) -> Any:
         matcher = self._grammar.matcher()
-        matcher.fault_at = self._fail_at
+        matcher.fault_at = self._faults.matcher_fail_at
+        matcher.spin_s = self._faults.mask_spin_s
         return matcher
 
 
@@ -107,7 +117,7 @@ class FaultyEngine:
 
     def stream(self, req: GenerationRequest) -> Iterator[Step | None]:
         """Return the wrapped engine's stream with the faults applied (see module docstring)."""
-        if self._faults.matcher_fail_at and req.grammar is not None:
+        if self._faults.grammar and req.grammar is not None:
             req = dataclasses.replace(req, grammar=_FaultyGrammar(req.grammar, self._faults))
         return self._faulty(self._engine.stream(req))
 

@@ -19,6 +19,14 @@ A constraint that compiles but is found to admit no output only while generating
 ``model.grammar.compile`` checks its forced start) ends the request with the same kind of 400
 (:func:`constraint_failure`), raised from ``Completion.chunks``.
 
+Token masks are charged to their request (``model.grammar.matcher.MaskBudget``): one mask may take
+at most ``MAX_MASK_TOKEN_S`` of CPU and all of a request's masks together ``MAX_MASK_REQUEST_S``.
+A constraint whose first masks (computed when it is compiled) cross the first bound is refused with
+that 400 before admission; one that crosses a bound while generating ends its request with it
+(``model.grammar.matcher.MaskTooCostly``), so its cost stays its own. The bigram computes its masks
+on a native pool of its own (:data:`MASK_THREADS`), never on the gevent hub; the Llama engine on its
+engine thread.
+
 Source: docs/ARCHITECTURE.md §6 (where the mask sits), §14 (tool calls), §15 (heavy work off the hub).
 """
 
@@ -34,6 +42,8 @@ from model.grammar.compile import (
     ConstraintError,
     Grammar,
     GrammarCompiler,
+    MaskBudget,
+    MaskTooCostly,
     RequestGrammar,
     unknown_keyword,
 )
@@ -44,6 +54,9 @@ from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.record import RequestRecord
 
 COMPILE_THREADS = 2  # a slow grammar does not hold up the next one; the hub competes with two
+MASK_THREADS = 2  # the bigram's masks: a costly one does not hold up every other request's
+# The settings that bound a request's mask time, by MaskTooCostly.limit (named in its 400).
+MASK_SETTINGS = {"token": "MAX_MASK_TOKEN_S", "request": "MAX_MASK_REQUEST_S"}
 
 
 class GrammarService:
@@ -51,11 +64,30 @@ class GrammarService:
 
     Args:
         tokenizer: the served tokenizer (``LoadedModel.tokenizer``).
+        mask_token_s: most CPU seconds one token mask may take (``MAX_MASK_TOKEN_S``).
+        mask_request_s: most CPU seconds a request's masks may take together
+            (``MAX_MASK_REQUEST_S``).
+        inline: the engine runs on the request's greenlet (the bigram): masks are computed on a
+            native pool of :data:`MASK_THREADS`, off the hub.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.compiler = GrammarCompiler(tokenizer)
+    def __init__(
+        self,
+        tokenizer: Any,
+        mask_token_s: float = float("inf"),
+        mask_request_s: float = float("inf"),
+        inline: bool = False,
+    ) -> None:
+        self.compiler = GrammarCompiler(tokenizer, mask_token_s=mask_token_s)
         self._pool: ThreadPool | None = None
+        self._mask_token_s = mask_token_s
+        self._mask_request_s = mask_request_s
+        self._mask_pool: ThreadPool | None = ThreadPool(MASK_THREADS) if inline else None
+
+    def _offload(self, func: Any) -> Any:
+        """Start ``func`` on the mask pool; return its result's ``get`` (the waiting greenlet
+        yields to the hub; ``func``'s exception is raised there)."""
+        return self._mask_pool.spawn(func).get
 
     def prepare(self, req: GenerationInput, record: RequestRecord) -> RequestGrammar | None:
         """Return the grammar every choice of ``req`` keeps to, or None when it has no constraint.
@@ -91,7 +123,8 @@ class GrammarService:
         if isinstance(grammar, ConstraintError):
             raise self._refusal(req, constraint, grammar)
         record.compile_s = time.perf_counter() - start
-        use = RequestGrammar(grammar)
+        budget = MaskBudget(self._mask_token_s, self._mask_request_s)
+        use = RequestGrammar(grammar, budget, None if self._mask_pool is None else self._offload)
         record.grammar = use
         return use
 
@@ -172,23 +205,30 @@ def parameters_param(tools: ToolRequest, i: int) -> str:
 
 
 def _cannot(param: str, error: ConstraintError | str) -> ApiError:
+    if isinstance(error, MaskTooCostly):  # the operator's bound: name the setting
+        error = f"{error} ({MASK_SETTINGS[error.limit]})"
     return invalid(f"'{param}' cannot be enforced: {error}", param)
 
 
-def constraint_failure(req: GenerationInput, choice: Any) -> ApiError:
+def constraint_failure(
+    req: GenerationInput, choice: Any, error: ConstraintError | None = None
+) -> ApiError:
     """Return the 400 that ends a request whose output constraint failed while ``choice`` was
-    generated (``model.grammar.matcher.ConstraintError``, not a ``MaskViolation``): its grammar
-    allows no next token after the choice's tokens so far, though it compiled and its forced start
-    was checked (``model.grammar.compile``). Such a constraint admits no output from there: a
-    schema whose required value has no end past a choice (a first property's value, then a
-    required one whose every value runs without end), a grammar whose rules recurse without end
-    past one, or one past llguidance's parser limits. The param is the constraint the choice was
-    in: the tool whose call's arguments it was writing (``tools[i].function.parameters``), else
-    the request's text constraint, else its ``tools``; a schema's message says what to look for.
+    generated (``model.grammar.matcher.ConstraintError``, not a ``MaskViolation``): its masks cost
+    more than the request may spend (``error`` is a ``MaskTooCostly``; the message says which
+    bound and names its setting), or its grammar allows no next token after the choice's tokens
+    so far, though it compiled and its forced start was checked (``model.grammar.compile``). Such
+    a constraint admits no output from there: a schema whose required value has no end past a
+    choice (a first property's value, then a required one whose every value runs without end), a
+    grammar whose rules recurse without end past one, or one past llguidance's parser limits. The
+    param is the constraint the choice was in: the tool whose call's arguments it was writing
+    (``tools[i].function.parameters``), else the request's text constraint, else its ``tools``; a
+    schema's message says what to look for.
 
     Args:
         req: the request.
         choice: the failed choice (a ``Choice``; a ``ToolChoice`` knows its open call).
+        error: what the matcher raised, or None.
     """
     tools, name = req.tools, getattr(choice, "open_call", None)
     called = [i for i, t in enumerate(tools.tools) if t.name == name] if tools is not None else []
@@ -199,6 +239,8 @@ def constraint_failure(req: GenerationInput, choice: Any) -> ApiError:
         param, schema = rc.param, rc.constraint.kind == "json_schema"
     else:  # a grammar comes from a text constraint or tools: tools here
         param = tools.param if tools is not None else "response_format"
+    if isinstance(error, MaskTooCostly):
+        return _cannot(param, error)
     why = f"no output can match it after the {choice.tokens} tokens generated"
     if schema:
         why += (
@@ -231,5 +273,11 @@ def grammar_service(rt: Any) -> GrammarService:
     """Return the worker's :class:`GrammarService` (made on first use, kept on the runtime)."""
     service = rt.grammars
     if service is None:
-        service = rt.grammars = GrammarService(rt.model.tokenizer)
+        settings = rt.settings
+        service = rt.grammars = GrammarService(
+            rt.model.tokenizer,
+            settings.max_mask_token_s,
+            settings.max_mask_request_s,
+            inline=rt.model.family.inline,
+        )
     return service
