@@ -119,6 +119,9 @@ class Settings:
         max_mask_token_s: most CPU seconds one token mask of an output constraint may take
             (``MAX_MASK_TOKEN_S``): a constraint whose first masks take longer is refused, one
             whose mask takes longer while generating ends its request (400 naming it).
+        grammar_cache_mb: MiB the compiled output constraints of a worker may keep, as estimated
+            (``GRAMMAR_CACHE_MB``, ``model.grammar.compile.entry_bytes``); one estimated over a
+            32nd of it is not kept.
         max_mask_request_s: most CPU seconds all token masks of one request may take together,
             over its choices (``MAX_MASK_REQUEST_S``); past it the request ends so too.
         decode_tokens_per_s: the decode pace one sequence is assumed to reach at best, tokens per
@@ -185,6 +188,7 @@ class Settings:
     request_timeout_s: float = 60.0
     max_mask_token_s: float = 0.005
     max_mask_request_s: float = 2.0
+    grammar_cache_mb: int = 64
     decode_tokens_per_s: float | None = None
     heartbeat_s: float = 15.0
     send_timeout_s: float = 30.0
@@ -251,6 +255,7 @@ class Settings:
             max_mask_request_s=env_float(
                 env, "MAX_MASK_REQUEST_S", d["max_mask_request_s"], 0.001, 86_400.0
             ),
+            grammar_cache_mb=env_int(env, "GRAMMAR_CACHE_MB", d["grammar_cache_mb"], 1, 1 << 20),
             decode_tokens_per_s=env_float(
                 env, "DECODE_TOKENS_PER_S", d["decode_tokens_per_s"], 0.001, 1e9
             ),

@@ -38,6 +38,7 @@ from typing import Any
 from gevent.threadpool import ThreadPool
 
 from model.grammar.compile import (
+    CACHE_BYTES,
     Constraint,
     ConstraintError,
     Grammar,
@@ -64,6 +65,7 @@ class GrammarService:
 
     Args:
         tokenizer: the served tokenizer (``LoadedModel.tokenizer``).
+        cache_bytes: the estimated bytes compiled grammars may keep (``GRAMMAR_CACHE_MB``).
         mask_token_s: most CPU seconds one token mask may take (``MAX_MASK_TOKEN_S``).
         mask_request_s: most CPU seconds a request's masks may take together
             (``MAX_MASK_REQUEST_S``).
@@ -74,11 +76,12 @@ class GrammarService:
     def __init__(
         self,
         tokenizer: Any,
+        cache_bytes: int = CACHE_BYTES,
         mask_token_s: float = float("inf"),
         mask_request_s: float = float("inf"),
         inline: bool = False,
     ) -> None:
-        self.compiler = GrammarCompiler(tokenizer, mask_token_s=mask_token_s)
+        self.compiler = GrammarCompiler(tokenizer, cache_bytes, mask_token_s)
         self._pool: ThreadPool | None = None
         self._mask_token_s = mask_token_s
         self._mask_request_s = mask_request_s
@@ -89,8 +92,13 @@ class GrammarService:
         yields to the hub; ``func``'s exception is raised there)."""
         return self._mask_pool.spawn(func).get
 
-    def prepare(self, req: GenerationInput, record: RequestRecord) -> RequestGrammar | None:
+    def prepare(
+        self, req: GenerationInput, record: RequestRecord, tenant: str = ""
+    ) -> RequestGrammar | None:
         """Return the grammar every choice of ``req`` keeps to, or None when it has no constraint.
+
+        Compiled grammars are cached per ``tenant`` (the prefix cache's salt,
+        ``wsgi_app.http.auth.cache_salt``): one tenant never reuses, nor times, another's.
 
         A request with tools gets the tool-call grammar of its ``tool_format``. Notes the
         constraint's kind (``tool_calls`` for a tool-call grammar) and the seconds waited for its
@@ -106,10 +114,10 @@ class GrammarService:
         text = None if rc is None else rc.constraint
         if req.tools is not None:
             _check_keywords(req.tools)
-            self._check_tools(req.tools)
+            self._check_tools(req.tools, tenant)
             if rc is not None:
                 # Checked alone whatever the tool choice: "required" leaves it out of the grammar.
-                alone = self._grammar(rc.constraint)
+                alone = self._grammar(rc.constraint, tenant)
                 if isinstance(alone, ConstraintError):
                     raise _cannot(rc.param, alone)
             constraint = tool_constraint(req.tools, req.tool_format, text)
@@ -119,7 +127,7 @@ class GrammarService:
             constraint = text
         record.constraint = constraint.kind
         start = time.perf_counter()
-        grammar = self._grammar(constraint)
+        grammar = self._grammar(constraint, tenant)
         if isinstance(grammar, ConstraintError):
             raise self._refusal(req, constraint, grammar)
         record.compile_s = time.perf_counter() - start
@@ -128,17 +136,27 @@ class GrammarService:
         record.grammar = use
         return use
 
-    def _grammar(self, constraint: Constraint) -> Grammar | ConstraintError:
-        """Return the compiled grammar or the refusal: from the cache on the hub, else compiled on
-        the pool."""
-        grammar = self.compiler.cached(constraint)
+    def _grammar(self, constraint: Constraint, tenant: str) -> Grammar | ConstraintError:
+        """Return the compiled grammar or the refusal: from ``tenant``'s cache on the hub, else
+        compiled on the pool."""
+        grammar = self.compiler.cached(constraint, tenant)
         if grammar is None:
             if self._pool is None:
                 self._pool = ThreadPool(COMPILE_THREADS)
-            grammar = self._pool.apply(self.compiler.result, (constraint,))
+            grammar = self._pool.apply(self.compiler.result, (constraint, tenant))
         return grammar
 
-    def _check_tools(self, tools: ToolRequest) -> None:
+    def state(self) -> dict[str, int]:
+        """Return the compiled-grammar cache's state for ``/debug/state``: its entries and their
+        estimated bytes, and its budget."""
+        cache = self.compiler.cache
+        return {
+            "cache_entries": len(cache),
+            "cache_bytes": cache.bytes,
+            "cache_budget_bytes": cache.budget_bytes,
+        }
+
+    def _check_tools(self, tools: ToolRequest, tenant: str) -> None:
         """Compile each tool's ``parameters`` alone, as a ``response_format`` schema is (cached;
         with its satisfiability check): the tool-call grammar's own check only computes its first
         mask (the tag's ``<``), so a schema that only refers to itself (``{"$ref": "#"}``, a
@@ -151,7 +169,7 @@ class GrammarService:
             ApiError: 400 naming the first failing tool's ``parameters`` (:func:`parameters_param`).
         """
         for i, tool in enumerate(tools.tools):
-            alone = self._grammar(Constraint("json_schema", tool.parameters))
+            alone = self._grammar(Constraint("json_schema", tool.parameters), tenant)
             if isinstance(alone, ConstraintError):
                 raise _cannot(parameters_param(tools, i), alone)
 
@@ -276,6 +294,7 @@ def grammar_service(rt: Any) -> GrammarService:
         settings = rt.settings
         service = rt.grammars = GrammarService(
             rt.model.tokenizer,
+            settings.grammar_cache_mb << 20,
             settings.max_mask_token_s,
             settings.max_mask_request_s,
             inline=rt.model.family.inline,

@@ -57,7 +57,8 @@ def answer(
             and queue are full, 503 when stopping or out of memory, 504 when the deadline passes
             before the answer, 500 ``engine_error``.
     """
-    grammar = grammar_service(rt).prepare(req, record)  # structured outputs: 400 before any byte
+    salt = cache_salt(req.cache_salt)  # the tenant: compiled grammars and prompt blocks
+    grammar = grammar_service(rt).prepare(req, record, salt)  # structured outputs: 400 first
     framing, completion_id = PLAIN, None
     if query is None:
         seed = req.seed if req.seed is not None else random_seed()
@@ -85,7 +86,7 @@ def answer(
         framing,
         wire,
         completion_id,
-        cache_salt=cache_salt(req.cache_salt),
+        cache_salt=salt,
         grammar=grammar,
     )
     if req.stream:
