@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from bench import procstat, servers
-from bench.grammar_cost import cpu_model
+from bench.grammar_cost import cpu_model, run_header
 from bench.harness import RESULTS, print_json, utc_stamp, write_pair
 from model.fetch import fetch
 from model.grammar.compile import Constraint, GrammarCompiler, grammar_text
@@ -211,16 +211,11 @@ def serve(checkout: Path, requests: int, label: str) -> None:
         srv.stop()
     grown = readings[-1]["rss_mib"] - base
     report = {
-        "bench": "grammar-cache-server",
-        "started": started,
-        "label": label,
-        "checkout": str(checkout),
-        "cpu": cpu_model(),
-        "loadavg_start": [round(x, 2) for x in load_start],
-        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        **run_header("grammar-cache-server", started, label, checkout, load_start),
         "base_rss_mib": round(base, 1),
         "readings": readings,
         "mib_per_request": round(grown / requests, 3),
+        "most_mib_above_base": round(max(r["rss_mib"] for r in readings) - base, 1),
     }
     suffix = f"-{label}" if label else ""
     print_json(report, RESULTS / f"{started}-grammar-cache-server{suffix}.json")

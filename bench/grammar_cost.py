@@ -71,6 +71,20 @@ def cpu_model() -> str:
     return f"{name} ({', '.join(f for f in ('avx2', 'avx512f') if f in flags) or 'no avx2'})"
 
 
+def run_header(bench: str, started: str, label: str, checkout: Path, load_start: tuple) -> dict:
+    """Return the fields every results file of these benchmarks starts with: what ran, where, on
+    which CPU, and the load average at the start and now (the end)."""
+    return {
+        "bench": bench,
+        "started": started,
+        "label": label,
+        "checkout": str(checkout),
+        "cpu": cpu_model(),
+        "loadavg_start": [round(x, 2) for x in load_start],
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
 def pct(values: list[float], q: float) -> float | None:
     """Return the ``q`` quantile (0..1, nearest rank) of ``values`` rounded to 0.01, or None."""
     if not values:
@@ -228,16 +242,7 @@ def main() -> None:
     checkout = Path(args.checkout).resolve()
     started, load_start = utc_stamp(), os.getloadavg()
     runs = [r for name in args.models for r in run_model(name, checkout, args.window)]
-    result = {
-        "bench": "grammar-cost",
-        "started": started,
-        "label": args.label,
-        "checkout": str(checkout),
-        "cpu": cpu_model(),
-        "loadavg_start": [round(x, 2) for x in load_start],
-        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-        "runs": runs,
-    }
+    result = {**run_header("grammar-cost", started, args.label, checkout, load_start), "runs": runs}
     suffix = f"-{args.label}" if args.label else ""
     md = markdown(result)
     write_pair(RESULTS / f"{started}-grammar-cost{suffix}.json", result, md)

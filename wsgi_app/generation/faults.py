@@ -6,13 +6,17 @@ cooperatively), ``fail_at=3`` (raise ``RuntimeError`` before token 3, counted fr
 ``matcher_fail_at=3`` (a constrained choice's grammar matcher is fed a token it forbids at token 3, so
 llguidance enters its error state: the engine's own error path for structured outputs),
 ``mask_spin_s=0.2`` (every token mask of a constrained choice also spins this many CPU seconds where
-it is computed, as a costly grammar's would, and is charged for them). Never set it in production.
+it is computed, as a costly grammar's would, and is charged for them), ``compile_spin_s=2`` (every
+compile of an output constraint also spins this many CPU seconds on the compile pool). Never set it
+in production.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +36,7 @@ class Faults:
     fatal: bool = False
     matcher_fail_at: int = 0
     mask_spin_s: float = 0.0
+    compile_spin_s: float = 0.0
 
     @property
     def grammar(self) -> bool:
@@ -66,7 +71,16 @@ _NUMBERS: dict[str, type[int] | type[float]] = {
     "oom_at": int,
     "matcher_fail_at": int,
     "mask_spin_s": float,
+    "compile_spin_s": float,
 }
+_SPIN_BLOCK = bytes(1 << 18)  # hashed by spin(): ~0.2-0.5 ms a block, the GIL released
+
+
+def spin(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU time without holding the GIL (a fault's costly work)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        hashlib.sha256(_SPIN_BLOCK)
 
 
 def _number(key: str, raw: str) -> int | float:

@@ -3,10 +3,12 @@ cached, refused with a 400 naming the field.
 
 Compiling a constraint takes ~1 ms for a typical schema and up to ~1 s for a hostile grammar (and the
 first one of a worker also builds llguidance's view of the tokenizer, ~0.5 s for a 49k vocabulary), so
-it runs on a small native pool (:data:`COMPILE_THREADS`), never on the gevent hub and never on the
-engine thread: other requests and running streams do not wait for it. A grammar already in the LRU
-(``model.grammar.compile``) is taken on the hub at once. Everything happens before admission, so a
-refusal is a 400 before any byte, and nothing holds a slot meanwhile.
+it runs on a small native pool (``wsgi_app.generation.compile_pool``: shared fairly between clients,
+one compile per constraint, waited for within the request's deadline), never on the gevent hub and
+never on the engine thread: other requests and running streams do not wait for it. A grammar
+already in the tenant's cache (``model.grammar.compile``) is taken on the hub at once. Everything
+happens before admission, so a refusal is a 400 before any byte, and nothing holds a slot
+meanwhile.
 
 A request with ``tools`` is constrained by its tool-call grammar (:func:`tool_constraint`, written
 by the model's tool-call format, ``model.tool_formats``: the tools' ``parameters`` schemas, the
@@ -49,12 +51,14 @@ from model.grammar.compile import (
     unknown_keyword,
 )
 from model.tool_formats import ToolFormat
-from wsgi_app.api.errors import ApiError, invalid
+from wsgi_app.api.errors import ApiError, invalid, timeout_error
 from wsgi_app.api.tools import ToolRequest
+from wsgi_app.generation.compile_pool import CompilePool
+from wsgi_app.generation.faults import Faults, spin
 from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.record import RequestRecord
+from wsgi_app.server.end_reason import DEADLINE
 
-COMPILE_THREADS = 2  # a slow grammar does not hold up the next one; the hub competes with two
 MASK_THREADS = 2  # the bigram's masks: a costly one does not hold up every other request's
 # The settings that bound a request's mask time, by MaskTooCostly.limit (named in its 400).
 MASK_SETTINGS = {"token": "MAX_MASK_TOKEN_S", "request": "MAX_MASK_REQUEST_S"}
@@ -71,6 +75,10 @@ class GrammarService:
             (``MAX_MASK_REQUEST_S``).
         inline: the engine runs on the request's greenlet (the bigram): masks are computed on a
             native pool of :data:`MASK_THREADS`, off the hub.
+        timeout_s: the requests' deadline from arrival (``REQUEST_TIMEOUT_S``): a request waits
+            for its grammar until then.
+        compile_spin_s: test hook (``GREENSERVE_FAULTS`` ``compile_spin_s``): CPU seconds every
+            compile also spins on its thread; 0 for none.
     """
 
     def __init__(
@@ -80,9 +88,13 @@ class GrammarService:
         mask_token_s: float = float("inf"),
         mask_request_s: float = float("inf"),
         inline: bool = False,
+        timeout_s: float = float("inf"),
+        compile_spin_s: float = 0.0,
     ) -> None:
         self.compiler = GrammarCompiler(tokenizer, cache_bytes, mask_token_s)
-        self._pool: ThreadPool | None = None
+        self._pool = CompilePool()
+        self._timeout_s = timeout_s
+        self._compile_spin_s = compile_spin_s
         self._mask_token_s = mask_token_s
         self._mask_request_s = mask_request_s
         self._mask_pool: ThreadPool | None = ThreadPool(MASK_THREADS) if inline else None
@@ -93,12 +105,14 @@ class GrammarService:
         return self._mask_pool.spawn(func).get
 
     def prepare(
-        self, req: GenerationInput, record: RequestRecord, tenant: str = ""
+        self, req: GenerationInput, record: RequestRecord, tenant: str = "", client: str = ""
     ) -> RequestGrammar | None:
         """Return the grammar every choice of ``req`` keeps to, or None when it has no constraint.
 
         Compiled grammars are cached per ``tenant`` (the prefix cache's salt,
-        ``wsgi_app.http.auth.cache_salt``): one tenant never reuses, nor times, another's.
+        ``wsgi_app.http.auth.cache_salt``): one tenant never reuses, nor times, another's. A
+        grammar not in the cache is compiled in ``client``'s line of the compile pool
+        (``wsgi_app.http.client_identity``), waited for until the request's deadline.
 
         A request with tools gets the tool-call grammar of its ``tool_format``. Notes the
         constraint's kind (``tool_calls`` for a tool-call grammar) and the seconds waited for its
@@ -108,16 +122,17 @@ class GrammarService:
             ApiError: 400 ``invalid_request_error`` naming the field, with llguidance's reason, when
                 a constraint cannot be enforced exactly: the constraint's (``response_format``...),
                 a tool's ``tools[i].function.parameters``, or ``tools`` for tools that only fail
-                together.
+                together; 504 ``timeout`` when the deadline passes while it compiles.
         """
+        ask = (tenant, client, record)
         rc = req.constraint
         text = None if rc is None else rc.constraint
         if req.tools is not None:
             _check_keywords(req.tools)
-            self._check_tools(req.tools, tenant)
+            self._check_tools(req.tools, ask)
             if rc is not None:
                 # Checked alone whatever the tool choice: "required" leaves it out of the grammar.
-                alone = self._grammar(rc.constraint, tenant)
+                alone = self._grammar(rc.constraint, ask)
                 if isinstance(alone, ConstraintError):
                     raise _cannot(rc.param, alone)
             constraint = tool_constraint(req.tools, req.tool_format, text)
@@ -127,7 +142,7 @@ class GrammarService:
             constraint = text
         record.constraint = constraint.kind
         start = time.perf_counter()
-        grammar = self._grammar(constraint, tenant)
+        grammar = self._grammar(constraint, ask)
         if isinstance(grammar, ConstraintError):
             raise self._refusal(req, constraint, grammar)
         record.compile_s = time.perf_counter() - start
@@ -136,27 +151,43 @@ class GrammarService:
         record.grammar = use
         return use
 
-    def _grammar(self, constraint: Constraint, tenant: str) -> Grammar | ConstraintError:
-        """Return the compiled grammar or the refusal: from ``tenant``'s cache on the hub, else
-        compiled on the pool."""
+    def _grammar(
+        self, constraint: Constraint, ask: tuple[str, str, RequestRecord]
+    ) -> Grammar | ConstraintError:
+        """Return the compiled grammar or the refusal: from the tenant's cache on the hub, else
+        compiled on the pool in the client's line.
+
+        Raises:
+            ApiError: 504 ``timeout`` when the request's deadline passes first.
+        """
+        tenant, client, record = ask
         grammar = self.compiler.cached(constraint, tenant)
-        if grammar is None:
-            if self._pool is None:
-                self._pool = ThreadPool(COMPILE_THREADS)
-            grammar = self._pool.apply(self.compiler.result, (constraint, tenant))
-        return grammar
+        if grammar is not None:
+            return grammar
+
+        def compile_() -> Grammar | ConstraintError:
+            spin(self._compile_spin_s)
+            return self.compiler.result(constraint, tenant)
+
+        deadline = record.started + self._timeout_s
+        try:
+            return self._pool.run((tenant, constraint.key()), client, deadline, compile_)
+        except TimeoutError:
+            record.end(DEADLINE)
+            raise timeout_error(self._timeout_s) from None
 
     def state(self) -> dict[str, int]:
-        """Return the compiled-grammar cache's state for ``/debug/state``: its entries and their
-        estimated bytes, and its budget."""
+        """Return the compiled-grammar cache's state for ``/debug/state`` (its entries and their
+        estimated bytes, and its budget) and the compile pool's (``CompilePool.state``)."""
         cache = self.compiler.cache
         return {
             "cache_entries": len(cache),
             "cache_bytes": cache.bytes,
             "cache_budget_bytes": cache.budget_bytes,
+            **self._pool.state(),
         }
 
-    def _check_tools(self, tools: ToolRequest, tenant: str) -> None:
+    def _check_tools(self, tools: ToolRequest, ask: tuple[str, str, RequestRecord]) -> None:
         """Compile each tool's ``parameters`` alone, as a ``response_format`` schema is (cached;
         with its satisfiability check): the tool-call grammar's own check only computes its first
         mask (the tag's ``<``), so a schema that only refers to itself (``{"$ref": "#"}``, a
@@ -169,7 +200,7 @@ class GrammarService:
             ApiError: 400 naming the first failing tool's ``parameters`` (:func:`parameters_param`).
         """
         for i, tool in enumerate(tools.tools):
-            alone = self._grammar(Constraint("json_schema", tool.parameters), tenant)
+            alone = self._grammar(Constraint("json_schema", tool.parameters), ask)
             if isinstance(alone, ConstraintError):
                 raise _cannot(parameters_param(tools, i), alone)
 
@@ -298,5 +329,7 @@ def grammar_service(rt: Any) -> GrammarService:
             settings.max_mask_token_s,
             settings.max_mask_request_s,
             inline=rt.model.family.inline,
+            timeout_s=settings.request_timeout_s,
+            compile_spin_s=Faults.parse(settings.faults).compile_spin_s,
         )
     return service

@@ -23,6 +23,7 @@ from wsgi_app.generation.lifetime import admit, random_seed
 from wsgi_app.generation.pacer import ClientGone
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.http.auth import cache_salt
+from wsgi_app.http.client_identity import client_identity
 from wsgi_app.http.error_handlers import error_response
 from wsgi_app.http.event_source import RETRY_MS, no_content, parse_last_event_id, stream_id
 from wsgi_app.http.runtime import Runtime
@@ -58,7 +59,8 @@ def answer(
             before the answer, 500 ``engine_error``.
     """
     salt = cache_salt(req.cache_salt)  # the tenant: compiled grammars and prompt blocks
-    grammar = grammar_service(rt).prepare(req, record, salt)  # structured outputs: 400 first
+    # Structured outputs: a 400 before any byte; compiled in this client's line of the pool.
+    grammar = grammar_service(rt).prepare(req, record, salt, client_identity())
     framing, completion_id = PLAIN, None
     if query is None:
         seed = req.seed if req.seed is not None else random_seed()
