@@ -11,7 +11,9 @@ Reported per window: ``/healthz`` p50 / p99 / max and the neighbours' inter-toke
 side, between token events of one answer) p50 / p99; and what the costly requests got (status,
 finish reason or error message, its numbers as N).
 
-- ``bigram`` (the packaged default model): 16 concurrent requests, ``structured_outputs``
+- ``bigram`` (the packaged default model): first, alone, the pace of one cheap constrained stream
+  (``[a-z ]{4096}``, 4,096 tokens, the best of three): what computing masks off the hub costs; then
+  16 concurrent requests, ``structured_outputs``
   ``{"regex": "y{60000}"}``, ``max_tokens`` 256; then the same with ``y{6000}`` (masks of ~1 ms on
   the byte vocabulary: within the default bounds, so they are computed all along).
 - ``smollm2`` (SmolLM2-135M Q4_1): one request ``n: 8`` with ``{"regex": "y{60000}"}``, and one
@@ -41,7 +43,7 @@ from typing import Any
 
 from bench import servers
 from bench.harness import RESULTS, utc_stamp, write_pair
-from bench.prefill_share import decode_forever, gaps_ms
+from bench.prefill_share import decode_forever, gaps_ms, token_times
 from model.fetch import fetch
 
 RESEND_S = 0.25  # a refused request is sent again after this, not in a tight loop (hub load)
@@ -136,6 +138,20 @@ def window(srv: servers.Server, probes: list, answers: list, t0: float, t1: floa
     }  # fmt: skip
 
 
+def alone(port: int, rounds: int = 3) -> dict:
+    """Return the pace of one constrained bigram stream alone (a cheap regex, 4,096 tokens; the
+    best of ``rounds``): what computing its masks off the hub costs it."""
+    body = {"model": "m", "prompt": "x", "max_tokens": 4096, "stream": True, "temperature": 1.0}
+    body["structured_outputs"] = {"regex": "[a-z ]{4096}"}
+    paces = []
+    for seed in range(rounds):
+        times: list[float] = []
+        token_times(port, "/v1/completions", {**body, "seed": seed}, times)
+        paces.append(len(times) / (times[-1] - times[0]))
+    return {"model": "bigram", "case": "one cheap constrained stream alone",
+            "tokens_per_s": round(max(paces))}  # fmt: skip
+
+
 def run_model(name: str, checkout: Path, window_s: float) -> list[dict]:
     """Start ``checkout``'s server on model ``name``, measure each case, stop it."""
     env = {"REQUEST_TIMEOUT_S": "600"}
@@ -153,6 +169,8 @@ def run_model(name: str, checkout: Path, window_s: float) -> list[dict]:
     ]
     out = []
     try:
+        if name == "bigram":
+            out.append(alone(srv.port))
         for t in threads:
             t.start()
         time.sleep(2)  # both neighbours decoding
@@ -196,7 +214,10 @@ def run_model(name: str, checkout: Path, window_s: float) -> list[dict]:
 def markdown(result: dict[str, Any]) -> str:
     """Return the results as a Markdown table."""
     rows = []
+    paces = [r for r in result["runs"] if "tokens_per_s" in r]
     for r in result["runs"]:
+        if "tokens_per_s" in r:
+            continue
         for phase in ("alone_before", "beside_costly", "alone_after"):
             h, g = r[phase]["healthz_ms"], r[phase]["neighbour_gap_ms"]
             rows.append(
@@ -207,7 +228,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"- {r['model']} {r['case']} ({r['costly_s']} s): "
         + "; ".join(f"{n} x {what}" for what, n in r["costly_outcomes"].items())
         for r in result["runs"]
+        if "costly_outcomes" in r
     ]
+    outcomes += [f"- {r['model']}, {r['case']}: {r['tokens_per_s']} tokens/s" for r in paces]
     return "\n".join(
         [
             f"# Neighbours beside costly masks ({result['started']}, {result['label'] or 'run'})",
