@@ -7,11 +7,14 @@ schema it cannot compile, a keyword it does not implement (``lenient`` is never 
 grammar that does not parse, or anything over :data:`MAX_CONSTRAINT_BYTES` and the parser limits.
 JSON is compact: no whitespace outside strings, ``,`` and ``:`` as separators; ``oneOf`` is refused
 unless llguidance can prove its branches disjoint (``coerce_one_of`` stays off). Compiled grammars
-are kept in a bounded LRU keyed by the constraint's canonical JSON.
+are kept by tenant and canonical JSON, least recently used first out, within a budget of estimated
+bytes (``model.grammar.cache``, :func:`entry_bytes`).
 
-Compiling can take from ~1 ms to ~1 s for a hostile grammar (llguidance drops the GIL meanwhile); the
-serving layer runs :meth:`GrammarCompiler.compile` on a thread of its own, never on the event loop or
-the engine thread.
+Compiling can take from ~1 ms to ~0.1 s of CPU for a hostile grammar, within llguidance's limits
+(:func:`limits`: grammar size, :data:`LEXER_FUEL`) and the check's (:data:`FORCED_RUNS`,
+:data:`FORCED_TOKENS`); llguidance drops the GIL for most of it, but calls back into the tokenizer
+bridge (Python) to tokenize forced text. The serving layer runs :meth:`GrammarCompiler.result` on a
+pool of its own, never on the event loop or the engine thread.
 
 Source: llguidance docs/json_schema.md and docs/syntax.md (what it enforces); the OpenAI "Structured
 Outputs" guide (the request forms).

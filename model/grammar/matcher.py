@@ -282,6 +282,10 @@ def allowed_rows(matchers: Sequence[TokenMatcher]) -> list[np.ndarray]:
     A matcher in an error state, or whose mask crossed its request's budget, is not raised here:
     each caller runs :meth:`TokenMatcher.check` on its own row, so one failed grammar ends one
     choice, not the step.
+
+    One call per matcher, not llguidance's ``fill_next_token_bitmask_par`` (which spreads a batch
+    over an ``LLExecutor``'s threads): a worker has one core to give, and only a mask computed on
+    this thread can be timed by this thread's CPU clock and charged to its own request.
     """
     if not matchers:
         return []

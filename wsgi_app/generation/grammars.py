@@ -1,8 +1,9 @@
 """A worker's grammar compiler for structured outputs and tool calls: compiled off the event loop,
 cached, refused with a 400 naming the field.
 
-Compiling a constraint takes ~1 ms for a typical schema and up to ~1 s for a hostile grammar (and the
-first one of a worker also builds llguidance's view of the tokenizer, ~0.5 s for a 49k vocabulary), so
+Compiling a constraint takes ~1 ms for a typical schema and up to ~0.1 s of CPU for a hostile one
+(within llguidance's limits, ``model.grammar.compile``; the first one of a worker also builds
+llguidance's view of the tokenizer, ~0.5 s for a 49k vocabulary), so
 it runs on a small native pool (``wsgi_app.generation.compile_pool``: shared fairly between clients,
 one compile per constraint, waited for within the request's deadline), never on the gevent hub and
 never on the engine thread: other requests and running streams do not wait for it. A grammar
