@@ -157,3 +157,16 @@ def test_each_request_is_charged_its_own_masks_in_a_batch(stories_dir, serve):
     assert lines["costly"]["completion_tokens"] == lines["cheap"]["completion_tokens"] == 24
     # ~26 ms a mask against ~0.02 ms: shared by the step, the cheap one would pay half of both.
     assert lines["cheap"]["mask_s"] * 10 < lines["costly"]["mask_s"]
+
+
+def test_a_request_computes_no_mask_past_its_bound(spinning, family):
+    """Once one choice's mask crosses the request's bound, the others compute no more: on the
+    Llama engine, whose step computes every choice's mask, the request pays for the mask that
+    crossed, not for the rest of that step's."""
+    if family[0] == "bigram":
+        pytest.skip("the bigram's choices compute their masks one at a time, ahead by one")
+    four = {**body({"regex": "[a-z]{40}"}, 40), "n": 4}
+    status, _, raw = spinning.complete(four, headers=rid("four"))
+    assert status == 400 and re.fullmatch(REQUEST_BOUND, json.loads(raw)["error"]["message"])
+    # Four masks a step of 0.15 s: the 7th crosses 1 s; the 8th, in the same step, is not computed.
+    assert 7 * 0.15 <= logged(spinning, "four")["mask_s"] < 8 * 0.15

@@ -71,14 +71,17 @@ class MaskBudget:
 
     Attributes:
         spent_s: CPU seconds charged so far.
+        crossed: the bound crossed, once one is: the request's other choices compute no more
+            masks (so a request pays for one mask over the bound, not one per choice).
     """
 
-    __slots__ = ("token_s", "request_s", "spent_s")
+    __slots__ = ("token_s", "request_s", "spent_s", "crossed")
 
     def __init__(self, token_s: float = float("inf"), request_s: float = float("inf")) -> None:
         self.token_s = token_s
         self.request_s = request_s
         self.spent_s = 0.0
+        self.crossed: MaskTooCostly | None = None
 
     def charge(self, seconds: float) -> None:
         """Add one mask's CPU ``seconds``.
@@ -89,17 +92,19 @@ class MaskBudget:
         """
         self.spent_s += seconds
         if seconds > self.token_s:
-            raise MaskTooCostly(
+            self.crossed = MaskTooCostly(
                 f"its token masks cost too much: one took {seconds * 1e3:.1f} ms of CPU, over the "
                 f"limit of {self.token_s * 1e3:g} ms a token",
                 "token",
             )
-        if self.spent_s > self.request_s:
-            raise MaskTooCostly(
+        elif self.spent_s > self.request_s:
+            self.crossed = MaskTooCostly(
                 f"its token masks cost too much: they took {self.spent_s:.2f} s of CPU, over the "
                 f"limit of {self.request_s:g} s a request",
                 "request",
             )
+        if self.crossed is not None:
+            raise self.crossed
 
 
 class MaskViolation(ConstraintError):
@@ -172,6 +177,8 @@ class TokenMatcher:
             ConstraintError: the matcher is in an error state, or allows no id of the model.
             MaskTooCostly: the mask crossed the request's budget.
         """
+        if self._over():
+            raise self._costly
         return self._charged(*self._compute())
 
     def next_mask(self) -> Callable[[], np.ndarray]:
@@ -180,11 +187,20 @@ class TokenMatcher:
 
         The matcher must not be used meanwhile: the caller consumes no token before the wait.
         """
+        if self._over():
+            return self.allowed  # raises at once: the request's masks are over its budget
         if self.offload is None:
             done = self._compute()
             return lambda: self._charged(*done)
         wait = self.offload(self._compute)
         return lambda: self._charged(*wait())
+
+    def _over(self) -> bool:
+        """Whether the request's budget is already crossed (by this choice or another): then
+        its masks are not computed any more, and :meth:`check` raises the crossed bound."""
+        if self._costly is None and self.budget is not None:
+            self._costly = self.budget.crossed
+        return self._costly is not None
 
     def _compute(self) -> tuple[np.ndarray, float]:
         """Return the next mask's `(1, words)` int32 bitmask and the CPU seconds it took on this
@@ -291,5 +307,6 @@ def allowed_rows(matchers: Sequence[TokenMatcher]) -> list[np.ndarray]:
         return []
     bitmask = np.full((len(matchers), matchers[0]._words), -1, np.int32)
     for i, m in enumerate(matchers):
-        m.charge(m._fill(bitmask, i))  # a crossed bound is raised by its check
+        if not m._over():  # a crossed bound is raised by its check
+            m.charge(m._fill(bitmask, i))
     return list(_rows(bitmask, matchers[0].vocab_size))
