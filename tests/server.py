@@ -270,6 +270,16 @@ class GunicornServer(StartedWhileOpen):
 
     # -- the server's own view ----------------------------------------------------------------------
 
+    def log_line(self, request_id: str) -> dict | None:
+        """Return the JSON log line of request ``request_id`` (``"message": "request"``), or None
+        while it is not written."""
+        for text in self.log_text().splitlines():
+            if text.startswith("{"):
+                line = json.loads(text)
+                if line.get("message") == "request" and line.get("request_id") == request_id:
+                    return line
+        return None
+
     def state(self) -> dict:
         """Return ``/debug/state`` of the worker that answers (slots, queue, in-flight requests, pid)."""
         status, _, body = self.get("/debug/state")

@@ -281,20 +281,11 @@ def test_disconnect_mid_chat_frees_the_slot(templated):
     assert templated.in_flight("chat-gone") is not None
     reader.close()
     templated.wait_idle()
-    line = wait_until(lambda: _log_line(templated, "chat-gone"), what="the request's log line")
+    line = wait_until(lambda: templated.log_line("chat-gone"), what="the request's log line")
     assert (line["endpoint"], line["path"], line["finish_reason"]) == (PATH, PATH, "abort")
     assert line["user_hash"] == client_hash("salt", "alice")
     assert "alice" not in templated.log_text()
     assert line["completion_tokens"] < 2000
-
-
-def _log_line(srv: GunicornServer, request_id: str) -> dict | None:
-    for text in srv.log_text().splitlines():
-        if text.startswith("{"):
-            line = json.loads(text)
-            if line.get("message") == "request" and line.get("request_id") == request_id:
-                return line
-    return None
 
 
 @pytest.mark.parametrize(

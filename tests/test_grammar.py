@@ -5,12 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from model.grammar.cache import GrammarCache
 from model.grammar.compile import (
     MAX_CONSTRAINT_BYTES,
     Constraint,
     ConstraintError,
     GrammarCompiler,
     MaskViolation,
+    entry_bytes,
+    grammar_text,
 )
 from model.loader import load_model
 from model.pcg32 import PCG32
@@ -56,18 +59,40 @@ def test_json_is_compact():
     assert allowed == {ord('"'), ord("}")}  # no whitespace
 
 
-def test_the_cache_is_keyed_by_canonical_json_and_bounded():
-    compiler = GrammarCompiler(ByteTokenizer(), cache_size=2)
+def test_the_cache_is_keyed_by_tenant_and_canonical_json():
+    compiler = GrammarCompiler(ByteTokenizer())
     a = {"type": "object", "properties": {"x": {"type": "integer"}}}
-    first, hit = compiler.compile(Constraint("json_schema", a))
+    first, hit = compiler.compile(Constraint("json_schema", a), "t1")
     assert not hit
+    one = compiler.cache.bytes  # its text, and its forced "{" (entry_bytes)
+    assert one == entry_bytes(len(grammar_text(Constraint("json_schema", a))), len("{"))
     same, hit = compiler.compile(
-        Constraint("json_schema", {"properties": {"x": {"type": "integer"}}, "type": "object"})
+        Constraint("json_schema", {"properties": {"x": {"type": "integer"}}, "type": "object"}),
+        "t1",
     )
     assert hit and same is first
-    compiler.compile(Constraint("regex", "a"))
-    compiler.compile(Constraint("regex", "b"))
-    assert compiler.cached(Constraint("json_schema", a)) is None  # least recently used went first
+    other, hit = compiler.compile(Constraint("json_schema", a), "t2")  # another tenant's own
+    assert not hit and other is not first
+    assert (len(compiler.cache), compiler.cache.bytes) == (2, 2 * one)
+
+
+def test_the_cache_is_bounded_in_bytes_least_recently_used_first_out():
+    cache = GrammarCache(budget_bytes=100, entry_max_bytes=50)
+    assert cache.put("a", 1, 40) and cache.put("b", 2, 40)
+    assert cache.get("a") == 1  # now the most recently used
+    assert cache.put("c", 3, 40)  # 120 bytes: the least recently used goes
+    assert (cache.get("b"), cache.get("a"), cache.get("c"), cache.bytes) == (None, 1, 3, 80)
+    assert not cache.put("d", 4, 51)  # over entry_max_bytes: not kept, nothing evicted
+    assert (cache.get("d"), len(cache), cache.bytes) == (None, 2, 80)
+
+
+def test_a_grammar_too_large_for_the_cache_is_compiled_but_not_kept():
+    choices = tuple(f"choice number {i:04d}" for i in range(1000))  # 23 kB of grammar text
+    compiler = GrammarCompiler(ByteTokenizer(), cache_bytes=32 << 20)  # kept up to 1 MiB
+    assert entry_bytes(len(grammar_text(Constraint("choice", choices)).encode()), 0) > 1 << 20
+    grammar, hit = compiler.compile(Constraint("choice", choices))
+    assert not hit and grammar.matcher().allowed().any()
+    assert compiler.cached(Constraint("choice", choices)) is None and len(compiler.cache) == 0
 
 
 @pytest.mark.parametrize(

@@ -127,6 +127,14 @@ class Settings:
         max_logprob_entries: a request's budget of ``logprobs`` entries: choices × (``max_tokens`` +
             echoed prompt tokens) × (``logprobs`` + 1), checked before admission (400 beyond).
         request_timeout_s: per-request deadline, in seconds.
+        max_mask_token_s: most CPU seconds one token mask of an output constraint may take
+            (``MAX_MASK_TOKEN_S``): a constraint whose first masks take longer is refused, one
+            whose mask takes longer while generating ends its request (400 naming it).
+        grammar_cache_mb: MiB the compiled output constraints of a worker may keep, as estimated
+            (``GRAMMAR_CACHE_MB``, ``model.grammar.compile.entry_bytes``); one estimated over a
+            32nd of it is not kept.
+        max_mask_request_s: most CPU seconds all token masks of one request may take together,
+            over its choices (``MAX_MASK_REQUEST_S``); past it the request ends so too.
         decode_tokens_per_s: the decode pace one sequence is assumed to reach at best, tokens per
             second (``DECODE_TOKENS_PER_S``); None: measured by each worker at start. A request
             whose ``max_tokens`` could not finish within ``request_timeout_s`` at this pace is
@@ -203,6 +211,9 @@ class Settings:
     max_n: int = 8
     max_logprob_entries: int = 262_144
     request_timeout_s: float = 60.0
+    max_mask_token_s: float = 0.005
+    max_mask_request_s: float = 2.0
+    grammar_cache_mb: int = 64
     decode_tokens_per_s: float | None = None
     heartbeat_s: float = 15.0
     send_timeout_s: float = 30.0
@@ -281,6 +292,13 @@ class Settings:
             request_timeout_s=env_float(
                 env, "REQUEST_TIMEOUT_S", d["request_timeout_s"], 0.001, 86_400.0
             ),
+            max_mask_token_s=env_float(
+                env, "MAX_MASK_TOKEN_S", d["max_mask_token_s"], 0.0001, 3_600.0
+            ),
+            max_mask_request_s=env_float(
+                env, "MAX_MASK_REQUEST_S", d["max_mask_request_s"], 0.001, 86_400.0
+            ),
+            grammar_cache_mb=env_int(env, "GRAMMAR_CACHE_MB", d["grammar_cache_mb"], 1, 1 << 20),
             decode_tokens_per_s=env_float(
                 env, "DECODE_TOKENS_PER_S", d["decode_tokens_per_s"], 0.001, 1e9
             ),

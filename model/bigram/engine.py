@@ -93,25 +93,30 @@ class BigramEngine:
             prev = token_id
 
     def _constrained_steps(self, req: GenerationRequest, rng: PCG32) -> Iterator[Step]:
-        """Yield the steps of a request with a grammar: its mask computed here, in the caller's
-        greenlet, before each token, and applied by ``sample()`` (docs/ARCHITECTURE.md §6).
+        """Yield the steps of a request with a grammar: its mask, applied by ``sample()``
+        (docs/ARCHITECTURE.md §6), computed by the matcher's ``offload`` thread (the server's: this
+        loop runs on the gevent hub) while the previous token is sent.
 
         The byte vocabulary has no EOS: the choice ends when the grammar is complete
         (:data:`~model.engine.COMPLETE`) or after ``max_tokens``.
 
         Raises:
-            ConstraintError: the grammar's matcher failed (``model.grammar.matcher``).
+            ConstraintError: the grammar's matcher failed, or its masks cost more than the
+                request's budget (``model.grammar.matcher``).
         """
         logits_of, params = self.model.logits, req.params
         matcher = req.grammar.matcher()
         counts = np.zeros(self.model.vocab_size, np.int64) if params.has_penalties else None
         prev = req.prompt_ids[-1]
-        for _ in range(req.max_tokens):
+        mask = matcher.next_mask() if req.max_tokens else None
+        for k in range(req.max_tokens):
             logits = logits_of(prev)
-            token_id = sample(logits, params, rng, counts, matcher.allowed())
+            token_id = sample(logits, params, rng, counts, mask())
             if counts is not None:
                 counts[token_id] += 1
             reason = COMPLETE if matcher.consume(token_id) else None
+            if reason is None and k + 1 < req.max_tokens:
+                mask = matcher.next_mask()  # computed while this token is sent
             yield make_step(token_id, logits, req.logprobs, reason)
             if reason is not None:
                 return

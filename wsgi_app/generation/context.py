@@ -20,6 +20,7 @@ from model.engine import Engine
 from model.loader import LoadedModel
 from wsgi_app.api.completions import MAX_TOKENS_LIMIT
 from wsgi_app.generation.admission import Admission
+from wsgi_app.generation.faults import Faults
 from wsgi_app.generation.grammars import GrammarService
 from wsgi_app.settings import Settings
 
@@ -62,7 +63,8 @@ class GenerationContext:
             operator's ``DECODE_TOKENS_PER_S``, else ``math.inf`` (nothing is refused by a pace;
             a pace measured by a worker would depend on its load and differ between workers).
         grammars: the structured-output compiler of the model's tokenizer (the compiler builds
-            its llguidance tokenizer on the first constraint).
+            its llguidance tokenizer on the first constraint), its cache and compile pool, and
+            the mask budgets (``GRAMMAR_CACHE_MB``, ``MAX_MASK_TOKEN_S``, ``MAX_MASK_REQUEST_S``).
     """
 
     settings: Settings
@@ -75,7 +77,16 @@ class GenerationContext:
     grammars: GrammarService = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.grammars = GrammarService(self.model.tokenizer)
+        settings = self.settings
+        self.grammars = GrammarService(
+            self.model.tokenizer,
+            settings.grammar_cache_mb << 20,
+            settings.max_mask_token_s,
+            settings.max_mask_request_s,
+            inline=self.model.family.inline,
+            timeout_s=settings.request_timeout_s,
+            compile_spin_s=Faults.parse(settings.faults).compile_spin_s,
+        )
 
     @property
     def engine_ok(self) -> bool:

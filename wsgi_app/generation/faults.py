@@ -6,14 +6,19 @@ cooperatively), ``fail_at=3`` (raise ``RuntimeError`` before token 3, counted fr
 is: :attr:`FaultyEngine.failed` holds it, so readiness is off, until a later step of any stream
 succeeds; without it, the failure is its request's alone, as a grammar matcher's is),
 ``matcher_fail_at=3`` (a constrained choice's grammar matcher is fed a token it forbids at token 3, so
-llguidance enters its error state: the engine's own error path for structured outputs).
-Never set it in production.
+llguidance enters its error state: the engine's own error path for structured outputs),
+``mask_spin_s=0.2`` (every token mask of a constrained choice also spins this many CPU seconds where
+it is computed, as a costly grammar's would, and is charged for them), ``compile_spin_s=2`` (every
+compile of an output constraint also spins this many CPU seconds on the compile pool). Never set it
+in production.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +37,13 @@ class Faults:
     oom_at: int = 0
     fatal: bool = False
     matcher_fail_at: int = 0
+    mask_spin_s: float = 0.0
+    compile_spin_s: float = 0.0
+
+    @property
+    def grammar(self) -> bool:
+        """Whether a fault applies to constrained choices' matchers."""
+        return bool(self.matcher_fail_at or self.mask_spin_s)
 
     @classmethod
     def parse(cls, spec: str) -> Faults:
@@ -60,7 +72,17 @@ _NUMBERS: dict[str, type[int] | type[float]] = {
     "fail_at": int,
     "oom_at": int,
     "matcher_fail_at": int,
+    "mask_spin_s": float,
+    "compile_spin_s": float,
 }
+_SPIN_BLOCK = bytes(1 << 18)  # hashed by spin(): ~0.2-0.5 ms a block, the GIL released
+
+
+def spin(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU time without holding the GIL (a fault's costly work)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        hashlib.sha256(_SPIN_BLOCK)
 
 
 def _number(key: str, raw: str) -> int | float:
@@ -85,16 +107,18 @@ class EngineFailure(RuntimeError):
 
 
 class _FaultyGrammar:
-    """A request's grammar whose matchers fail at token ``matcher_fail_at``."""
+    """A request's grammar whose matchers fail at token ``matcher_fail_at`` and spin
+    ``mask_spin_s`` per mask."""
 
     def __init__(self, grammar: Any, faults: Faults) -> None:
         self._grammar = grammar
-        self._fail_at = faults.matcher_fail_at
+        self._faults = faults
         self.kind = grammar.kind
 
     def matcher(self) -> Any:
         matcher = self._grammar.matcher()
-        matcher.fault_at = self._fail_at
+        matcher.fault_at = self._faults.matcher_fail_at
+        matcher.spin_s = self._faults.mask_spin_s
         return matcher
 
 
@@ -122,7 +146,7 @@ class FaultyEngine:
 
     def stream(self, req: GenerationRequest) -> Iterator[Step | None]:
         """Return the wrapped engine's stream with the faults applied (see module docstring)."""
-        if self._faults.matcher_fail_at and req.grammar is not None:
+        if self._faults.grammar and req.grammar is not None:
             req = dataclasses.replace(req, grammar=_FaultyGrammar(req.grammar, self._faults))
         return self._faulty(self._engine.stream(req))
 

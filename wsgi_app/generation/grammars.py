@@ -1,12 +1,15 @@
 """A worker's grammar compiler for structured outputs and tool calls: compiled off the event loop,
 cached, refused with a 400 naming the field.
 
-Compiling a constraint takes ~1 ms for a typical schema and up to ~1 s for a hostile grammar (and the
-first one of a worker also builds llguidance's view of the tokenizer, ~0.5 s for a 49k vocabulary), so
-it runs on a small native pool (:data:`COMPILE_THREADS`), never on the gevent hub and never on the
-engine thread: other requests and running streams do not wait for it. A grammar already in the LRU
-(``model.grammar.compile``) is taken on the hub at once. Everything happens before admission, so a
-refusal is a 400 before any byte, and nothing holds a slot meanwhile.
+Compiling a constraint takes ~1 ms for a typical schema and up to ~0.1 s of CPU for a hostile one
+(within llguidance's limits, ``model.grammar.compile``; the first one of a worker also builds
+llguidance's view of the tokenizer, ~0.5 s for a 49k vocabulary), so
+it runs on a small native pool (``wsgi_app.generation.compile_pool``: shared fairly between clients,
+one compile per constraint, waited for within the request's deadline), never on the gevent hub and
+never on the engine thread: other requests and running streams do not wait for it. A grammar
+already in the tenant's cache (``model.grammar.compile``) is taken on the hub at once. Everything
+happens before admission, so a refusal is a 400 before any byte, and nothing holds a slot
+meanwhile.
 
 A request with ``tools`` is constrained by its tool-call grammar (:func:`tool_constraint`, written
 by the model's tool-call format, ``model.tool_formats``: the tools' ``parameters`` schemas, the
@@ -19,6 +22,14 @@ A constraint that compiles but is found to admit no output only while generating
 ``model.grammar.compile`` checks its forced start) ends the request with the same kind of 400
 (:func:`constraint_failure`), raised from ``Completion.chunks``.
 
+Token masks are charged to their request (``model.grammar.matcher.MaskBudget``): one mask may take
+at most ``MAX_MASK_TOKEN_S`` of CPU and all of a request's masks together ``MAX_MASK_REQUEST_S``.
+A constraint whose first masks (computed when it is compiled) cross the first bound is refused with
+that 400 before admission; one that crosses a bound while generating ends its request with it
+(``model.grammar.matcher.MaskTooCostly``), so its cost stays its own. The bigram computes its masks
+on a native pool of its own (:data:`MASK_THREADS`), never on the gevent hub; the Llama engine on its
+engine thread.
+
 Source: docs/ARCHITECTURE.md §6 (where the mask sits), §14 (tool calls), §15 (heavy work off the hub).
 """
 
@@ -30,6 +41,7 @@ from typing import Any
 from gevent.threadpool import ThreadPool
 
 from model.grammar.compile import (
+    CACHE_BYTES,
     MAX_CONSTRAINT_BYTES,
     NO_OUTPUT,
     PAST_LIMITS,
@@ -37,17 +49,24 @@ from model.grammar.compile import (
     ConstraintError,
     Grammar,
     GrammarCompiler,
+    MaskBudget,
+    MaskTooCostly,
     RequestGrammar,
     arguments_schema,
     unknown_keyword,
 )
 from model.tool_formats import ToolFormat
-from wsgi_app.api.errors import ApiError, invalid
+from wsgi_app.api.errors import ApiError, invalid, timeout_error
 from wsgi_app.api.tools import ToolRequest
+from wsgi_app.generation.compile_pool import CompilePool
+from wsgi_app.generation.faults import spin
 from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.record import RequestRecord
+from wsgi_app.server.end_reason import DEADLINE
 
-COMPILE_THREADS = 2  # a slow grammar does not hold up the next one; the hub competes with two
+MASK_THREADS = 2  # the bigram's masks: a costly one does not hold up every other request's
+# The settings that bound a request's mask time, by MaskTooCostly.limit (named in its 400).
+MASK_SETTINGS = {"token": "MAX_MASK_TOKEN_S", "request": "MAX_MASK_REQUEST_S"}
 
 
 class GrammarService:
@@ -55,14 +74,50 @@ class GrammarService:
 
     Args:
         tokenizer: the served tokenizer (``LoadedModel.tokenizer``).
+        cache_bytes: the estimated bytes compiled grammars may keep (``GRAMMAR_CACHE_MB``).
+        mask_token_s: most CPU seconds one token mask may take (``MAX_MASK_TOKEN_S``).
+        mask_request_s: most CPU seconds a request's masks may take together
+            (``MAX_MASK_REQUEST_S``).
+        inline: the engine runs on the request's greenlet (the bigram): masks are computed on a
+            native pool of :data:`MASK_THREADS`, off the hub.
+        timeout_s: the requests' deadline from arrival (``REQUEST_TIMEOUT_S``): a request waits
+            for its grammar until then.
+        compile_spin_s: test hook (``GREENSERVE_FAULTS`` ``compile_spin_s``): CPU seconds every
+            compile also spins on its thread; 0 for none.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.compiler = GrammarCompiler(tokenizer)
-        self._pool: ThreadPool | None = None
+    def __init__(
+        self,
+        tokenizer: Any,
+        cache_bytes: int = CACHE_BYTES,
+        mask_token_s: float = float("inf"),
+        mask_request_s: float = float("inf"),
+        inline: bool = False,
+        timeout_s: float = float("inf"),
+        compile_spin_s: float = 0.0,
+    ) -> None:
+        self.compiler = GrammarCompiler(tokenizer, cache_bytes, mask_token_s)
+        self._pool = CompilePool()
+        self._timeout_s = timeout_s
+        self._compile_spin_s = compile_spin_s
+        self._mask_token_s = mask_token_s
+        self._mask_request_s = mask_request_s
+        self._mask_pool: ThreadPool | None = ThreadPool(MASK_THREADS) if inline else None
 
-    def prepare(self, req: GenerationInput, record: RequestRecord) -> RequestGrammar | None:
+    def _offload(self, func: Any) -> Any:
+        """Start ``func`` on the mask pool; return its result's ``get`` (the waiting greenlet
+        yields to the hub; ``func``'s exception is raised there)."""
+        return self._mask_pool.spawn(func).get
+
+    def prepare(
+        self, req: GenerationInput, record: RequestRecord, tenant: str = "", client: str = ""
+    ) -> RequestGrammar | None:
         """Return the grammar every choice of ``req`` keeps to, or None when it has no constraint.
+
+        Compiled grammars are cached per ``tenant`` (the prefix cache's salt,
+        ``wsgi_app.http.auth.cache_salt``): one tenant never reuses, nor times, another's. A
+        grammar not in the cache is compiled in ``client``'s line of the compile pool
+        (``wsgi_app.http.client_identity``), waited for until the request's deadline.
 
         A request with tools gets the tool-call grammar of its ``tool_format``. Notes the
         constraint's kind (``tool_calls`` for a tool-call grammar) and the seconds waited for its
@@ -72,16 +127,17 @@ class GrammarService:
             ApiError: 400 ``invalid_request_error`` naming the field, with llguidance's reason, when
                 a constraint cannot be enforced exactly: the constraint's (``response_format``...),
                 a tool's ``tools[i].function.parameters``, or ``tools`` for tools that only fail
-                together.
+                together; 504 ``timeout`` when the deadline passes while it compiles.
         """
+        ask = (tenant, client, record)
         rc = req.constraint
         text = None if rc is None else rc.constraint
         if req.tools is not None:
             _check_keywords(req.tools)
-            self._check_tools(req.tools)
+            self._check_tools(req.tools, ask)
             if rc is not None:
                 # Checked alone whatever the tool choice: "required" leaves it out of the grammar.
-                alone = self._grammar(rc.constraint)
+                alone = self._grammar(rc.constraint, ask)
                 if isinstance(alone, ConstraintError):
                     raise _cannot(rc.param, alone)
             constraint = tool_constraint(req.tools, req.tool_format, text)
@@ -91,25 +147,52 @@ class GrammarService:
             constraint = text
         record.constraint = constraint.kind
         start = time.perf_counter()
-        grammar = self._grammar(constraint)
+        grammar = self._grammar(constraint, ask)
         if isinstance(grammar, ConstraintError):
             raise self._refusal(req, constraint, grammar)
         record.compile_s = time.perf_counter() - start
-        use = RequestGrammar(grammar)
+        budget = MaskBudget(self._mask_token_s, self._mask_request_s)
+        use = RequestGrammar(grammar, budget, None if self._mask_pool is None else self._offload)
         record.grammar = use
         return use
 
-    def _grammar(self, constraint: Constraint) -> Grammar | ConstraintError:
-        """Return the compiled grammar or the refusal: from the cache on the hub, else compiled on
-        the pool."""
-        grammar = self.compiler.cached(constraint)
-        if grammar is None:
-            if self._pool is None:
-                self._pool = ThreadPool(COMPILE_THREADS)
-            grammar = self._pool.apply(self.compiler.result, (constraint,))
-        return grammar
+    def _grammar(
+        self, constraint: Constraint, ask: tuple[str, str, RequestRecord]
+    ) -> Grammar | ConstraintError:
+        """Return the compiled grammar or the refusal: from the tenant's cache on the hub, else
+        compiled on the pool in the client's line.
 
-    def _check_tools(self, tools: ToolRequest) -> None:
+        Raises:
+            ApiError: 504 ``timeout`` when the request's deadline passes first.
+        """
+        tenant, client, record = ask
+        grammar = self.compiler.cached(constraint, tenant)
+        if grammar is not None:
+            return grammar
+
+        def compile_() -> Grammar | ConstraintError:
+            spin(self._compile_spin_s)
+            return self.compiler.result(constraint, tenant)
+
+        deadline = record.started + self._timeout_s
+        try:
+            return self._pool.run((tenant, constraint.key()), client, deadline, compile_)
+        except TimeoutError:
+            record.end(DEADLINE)
+            raise timeout_error(self._timeout_s) from None
+
+    def state(self) -> dict[str, int]:
+        """Return the compiled-grammar cache's state for ``/debug/state`` (its entries and their
+        estimated bytes, and its budget) and the compile pool's (``CompilePool.state``)."""
+        cache = self.compiler.cache
+        return {
+            "cache_entries": len(cache),
+            "cache_bytes": cache.bytes,
+            "cache_budget_bytes": cache.budget_bytes,
+            **self._pool.state(),
+        }
+
+    def _check_tools(self, tools: ToolRequest, ask: tuple[str, str, RequestRecord]) -> None:
         """Compile each tool's ``parameters`` alone, as a ``response_format`` schema is (cached;
         with its satisfiability check): the tool-call grammar's own check only computes its first
         mask (the tag's ``<``), so a schema that only refers to itself (``{"$ref": "#"}``, a
@@ -123,7 +206,7 @@ class GrammarService:
         """
         for i, tool in enumerate(tools.tools):
             enforced = arguments_schema(tool.parameters, MAX_CONSTRAINT_BYTES)
-            alone = self._grammar(Constraint("json_schema", enforced))
+            alone = self._grammar(Constraint("json_schema", enforced), ask)
             if isinstance(alone, ConstraintError):
                 raise _cannot(parameters_param(tools, i), alone)
 
@@ -179,24 +262,30 @@ def parameters_param(tools: ToolRequest, i: int) -> str:
 
 
 def _cannot(param: str, error: ConstraintError | str) -> ApiError:
+    if isinstance(error, MaskTooCostly):  # the operator's bound: name the setting
+        error = f"{error} ({MASK_SETTINGS[error.limit]})"
     return invalid(f"'{param}' cannot be enforced: {error}", param)
 
 
-def constraint_failure(req: GenerationInput, choice: Any, error: ConstraintError) -> ApiError:
+def constraint_failure(
+    req: GenerationInput, choice: Any, error: ConstraintError | None = None
+) -> ApiError:
     """Return the 400 that ends a request whose output constraint failed while ``choice`` was
-    generated (``model.grammar.matcher.ConstraintError``, not a ``MaskViolation``): its grammar
-    allows no next token after the choice's tokens so far, though it compiled and its forced start
-    was checked (``model.grammar.compile``). Either no output can match it from there (a grammar
-    whose rules recurse without end past a choice; a schema without a finite value is refused
-    before, ``model.grammar.schema.endless``), or llguidance's parser limits ran out there, which
-    the message says with llguidance's words (``model.grammar.matcher.reason``). The param is the
-    constraint the choice was in: the tool whose call's arguments it was writing
-    (``tools[i].function.parameters``), else the request's text constraint, else its ``tools``.
+    generated (``model.grammar.matcher.ConstraintError``, not a ``MaskViolation``): its masks cost
+    more than the request may spend (``error`` is a ``MaskTooCostly``; the message says which
+    bound and names its setting), or its grammar allows no next token after the choice's tokens
+    so far, though it compiled and its forced start was checked (``model.grammar.compile``).
+    Either no output can match it from there (a grammar whose rules recurse without end past a
+    choice; a schema without a finite value is refused before, ``model.grammar.schema.endless``),
+    or llguidance's parser limits ran out there, which the message says with llguidance's words
+    (``model.grammar.matcher.reason``). The param is the constraint the choice was in: the tool
+    whose call's arguments it was writing (``tools[i].function.parameters``), else the request's
+    text constraint, else its ``tools``.
 
     Args:
         req: the request.
         choice: the failed choice (a ``Choice``; a ``ToolChoice`` knows its open call).
-        error: what the choice's matcher raised.
+        error: what the matcher raised, or None.
     """
     tools, name = req.tools, getattr(choice, "open_call", None)
     called = [i for i, t in enumerate(tools.tools) if t.name == name] if tools is not None else []
@@ -207,8 +296,10 @@ def constraint_failure(req: GenerationInput, choice: Any, error: ConstraintError
         param = rc.param
     else:  # a grammar comes from a text constraint or tools: tools here
         param = tools.param if tools is not None else "response_format"
+    if isinstance(error, MaskTooCostly):
+        return _cannot(param, error)
     after = f"after the {choice.tokens} tokens generated"
-    if str(error).startswith(PAST_LIMITS):
+    if error is not None and str(error).startswith(PAST_LIMITS):
         return _cannot(param, f"{after}, {error}")
     return _cannot(param, f"{NO_OUTPUT} {after}")
 

@@ -23,6 +23,7 @@ from wsgi_app.generation.pacer import ClientGone
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.generation.registry import ServedModel
 from wsgi_app.http.auth import cache_salt
+from wsgi_app.http.client_identity import client_identity
 from wsgi_app.http.error_handlers import error_response
 from wsgi_app.http.event_source import RETRY_MS, no_content, parse_last_event_id, stream_id
 from wsgi_app.http.stream_body import STREAM_HEADERS, EventStreamResponse
@@ -56,8 +57,9 @@ def answer(
             and queue are full, 503 when stopping or out of memory, 504 when the deadline passes
             before the answer, 500 ``engine_error``.
     """
-    # Structured outputs: a constraint that cannot be enforced is a 400 before any byte.
-    grammar = served.generation.grammars.prepare(req, record)
+    salt = cache_salt(req.cache_salt)  # the tenant: compiled grammars and prompt blocks
+    # Structured outputs: a 400 before any byte; compiled in this client's line of the pool.
+    grammar = served.generation.grammars.prepare(req, record, salt, client_identity())
     framing, completion_id = PLAIN, None
     if query is None:
         seed = req.seed if req.seed is not None else random_seed()
@@ -85,7 +87,7 @@ def answer(
         framing,
         wire,
         completion_id,
-        cache_salt=cache_salt(req.cache_salt),
+        cache_salt=salt,
         grammar=grammar,
     )
     if req.stream:

@@ -52,7 +52,8 @@ class Sequence:
 
 
 def set_masks(seqs: list[Sequence]) -> None:
-    """Set ``seq.allowed`` for every constrained sequence of a step, in one llguidance call."""
+    """Set ``seq.allowed`` for every constrained sequence of a step (on this thread, each mask
+    charged to its own request: ``model.grammar.matcher.allowed_rows``)."""
     constrained = [s for s in seqs if s.matcher is not None]
     if constrained:
         rows = allowed_rows([s.matcher for s in constrained])

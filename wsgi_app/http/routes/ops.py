@@ -96,6 +96,8 @@ def debug_state() -> Response:
     if prefix_cache is not None:  # the Llama engine's cached prompt blocks (PREFIX_CACHE=1)
         state["kv_cache_bytes"]["cached"] = prefix_cache.nbytes
         state["prefix_cache"] = prefix_cache.state()
+    # the default model's compiled output constraints (structured outputs, tool calls)
+    state["grammars"] = rt.generation.grammars.state()
     # The collector's view: a worker whose full collections stall the hub shows it here first.
     state["gc"] = {
         "frozen": gc.get_freeze_count(),
