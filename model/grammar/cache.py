@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
 from typing import Any
 
 
@@ -27,14 +28,21 @@ class GrammarCache:
     Args:
         budget_bytes: most estimated bytes all entries may hold together.
         entry_max_bytes: an entry estimated larger than this is not kept (at most ``budget_bytes``).
+        lock: makes the lock of the entries (default ``threading.Lock``; see
+            ``model.grammar.compile.GrammarCompiler``).
     """
 
-    def __init__(self, budget_bytes: int, entry_max_bytes: int) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        entry_max_bytes: int,
+        lock: Callable[[], AbstractContextManager[Any]] = threading.Lock,
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.entry_max_bytes = min(entry_max_bytes, budget_bytes)
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
         self._bytes = 0
-        self._lock = threading.Lock()
+        self._lock = lock()
 
     def get(self, key: Hashable) -> Any | None:
         """Return the value kept under ``key`` (now the most recently used), or None."""

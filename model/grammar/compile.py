@@ -29,6 +29,8 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,6 +287,9 @@ class GrammarCompiler:
             hold together; one over a :data:`ENTRY_SHARE` th of it is not kept.
         mask_token_s: most CPU seconds one token mask may take (``MaskBudget.token_s``): a
             constraint whose first masks, computed by the check, take longer is refused.
+        lock: makes the locks shared by the compiling threads and the caller's (default
+            ``threading.Lock``); a gevent server passes the native lock, as a monkey-patched one
+            taken by native threads can leave a waiter asleep for good.
     """
 
     def __init__(
@@ -292,12 +297,13 @@ class GrammarCompiler:
         tokenizer: TextTokenizer,
         cache_bytes: int = CACHE_BYTES,
         mask_token_s: float = float("inf"),
+        lock: Callable[[], AbstractContextManager[Any]] = threading.Lock,
     ) -> None:
         self._tokenizer = tokenizer
         self._mask_token_s = mask_token_s
         self._lltok: llguidance.LLTokenizer | None = None
-        self.cache = GrammarCache(cache_bytes, cache_bytes // ENTRY_SHARE)
-        self._lock = threading.Lock()
+        self.cache = GrammarCache(cache_bytes, cache_bytes // ENTRY_SHARE, lock)
+        self._lock = lock()
 
     @property
     def lltokenizer(self) -> llguidance.LLTokenizer:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from gevent.monkey import get_original
 from gevent.threadpool import ThreadPool
 
 from model.grammar.compile import (
@@ -64,6 +65,8 @@ from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.server.end_reason import DEADLINE
 
+# The native (never monkey-patched) lock, for what native threads share with the event loop.
+_native_lock = get_original("_thread", "allocate_lock")
 MASK_THREADS = 2  # the bigram's masks: a costly one does not hold up every other request's
 # The settings that bound a request's mask time, by MaskTooCostly.limit (named in its 400).
 MASK_SETTINGS = {"token": "MAX_MASK_TOKEN_S", "request": "MAX_MASK_REQUEST_S"}
@@ -96,7 +99,9 @@ class GrammarService:
         timeout_s: float = float("inf"),
         compile_spin_s: float = 0.0,
     ) -> None:
-        self.compiler = GrammarCompiler(tokenizer, cache_bytes, mask_token_s)
+        # The native lock: the compile pool's threads and the event loop share the cache, and a
+        # monkey-patched lock taken by native threads can leave a waiter asleep for good.
+        self.compiler = GrammarCompiler(tokenizer, cache_bytes, mask_token_s, _native_lock)
         self._pool = CompilePool()
         self._timeout_s = timeout_s
         self._compile_spin_s = compile_spin_s
