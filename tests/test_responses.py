@@ -281,6 +281,13 @@ def test_a_failure_after_the_first_byte_is_response_failed(serve):
         "message": "Generation failed: EngineFailure.",
     }
     assert [e["type"] for e in events].count("response.failed") == 1
+    # The text streamed before the failure is the failed response's message, ended incomplete.
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas
+    (item,) = failed["response"]["output"]
+    assert (item["id"], item["status"]) == (deltas[0]["item_id"], "incomplete")
+    assert item["content"][0]["text"] == "".join(e["delta"] for e in deltas)
+    assert events[-2]["type"] == "response.output_item.done" and events[-2]["item"] == item
     status, _, raw = srv.post(PATH, {**HELLO, "seed": 1})
     assert status == 500 and json.loads(raw)["error"]["code"] == "engine_error"
 

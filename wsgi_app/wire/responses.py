@@ -311,8 +311,9 @@ class ResponsesEncoder(ChunkEncoder):
         payload = b"".join((DELTA_START, seq, self._delta_head, text_json(text), DELTA_END))
         return named_event("response.output_text.delta", payload)
 
-    def _close(self, status: str, choice: EncodedChoice) -> list[bytes]:
-        """Close the open item (message or call) with ``status``; nothing when none is open."""
+    def _close(self, status: str, choice: EncodedChoice | None) -> list[bytes]:
+        """Close the open item (message or call) with ``status``; nothing when none is open (a
+        message closes without its choice, as a failure closes it)."""
         index = self._opened - 1
         if self._msg is not None:
             item_id, text = self._msg, "".join(self._msg_text)
@@ -325,7 +326,7 @@ class ResponsesEncoder(ChunkEncoder):
                 self._event("response.content_part.done", {**where, "part": _text_part(text)}),
                 self._event("response.output_item.done", {"output_index": index, "item": item}),
             ]
-        if self._call is not None:
+        if self._call is not None and choice is not None:
             k, item_id = self._call
             self._call = None
             item = call_item(item_id, choice.calls[k], status)
@@ -402,6 +403,8 @@ class ResponsesEncoder(ChunkEncoder):
             response = self._finished(choice, usage)
             return self._event(f"response.{response['status']}", {"response": response})
         out = [] if self._started else self._opening()
+        if self._msg is not None:  # text streamed: its item ends incomplete, and is in the output
+            out += self._close("incomplete", None)
         code = failure.code or ERROR_CODES.get(failure.status, "server_error")
         failed = self.response("failed", error={"code": code, "message": failure.message})
         out.append(self._event("response.failed", {"response": failed}))
