@@ -319,6 +319,17 @@ BAD = [
         {"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": "f"}]},
         "input[0].arguments",
     ),
+    (  # two calls of one turn with one call_id: named by the item's own field
+        {
+            "model": "m",
+            "input": [
+                {"role": "user", "content": "x"},
+                {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+            ],
+        },
+        "input[2].call_id",
+    ),
     (
         {
             "model": "m",

@@ -42,7 +42,7 @@ ITEM_KEYS = {
     "reasoning": ("type", "id", "summary", "content", "encrypted_content", "status"),
 }
 PART_KEYS = ("type", "text", "annotations", "logprobs")
-_MESSAGES_PATH = re.compile(r"messages\[(\d+)\](\.tool_calls\[(\d+)\](?:\.function)?)?")
+_MESSAGES_PATH = re.compile(r"messages\[(\d+)\](\.tool_calls\[(\d+)\](?:\.function)?)?(\.id\b)?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,9 +252,11 @@ def _renamed(exc: ApiError, wheres: list[tuple[str, list[str]]]) -> ApiError:
 
     def name(match: re.Match[str]) -> str:
         where, call_wheres = wheres[int(match.group(1))]
+        tail = match.group(4) or ""
         if match.group(3) is not None and int(match.group(3)) < len(call_wheres):
-            return call_wheres[int(match.group(3))]
-        return where
+            # a chat call's ``id`` is the item's ``call_id``
+            return call_wheres[int(match.group(3))] + (".call_id" if tail else "")
+        return where + tail
 
     param = exc.param
     if param is not None:
