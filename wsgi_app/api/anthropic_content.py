@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from wsgi_app.api.errors import invalid, quote_name
-from wsgi_app.api.fields import check_unicode, unsupported
+from wsgi_app.api.fields import check_unicode, part_type, unsupported
 from wsgi_app.api.messages import check_message_list
 from wsgi_app.api.tools import check_strings
 
@@ -151,19 +151,8 @@ def _block_type(block: Any, where: str, allowed: tuple[str, ...]) -> str:
         ApiError: 400 naming ``<where>`` (not an object), ``<where>.type`` (missing, unsupported,
             not allowed in this role) or an unknown key.
     """
-    if not isinstance(block, dict):
-        raise invalid(f"'{where}' must be an object.", where)
-    kind = block.get("type")
-    if not isinstance(kind, str):
-        raise invalid(f"'{where}.type' is required and must be a string.", f"{where}.type")
-    if kind in UNSUPPORTED_BLOCKS:
-        raise unsupported(f"{where}.type", f"Content block type '{kind}'")
-    if kind not in allowed:
-        raise invalid(
-            f"Invalid value for '{where}.type': {quote_name(kind)!r}; expected one of "
-            f"{', '.join(repr(a) for a in allowed)}.",
-            f"{where}.type",
-        )
+    expected = "one of " + ", ".join(repr(a) for a in allowed)
+    kind = part_type(block, where, allowed, expected, UNSUPPORTED_BLOCKS, "Content block")
     for key in block:
         if key not in BLOCK_KEYS[kind]:
             at = f"{where}.{quote_name(key)}"

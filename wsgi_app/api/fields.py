@@ -226,6 +226,44 @@ def unsupported(name: str, what: str | None = None) -> ApiError:
     return invalid(f"{what or repr(name)} is not supported by this server.", name)
 
 
+def part_type(
+    part: Any,
+    where: str,
+    allowed: tuple[str, ...],
+    expected: str,
+    unsupported_types: frozenset[str] | tuple[str, ...],
+    what: str = "Content part",
+) -> str:
+    """Return the ``type`` of a typed object of a content list (a chat or Responses content part,
+    an Anthropic content block), checked: an object, its ``type`` a string (a list or object is
+    unhashable: checked before any set lookup), one of ``allowed``.
+
+    Args:
+        part: the decoded value.
+        where: its path (``messages[2].content[0]``).
+        allowed: the types accepted here.
+        expected: how the refusal names them (``'text'``, ``one of 'text', 'image'``).
+        unsupported_types: documented types this server does not implement (a 400 saying so).
+        what: how that refusal names the object (``Content part``, ``Content block``).
+
+    Raises:
+        ApiError: 400 naming ``where`` (not an object) or ``where.type``.
+    """
+    if not isinstance(part, dict):
+        raise invalid(f"'{where}' must be an object.", where)
+    kind = part.get("type")
+    if not isinstance(kind, str):
+        raise invalid(f"'{where}.type' is required and must be a string.", f"{where}.type")
+    if kind in unsupported_types:
+        raise unsupported(f"{where}.type", f"{what} type '{kind}'")
+    if kind not in allowed:
+        raise invalid(
+            f"Invalid value for '{where}.type': {quote_name(kind)!r}; expected {expected}.",
+            f"{where}.type",
+        )
+    return kind
+
+
 def parse_model(body: dict[str, Any]) -> str:
     """Return the request's ``model``: a non-empty string of at most 256 characters.
 

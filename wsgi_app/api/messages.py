@@ -28,7 +28,7 @@ import json
 from typing import Any
 
 from wsgi_app.api.errors import invalid, quote_name
-from wsgi_app.api.fields import check_unicode, unsupported
+from wsgi_app.api.fields import check_unicode, part_type, unsupported
 
 ROLES = {
     "system": "system",
@@ -197,18 +197,7 @@ def _content(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
-        if not isinstance(part, dict):
-            raise invalid(f"'{at}' must be an object.", at)
-        kind = part.get("type")
-        if not isinstance(kind, str):  # a list or object is unhashable: no set lookup before this
-            raise invalid(f"'{at}.type' is required and must be a string.", f"{at}.type")
-        if kind in UNSUPPORTED_PARTS:
-            raise unsupported(f"{at}.type", f"Content part type '{kind}'")
-        if kind != "text":
-            raise invalid(
-                f"Invalid value for '{at}.type': {quote_name(kind)!r}; expected 'text'.",
-                f"{at}.type",
-            )
+        part_type(part, at, ("text",), "'text'", UNSUPPORTED_PARTS)
         for key in part:
             if key not in ("type", "text"):
                 bad = f"{at}.{quote_name(key)}"

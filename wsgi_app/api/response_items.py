@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from wsgi_app.api.errors import ApiError, invalid, quote_name
-from wsgi_app.api.fields import check_unicode, unsupported
+from wsgi_app.api.fields import check_unicode, part_type
 from wsgi_app.api.messages import parse_messages
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -145,19 +145,8 @@ def _content(content: Any, where: str, ignored: list[str]) -> str | list[dict[st
     parts = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
-        if not isinstance(part, dict):
-            raise invalid(f"'{at}' must be an object.", at)
-        kind = part.get("type")
-        if not isinstance(kind, str):
-            raise invalid(f"'{at}.type' is required and must be a string.", f"{at}.type")
-        if kind in UNSUPPORTED_PARTS:
-            raise unsupported(f"{at}.type", f"Content part type '{kind}'")
-        if kind not in TEXT_PARTS:
-            raise invalid(
-                f"Invalid value for '{at}.type': {quote_name(kind)!r}; expected 'input_text' or "
-                "'output_text'.",
-                f"{at}.type",
-            )
+        expected = "'input_text' or 'output_text'"
+        kind = part_type(part, at, TEXT_PARTS, expected, UNSUPPORTED_PARTS)
         ignored += (f"{at}.{key}" for key in part if key not in PART_KEYS)
         parts.append({"type": kind, "text": _text(part, "text", at, empty=True)})
     return parts
