@@ -27,14 +27,16 @@ def auth(key: str) -> dict:
     return {"headers": {"Authorization": f"Bearer {key}"}}
 
 
-def test_previous_response_id_answers_as_the_whole_conversation(server):
-    a = auth("key-a")
-    first = respond(server, {**ASK, "input": "Hello", "seed": 1}, **a)
+def follow_and_whole(continuing, resending, first: dict, a: dict) -> tuple[dict, dict]:
+    """Return the answer to "And then?" after ``first`` by ``previous_response_id`` (from
+    ``continuing``) and by sending the whole conversation again (to ``resending``), at one seed."""
     follow = respond(
-        server, {**ASK, "input": "And then?", "previous_response_id": first["id"], "seed": 2}, **a
+        continuing,
+        {**ASK, "input": "And then?", "previous_response_id": first["id"], "seed": 2},
+        **a,
     )
     whole = respond(
-        server,
+        resending,
         {
             **ASK,
             "input": [
@@ -46,6 +48,13 @@ def test_previous_response_id_answers_as_the_whole_conversation(server):
         },
         **a,
     )
+    return follow, whole
+
+
+def test_previous_response_id_answers_as_the_whole_conversation(server):
+    a = auth("key-a")
+    first = respond(server, {**ASK, "input": "Hello", "seed": 1}, **a)
+    follow, whole = follow_and_whole(server, server, first, a)
     assert output_text(follow) == output_text(whole)
     assert follow["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
     assert follow["previous_response_id"] == first["id"] and whole["previous_response_id"] is None
@@ -266,22 +275,7 @@ def test_redis_store_is_shared_by_two_servers(redis_server, serve):
     status, _, raw = two.get(f"{PATH}/{first['id']}", **a)
     assert status == 200 and json.loads(raw) == first
     assert two.get(f"{PATH}/{first['id']}", **auth("key-b"))[0] == 404
-    follow = respond(
-        two, {**ASK, "input": "And then?", "previous_response_id": first["id"], "seed": 2}, **a
-    )
-    whole = respond(
-        one,
-        {
-            **ASK,
-            "input": [
-                {"role": "user", "content": "Hello"},
-                {"role": "assistant", "content": output_text(first)},
-                {"role": "user", "content": "And then?"},
-            ],
-            "seed": 2,
-        },
-        **a,
-    )
+    follow, whole = follow_and_whole(two, one, first, a)
     assert output_text(follow) == output_text(whole)
     assert one.request("DELETE", f"{PATH}/{first['id']}", **a)[0] == 200
     assert two.get(f"{PATH}/{first['id']}", **a)[0] == 404
