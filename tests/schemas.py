@@ -123,7 +123,7 @@ SCHEMAS: dict[str, dict] = {
 
 # Valid JSON Schemas that no value satisfies, each with the reason its refusal gives (after
 # "'<param>' cannot be enforced: "): llguidance's own, found when it compiles the schema, or (the
-# endless ones) found before, by model.grammar.schema.endless: every value would hold one of its
+# endless ones) found before, by model.grammar.endless.endless: every value would hold one of its
 # own inside, without end.
 _NODE = {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}
 NO_VALUE = (

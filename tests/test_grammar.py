@@ -143,7 +143,8 @@ def test_a_forced_start_that_can_end_is_no_refusal(constraint):
 
 @pytest.mark.parametrize("case", list(ENDLESS))
 def test_a_schema_without_a_finite_value_is_refused_when_compiled(case):
-    """Whether its endless part is on the forced start or past a choice (``schema.endless``)."""
+    """Whether its endless part is on the forced start or past a choice
+    (``model.grammar.endless.endless``)."""
     schema, why = ENDLESS[case]
     with pytest.raises(ConstraintError) as info:
         GrammarCompiler(ByteTokenizer()).compile(Constraint("json_schema", schema))

@@ -368,7 +368,7 @@ def _check_satisfiable(grammar: Grammar, mask_token_s: float) -> list[int]:
     refused when compiled, not found while generating: a grammar whose rules only refer to
     themselves, a regex no text matches, and one past llguidance's parser or lexer limits on that
     path (the reason says which: :func:`model.grammar.matcher.reason`). A schema without a finite
-    value was refused before (``model.grammar.schema.endless``); a grammar whose endless rule comes
+    value was refused before (``model.grammar.endless.endless``); a grammar whose endless rule comes
     after a choice is found only while generating, where it ends the choice with a 400 naming the
     constraint (``wsgi_app.generation.grammars.constraint_failure``). A constraint that can be met
     but one of whose masks here took longer than ``mask_token_s`` of CPU is refused too (every

@@ -13,8 +13,8 @@ of the part at fault:
   reads ``\\z`` otherwise;
 - a keyword llguidance does not implement (:data:`UNIMPLEMENTED`: ``propertyNames``, ``if``...),
   named by its pointer (llguidance's own message names no place);
-- a schema with no finite value (:func:`endless`): every value of it holds a required property or
-  item whose schema refers back to an enclosing one; generating it would never end.
+- a schema with no finite value (``model.grammar.endless.endless``): every value of it holds a
+  required property or item whose schema refers back to an enclosing one; it would never end.
 
 :func:`without_unimplemented` leaves those keywords out instead, saying where each was: what a tool
 that is not strict is enforced by (``wsgi_app.api.tools``), every other constraint of the schema kept.
@@ -34,9 +34,11 @@ import json
 import string
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import unquote
 
 import regress
+
+from model.grammar.endless import endless
+from model.grammar.schema_walk import pointer, ref_target, subschemas
 
 # JSON Schema keywords a schema may use: what llguidance enforces, the annotations that constrain
 # nothing, and the ones llguidance itself refuses (so that its message names them). Any other key is
@@ -62,12 +64,6 @@ UNIMPLEMENTED = frozenset(
     "uniqueItems if then else not contains minContains maxContains propertyNames "
     "dependentRequired dependentSchemas dependencies unevaluatedProperties unevaluatedItems".split()
 )
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_ONE = (
-    "items additionalProperties not if then else contains propertyNames unevaluatedProperties "
-    "unevaluatedItems additionalItems".split()
-)
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 # The integers llguidance's bindings read (serde_json's i64 and u64), and the double at or below
 # which its integer bounds saturate (bad_number).
 INT_RANGE = (-(2**63), 2**64 - 1)
@@ -77,43 +73,6 @@ _COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 # does: ASCII punctuation but the syntax characters (allowed escaped either way) and < > (word
 # boundaries in Rust's syntax, so refused rather than read two ways).
 _PUNCTUATION = frozenset(string.punctuation + " ") - set("^$\\.*+?()[]{}|/<>")
-
-
-def pointer(where: str, key: str | int) -> str:
-    """Return the JSON pointer ``where`` extended by ``key`` (``~`` and ``/`` escaped, RFC 6901)."""
-    return f"{where}/{str(key).replace('~', '~0').replace('/', '~1')}"
-
-
-def subschemas(
-    schema: Any, where: str = "#", skip: frozenset[str] = frozenset()
-) -> Iterator[tuple[str, dict[str, Any], str | None]]:
-    """Yield ``(JSON pointer, subschema, keyword)`` for ``schema`` and every subschema in it, parents
-    first; ``keyword`` is the one the subschema sits under (``allOf``, ``properties``...), None for
-    the root. Boolean subschemas are skipped, and so are values that are data (``enum``, ``const``,
-    ``default``...) and property names, and the subschemas under a keyword of ``skip``. Iterative:
-    a schema nested as deep as JSON goes is read. A subschema's children are found when the next
-    one is asked for, so a caller may remove keys of the one yielded and its walk skips them.
-
-    Source: JSON Schema 2020-12 Core §10 (where subschemas sit), and the drafts' ``definitions``,
-    ``dependencies`` and array ``items``.
-    """
-    stack: list[tuple[str, Any, str | None]] = [(where, schema, None)]
-    while stack:
-        at, node, keyword = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        yield at, node, keyword
-        found = []
-        for key, value in node.items():
-            if key in skip:
-                continue
-            if key in _SCHEMA_MAPS and isinstance(value, dict):
-                found += [(pointer(pointer(at, key), k), v, key) for k, v in value.items()]
-            elif key in _SCHEMA_LISTS and isinstance(value, list):
-                found += [(pointer(pointer(at, key), i), v, key) for i, v in enumerate(value)]
-            elif key in _SCHEMA_ONE:
-                found.append((pointer(at, key), value, key))
-        stack.extend(reversed(found))
 
 
 def refusal(schema: Any) -> str | None:
@@ -270,157 +229,6 @@ def bad_pattern(schema: Any) -> str | None:
     return None
 
 
-def _tokens(ref: str) -> list[str]:
-    """Return the reference tokens of the local JSON pointer ``ref`` (``#/a/b``), unescaped."""
-    return [unquote(t).replace("~1", "/").replace("~0", "~") for t in ref[1:].split("/")[1:]]
-
-
-def _target(schema: Any, ref: Any) -> str | None:
-    """Return the JSON pointer ``ref`` names in ``schema``, as :func:`subschemas` spells it (``#``,
-    ``#/$defs/a``), or None when it is not a local pointer to something there (another document,
-    an anchor, a missing key: llguidance refuses or resolves those itself)."""
-    if not isinstance(ref, str) or not ref.startswith("#") or ref[1:2] not in ("", "/"):
-        return None
-    node, at = schema, "#"
-    for token in _tokens(ref):
-        if isinstance(node, dict) and token in node:
-            node = node[token]
-        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
-            node = node[int(token)]
-        else:
-            return None
-        at = pointer(at, token)
-    return at
-
-
-def _resolve(schema: Any, target: str) -> Any:
-    """Return the value at ``target``, a pointer :func:`_target` returned."""
-    node = schema
-    for token in _tokens(target):
-        node = node[int(token)] if isinstance(node, list) else node[token]
-    return node
-
-
-def _needs(node: dict[str, Any]) -> list[list[Any]] | None:
-    """Return what a value of ``node`` must hold, by its ``type``, as alternatives: one list of
-    subschemas per type (an object's required properties, an array's first ``minItems`` items),
-    each needing a finite value of every subschema in it; None when a value needs none (a scalar
-    type allowed, no ``type``, an ``enum`` or ``const``: llguidance allows those values)."""
-    if "enum" in node or "const" in node:
-        return None
-    kinds = node.get("type")
-    kinds = [kinds] if isinstance(kinds, str) else kinds
-    if not isinstance(kinds, list) or any(k not in ("object", "array") for k in kinds):
-        return None  # a scalar, no type, or one llguidance refuses (its message names it)
-    branches: list[list[Any]] = []
-    if "object" in kinds:
-        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        required = node.get("required") if isinstance(node.get("required"), list) else []
-        branches.append([props[n] for n in required if isinstance(n, str) and n in props])
-    if "array" in kinds:
-        least, items = node.get("minItems", 0), node.get("items", True)
-        prefix = node.get("prefixItems")
-        if isinstance(items, list):  # the drafts' tuple form
-            prefix, items = items, True
-        prefix = prefix if isinstance(prefix, list) else []
-        least = least if isinstance(least, int) and not isinstance(least, bool) else 0
-        # Items past the prefix share one schema: the first of them stands for all.
-        first = min(least, len(prefix) + 1)
-        branches.append([prefix[i] if i < len(prefix) else items for i in range(first)])
-    return branches
-
-
-def endless(schema: Any) -> str | None:
-    """Return why ``schema`` has no finite value, naming where it refers back to itself; None when
-    it has one, or cannot tell (a ref to another document: llguidance resolves or refuses it).
-
-    A schema has a finite value when a value of it needs no value of an enclosing schema inside:
-    when a scalar is allowed, or its object's required properties (its array's first
-    ``minItems`` items) all have one; ``anyOf``/``oneOf`` needs one branch that has, ``allOf``
-    every branch, a ``$ref`` its target. This is the least fixed point over the ref targets (the
-    productive symbols of a grammar), by a work list: a target is evaluated again only when a
-    target it names is found productive. Cost: each subschema's walk, once per target above it.
-    """
-    users: dict[str, list[str]] = {}  # a ref target -> the targets whose schema names it
-    for _, node, _ in subschemas(schema):
-        target = _target(schema, node.get("$ref"))
-        if target is not None:
-            users.setdefault(target, [])
-    for target in users:
-        for _, node, _ in subschemas(_resolve(schema, target), target):
-            named = _target(schema, node.get("$ref"))
-            if named is not None and target not in users[named]:
-                users[named].append(target)
-    productive: set[str] = set()
-    work = list(users)
-    while work:
-        target = work.pop()
-        if target not in productive and _finite(schema, _resolve(schema, target), productive):
-            productive.add(target)
-            work += users[target]
-    if _finite(schema, schema, productive):
-        return None
-    return f"can never be satisfied: no value of it is finite ({_cycle(schema, productive)})"
-
-
-def _finite(root: Any, node: Any, productive: set[str], depth: int = 0) -> bool:
-    """Whether ``node`` has a finite value, the ref targets in ``productive`` having one and no
-    other. True for what is not known here: past 200 levels of nesting, and for a ``false``
-    schema (no value at all: llguidance refuses it, naming the property, when it is needed)."""
-    if not isinstance(node, dict) or depth > 200:
-        return True
-    target = _target(root, node.get("$ref"))
-    if target is not None and target not in productive:
-        return False
-    for key, need in (("allOf", all), ("anyOf", any), ("oneOf", any)):
-        if isinstance(node.get(key), list) and not need(
-            _finite(root, s, productive, depth + 1) for s in node[key]
-        ):
-            return False
-    branches = _needs(node)
-    return branches is None or any(
-        all(_finite(root, s, productive, depth + 1) for s in branch) for branch in branches
-    )
-
-
-def _cycle(root: Any, productive: set[str]) -> str:
-    """Say where a schema with no finite value needs one of its own: going down its parts that
-    have none, the ref that leads back to a schema already on the way."""
-    node, at, seen = root, "#", {"#"}
-    while isinstance(node, dict):
-        target = _target(root, node.get("$ref"))
-        if target is not None and target not in productive:
-            if target in seen:
-                return f"every value holds one at {at}, which refers back to {target}"
-            seen.add(target)
-            node, at = _resolve(root, target), target
-            continue
-        part = _failing_part(root, node, at, productive)
-        if part is None:
-            break
-        at, node = part
-    return f"every value holds one at {at}, which has none"
-
-
-def _failing_part(root: Any, node: dict[str, Any], at: str, productive: set[str]) -> Any:
-    """Return ``(pointer, subschema)`` of a part of ``node`` without a finite value that a value of
-    ``node`` needs (an ``allOf`` branch, an ``anyOf``/``oneOf`` one, a required property or
-    item), or None."""
-    parts: list[tuple[str, Any]] = []
-    for key in ("allOf", "prefixItems"):
-        if isinstance(node.get(key), list):
-            parts += [(pointer(pointer(at, key), i), s) for i, s in enumerate(node[key])]
-    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-    required = node.get("required") if isinstance(node.get("required"), list) else []
-    parts += [(pointer(pointer(at, "properties"), n), props[n]) for n in required if n in props]
-    if isinstance(node.get("items"), dict):
-        parts.append((pointer(at, "items"), node["items"]))
-    for key in ("anyOf", "oneOf"):  # a value needs one of them: the first stands for all
-        if isinstance(node.get(key), list) and node[key]:
-            parts.append((pointer(pointer(at, key), 0), node[key][0]))
-    return next((p for p in parts if not _finite(root, p[1], productive)), None)
-
-
 def closed(schema: Any, limit_bytes: int | None = None) -> Any:
     """Return a copy of ``schema`` whose object schemas (those with ``properties`` or
     ``patternProperties``) that do not say ``additionalProperties`` say ``false``, as llama.cpp
@@ -455,7 +263,7 @@ def closed(schema: Any, limit_bytes: int | None = None) -> Any:
             for where, part in parts:
                 merged.add(where)
                 if isinstance(part, dict):
-                    merged.add(_target(copy, part.get("$ref")))
+                    merged.add(ref_target(copy, part.get("$ref")))
     for at, node, _ in subschemas(copy):
         if (
             ("properties" in node or "patternProperties" in node)

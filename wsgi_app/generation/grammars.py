@@ -281,7 +281,7 @@ def constraint_failure(
     bound and names its setting), or its grammar allows no next token after the choice's tokens
     so far, though it compiled and its forced start was checked (``model.grammar.compile``).
     Either no output can match it from there (a grammar whose rules recurse without end past a
-    choice; a schema without a finite value is refused before, ``model.grammar.schema.endless``),
+    choice; a schema without a finite value is refused before, ``model.grammar.endless.endless``),
     or llguidance's parser limits ran out there, which the message says with llguidance's words
     (``model.grammar.matcher.reason``). The param is the constraint the choice was in: the tool
     whose call's arguments it was writing (``tools[i].function.parameters``), else the request's
