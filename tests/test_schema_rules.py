@@ -77,6 +77,26 @@ def test_a_pattern_that_is_not_ecma_262_is_refused_naming_it(default_server, pat
     assert (status, doc) == (400, cannot(param, expected))
 
 
+RUST = "llguidance reads patterns in Rust's regex syntax, where it means something else than in ECMA-262"
+
+
+@pytest.mark.parametrize(
+    "pattern, why",
+    [
+        ("^[a&&b]$", "'&&' inside a class, a set operation there (escape one: \\&)"),
+        ("^[%--/]$", "'--' inside a class, a set operation there (escape one: \\-)"),
+        ("^[a~~b]$", "'~~' inside a class, a set operation there (escape one: \\~)"),
+        ("^[[]$", "a '[' inside a class (escape it as \\[)"),
+        ("^[^]$", "'[^]', any character in ECMA-262 (write [\\s\\S])"),
+    ],
+)
+def test_an_ecma_262_pattern_llguidance_reads_otherwise_is_refused(default_server, pattern, why):
+    """Valid ECMA-262 whose class syntax Rust's regex reads as set operations or nesting."""
+    expected = f"the 'pattern' at #/properties/s, {pattern!r}, holds {why}: {RUST}"
+    status, doc = chat(default_server, response_format=rf(string_with(pattern)))
+    assert (status, doc) == (400, cannot("response_format", expected))
+
+
 def test_an_ecma_262_pattern_is_enforced(default_server):
     # "\-" (an identity escape the u flag refuses, plain ECMA-262 and llguidance read as "-") and a
     # class: the answer matches, read as ECMA-262 reads it.

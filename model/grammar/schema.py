@@ -210,9 +210,49 @@ def ecma_error(pattern: str) -> str | None:
     return None
 
 
+def rust_reading(pattern: str) -> str | None:
+    """Return why ``pattern``, valid ECMA-262, would mean something else to llguidance, which reads
+    patterns in Rust's regex syntax, or None: a character class holding ``&&``, ``--`` or ``~~``
+    (set operations in Rust, the characters themselves in ECMA-262), an unescaped ``[`` (a nested
+    class in Rust) or starting with ``]`` (``[]`` is an empty class in ECMA-262, ``]`` in Rust).
+
+    Source: ECMA-262 §22.2.1 (``ClassContents`` without the ``v`` flag); the regex crate's syntax
+    ("Character classes": nesting and set operations).
+    """
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c != "[":
+            i += 1
+            continue
+        i += 1
+        if pattern.startswith("^]", i):
+            return "'[^]', any character in ECMA-262 (write [\\s\\S])"
+        if pattern.startswith("^", i):
+            i += 1
+        if pattern.startswith("]", i):
+            return "a class starting with ']' (escape it as \\])"
+        while i < n and pattern[i] != "]":
+            if pattern[i] == "\\":
+                i += 2
+                continue
+            if pattern[i] == "[":
+                return "a '[' inside a class (escape it as \\[)"
+            pair = pattern[i : i + 2]
+            if pair in ("&&", "--", "~~"):
+                return f"{pair!r} inside a class, a set operation there (escape one: \\{pair[0]})"
+            i += 1
+        i += 1
+    return None
+
+
 def bad_pattern(schema: Any) -> str | None:
     """Return why the first ``pattern`` or ``patternProperties`` key of ``schema`` that is not
-    ECMA-262 (:func:`ecma_error`) is refused, naming it and its pointer; None when all are."""
+    ECMA-262 (:func:`ecma_error`), or that llguidance would read otherwise (:func:`rust_reading`),
+    is refused, naming it and its pointer; None when all are good."""
     for at, node, _ in subschemas(schema):
         found = []
         if isinstance(node.get("pattern"), str):
@@ -225,6 +265,12 @@ def bad_pattern(schema: Any) -> str | None:
                 return (
                     f"the {what}, {pattern!r}, is not an ECMA-262 regular expression ({why}); "
                     "JSON Schema patterns are ECMA-262 with the u flag"
+                )
+            why = rust_reading(pattern)
+            if why is not None:
+                return (
+                    f"the {what}, {pattern!r}, holds {why}: llguidance reads patterns in Rust's "
+                    "regex syntax, where it means something else than in ECMA-262"
                 )
     return None
 
