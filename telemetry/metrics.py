@@ -67,7 +67,8 @@ REQUESTS_HELP = (
 MODEL_LABELS = ("model", "variant")
 REQUEST_LABELS = ("endpoint", "status", "finish_reason", "end_reason", *MODEL_LABELS)
 # ``model`` and ``variant`` of a request that never picked a model (refused before its body was read:
-# a missing API key, the rate limit, an unreadable body; or lost with a worker that died). Prometheus
+# a missing API key, the rate limit, an unreadable body; a pinned variant the model lacks; or lost
+# with a worker that died). Prometheus
 # treats an empty label as an absent one, so these series group under no model, and no models file
 # name (never empty) can collide with it.
 NO_MODEL = ""
