@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from telemetry.metrics import ITL_BUCKETS, Metrics, add_bucket_counts
+from telemetry.metrics import ITL_BUCKETS, NO_MODEL, Metrics, add_bucket_counts
 
 _ITL_BOUNDS = np.asarray(ITL_BUCKETS, dtype=np.float64)
 
@@ -111,6 +111,8 @@ class Observation(NamedTuple):
     compile_s: float | None = None
     mask_s: float | None = None
     tool_calls: int = 0  # tool calls made (tools requests)
+    model: str = NO_MODEL  # the model that answered (the models file's name), NO_MODEL for none
+    variant: str = NO_MODEL  # its variant: "primary" or a canary's name
 
 
 def _observe_all(histogram: Any, values: list[float]) -> None:
@@ -133,18 +135,32 @@ def count_all(metrics: Metrics, batch: Sequence[Observation], gaps: BatchGaps) -
         batch: the completion requests finished since the last batch.
         gaps: the inter-token gaps of exactly those requests (:func:`reduce_gaps`).
     """
-    by_label = Counter((o.endpoint, str(o.status), o.finish_reason, o.end_reason) for o in batch)
-    for (endpoint, status, reason, end), n in by_label.items():
+    by_label = Counter(
+        (o.endpoint, str(o.status), o.finish_reason, o.end_reason, o.model, o.variant)
+        for o in batch
+    )
+    for (endpoint, status, reason, end, model, variant), n in by_label.items():
         metrics.requests.labels(
-            endpoint=endpoint, status=status, finish_reason=reason, end_reason=end
+            endpoint=endpoint,
+            status=status,
+            finish_reason=reason,
+            end_reason=end,
+            model=model,
+            variant=variant,
         ).inc(n)
     prompt = sum(o.prompt_tokens for o in batch)
     if prompt:
         metrics.prompt_tokens.inc(prompt)
-    completion = sum(o.completion_tokens for o in batch)
-    if completion:
-        metrics.generation_tokens.inc(completion)
-    _observe_all(metrics.ttft, [o.ttft_s for o in batch if o.ttft_s is not None])
+    by_model: dict[tuple[str, str], list[Observation]] = {}
+    for o in batch:
+        by_model.setdefault((o.model, o.variant), []).append(o)
+    for (model, variant), done in by_model.items():
+        completion = sum(o.completion_tokens for o in done)
+        if completion:
+            metrics.generation_tokens.labels(model=model, variant=variant).inc(completion)
+        ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
+        if ttfts:
+            _observe_all(metrics.ttft.labels(model=model, variant=variant), ttfts)
     _observe_all(metrics.e2e, [o.e2e_s for o in batch if o.e2e_s is not None])
     _observe_all(metrics.queue_wait, [o.queue_wait_s for o in batch if o.queue_wait_s is not None])
     if any(gaps.counts):

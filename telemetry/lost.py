@@ -6,7 +6,8 @@ Its last written ``greenserve_requests_running`` and ``greenserve_requests_queue
 in its ``gauge_livesum_<pid>.db`` file until the master marks it dead, so the master reads them
 first (gunicorn's ``child_exit`` hook) and counts them in its own counter file:
 ``greenserve_requests_total{endpoint="unknown", status="502", finish_reason="error",
-end_reason="worker_lost"}`` (502: what a proxy answers for an upstream that died), with one log line.
+end_reason="worker_lost", model="", variant=""}`` (502: what a proxy answers for an upstream that
+died; no model: which one the requests asked for died with the worker), with one log line.
 
 Source: prometheus/client_python multiprocess mode (``gauge_livesum_<pid>.db`` files,
 ``MultiProcessCollector``).
@@ -68,14 +69,12 @@ def count_lost(metrics_dir: str, pid: int, end_reason: str) -> int:
         if _counter is None:
             from prometheus_client import CollectorRegistry, Counter
 
+            from telemetry.metrics import NO_MODEL, REQUEST_LABELS, REQUESTS_HELP
+
             _counter = Counter(
-                "greenserve_requests",
-                "Generation requests answered, by endpoint, HTTP status, finish reason and why "
-                "generation ended.",
-                ["endpoint", "status", "finish_reason", "end_reason"],
-                registry=CollectorRegistry(),
+                "greenserve_requests", REQUESTS_HELP, REQUEST_LABELS, registry=CollectorRegistry()
             )
-        _counter.labels("unknown", "502", "error", end_reason).inc(lost)
+        _counter.labels("unknown", "502", "error", end_reason, NO_MODEL, NO_MODEL).inc(lost)
     except Exception:  # noqa: BLE001 - counting must never fail the master
         _log.exception("could not count the requests lost with worker %s", pid)
     _log.error(

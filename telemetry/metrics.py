@@ -27,6 +27,9 @@ from telemetry.quantiles import LATENCY_BUCKETS
 
 __all__ = [
     "E2E_BUCKETS",
+    "MODEL_LABELS",
+    "NO_MODEL",
+    "REQUEST_LABELS",
     "ITL_BUCKETS",
     "QUEUE_BUCKETS",
     "TTFT_BUCKETS",
@@ -55,6 +58,20 @@ COMPILE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 MASK_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 QUEUE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
 SPAN_RESULTS = ("sent", "dropped", "failed")
+REQUESTS_HELP = (
+    "Generation requests answered, by endpoint, HTTP status, finish reason, why generation ended, "
+    "and the model and variant that answered."
+)
+# The served model (the models file's name, a bounded set: never the client's ``model`` string) and
+# its variant (``primary`` or a canary's name).
+MODEL_LABELS = ("model", "variant")
+REQUEST_LABELS = ("endpoint", "status", "finish_reason", "end_reason", *MODEL_LABELS)
+# ``model`` and ``variant`` of a request that never picked a model (refused before its body was read:
+# a missing API key, the rate limit, an unreadable body; a pinned variant the model lacks; or lost
+# with a worker that died). Prometheus
+# treats an empty label as an absent one, so these series group under no model, and no models file
+# name (never empty) can collide with it.
+NO_MODEL = ""
 
 
 @dataclass(frozen=True)
@@ -62,13 +79,15 @@ class Metrics:
     """The worker's metric objects (names as exposed).
 
     Attributes:
-        requests: ``greenserve_requests_total{endpoint,status,finish_reason,end_reason}``,
-            generation requests answered (``endpoint``: ``/v1/completions``,
+        requests: ``greenserve_requests_total{endpoint,status,finish_reason,end_reason,model,
+            variant}``, generation requests answered (``endpoint``: ``/v1/completions``,
             ``/v1/chat/completions``, ``/v1/responses`` or ``/v1/messages``; ``end_reason``: why
-            generation ended, ``none`` when it never started).
+            generation ended, ``none`` when it never started; ``model``, ``variant``: the model
+            and variant that answered, :data:`NO_MODEL` when none was picked).
         prompt_tokens: ``greenserve_prompt_tokens_total``, prompt tokens of requests that got a slot.
-        generation_tokens: ``greenserve_generation_tokens_total``, tokens generated.
-        ttft: ``greenserve_time_to_first_token_seconds``, arrival to first generated token.
+        generation_tokens: ``greenserve_generation_tokens_total{model,variant}``, tokens generated.
+        ttft: ``greenserve_time_to_first_token_seconds{model,variant}``, arrival to first generated
+            token.
         itl: ``greenserve_inter_token_latency_seconds``, gap between consecutive tokens of a request.
         e2e: ``greenserve_e2e_request_latency_seconds``, arrival to last byte, admitted requests.
         queue_wait: ``greenserve_queue_wait_seconds``, arrival to slot (or to giving up waiting).
@@ -134,20 +153,23 @@ class Metrics:
         m = cls(
             requests=Counter(
                 "greenserve_requests",
-                "Generation requests answered, by endpoint, HTTP status, finish reason and why "
-                "generation ended.",
-                ["endpoint", "status", "finish_reason", "end_reason"],
+                REQUESTS_HELP,
+                REQUEST_LABELS,
                 registry=r,
             ),
             prompt_tokens=Counter(
                 "greenserve_prompt_tokens", "Prompt tokens of requests that got a slot.", registry=r
             ),
             generation_tokens=Counter(
-                "greenserve_generation_tokens", "Tokens generated, over all choices.", registry=r
+                "greenserve_generation_tokens",
+                "Tokens generated, over all choices, by model and variant.",
+                MODEL_LABELS,
+                registry=r,
             ),
             ttft=Histogram(
                 "greenserve_time_to_first_token_seconds",
-                "Seconds from arrival to the first generated token.",
+                "Seconds from arrival to the first generated token, by model and variant.",
+                MODEL_LABELS,
                 buckets=TTFT_BUCKETS,
                 registry=r,
             ),
@@ -262,6 +284,18 @@ class Metrics:
         m.set_ready(True)  # a new worker is ready: not draining, engine untouched
         return m
 
+    def declare_models(self, served: Sequence[tuple[str, str]]) -> None:
+        """Make the per-model series of every ``(model, variant)`` served, at 0, so that they are
+        exported (and ``rate()`` sees their first increase) before the variant's first request.
+
+        Only the series without other labels: the tokens counter and the TTFT histogram.
+
+        Source: Prometheus instrumentation practices, "Avoid missing metrics".
+        """
+        for model, variant in served:
+            self.generation_tokens.labels(model=model, variant=variant)
+            self.ttft.labels(model=model, variant=variant)
+
     def observe_request(
         self,
         *,
@@ -280,6 +314,8 @@ class Metrics:
         compile_s: float | None = None,
         mask_s: float | None = None,
         tool_calls: int = 0,
+        model: str = NO_MODEL,
+        variant: str = NO_MODEL,
     ) -> None:
         """Record one finished generation request.
 
@@ -302,19 +338,23 @@ class Metrics:
             compile_s: seconds the request waited for its grammar, or None.
             mask_s: seconds spent on its token masks, or None.
             tool_calls: tool calls its answer made.
+            model, variant: the model and variant that answered, :data:`NO_MODEL` when the request
+                picked none.
         """
         self.requests.labels(
             endpoint=endpoint,
             status=str(status),
             finish_reason=finish_reason,
             end_reason=end_reason,
+            model=model,
+            variant=variant,
         ).inc()
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
         if completion_tokens:
-            self.generation_tokens.inc(completion_tokens)
+            self.generation_tokens.labels(model=model, variant=variant).inc(completion_tokens)
         if ttft_s is not None:
-            self.ttft.observe(ttft_s)
+            self.ttft.labels(model=model, variant=variant).observe(ttft_s)
         if e2e_s is not None:
             self.e2e.observe(e2e_s)
         if queue_wait_s is not None:

@@ -28,7 +28,7 @@ from telemetry.batch import BatchGaps, Observation, Quantiles, count_all, reduce
 from telemetry.flusher import Flusher
 from telemetry.history import HistoryStore
 from telemetry.logs import held_lines
-from telemetry.metrics import ITL_BUCKETS, Metrics
+from telemetry.metrics import ITL_BUCKETS, NO_MODEL, Metrics
 from telemetry.recorder import HistoryRecorder
 from telemetry.request import FinishedRequest
 from telemetry.sketch import bin_counts
@@ -153,6 +153,9 @@ def request_fields(
         "endpoint": record.route,
         "status": record.status,
         "model": record.model,
+        # The model and variant that answered (the models file's names), None before one was picked.
+        "served_model": record.served_model,
+        "variant": record.variant,
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.completion_tokens,
         "ttft_s": _r(record.ttft_s),
@@ -335,6 +338,8 @@ class Observer:
             compile_s=record.compile_s,
             mask_s=None if record.grammar is None else record.grammar.mask_s,
             tool_calls=record.tool_calls or 0,
+            model=record.served_model or NO_MODEL,
+            variant=record.variant or NO_MODEL,
         )
 
     def set_load(self, running: int, queued: int) -> None:

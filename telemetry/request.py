@@ -35,6 +35,10 @@ class FinishedRequest(Protocol):
         user_hash: salted hash of the request's ``user``, or None.
         model: the request's ``model`` once validated, else None.
         model_version: the version of the model (variant) the request picked, or None.
+        served_model: the name of the model the request picked (the models file's, a bounded set:
+            never the client's ``model`` string), or None when it picked none.
+        variant: the variant of that model that answered (``primary`` or a canary's name), or
+            None when it picked none.
         prompt: the prompt text, only when prompts are logged (else None).
         texts: each choice's text, only when prompts are logged (else None).
         token_times: ``perf_counter`` of every generated token, ``array('d')``, seconds.
@@ -66,6 +70,8 @@ class FinishedRequest(Protocol):
     user_hash: str | None
     model: str | None
     model_version: str | None
+    served_model: str | None
+    variant: str | None
     prompt: str | None
     texts: list[str] | None
     token_times: array

@@ -10,6 +10,7 @@ from tests.scrape import scrape, value
 from tests.server import wait_until
 
 MESSAGE = {"role": "user", "content": "ROMEO:"}
+SERVED = {"model": "bigram", "variant": "primary"}  # the packaged model, whatever a body names
 
 
 def test_responses_and_messages_are_counted_by_endpoint(serve):
@@ -43,11 +44,12 @@ def test_responses_and_messages_are_counted_by_endpoint(serve):
                 status="200",
                 finish_reason="length",
                 end_reason="finished",
+                **SERVED,
             )
             == 1
         )
     assert (
-        value(m, "greenserve_generation_tokens", "greenserve_generation_tokens_total")
+        value(m, "greenserve_generation_tokens", "greenserve_generation_tokens_total", **SERVED)
         == (responses_usage["output_tokens"] + messages_usage["output_tokens"])
         == 5 + 7
     )
@@ -55,7 +57,7 @@ def test_responses_and_messages_are_counted_by_endpoint(serve):
         responses_usage["input_tokens"] + messages_usage["input_tokens"]
     )
     ttft = "greenserve_time_to_first_token_seconds"
-    assert value(m, ttft, ttft + "_count") == 2
+    assert value(m, ttft, ttft + "_count", **SERVED) == 2
     status, _, raw = srv.get("/stats")
     assert status == 200
     assert json.loads(raw)["totals"]["by_endpoint"] == {"/v1/messages": 1, "/v1/responses": 1}

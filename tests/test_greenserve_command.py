@@ -62,7 +62,7 @@ def test_installed_command_serves_the_default_model(server):
     assert (
         status == 200
         and b'greenserve_requests_total{end_reason="finished",endpoint="/v1/completions",'
-        b'finish_reason="length",status="200"} 1.0'
+        b'finish_reason="length",model="bigram",status="200",variant="primary"} 1.0'
         in body
     )
 

@@ -38,6 +38,8 @@ REQUEST_FIELDS: dict[str, tuple[type, ...]] = {
     "path": (str,),
     "status": (int,),
     "model": (str, type(None)),
+    "served_model": (str, type(None)),
+    "variant": (str, type(None)),
     "prompt_tokens": (int,),
     "completion_tokens": (int,),
     "ttft_s": (float, type(None)),
@@ -163,7 +165,7 @@ def logged(succ_dir, serve_module):
     )
 
 
-def test_request_line_has_every_field_typed_and_no_prompt(logged):
+def test_request_line_has_every_field_typed_and_no_prompt(logged, succ_dir):
     srv = logged
     status, headers, _ = srv.complete(
         {"model": "m", "prompt": SECRET_PROMPT, "max_tokens": 3, "temperature": 0},
@@ -187,6 +189,7 @@ def test_request_line_has_every_field_typed_and_no_prompt(logged):
         200,
         "m",
     )
+    assert (line["served_model"], line["variant"]) == (succ_dir.name, "primary")
     assert (line["prompt_tokens"], line["completion_tokens"]) == (len(SECRET_PROMPT), 3)
     assert (line["finish_reason"], line["error"]) == ("length", None)
     assert 0 < line["ttft_s"] <= line["latency_s"]

@@ -60,6 +60,50 @@ def test_bucket_index_and_cumulate():
         cumulate(bounds, [1, 2, 3])
 
 
+def test_summary_per_model_and_variant():
+    reg = CollectorRegistry()
+    m = Metrics.create(reg)
+    m.declare_models([("loop", "primary"), ("loop", "v2"), ("other", "primary")])
+    loop, canary = {"model": "loop", "variant": "primary"}, {"model": "loop", "variant": "v2"}
+    for ttft in (0.002, 0.003, 0.04):  # buckets (0.001, 0.0025], (0.0025, 0.005], (0.025, 0.05]
+        done = Observation("/v1/completions", 200, "length", "finished", 1, 4, ttft, 0.1, 0.0)
+        m.observe_request(**done._replace(**loop)._asdict())
+    # An error after the first byte, a 5xx before it, a refusal: two errors of three requests.
+    late = Observation("/v1/completions", 200, "error", "engine_error", 1, 2, 0.004, 0.1, 0.0)
+    m.observe_request(**late._replace(**canary)._asdict())
+    busy = Observation("/v1/completions", 503, "error", "none", 0, 0, None, None, None)
+    m.observe_request(**busy._replace(**canary)._asdict())
+    bad = Observation("/v1/completions", 400, "none", "none", 0, 0, None, None, None)
+    m.observe_request(**bad._replace(**canary)._asdict())
+    m.observe_request(**bad._asdict())  # picked no model: the totals only
+    s = summarize(reg)
+    assert (s["requests"], s["failed"]) == (7, 2)
+    empty = {"count": 0, "mean": None, "p50": None, "p90": None}
+    assert s["models"] == {
+        "loop": {
+            "primary": {
+                "requests": 3,
+                "errors": 0,
+                "generation_tokens": 12,
+                # rank 1.5 of 3: half-way through (0.0025, 0.005]; rank 2.7: 0.7 of (0.025, 0.05]
+                "ttft": {
+                    "count": 3,
+                    "mean": pytest.approx(0.045 / 3),
+                    "p50": pytest.approx(0.00375),
+                    "p90": pytest.approx(0.0425),
+                },
+            },
+            "v2": {
+                "requests": 3,
+                "errors": 2,
+                "generation_tokens": 2,
+                "ttft": {"count": 1, "mean": 0.004, "p50": 0.00375, "p90": pytest.approx(0.00475)},
+            },
+        },
+        "other": {"primary": {"requests": 0, "errors": 0, "generation_tokens": 0, "ttft": empty}},
+    }
+
+
 def test_add_bucket_counts_equals_one_observe_per_value():
     values = [0.000004, 0.00001, 0.00003, 0.0007, 0.0007, 0.2, 3.0, 0.01]
     one, many = CollectorRegistry(), CollectorRegistry()
@@ -105,6 +149,7 @@ def test_metrics_are_per_registry_and_summarize_exactly():
     itl = s["latency"]["itl"]
     assert itl["count"] == 4 and itl["p50"] == pytest.approx(0.000375)  # in (0.00025, 0.0005]
     assert s["latency"]["queue_wait"]["count"] == 2
+    assert s["models"] == {}  # none of these picked a model: in the totals only
     body, content_type = render(reg, None)
     assert content_type.startswith("text/plain")
     names = {f.name for f in text_string_to_metric_families(body.decode())}
@@ -123,8 +168,9 @@ def two_workers(succ_dir, serve_module):
     return serve_module(MODEL_DIR=str(succ_dir), GREENSERVE_FAULTS="slow_step_s=0.001", workers=2)
 
 
-def test_forty_requests_over_two_workers_count_exactly(two_workers):
+def test_forty_requests_over_two_workers_count_exactly(two_workers, succ_dir):
     srv = two_workers
+    served = {"model": succ_dir.name, "variant": "primary"}  # MODEL_DIR's one model
     srv.wait_workers(2)  # both serve: the counts below are sums over two processes
 
     def one(i: int) -> dict:
@@ -162,23 +208,24 @@ def test_forty_requests_over_two_workers_count_exactly(two_workers):
                 status="200",
                 finish_reason="length",
                 end_reason="finished",
+                **served,
             )
             == 40
         )
         assert sum(m["greenserve_requests"].values()) == 40
         assert value(
-            m, "greenserve_generation_tokens", "greenserve_generation_tokens_total"
+            m, "greenserve_generation_tokens", "greenserve_generation_tokens_total", **served
         ) == sum(u["completion_tokens"] for u in results)
         assert value(m, "greenserve_prompt_tokens", "greenserve_prompt_tokens_total") == sum(
             u["prompt_tokens"] for u in results
         )
-        for hist in (
-            "greenserve_time_to_first_token_seconds",
-            "greenserve_e2e_request_latency_seconds",
-            "greenserve_queue_wait_seconds",
+        for hist, labels in (
+            ("greenserve_time_to_first_token_seconds", served),
+            ("greenserve_e2e_request_latency_seconds", {}),
+            ("greenserve_queue_wait_seconds", {}),
         ):
-            assert value(m, hist, hist + "_count") == 40
-            assert value(m, hist, hist + "_bucket", le="+Inf") == 40
+            assert value(m, hist, hist + "_count", **labels) == 40
+            assert value(m, hist, hist + "_bucket", le="+Inf", **labels) == 40
         itl = "greenserve_inter_token_latency_seconds"
         assert value(m, itl, itl + "_count") == sum(u["completion_tokens"] - 1 for u in results)
         assert value(m, "greenserve_requests_running") == 0

@@ -178,8 +178,42 @@ def test_the_documented_fields_are_the_endpoints_field_table(schema, path, alias
     assert set(doc["components"]["schemas"][schema]["properties"]) == table.names | set(
         CONSTRAINT_FIELDS
     )
-    params = {p["name"] for p in doc["paths"][path]["get"]["parameters"] if p["in"] == "query"}
+    params = {p["name"] for p in doc["paths"][path]["get"]["parameters"] if p.get("in") == "query"}
     assert params == {f.name for f in table.fields if f.query} | aliases
+
+
+def test_every_generation_operation_documents_the_variant_headers():
+    # Every operation that picks a model (wsgi_app.http.runtime.Runtime.pick) takes the pin and the
+    # session header, and every answer names the version that answered.
+    doc = json.loads(DOC_PATH.read_text())
+    refs = [
+        {"$ref": "#/components/parameters/X-Model-Variant"},
+        {"$ref": "#/components/parameters/X-Session-Id"},
+    ]
+    picking = {
+        ("/v1/completions", "post"),
+        ("/v1/completions", "get"),
+        ("/v1/chat/completions", "post"),
+        ("/v1/chat/completions", "get"),
+        ("/v1/responses", "post"),
+        ("/v1/messages", "post"),
+        ("/v1/messages/count_tokens", "post"),
+    }
+    with_refs = {
+        (path, method)
+        for path, ops in doc["paths"].items()
+        for method, op in ops.items()
+        if all(ref in op.get("parameters", []) for ref in refs)
+    }
+    assert with_refs == picking
+    params = doc["components"]["parameters"]
+    assert {name: (p["name"], p["in"]) for name, p in params.items()} == {
+        "X-Model-Variant": ("X-Model-Variant", "header"),
+        "X-Session-Id": ("X-Session-Id", "header"),
+    }
+    for path, method in picking:
+        answer = doc["paths"][path][method]["responses"]["200"]
+        assert "X-Model-Version" in answer["headers"], (path, method)
 
 
 def test_the_responses_request_schema_is_its_field_table():

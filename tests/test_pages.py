@@ -88,6 +88,12 @@ def test_status_page_states_the_objective(succ_dir, tmp_path):
         "within 0.25 s (<code>SLO_TTFT_S</code>), over 7 days." in text
     )
     assert 'data-refresh-s="5"' in text
+    # The per-model table status.js fills from /stats' "models".
+    assert (
+        '<thead><tr><th scope="col">Model</th><th scope="col">Variant</th>'
+        '<th scope="col">Requests</th><th scope="col">Failed</th>' in text
+    )
+    assert '<tbody id="models"><tr><td colspan="7">—</td></tr></tbody>' in text
 
 
 def test_model_names_are_escaped(tmp_path):

@@ -207,6 +207,14 @@ def test_status_page_draws_the_charts(server, page):
     assert "objective 500 ms" in pg.text_content("#chart-ttft")
     assert pg.text_content("#tile-budget .value") == "100%"
     assert "within 0.5 s (SLO_TTFT_S)" in pg.text_content("#objective")
+    # One model, one variant: its row shows /stats' "models" (the 401 picked no model: not in it).
+    row = stats["models"]["bigram"]["primary"]
+    assert list(stats["models"]) == ["bigram"] and list(stats["models"]["bigram"]) == ["primary"]
+    assert pg.locator("#models tr").count() == 1
+    cells = pg.locator("#models tr td").all_text_contents()
+    assert cells[:4] == ["bigram", "primary", str(row["requests"]), "0"]
+    assert cells[4] == str(row["generation_tokens"]) and cells[5].endswith("s")
+    assert row["requests"] == stats["totals"]["requests"] - stats["totals"]["by_status"]["401"]
     assert pg.locator("#workers tr").count() == 1
     assert pg.text_content("#workers tr td:nth-child(2)") == "ready"
     screenshot(pg, "status.png")

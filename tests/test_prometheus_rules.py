@@ -29,7 +29,7 @@ def promtool(*args: str) -> str:
 
 @pytest.mark.services
 def test_rules_and_config_check():
-    assert "SUCCESS: 22 rules found" in promtool("check", "rules", RULES.name)
+    assert "SUCCESS: 26 rules found" in promtool("check", "rules", RULES.name)
     assert "is valid prometheus config file syntax" in promtool("check", "config", "prometheus.yml")
 
 
@@ -41,7 +41,7 @@ def test_rule_unit_tests_pass():
 def test_every_alert_is_tested_firing():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     alerts = {r["alert"] for g in groups for r in g["rules"] if "alert" in r}
-    assert len(alerts) == 11
+    assert len(alerts) == 13
     fired = {
         case["alertname"]
         for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
@@ -51,7 +51,7 @@ def test_every_alert_is_tested_firing():
     assert fired == alerts
 
 
-def test_rules_read_only_exported_metrics(succ_server):
+def test_rules_read_only_exported_metrics(succ_server, succ_dir):
     # greenserve_requests_total has its first sample once a request was answered.
     assert succ_server.complete({"model": "m", "prompt": "a", "max_tokens": 1})[0] == 200
     status, _, body = succ_server.get("/metrics", port=succ_server.health_port)
@@ -70,5 +70,14 @@ def test_rules_read_only_exported_metrics(succ_server):
         "greenserve_workers",
     }
     assert used <= exported, used - exported
-    # The TTFT objective's bucket (SLO_TTFT_S = 1 s) is one the histogram has.
-    assert b'greenserve_time_to_first_token_seconds_bucket{le="1.0"}' in body
+    # The TTFT objective's bucket (SLO_TTFT_S = 1 s) is one the histogram has, and the series carry
+    # the model and variant the per-variant rules group by (the session's server: counts vary).
+    model = succ_dir.name
+    assert (
+        f'greenserve_time_to_first_token_seconds_bucket{{le="1.0",model="{model}",'
+        f'variant="primary"}} '
+    ).encode() in body
+    assert (
+        f'greenserve_requests_total{{end_reason="finished",endpoint="/v1/completions",'
+        f'finish_reason="length",model="{model}",status="200",variant="primary"}} '
+    ).encode() in body

@@ -56,11 +56,14 @@ def test_reduce_gaps_known_answer_and_empty():
 def test_count_all_equals_one_observe_request_each():
     rng = random.Random(3)
     batch = [_stamps(rng, n) for n in (5, 1, 9)]
+    loop, canary = {"model": "loop", "variant": "primary"}, {"model": "loop", "variant": "v2"}
     obs = [
-        Observation("/v1/completions", 200, "length", "finished", 3, 5, 0.004, 0.02, 0.0),
-        Observation("/v1/completions", 500, "error", "engine_error", 2, 1, 0.3, 2.5, 0.5),
-        Observation("/v1/chat/completions", 200, "length", "finished", 1, 9, 0.0007, 0.01, 1e-6),
-        Observation("/v1/completions", 400, "none", "none", 0, 0, None, None, None),
+        Observation("/v1/completions", 200, "length", "finished", 3, 5, 0.004, 0.02, 0.0, **loop),
+        Observation("/v1/completions", 500, "error", "engine_error", 2, 1, 0.3, 2.5, 0.5, **canary),
+        Observation(
+            "/v1/chat/completions", 200, "length", "finished", 1, 9, 0.0007, 0.01, 1e-6, **loop
+        ),
+        Observation("/v1/completions", 400, "none", "none", 0, 0, None, None, None),  # no model
         Observation(
             "/v1/chat/completions",
             200,
@@ -97,10 +100,20 @@ def test_count_all_equals_one_observe_request_each():
             ("end_reason", "finished"),
             ("endpoint", "/v1/completions"),
             ("finish_reason", "length"),
+            ("model", "loop"),
             ("status", "200"),
+            ("variant", "primary"),
         ),
     )
     assert b[done] == 1
+    # Per model and variant; a request that picked none is counted under empty labels.
+    tokens = "greenserve_generation_tokens_total"
+    assert b[(tokens, (("model", "loop"), ("variant", "primary")))] == 5 + 9
+    assert b[(tokens, (("model", "loop"), ("variant", "v2")))] == 1
+    assert b[(tokens, (("model", ""), ("variant", "")))] == 7
+    ttft = "greenserve_time_to_first_token_seconds_count"
+    assert b[(ttft, (("model", "loop"), ("variant", "primary")))] == 2
+    assert b[(ttft, (("model", "loop"), ("variant", "v2")))] == 1
 
 
 def _record(i: int, n_tokens: int) -> RequestRecord:
@@ -117,6 +130,8 @@ def _record(i: int, n_tokens: int) -> RequestRecord:
         ttft_s=0.001,
         queue_wait_s=0.0,
         slot_at=0.0,
+        served_model="m",
+        variant="primary",
     )
     record.token_times.extend(0.001 * k for k in range(n_tokens))
     return record
@@ -150,7 +165,8 @@ def test_deferred_observer_queues_until_its_flush(caplog):
     lines = [r for r in caplog.records if r.getMessage() == "request"]
     assert [r.request_id for r in lines] == ["r0", "r1", "r2"]
     assert [r.itl_p50_s for r in lines] == [0.001, None, 0.001]
-    assert samples(reg)[("greenserve_generation_tokens_total", ())] == 12
+    picked = (("model", "m"), ("variant", "primary"))
+    assert samples(reg)[("greenserve_generation_tokens_total", picked)] == 12
     assert samples(reg)[("greenserve_inter_token_latency_seconds_count", ())] == 3 + 6
     observer.request_done(_record(3, 2), 0.01)  # the next request schedules the next flush
     assert len(scheduled) == 2

@@ -213,6 +213,7 @@ def make_runtime(settings: Settings, clock: Callable[[], float]) -> Runtime:
             raise ValueError(f"{models.where(entry)}: {exc}") from exc
     default = models.default or served[0].name
     registry = ModelRegistry(served, default, settings.variant_salt)
+    observer.metrics.declare_models([(s.name, s.variant) for s in registry.served])
     rt = Runtime(registry, exporter, observer=observer)
     rt.after_answers = AfterAnswers(rt.idle)
     observer.flusher.worker_state = rt.heartbeat

@@ -1,6 +1,7 @@
 // The status page: poll /stats and /stats/history, fill the tiles, redraw the charts.
 //
-// /stats gives totals, last-minute rates, latency percentiles (since start), load and workers;
+// /stats gives totals, last-minute rates, latency percentiles (since start), load, workers and
+// each model and variant's traffic;
 // /stats/history gives per-minute series, the TTFT objective and the 7-day error budget. Polling
 // pauses while the tab is hidden; charts are redrawn at their new width when the page is resized.
 
@@ -211,11 +212,47 @@ function renderWorkers(workers) {
   $("workers").replaceChildren(...rows);
 }
 
+// One row per model and variant (/stats' "models": primary first): requests, failed, tokens, TTFT.
+function renderModels(models) {
+  const rows = [];
+  for (const [model, variants] of Object.entries(models)) {
+    for (const [variant, m] of Object.entries(variants)) {
+      const tr = document.createElement("tr");
+      const cells = [
+        model,
+        variant,
+        formatCount(m.requests),
+        formatCount(m.errors),
+        formatCount(m.generation_tokens),
+        formatDuration(m.ttft.p50),
+        formatDuration(m.ttft.p90),
+      ];
+      cells.forEach((text, i) => {
+        const td = document.createElement("td");
+        td.textContent = text;
+        if (i === 4 || i === 6) td.className = "wide-only";
+        tr.append(td);
+      });
+      rows.push(tr);
+    }
+  }
+  if (!rows.length) {
+    const tr = document.createElement("tr");
+    const td = document.createElement("td");
+    td.colSpan = 7;
+    td.textContent = "No model has answered yet.";
+    tr.append(td);
+    rows.push(tr);
+  }
+  $("models").replaceChildren(...rows);
+}
+
 function render() {
   if (!latest) return;
   const { stats, history } = latest;
   renderTiles(stats, history);
   renderCharts(stats, history);
+  renderModels(stats.models);
   renderWorkers(stats.workers);
 }
 

@@ -41,6 +41,11 @@ class RequestRecord:
         model: the request's ``model`` once validated, else None.
         model_version: the version of the model the request picked (``X-Model-Version``), or
             None before one is picked (the default model's is sent then).
+        served_model: the name of the model the request picked, as the models file (or
+            ``/v1/models``) names it, never the client's ``model`` string, or None before one is
+            picked; variant: the variant of it that answered (``primary`` or a canary's name), or
+            None before one is picked. Both are set with ``model_version``
+            (``wsgi_app.http.runtime.Runtime.pick``).
         prompt: the prompt text, kept only with ``LOG_PROMPTS=1`` (else None).
         texts: each choice's text, kept only with ``LOG_PROMPTS=1`` (else None).
         token_times: ``perf_counter`` of every generated token (all choices), ``array('d')``, seconds.
@@ -80,6 +85,8 @@ class RequestRecord:
     user_hash: str | None = None
     model: str | None = None
     model_version: str | None = None
+    served_model: str | None = None
+    variant: str | None = None
     prompt: str | None = None
     texts: list[str] | None = None
     token_times: array = field(default_factory=lambda: array("d"))

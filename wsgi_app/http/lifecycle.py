@@ -195,6 +195,10 @@ def finish(
         )
     if record.end_reason is not None:
         attrs["greenserve.end_reason"] = record.end_reason
+    if record.served_model is not None:  # the model and variant that answered (Runtime.pick)
+        attrs["gen_ai.response.model"] = record.served_model
+        attrs["greenserve.model.variant"] = record.variant
+        attrs["greenserve.model.version"] = record.model_version
     failed = record.status >= 500 or record.error is not None
     span.end(STATUS_ERROR if failed else STATUS_UNSET, record.error or "")
     elapsed = time.perf_counter() - record.started

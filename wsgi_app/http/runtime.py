@@ -89,8 +89,9 @@ class Runtime:
         return self.models.default.chat_template
 
     def pick(self, body: Any, record: RequestRecord) -> ServedModel:
-        """Return the model variant that answers a request (call inside it), and note its version
-        on ``record`` (the answer's ``X-Model-Version``).
+        """Return the model variant that answers a request (call inside it), and note on
+        ``record`` its version (the answer's ``X-Model-Version``), its model's name and the
+        variant's (the log line's, the metrics' labels and the span's attributes).
 
         The body's ``model`` picks the model (by name or alias), else the default
         (``ModelRegistry.pick``; a body that is not a JSON object gets the default model); the
@@ -116,6 +117,8 @@ class Runtime:
         pinned = request.headers.get(PIN_HEADER)
         served = self.models.pick(body.get("model"), key, pinned)
         record.model_version = served.model_version
+        record.served_model = served.name
+        record.variant = served.variant
         return served
 
     @property

@@ -58,6 +58,11 @@ def stats() -> Response:
     merged over the workers and the minutes since the server started (within 1 %,
     ``telemetry.sketch``); ``rates`` (per second) and ``workers`` from the history store too, which
     every worker updates each ``STATS_FLUSH_S`` seconds (this worker's own data is flushed first).
+
+    ``models`` gives, per model and variant that answered (the metrics' ``model`` and ``variant``
+    labels), its requests, errors (5xx or an error after the first byte), generated tokens and TTFT
+    (``count``, ``mean``, and ``p50``, ``p90`` estimated from the Prometheus histogram's buckets
+    by linear interpolation, as ``histogram_quantile``), merged over the workers as the totals are.
     """
     rt = runtime()
     obs = rt.observer
@@ -87,6 +92,7 @@ def stats() -> Response:
             "load": {"running": summary["running"], "queued": summary["queued"]},
             "spans": summary["spans"],
             "workers": workers,
+            "models": summary["models"],
         }
     )
 
