@@ -14,22 +14,15 @@ import json
 import signal
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 from model import __version__
-from model.bigram.train import train_bigram, write_model
 from model.loader import load_model
+from tests.modelfiles import write_trained
 from tests.server import GunicornServer, wait_until
 from tests.sse import EventReader, sse_json
 
 FIRST = '[models.xyz]\nsource = "xyz"\n'
 SECOND = 'default = "xzy"\n[models.xzy]\nsource = "xzy"\naliases = ["xyz"]\n'
-
-
-def write_trained(directory: Path, text: bytes) -> Path:
-    """Write a bigram trained on ``text`` repeated into ``directory``."""
-    write_model(directory, train_bigram([text * 200]), {"trained_on": [text.decode()]})
-    return directory
 
 
 def listed(srv: GunicornServer) -> list[str]:
