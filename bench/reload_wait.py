@@ -138,7 +138,12 @@ def one_round(
         row["new"] = row.get("version") not in old
     rows.sort(key=lambda r: r["sent_s"])
     marks = log_times(srv, t_hup)
-    return {"rows": rows, "marks": marks, "summary": summarize(rows, marks)}
+    return {
+        "summary": summarize(rows, marks),
+        "marks": marks,
+        "rows": [[r["sent_s"], r["latency_ms"], r["status"], r["new"]] for r in rows],
+        "errors_seen": [r["error"] for r in rows if "error" in r],
+    }
 
 
 def summarize(rows: list[dict[str, Any]], marks: dict[str, list[float]]) -> dict[str, Any]:
@@ -208,6 +213,7 @@ def main() -> None:
         "workers": args.workers,
         "period_ms": args.period_ms,
         "loadavg_before": [round(x, 2) for x in os.getloadavg()],
+        "row_fields": ["sent_s (from the SIGHUP)", "latency_ms", "status", "new version"],
         "runs": [],
     }
     with tempfile.TemporaryDirectory(prefix="greenserve-reload-") as tmp:
@@ -224,7 +230,7 @@ def main() -> None:
     result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     path = RESULTS / f"{utc_stamp()}-reload-wait.json"
     text = markdown(result)
-    write_pair(path, result, text)
+    write_pair(path, result, text, indent=None)
     print(text)
 
 

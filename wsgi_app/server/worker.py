@@ -18,7 +18,9 @@ before it, and whatever still runs is ended ``EXIT_RESERVE_S`` before it, so the
 history, metrics) always run before the arbiter kills the worker (a SIGTERM sent while the worker
 still boots is held for its handlers: ``wsgi_app.server.early_signals``). A connection the worker
 cuts or ends is marked ``end_reason = "shutdown"`` first, one the send timeout cuts
-``"send_timeout"``, so that the request's log line says who ended it.
+``"send_timeout"``, so that the request's log line says who ended it. A reload's SIGTERM starts that stop
+only once a worker of the new generation has loaded its models, and a new worker accepts only once the
+old ones have closed their listeners (``wsgi_app.server.handoff``).
 
 This module is imported by the arbiter (``worker_class`` in ``gunicorn.conf.py``): it imports gevent
 and gunicorn only, never Flask.
