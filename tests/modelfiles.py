@@ -13,6 +13,8 @@ from types import MappingProxyType
 import numpy as np
 import safetensors.numpy
 
+from model.bigram.train import train_bigram, write_model
+
 BIGRAM_CONFIG = MappingProxyType({"tl_arch": "bigram", "tl_tokenizer": "bytes", "vocab_size": 256})
 TINYLLM_METADATA = MappingProxyType({"format": "tinyllm"})
 
@@ -121,3 +123,10 @@ def path_weight(path: bytes, value: float = 2.0) -> np.ndarray:
     for prev, nxt in zip(path, path[1:], strict=False):
         weight[prev][nxt] = value
     return weight
+
+
+def write_trained(directory: Path, text: bytes) -> Path:
+    """Write a bigram trained on ``text`` repeated 200 times into ``directory``: greedily it
+    continues each byte of ``text`` with the next one (``xyz``: ``x`` -> ``yzxyz...``)."""
+    write_model(directory, train_bigram([text * 200]), {"trained_on": [text.decode()]})
+    return directory

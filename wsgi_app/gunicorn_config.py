@@ -205,22 +205,32 @@ def _checked_models(settings):
 
 
 def on_reload(server):
-    """On ``SIGHUP``, before the new workers start: check the models file again and apply it (the
-    new workers serve it) only when every check passes; otherwise log one line saying why and let
-    the new workers serve the last good one, so that a bad edit never stops the server (gunicorn
-    halts when a new worker fails to boot). Without ``MODELS_FILE`` nothing is done.
+    """On ``SIGHUP``, before the new workers start: number their generation, so that they take
+    over from the old ones without a gap (``wsgi_app.server.handoff``); check the models file again
+    and apply it (the new workers serve it) only when every check passes; otherwise log one line
+    saying why and let the new workers serve the last good one, so that a bad edit never stops the
+    server (gunicorn halts when a new worker fails to boot). Without ``MODELS_FILE`` no file is
+    checked.
 
     Source: gunicorn's arbiter, ``reload`` (``on_reload`` runs before it spawns the new workers).
     """
     import logging
 
     from wsgi_app.models_file import write_snapshot
+    from wsgi_app.server.handoff import next_generation
     from wsgi_app.settings import Settings
 
+    log = logging.getLogger("greenserve.start")
+    if _made_metrics_dir is not None:  # the new workers take over from the old (server.handoff)
+        try:
+            current = ServerSettings.from_env().generation
+            generation = next_generation(_made_metrics_dir, current)
+            os.environ["GREENSERVE_GENERATION"] = str(generation)
+        except OSError as exc:  # the old workers then stop at once, as gunicorn's own reload
+            log.error("no hand-off to the new workers: %s", exc)
     snapshot = os.environ.get("GREENSERVE_MODELS_SNAPSHOT")
     if not snapshot:
         return
-    log = logging.getLogger("greenserve.start")
     try:
         models = _checked_models(Settings.from_env())
         write_snapshot(models, snapshot)
@@ -433,12 +443,10 @@ def _announce_new_master() -> None:
 
 
 def post_worker_init(worker):
-    """Chain the worker's SIGTERM handler so the app learns of the stop and can end its streams with
-    a final event before ``graceful_timeout`` runs out (gunicorn only flips ``worker.alive``); give
-    the worker the app's answers to health probes; log what the worker serves; then freeze the
-    start-up objects out of the garbage collector's generations."""
-    import signal
-
+    """Have the app learn of the worker's stop, so that it can end its streams with a final event
+    before ``graceful_timeout`` runs out (gunicorn only flips ``worker.alive``); give the worker the
+    app's answers to health probes; log what the worker serves; then freeze the start-up objects out
+    of the garbage collector's generations."""
     state = worker.wsgi.extensions["greenserve"]
     from wsgi_app.server.gunicorn_errors import install_json_errors
 
@@ -453,13 +461,9 @@ def post_worker_init(worker):
         from gevent import get_hub
 
         state.observer.defer = get_hub().loop.run_callback
-    gunicorn_handler = worker.handle_exit
-
-    def handle_exit(sig, frame):
-        state.begin_shutdown(worker.cfg.graceful_timeout)
-        gunicorn_handler(sig, frame)
-
-    signal.signal(signal.SIGTERM, handle_exit)
+    # The app stops when the worker's graceful stop begins: at SIGTERM, or for a reload's SIGTERM
+    # once a new worker is ready (wsgi_app.server.handoff).
+    worker.when_stopping(lambda: state.begin_shutdown(worker.cfg.graceful_timeout))
     state.health_port = _health_port(worker)
     _log_serving(worker, state)
     _announce_new_master()

@@ -416,6 +416,10 @@ class ServerSettings:
             (408 beyond).
         max_header_bytes: the largest request head, in bytes (431 beyond).
         log_level: logging level name, lower case (checked by ``telemetry.logs.logging_config``).
+        generation: the worker's generation, 0 from the start and one more per reload
+            (``GREENSERVE_GENERATION``, set by ``gunicorn_config.on_reload``, not by operators).
+        handoff_dir: the master's own directory, where a reload's workers hand off
+            (``GREENSERVE_OWN_METRICS_DIR``, made by ``gunicorn_config``); None outside gunicorn.
     """
 
     host: str = "0.0.0.0"
@@ -429,6 +433,8 @@ class ServerSettings:
     header_timeout_s: float = 10.0
     max_header_bytes: int = 32_768
     log_level: str = "info"
+    generation: int = 0
+    handoff_dir: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ServerSettings:
@@ -458,6 +464,8 @@ class ServerSettings:
             ),
             max_header_bytes=env_int(env, "MAX_HEADER_BYTES", d["max_header_bytes"], 1024, 1 << 20),
             log_level=env_str(env, "LOG_LEVEL", d["log_level"]).lower(),
+            generation=env_int(env, "GREENSERVE_GENERATION", 0, 0, 1 << 62),
+            handoff_dir=env.get("GREENSERVE_OWN_METRICS_DIR", "").strip() or None,
         )
         if settings.port and settings.port == settings.health_port:
             raise ValueError(f"PORT and HEALTH_PORT must differ, both are {settings.port}")

@@ -18,7 +18,9 @@ before it, and whatever still runs is ended ``EXIT_RESERVE_S`` before it, so the
 history, metrics) always run before the arbiter kills the worker (a SIGTERM sent while the worker
 still boots is held for its handlers: ``wsgi_app.server.early_signals``). A connection the worker
 cuts or ends is marked ``end_reason = "shutdown"`` first, one the send timeout cuts
-``"send_timeout"``, so that the request's log line says who ended it.
+``"send_timeout"``, so that the request's log line says who ended it. A reload's SIGTERM starts that stop
+only once a worker of the new generation has loaded its models, and a new worker accepts only once the
+old ones have closed their listeners (``wsgi_app.server.handoff``).
 
 This module is imported by the arbiter (``worker_class`` in ``gunicorn.conf.py``): it imports gevent
 and gunicorn only, never Flask.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import socket
 import time
 import weakref
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -44,6 +47,7 @@ from gunicorn.workers import ggevent
 
 from wsgi_app.server import early_signals, probes, response
 from wsgi_app.server.end_reason import SHUTDOWN
+from wsgi_app.server.handoff import POLL_S, Handoff
 from wsgi_app.server.hubturn import setup_turn
 from wsgi_app.server.request_head import HeadLimits, HeadTimeout, install
 from wsgi_app.server.stream_socket import SendTimeout, StreamSocket
@@ -148,6 +152,10 @@ class GeventWorker(ggevent.GeventWorker):
         self.probes: probes.ProbeResponder | None = None
         self.held_signals: frozenset[int] = frozenset()  # blocked from the fork to init_signals
         self.servers: list[StreamServer] = []  # serving, from run()
+        self.handoff: Handoff | None = None  # a reload's hand-off (wsgi_app.server.handoff)
+        self.handing_off = False  # stopping for a reload, serving on until a new worker is ready
+        self.stopping = False  # the graceful stop has begun
+        self._on_stop: list[Callable[[], object]] = []
 
     def init_process(self) -> None:
         """Bound the request parser (``MAX_HEADER_BYTES``, ``HEADER_TIMEOUT_S``), send each
@@ -155,6 +163,8 @@ class GeventWorker(ggevent.GeventWorker):
         settings' values (:func:`freeze_settings`), then run."""
         server = ServerSettings.from_env()
         self.header_timeout_s = server.header_timeout_s
+        if server.handoff_dir:
+            self.handoff = Handoff(server.handoff_dir, server.generation)
         install(
             HeadLimits(
                 server.max_header_bytes,
@@ -254,13 +264,47 @@ class GeventWorker(ggevent.GeventWorker):
         self.end_in_flight(block=False)  # each ends on the hub's next turn, before the exit
         super().handle_quit(sig, frame)  # a greenlet: worker_int, 0.1 s for the ends, exit
 
+    def when_stopping(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` when the graceful stop begins (now, if it has): the app's own stop
+        (``Runtime.begin_shutdown``), registered once the app is loaded."""
+        if self.stopping:
+            callback()
+        else:
+            self._on_stop.append(callback)
+
     def handle_exit(self, sig: int, frame: Any) -> None:
-        """Stop: close idle connections now, answer in-flight requests ``Connection: close``, cut
-        blocked writes ``CUT_WRITES_S`` before the grace ends and the rest ``EXIT_RESERVE_S`` before."""
-        super().handle_exit(sig, frame)
+        """SIGTERM: stop (:meth:`begin_stop`), unless this is a reload's and the worker accepts: it
+        then serves on until a worker of the new generation is ready (``wsgi_app.server.handoff``),
+        and stops then. A second SIGTERM (the master stopping meanwhile) stops it at once."""
+        if self.handoff is None or self.handing_off or not self.handoff.reloading():
+            self.begin_stop()
+            return
+        self.handing_off = True
+        gevent.spawn(self._hand_off, self.handoff)
+
+    def _hand_off(self, handoff: Handoff) -> None:
+        """Serve on until a newer generation is ready (at most gunicorn's ``timeout``), then stop."""
+        self.log.info("Worker waits for the new workers to load (pid:%s)", self.pid)
+        deadline = time.monotonic() + (self.cfg.timeout or self.cfg.graceful_timeout)
+        while not (self.stopping or handoff.newer_ready()):
+            if time.monotonic() >= deadline:
+                self.log.warning("No new worker ready in time, stopping (pid:%s)", self.pid)
+                break
+            gevent.sleep(POLL_S)
+        self.begin_stop()
+
+    def begin_stop(self) -> None:
+        """Stop, once: close idle connections now, answer in-flight requests ``Connection: close``,
+        cut blocked writes ``CUT_WRITES_S`` before the grace ends and the rest ``EXIT_RESERVE_S``
+        before; the callbacks of :meth:`when_stopping` run first."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.alive = False
         grace = float(self.cfg.graceful_timeout)
-        if self.exit_by is None:
-            self.exit_by = time.monotonic() + grace
+        self.exit_by = time.monotonic() + grace
+        for callback in self._on_stop:
+            callback()
         self.stop_requested.set()
         gevent.spawn(self.close_idle_connections)
         gevent.spawn_later(max(0.0, grace - CUT_WRITES_S), self.cut_blocked_writes)
@@ -327,8 +371,11 @@ class GeventWorker(ggevent.GeventWorker):
                 server.max_accept = max(server.max_accept, self.worker_connections)
             if not ssl_args:
                 server.probing = lambda: self.probes is not None
-            server.start()
             servers.append(server)
+        self._take_over()
+        for server in servers:
+            if self.alive:
+                server.start()
         while self.alive:
             self.notify()
             self.stop_requested.wait(1.0)
@@ -339,6 +386,8 @@ class GeventWorker(ggevent.GeventWorker):
             # worker stopping alone (a reload, TTOU) leaves the socket to the master and the others.
             # Closed, the server also never resumes accepting when its full pool frees a place.
             server.close()
+        if self.handoff is not None:
+            self.handoff.stopped_accepting()  # a new generation may take over
         end_by = (self.exit_by or time.monotonic()) - EXIT_RESERVE_S
         while any(server.pool.free_count() != server.pool.size for server in servers):
             if time.monotonic() >= end_by:
@@ -347,6 +396,24 @@ class GeventWorker(ggevent.GeventWorker):
                 break
             self.notify()
             gevent.sleep(0.05)
+
+    def _take_over(self) -> None:
+        """Before the first accept: say that this worker is ready, then wait (notifying the
+        arbiter) until no worker of an older generation accepts any more, at most gunicorn's
+        ``timeout`` (``wsgi_app.server.handoff``)."""
+        handoff = self.handoff
+        if handoff is None or not self.alive:
+            return
+        handoff.ready()
+        deadline = time.monotonic() + (self.cfg.timeout or self.cfg.graceful_timeout)
+        while self.alive and handoff.older_accepting():
+            if time.monotonic() >= deadline:
+                self.log.warning("Older workers still accept, accepting too (pid:%s)", self.pid)
+                break
+            self.notify()
+            gevent.sleep(POLL_S)
+        if handoff.generation:  # a reload's worker: from here on the new version answers
+            self.log.info("Worker accepts, generation %s (pid:%s)", handoff.generation, self.pid)
 
 
 def freeze_settings(cfg: Any) -> None:
