@@ -358,11 +358,19 @@ def test_metrics_count_chat_under_its_endpoint(succ_server):
     (requests,) = [f for f in families if f.name == "greenserve_requests"]
     endpoints = {s.labels["endpoint"] for s in requests.samples if s.name.endswith("_total")}
     assert PATH in endpoints
+    served = json.loads(succ_server.get("/v1/models")[2])["data"][0]["id"]
     chat_ok = [
         s.value
         for s in requests.samples
         if s.labels
-        == {"endpoint": PATH, "status": "200", "finish_reason": "length", "end_reason": "finished"}
+        == {
+            "endpoint": PATH,
+            "status": "200",
+            "finish_reason": "length",
+            "end_reason": "finished",
+            "model": served,
+            "variant": "primary",
+        }
     ]
     assert chat_ok and chat_ok[0] >= 1
     stats = json.loads(succ_server.get("/stats")[2])
