@@ -13,6 +13,10 @@ from types import MappingProxyType
 import numpy as np
 import safetensors.numpy
 
+from model import __version__
+from model.bigram.train import train_bigram, write_model
+from model.loader import load_model
+
 BIGRAM_CONFIG = MappingProxyType({"tl_arch": "bigram", "tl_tokenizer": "bytes", "vocab_size": 256})
 TINYLLM_METADATA = MappingProxyType({"format": "tinyllm"})
 
@@ -121,3 +125,15 @@ def path_weight(path: bytes, value: float = 2.0) -> np.ndarray:
     for prev, nxt in zip(path, path[1:], strict=False):
         weight[prev][nxt] = value
     return weight
+
+
+def write_trained(directory: Path, text: bytes) -> Path:
+    """Write a bigram trained on ``text`` repeated into ``directory`` (``python -m model.train``'s
+    counts); return the directory."""
+    write_model(directory, train_bigram([text * 200]), {"trained_on": [text.decode()]})
+    return directory
+
+
+def version(model_dir: Path) -> str:
+    """The ``X-Model-Version`` of the model at ``model_dir``."""
+    return f"{load_model(model_dir).checksum[:16]}+greenserve-{__version__}"

@@ -15,7 +15,7 @@ from typing import Any
 
 from flask import Blueprint, Response, request
 
-from telemetry.exposition import render, scrape_registry, summarize
+from telemetry.exposition import render, scrape_registry, shadow_summary, summarize
 from telemetry.flusher import run_in_thread
 from wsgi_app.api.errors import invalid
 from wsgi_app.http.error_handlers import json_response
@@ -45,7 +45,7 @@ def metrics() -> Response:
 
 def _summary(rt: Runtime) -> dict[str, Any]:
     registry = scrape_registry(rt.observer.registry, rt.settings.prometheus_multiproc_dir)
-    return summarize(registry)
+    return {**summarize(registry), "shadows": shadow_summary(registry)}
 
 
 @bp.get("/stats")
@@ -58,6 +58,8 @@ def stats() -> Response:
     merged over the workers and the minutes since the server started (within 1 %,
     ``telemetry.sketch``); ``rates`` (per second) and ``workers`` from the history store too, which
     every worker updates each ``STATS_FLUSH_S`` seconds (this worker's own data is flushed first).
+    ``shadows`` counts each shadow variant's mirrored requests from the Prometheus metrics
+    (``telemetry.exposition.shadow_summary``).
     """
     rt = runtime()
     obs = rt.observer
@@ -86,6 +88,7 @@ def stats() -> Response:
             "latency": latency,
             "load": {"running": summary["running"], "queued": summary["queued"]},
             "spans": summary["spans"],
+            "shadows": summary["shadows"],
             "workers": workers,
         }
     )
