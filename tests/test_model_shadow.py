@@ -358,6 +358,38 @@ def test_models_lists_a_shadow_with_its_percentage(server, models_dir):
     ]
 
 
+def test_a_llama_shadow_of_the_same_weights_matches_every_token(stories_dir, tmp_path):
+    # The batching engine on its thread: ticks, seeds, n choices, stories that end on their own.
+    path = tmp_path / "models.toml"
+    path.write_text(
+        f'[models.s]\nsource = "{stories_dir}"\n'
+        f'[models.s.variants.copy]\nsource = "{stories_dir}"\nshadow = 100\n'
+    )
+    srv = GunicornServer(tmp_path / "run", {"MODELS_FILE": str(path)}).start()
+    try:
+        bodies = [
+            {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 1, "seed": 3, "n": 2},
+            {"prompt": "Lily", "max_tokens": 256, "temperature": 0},  # its story ends at 224
+            {"prompt": "The cat", "max_tokens": 60, "temperature": 0.8, "n": 3, "stream": True},
+        ]
+        ended = False
+        for n, body in enumerate(bodies, start=1):
+            status, _, raw = srv.complete({"model": "s", **body})
+            assert status == 200, raw
+            if not body.get("stream"):
+                ended |= "stop" in [c["finish_reason"] for c in json.loads(raw)["choices"]]
+            settled(srv, "s", "copy", n)
+        assert ended  # some story ended before max_tokens: the shadow's ended there too
+        assert counts(srv, "s", "copy") == {
+            "exact": 3,
+            "diverged": 0,
+            "dropped": 0,
+            **dict.fromkeys(REASONS, 0),
+        }
+    finally:
+        srv.stop()
+
+
 # -- priority: preempted by clients, a bounded queue -----------------------------------------------
 
 

@@ -53,10 +53,7 @@ class Faults:
         """Return the faults of a shadow variant's engine: these, with ``shadow_step_s`` added to
         every step and, with ``shadow_fail_at``, a failure that is the engine's (``fatal``) at
         that step instead of ``fail_at``'s."""
-        if self.shadow_fail_at:
-            fails = {"fail_at": self.shadow_fail_at, "fatal": True}
-        else:
-            fails = {}
+        fails = {"fail_at": self.shadow_fail_at, "fatal": True} if self.shadow_fail_at else {}
         return dataclasses.replace(self, slow_step_s=self.slow_step_s + self.shadow_step_s, **fails)
 
     @classmethod

@@ -226,8 +226,8 @@ class Generation:
         record: the request's record.
         sock: the client's connection (``environ["gunicorn.socket"]``), or None: :meth:`close`
             reads its ``end_reason`` mark.
-        mirror: the request's shadow variants, handed its choices' token ids by the first
-            :meth:`settle` if every choice ended on its own; None.
+        mirror: the request's shadow variants (handed its choices' token ids by the first
+            :meth:`settle` if every choice ended on its own), or None.
     """
 
     __slots__ = ("completion", "ticket", "pacer", "record", "sock", "mirror", "_events")
