@@ -12,13 +12,13 @@ sends nothing, stores nothing, takes no slot, counts in no client's usage, rate 
 metrics or access log.
 
 Priority: the lowest. One :class:`ShadowRunner` per worker runs one job at a time on one greenlet,
-and starts one only while no admission of the worker (every model and variant) has a request
-running or queued. A client's request admitted meanwhile preempts it: the runner hears of every
-admission (:meth:`ShadowRunner.on_load`) and drops the job at its next token or engine tick (a
-bigram token is microseconds; a Llama step, tens of milliseconds; a tick, ``ThreadedEngine``'s
-0.25 s during a long prefill). At most :data:`QUEUE_BOUND` jobs wait; past it a job is dropped.
-A job whose engine fails is dropped too, and that engine's failure is its own: ``/ready`` does not
-read a shadow's engine (``ModelRegistry.failed``).
+and starts one only once no admission of the worker (every model and variant) has had a request
+running or queued for :data:`QUIET_S`. A client's request admitted meanwhile preempts it: the runner
+hears of every admission (:meth:`ShadowRunner.on_load`) and drops the job at its next token or
+engine tick (a bigram token is microseconds; a Llama step, tens of milliseconds; a tick,
+``ThreadedEngine``'s 0.25 s during a long prefill). At most :data:`QUEUE_BOUND` jobs wait; past
+it a job is dropped. A job whose engine fails is dropped too, and that engine's failure is its
+own: ``/ready`` does not read a shadow's engine (``ModelRegistry.failed``).
 
 Each job's outcome goes to the metrics (``greenserve_shadow_requests_total``,
 ``greenserve_shadow_dropped_total``, ``greenserve_shadow_first_divergence_tokens``), and each
@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,10 @@ from wsgi_app.generation.registry import ServedModel
 log = logging.getLogger("greenserve.shadow")
 
 QUEUE_BOUND = 8  # jobs waiting per worker; a job past it is dropped (queue_full)
+# How long every admission must have been idle before a job starts, seconds: a closed loop's
+# clients send their next request within milliseconds of an answer, and a job started in that gap
+# would be preempted at once, having cost their first step the shadow's step then in flight.
+QUIET_S = 0.05
 EXACT, DIVERGED, DROPPED = "exact", "diverged", "dropped"
 _END = object()  # what next() gives for a stream that has ended
 
@@ -212,7 +217,7 @@ class Mirror:
 
 class ShadowRunner:
     """A worker's shadow jobs: a bounded queue and one greenlet that runs them, one at a time, only
-    while the worker's clients leave it idle.
+    while the worker's clients leave it idle (for :data:`QUIET_S` before a job starts).
 
     Args:
         idle: True when no admission of the worker has a request running or queued
@@ -220,6 +225,7 @@ class ShadowRunner:
         metrics: the worker's metrics (``Metrics.count_shadow``), or None.
         targets: every shadow variant of the worker (their series start at 0).
         bound: the most jobs that wait (:data:`QUEUE_BOUND`).
+        quiet_s: how long the worker must have been idle before a job starts, seconds.
 
     Attributes:
         running: the job being generated, or None.
@@ -232,10 +238,13 @@ class ShadowRunner:
         metrics: Metrics | None = None,
         targets: Sequence[ServedModel] = (),
         bound: int = QUEUE_BOUND,
+        quiet_s: float = QUIET_S,
     ) -> None:
         self._idle = idle
         self._metrics = metrics
         self.bound = bound
+        self.quiet_s = quiet_s
+        self._changed_at = 0.0  # perf_counter of the last admission or release
         self._pending: deque[ShadowJob] = deque()
         self._wake = Event()
         self._greenlet: gevent.Greenlet | None = None
@@ -279,6 +288,7 @@ class ShadowRunner:
         """An admission of the worker changed (a request came, got a slot or left): a client's
         request preempts the running job; an idle worker starts the next one. Called on every
         admission and release of every model (the worker's load hook), so it does little."""
+        self._changed_at = time.perf_counter()
         if self.running is not None:
             if not self._idle():
                 self._preempted = True
@@ -314,7 +324,11 @@ class ShadowRunner:
         while not self.stopping:
             self._wake.clear()
             if self._pending and self._idle():
-                self._execute(self._pending.popleft())
+                wait_s = self._changed_at + self.quiet_s - time.perf_counter()
+                if wait_s <= 0:
+                    self._execute(self._pending.popleft())
+                else:  # idle, but only just: look again once it has been for quiet_s
+                    self._wake.wait(wait_s)
                 continue
             self._wake.wait()
 
@@ -375,22 +389,29 @@ class ShadowRunner:
         no admission ticket: it counts as no client's request), and its room back afterwards.
 
         Raises:
-            Dropped: preempted, the worker stopping, or a reservation the budget never holds.
-            Exception: whatever the target's engine raises.
+            Dropped: preempted, or the worker stopping.
+            ValueError: the job's KV reservation is more than the target's whole budget (its
+                model's cache per token may be larger than the primary's), or the target's engine
+                refuses a request (its context is shorter than the primary's).
+            Exception: whatever else the target's engine raises.
         """
         ctx = job.target.generation
         admission, engine = ctx.admission, ctx.engine
         if not can_ever_fit(job.kv_bytes, admission.kv_budget_bytes):
-            raise Dropped("failed")
-        cache = engine.prefix_cache
-        if cache is not None:
-            cache.set_room(admission.kv_budget_bytes - admission.kv_reserved - job.kv_bytes)
+            raise ValueError(
+                f"its KV reservation of {job.kv_bytes} bytes is over the shadow's budget of "
+                f"{admission.kv_budget_bytes} bytes (KV_CACHE_BUDGET_MB)"
+            )
         checks = [
             ChoiceCheck(i, trace, req.max_tokens)
             for i, (trace, req) in enumerate(zip(job.traces, job.requests, strict=True))
         ]
-        streams = [engine.stream(req) for req in job.requests]
+        cache = engine.prefix_cache
+        if cache is not None:
+            cache.set_room(admission.kv_budget_bytes - admission.kv_reserved - job.kv_bytes)
+        streams: list[Iterator[Step | None]] = []
         try:
+            streams += [engine.stream(req) for req in job.requests]
             live = [c for c in checks if not c.done]
             while live:
                 for check in live:
