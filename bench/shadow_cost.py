@@ -213,7 +213,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"CPU {result['cpu']['model']} ({result['cpu']['cpus']} CPUs; {', '.join(result['cpu']['flags'])}); "
         "two servers of one gevent worker each pinned to one core, the client on the other; "
-        f"SmolLM2-135M Q4_1, {BODY['max_tokens']} greedy tokens a request, closed loop; "
+        f"SmolLM2-135M Q4_1, {BODY['max_tokens']} greedy tokens a request; "
         f"windows of {result['window_s']:g} s after {result['warmup_s']:g} s of warm-up, "
         "none and shadow alternated.",
         "",
@@ -251,7 +251,7 @@ def markdown(result: dict[str, Any]) -> str:
 def main() -> None:
     """Measure and write the result files."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--conc", type=int, nargs="+", default=[1, 2, 4], help="closed loops")
+    parser.add_argument("--conc", type=int, nargs="*", default=[1, 2, 4], help="closed loops")
     parser.add_argument(
         "--open", type=float, nargs="*", default=[1.5], help="open loops: mean seconds between"
     )

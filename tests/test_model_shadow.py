@@ -84,38 +84,32 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _serve(models_dir: Path, tmp: pytest.TempPathFactory, name: str, **env: str) -> GunicornServer:
+def _serve(
+    models_dir: Path, tmp: pytest.TempPathFactory, name: str, **env: str
+) -> Iterator[GunicornServer]:
+    """Run a server of the models file ``name`` while the module's tests use it."""
     env = {"MODELS_FILE": str(models_dir / f"{name}.toml"), "VARIANT_SALT": SALT, **env}
-    return GunicornServer(tmp.mktemp(f"shadow-{name}"), env).start()
+    srv = GunicornServer(tmp.mktemp(f"shadow-{name}"), env).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def server(models_dir, tmp_path_factory) -> Iterator[GunicornServer]:
-    srv = _serve(
-        models_dir, tmp_path_factory, "shadowed", GREENSERVE_FAULTS=f"shadow_fail_at={FAIL_AT}"
-    )
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    faults = f"shadow_fail_at={FAIL_AT}"
+    yield from _serve(models_dir, tmp_path_factory, "shadowed", GREENSERVE_FAULTS=faults)
 
 
 @pytest.fixture(scope="module")
 def plain(models_dir, tmp_path_factory) -> Iterator[GunicornServer]:
-    srv = _serve(models_dir, tmp_path_factory, "plain")
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    yield from _serve(models_dir, tmp_path_factory, "plain")
 
 
 @pytest.fixture(scope="module")
 def slow(models_dir, tmp_path_factory) -> Iterator[GunicornServer]:
-    srv = _serve(models_dir, tmp_path_factory, "slow", GREENSERVE_FAULTS="shadow_step_s=0.1")
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    yield from _serve(models_dir, tmp_path_factory, "slow", GREENSERVE_FAULTS="shadow_step_s=0.1")
 
 
 # -- reading the server's counts ------------------------------------------------------------------
@@ -542,40 +536,40 @@ def test_the_queue_bound_and_a_stop_drop_jobs():
     ],
 )
 def test_a_bad_shadow_is_one_line(tmp_path, variant, why):
-    write_trained(tmp_path / "xyz", b"xyz")
-    path = tmp_path / "models.toml"
-    path.write_text(
-        f'[models.m]\nsource = "xyz"\n[models.m.variants.s]\nsource = "xyz"\n{variant}\n'
-    )
+    path = models_file(tmp_path, "s", f'source = "xyz"\n{variant}')
     with pytest.raises(ValueError) as err:
         read_models_file(str(path))
     assert str(err.value) == f"MODELS_FILE ({path}): {why}"
 
 
-def test_the_server_refuses_a_bad_shadow_in_one_line(tmp_path):
+def models_file(tmp_path: Path, variant: str, table: str) -> Path:
+    """Write a models file: model ``m`` (the bigram trained on ``xyz``) and its variant
+    ``variant`` of the TOML lines ``table``."""
     write_trained(tmp_path / "xyz", b"xyz")
     path = tmp_path / "models.toml"
-    path.write_text(
-        '[models.m]\nsource = "xyz"\n[models.m.variants.s]\nsource = "xyz"\nweight = 1\nshadow = 1\n'
-    )
+    path.write_text(f'[models.m]\nsource = "xyz"\n[models.m.variants.{variant}]\n{table}\n')
+    return path
+
+
+def refused(tmp_path: Path, variant: str, table: str) -> list[str]:
+    """The lines a server started on :func:`models_file` writes as it refuses to start, without
+    their ``greenserve: cannot start: MODELS_FILE (path): `` prefix."""
+    path = models_file(tmp_path, variant, table)
     _, plain = failed_start(tmp_path, {"MODELS_FILE": str(path)})
-    assert plain == [
-        f"greenserve: cannot start: MODELS_FILE ({path}): models.m.variants.s.shadow: a variant "
-        "has either 'weight' (a canary: percent of clients) or 'shadow' (percent of requests "
-        "mirrored), not both"
+    return [
+        line.removeprefix(f"greenserve: cannot start: MODELS_FILE ({path}): ") for line in plain
+    ]
+
+
+def test_the_server_refuses_a_bad_shadow_in_one_line(tmp_path):
+    assert refused(tmp_path, "s", 'source = "xyz"\nweight = 1\nshadow = 1') == [
+        "models.m.variants.s.shadow: a variant has either 'weight' (a canary: percent of "
+        "clients) or 'shadow' (percent of requests mirrored), not both"
     ]
 
 
 def test_a_shadow_with_another_tokenizer_is_refused_at_start(tmp_path, stories_dir):
-    write_trained(tmp_path / "xyz", b"xyz")
-    path = tmp_path / "models.toml"
-    path.write_text(
-        f'[models.m]\nsource = "xyz"\n[models.m.variants.story]\nsource = "{stories_dir}"\n'
-        "shadow = 10\n"
-    )
-    _, plain = failed_start(tmp_path, {"MODELS_FILE": str(path)})
-    assert plain == [
-        f"greenserve: cannot start: MODELS_FILE ({path}): models.m.variants.story: a shadow's "
-        "tokenizer must be its primary's (models.m), token for token: 512 tokens, the "
-        "primary's 256"
+    assert refused(tmp_path, "story", f'source = "{stories_dir}"\nshadow = 10') == [
+        "models.m.variants.story: a shadow's tokenizer must be its primary's (models.m), token "
+        "for token: 512 tokens, the primary's 256"
     ]

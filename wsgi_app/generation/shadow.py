@@ -15,7 +15,7 @@ Priority: the lowest. One :class:`ShadowRunner` per worker runs one job at a tim
 and starts one only once no admission of the worker (every model and variant) has had a request
 running or queued for :data:`QUIET_S`. A client's request admitted meanwhile preempts it: the runner
 hears of every admission (:meth:`ShadowRunner.on_load`) and drops the job at its next token or
-engine tick (a bigram token is microseconds; a Llama step, tens of milliseconds; a tick,
+engine tick (a bigram token is microseconds; a SmolLM2 decode step, ~12 ms; a tick,
 ``ThreadedEngine``'s 0.25 s during a long prefill). At most :data:`QUEUE_BOUND` jobs wait; past
 it a job is dropped. A job whose engine fails is dropped too, and that engine's failure is its
 own: ``/ready`` does not read a shadow's engine (``ModelRegistry.failed``).
