@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from telemetry.metrics import NO_MODEL, SPAN_RESULTS
+from telemetry.metrics import NO_MODEL, SHADOW_DROP_REASONS, SHADOW_OUTCOMES, SPAN_RESULTS
 from telemetry.quantiles import histogram_quantile
 
 _QUANTILES = (0.5, 0.9, 0.99)
@@ -162,3 +162,40 @@ def summarize(registry: CollectorRegistry) -> dict[str, Any]:
         },
         "models": _by_model(samples),
     }
+
+
+def shadow_summary(registry: CollectorRegistry) -> dict[str, dict[str, dict[str, Any]]]:
+    """Read the shadow variants' counts from a scrape registry, summed over the workers.
+
+    Returns:
+        ``{model: {variant: {"mirrored", "exact", "diverged", "dropped", "exact_ratio",
+        "dropped_by_reason"}}}``: ``mirrored`` is every request handed to the shadow (the three
+        outcomes together), ``exact_ratio`` the exact share of those compared (exact + diverged;
+        None before any), ``dropped_by_reason`` the dropped ones by reason.
+    """
+    samples = _samples(registry)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def entry(labels: dict[str, str]) -> dict[str, Any]:
+        variants = out.setdefault(labels["model"], {})
+        if labels["variant"] not in variants:
+            variants[labels["variant"]] = {
+                "mirrored": 0,
+                **dict.fromkeys(SHADOW_OUTCOMES, 0),
+                "exact_ratio": None,
+                "dropped_by_reason": dict.fromkeys(SHADOW_DROP_REASONS, 0),
+            }
+        return variants[labels["variant"]]
+
+    for s in samples.get("greenserve_shadow_requests_total", []):
+        counts = entry(s.labels)
+        counts[s.labels["outcome"]] += int(s.value)
+        counts["mirrored"] += int(s.value)
+    for s in samples.get("greenserve_shadow_dropped_total", []):
+        reasons = entry(s.labels)["dropped_by_reason"]
+        reasons[s.labels["reason"]] = reasons.get(s.labels["reason"], 0) + int(s.value)
+    for variants in out.values():
+        for counts in variants.values():
+            compared = counts["exact"] + counts["diverged"]
+            counts["exact_ratio"] = counts["exact"] / compared if compared else None
+    return out

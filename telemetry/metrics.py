@@ -72,6 +72,11 @@ REQUEST_LABELS = ("endpoint", "status", "finish_reason", "end_reason", *MODEL_LA
 # treats an empty label as an absent one, so these series group under no model, and no models file
 # name (never empty) can collide with it.
 NO_MODEL = ""
+# A shadow variant's mirrored requests: how each ended, and why a dropped one was dropped.
+SHADOW_OUTCOMES = ("exact", "diverged", "dropped")
+SHADOW_DROP_REASONS = ("queue_full", "preempted", "failed", "shutdown")
+# Token positions of a shadow's first divergence within a choice: 0, 1, 2, 4, ..., 4096.
+DIVERGENCE_BUCKETS = (0.0, *(float(2**k) for k in range(13)))
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,14 @@ class Metrics:
         prefix_cache_hit_tokens, prefix_cache_miss_tokens, prefix_cache_evictions:
             ``greenserve_prefix_cache_{hit_tokens,miss_tokens,evicted_blocks}_total``: prompt
             tokens served by the prefix cache, computed, and cached blocks evicted (Llama).
+        shadow_requests: ``greenserve_shadow_requests_total{model,variant,outcome}``, requests
+            mirrored to a shadow variant, by ``outcome``: ``exact`` (every choice's tokens the
+            primary's), ``diverged``, ``dropped`` (never compared).
+        shadow_dropped: ``greenserve_shadow_dropped_total{model,variant,reason}``, the dropped
+            ones by ``reason``: ``queue_full``, ``preempted`` (a client's request came),
+            ``failed``, ``shutdown``.
+        shadow_first_divergence: ``greenserve_shadow_first_divergence_tokens{model,variant}``,
+            the token position (within its choice) where a diverged choice first differed.
     """
 
     requests: Counter
@@ -136,6 +149,9 @@ class Metrics:
     prefix_cache_hit_tokens: Counter
     prefix_cache_miss_tokens: Counter
     prefix_cache_evictions: Counter
+    shadow_requests: Counter
+    shadow_dropped: Counter
+    shadow_first_divergence: Histogram
     # The prefix cache's totals (hit, miss, evicted) last added: see set_prefix_cache_totals.
     _prefix_seen: list[int] = field(default_factory=lambda: [0, 0, 0], repr=False)
 
@@ -276,6 +292,28 @@ class Metrics:
                 "Cached prompt blocks evicted (LRU).",
                 registry=r,
             ),
+            shadow_requests=Counter(
+                "greenserve_shadow_requests",
+                "Requests mirrored to a shadow variant, by outcome: exact (its tokens the "
+                "primary's), diverged, dropped.",
+                ["model", "variant", "outcome"],
+                registry=r,
+            ),
+            shadow_dropped=Counter(
+                "greenserve_shadow_dropped",
+                "Mirrored requests a shadow variant dropped, by reason: queue_full, preempted, "
+                "failed, shutdown.",
+                ["model", "variant", "reason"],
+                registry=r,
+            ),
+            shadow_first_divergence=Histogram(
+                "greenserve_shadow_first_divergence_tokens",
+                "Token position within a choice where a shadow variant's tokens first differed "
+                "from the primary's.",
+                ["model", "variant"],
+                buckets=DIVERGENCE_BUCKETS,
+                registry=r,
+            ),
         )
         for result in SPAN_RESULTS:  # present from the start, at 0
             m.spans.labels(result=result)
@@ -407,6 +445,37 @@ class Metrics:
         """
         self.spec_draft_tokens.inc(drafted)
         self.spec_accepted_tokens.inc(accepted)
+
+    def add_shadow(self, model: str, variant: str) -> None:
+        """Make a shadow variant's series, at 0 (so that a scrape shows them before any mirror)."""
+        for outcome in SHADOW_OUTCOMES:
+            self.shadow_requests.labels(model=model, variant=variant, outcome=outcome)
+        for reason in SHADOW_DROP_REASONS:
+            self.shadow_dropped.labels(model=model, variant=variant, reason=reason)
+        self.shadow_first_divergence.labels(model=model, variant=variant)
+
+    def count_shadow(
+        self,
+        model: str,
+        variant: str,
+        outcome: str,
+        reason: str | None = None,
+        positions: Sequence[int] = (),
+    ) -> None:
+        """Count one request mirrored to the shadow ``variant`` of ``model``.
+
+        Args:
+            outcome: one of :data:`SHADOW_OUTCOMES`.
+            reason: why a dropped one was dropped (:data:`SHADOW_DROP_REASONS`), else None.
+            positions: each diverged choice's first differing token position.
+        """
+        self.shadow_requests.labels(model=model, variant=variant, outcome=outcome).inc()
+        if reason is not None:
+            self.shadow_dropped.labels(model=model, variant=variant, reason=reason).inc()
+        if positions:
+            histogram = self.shadow_first_divergence.labels(model=model, variant=variant)
+            for position in positions:
+                histogram.observe(position)
 
     def on_span_result(self, kind: str, n: int) -> None:
         """Count ``n`` spans with result ``kind`` (the ``SpanExporter.on_result`` hook)."""

@@ -13,7 +13,9 @@ from types import MappingProxyType
 import numpy as np
 import safetensors.numpy
 
+from model import __version__
 from model.bigram.train import train_bigram, write_model
+from model.loader import load_model
 
 BIGRAM_CONFIG = MappingProxyType({"tl_arch": "bigram", "tl_tokenizer": "bytes", "vocab_size": 256})
 TINYLLM_METADATA = MappingProxyType({"format": "tinyllm"})
@@ -126,7 +128,12 @@ def path_weight(path: bytes, value: float = 2.0) -> np.ndarray:
 
 
 def write_trained(directory: Path, text: bytes) -> Path:
-    """Write a bigram trained on ``text`` repeated 200 times into ``directory``: greedily it
-    continues each byte of ``text`` with the next one (``xyz``: ``x`` -> ``yzxyz...``)."""
+    """Write a bigram trained on ``text`` repeated 200 times into ``directory`` and return it:
+    greedily it continues each byte of ``text`` with the next one (``xyz``: ``x`` -> ``yzxyz...``)."""
     write_model(directory, train_bigram([text * 200]), {"trained_on": [text.decode()]})
     return directory
+
+
+def version(model_dir: Path) -> str:
+    """The ``X-Model-Version`` of the model at ``model_dir``."""
+    return f"{load_model(model_dir).checksum[:16]}+greenserve-{__version__}"

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from model import __version__
 from model.bigram.model import default_model_dir
 from model.bigram.train import train_bigram, write_model
-from model.loader import load_model
 from telemetry.quantiles import histogram_quantile
 from tests.loglines import request_line
+from tests.modelfiles import version
 from tests.server import GunicornServer, wait_until
 from tests.sse import sse_json
 
@@ -43,11 +42,6 @@ source = "bigram"
 FAIL_AT = 20  # the engine raises before every choice's 20th token: 19 tokens, then the error
 GREEDY = {"prompt": "x", "temperature": 0}
 PIN = "X-Model-Variant"
-
-
-def version(model_dir: Path) -> str:
-    """The ``X-Model-Version`` of the model at ``model_dir``."""
-    return f"{load_model(model_dir).checksum[:16]}+greenserve-{__version__}"
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from model import __version__
-from model.bigram.train import train_bigram, write_model
-from model.loader import load_model
 from tests.loglines import request_line
+from tests.modelfiles import version, write_trained
 from tests.server import GunicornServer, failed_start
 from wsgi_app.generation.registry import ServedModel, bucket, split
 from wsgi_app.models_file import PRIMARY, read_models_file
@@ -32,17 +30,6 @@ source = "xyz"
 source = "xzy"
 weight = 40
 """
-
-
-def write_trained(directory: Path, text: bytes) -> Path:
-    """Write a bigram trained on ``text`` repeated into ``directory``."""
-    write_model(directory, train_bigram([text * 200]), {"trained_on": [text.decode()]})
-    return directory
-
-
-def version(model_dir: Path) -> str:
-    """The ``X-Model-Version`` of the model at ``model_dir``."""
-    return f"{load_model(model_dir).checksum[:16]}+greenserve-{__version__}"
 
 
 @pytest.fixture(scope="module")
@@ -211,8 +198,8 @@ def test_variants_in_the_file(tmp_path):
             "models.loop.variants.v2.weight: must be a percentage in [0, 100], got -1",
         ),
         (
-            '[models.loop.variants.v2]\nsource = "xyz"\nweight = 5\nshadow = true\n',
-            "models.loop.variants.v2: unknown key 'shadow' (known: source, weight)",
+            '[models.loop.variants.v2]\nsource = "xyz"\nweight = 5\nmirror = true\n',
+            "models.loop.variants.v2: unknown key 'mirror' (known: source, weight, shadow)",
         ),
     ],
 )

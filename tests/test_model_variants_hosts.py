@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from model import __version__
-from model.bigram.train import train_bigram, write_model
 from model.loader import load_model
+from tests.modelfiles import write_trained
 from tests.server import GunicornServer
 from tests.services import NginxServer
 
@@ -29,12 +29,6 @@ source = "xyz"
 source = "xzy"
 weight = 10
 """
-
-
-def write_trained(directory: Path, text: bytes) -> Path:
-    """Write a bigram trained on ``text`` repeated into ``directory``."""
-    write_model(directory, train_bigram([text * 200]), {"trained_on": [text.decode()]})
-    return directory
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model import __version__
 from model.bigram.model import default_model_dir
 from model.bigram.train import train_bigram, write_model
 from model.fetch import MODELS
 from model.loader import load_model
 from tests.llamafiles import convert_stories, write_tiny_llama
+from tests.modelfiles import version
 from tests.readiness import (
     ENGINE_FAILED,
     READY,
@@ -51,11 +51,6 @@ max_queue = 3
 [models.stories]
 source = "stories"
 """
-
-
-def version(model_dir: Path) -> str:
-    """The ``X-Model-Version`` of the model at ``model_dir``."""
-    return f"{load_model(model_dir).checksum[:16]}+greenserve-{__version__}"
 
 
 def write_xyz(directory: Path) -> Path:

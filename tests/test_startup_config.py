@@ -77,7 +77,7 @@ BAD = [
     (
         {"GREENSERVE_FAULTS": "bogus=1"},
         "GREENSERVE_FAULTS: unknown key 'bogus' (known: slow_step_s, fail_at, oom_at, "
-        "matcher_fail_at, mask_spin_s, compile_spin_s, fatal)",
+        "matcher_fail_at, mask_spin_s, compile_spin_s, shadow_step_s, shadow_fail_at, fatal)",
     ),
     (
         {"GREENSERVE_FAULTS": "fail_at=x"},

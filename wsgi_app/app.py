@@ -24,6 +24,7 @@ from wsgi_app.generation.admission import Admission
 from wsgi_app.generation.context import GenerationContext
 from wsgi_app.generation.faults import Faults, FaultyEngine
 from wsgi_app.generation.registry import ModelRegistry, ServedModel
+from wsgi_app.generation.shadow import ShadowRunner
 from wsgi_app.http import auth, cors, lifecycle, origin_guard, ratelimit
 from wsgi_app.http.auth_failures import AuthFailures
 from wsgi_app.http.chat import serving_template
@@ -133,7 +134,8 @@ def make_served(
     on_load: Callable[[int, int], None],
 ) -> ServedModel:
     """Build what one model variant's generations run with: its chat template, its engine (wrapped with
-    the test-only ``GREENSERVE_FAULTS`` when set), its own admission (the entry's slots and queue,
+    the test-only ``GREENSERVE_FAULTS`` when set: a shadow variant's with ``Faults.for_shadow``), its
+    own admission (the entry's slots and queue,
     else ``MAX_SLOTS`` and ``MAX_QUEUE``, else its family's; a ``KV_CACHE_BUDGET_MB`` of its own).
 
     Args:
@@ -152,7 +154,8 @@ def make_served(
     engine = make_engine(model, settings, on_speculated, slots)
     prefix_cache = engine.prefix_cache
     if settings.faults:
-        engine = FaultyEngine(engine, Faults.parse(settings.faults))
+        faults = Faults.parse(settings.faults)
+        engine = FaultyEngine(engine, faults if entry.shadow is None else faults.for_shadow())
     admission = Admission(
         *model.family.limits(slots, queue),
         on_load,
@@ -168,14 +171,20 @@ def make_served(
     if settings.decode_tokens_per_s is not None:
         generation.decode_tokens_per_s = settings.decode_tokens_per_s
     return ServedModel(
-        entry.name, entry.aliases, generation, chat_template, entry.variant, entry.weight
+        entry.name,
+        entry.aliases,
+        generation,
+        chat_template,
+        entry.variant,
+        entry.weight,
+        entry.shadow,
     )
 
 
 def make_runtime(settings: Settings, clock: Callable[[], float]) -> Runtime:
     """Load the models (``MODELS_FILE``, else ``MODEL_DIR``'s one) and build what the worker serves
-    with: each model's engine and admission (:func:`make_served`), the observer and its heartbeat,
-    the span exporter.
+    with: each model's engine and admission (:func:`make_served`), the shadow variants' runner, the
+    observer and its heartbeat, the span exporter.
 
     Args:
         settings: the server settings.
@@ -197,11 +206,14 @@ def make_runtime(settings: Settings, clock: Callable[[], float]) -> Runtime:
     )
     exporter = make_exporter(settings, observer.metrics)
     served: list[ServedModel] = []
+    shadows: ShadowRunner | None = None
 
     def on_load(_running: int, _queued: int) -> None:
         # The worker's load gauges count every model's requests.
         admissions = [s.generation.admission for s in served]
         observer.set_load(sum(a.busy for a in admissions), sum(a.queued for a in admissions))
+        if shadows is not None:  # a client's request preempts a shadow; an idle worker runs one
+            shadows.on_load()
 
     count_speculative = observer.metrics.count_speculative
     for entry, model in loaded:
@@ -216,6 +228,7 @@ def make_runtime(settings: Settings, clock: Callable[[], float]) -> Runtime:
     observer.metrics.declare_models([(s.name, s.variant) for s in registry.served])
     rt = Runtime(registry, exporter, observer=observer)
     rt.after_answers = AfterAnswers(rt.idle)
+    rt.shadows = shadows = ShadowRunner(rt.idle, observer.metrics, registry.shadows())
     observer.flusher.worker_state = rt.heartbeat
     return rt
 

@@ -70,18 +70,55 @@ def load_models(models: ModelsFile) -> list[tuple[ModelEntry, LoadedModel]]:
 
     Raises:
         ValueError: one line naming the entry (``MODELS_FILE (path): models.NAME: ...``, or
-            ``MODEL_DIR (where): ...``) and why its model cannot load.
+            ``MODEL_DIR (where): ...``) and why its model cannot load, or why a shadow variant
+            cannot be compared with its primary (:func:`same_vocabulary`).
     """
     loaded = []
+    primaries: dict[str, LoadedModel] = {}
     for entry in models.entries:
         try:
             model = load_entry(entry)
+            if entry.shadow is not None:  # the file lists a model's primary before its variants
+                same_vocabulary(model, primaries[entry.name], entry.name)
         except ValueError as exc:
             raise ValueError(f"{models.where(entry)}: {exc}") from exc
+        if entry.variant == PRIMARY:
+            primaries[entry.name] = model
         if models.path is None:  # MODEL_DIR: served under the id its files give it
             entry = replace(entry, name=model_card(model)["id"])
         loaded.append((entry, model))
     return loaded
+
+
+def same_vocabulary(shadow: LoadedModel, primary: LoadedModel, name: str) -> None:
+    """Refuse a shadow variant whose tokenizer is not its primary's, token for token.
+
+    A shadow's tokens are compared with the primary's id by id, and it runs with the primary's
+    prompt ids and compiled grammar: both mean something only when every id is the same token
+    (the same bytes, the same special tokens) in both vocabularies.
+
+    Args:
+        shadow: the shadow variant's model.
+        primary: its primary variant's model.
+        name: the model's name (for the message).
+
+    Raises:
+        ValueError: naming the first id that differs, or the vocabularies' sizes.
+    """
+    mine, theirs = shadow.tokenizer, primary.tokenizer
+    why = ""
+    if mine.vocab_size != theirs.vocab_size:
+        why = f"{mine.vocab_size} tokens, the primary's {theirs.vocab_size}"
+    elif mine.token_bytes != theirs.token_bytes:
+        pairs = zip(mine.token_bytes, theirs.token_bytes, strict=True)
+        i, (a, b) = next((i, p) for i, p in enumerate(pairs) if p[0] != p[1])
+        why = f"token {i} is {a!r}, the primary's {b!r}"
+    elif mine.special_tokens != theirs.special_tokens:
+        why = "its special tokens differ from the primary's"
+    if why:
+        raise ValueError(
+            f"a shadow's tokenizer must be its primary's (models.{name}), token for token: {why}"
+        )
 
 
 def cost_bytes(model: LoadedModel, settings: Settings) -> tuple[int, int]:

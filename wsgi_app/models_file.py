@@ -20,6 +20,10 @@ structure in JSON::
     source = "models/poems-v2"
     weight = 10                     # percent; the primary variant (``source``) gets the rest
 
+    [models.poems.variants.next]    # a shadow: mirrors 5 % of the primary's answered requests
+    source = "models/poems-next"
+    shadow = 5                      # percent of requests; never answers a client (no weight)
+
     [models.smollm2]
     source = "smollm2"              # a ``python -m model.fetch`` name, fetched beforehand
 
@@ -47,7 +51,7 @@ PACKAGED_SOURCE = "bigram"
 # this module checks that both agree.
 FETCH_NAMES = ("smollm2",)
 ENTRY_KEYS = ("source", "aliases", "max_slots", "max_queue", "variants")
-VARIANT_KEYS = ("source", "weight")
+VARIANT_KEYS = ("source", "weight", "shadow")
 PRIMARY = "primary"  # the variant an entry's own ``source`` is
 SLOT_RANGES = {"max_slots": (1, 100_000), "max_queue": (0, 1_000_000)}  # as MAX_SLOTS, MAX_QUEUE
 
@@ -65,9 +69,11 @@ class ModelEntry:
         aliases: other names that pick it (on its primary variant's entry only).
         max_slots, max_queue: its own slots and queue per worker, or None (the server's); each
             variant has its own.
-        variant: :data:`PRIMARY`, or the name of a canary variant of the model ``name``.
+        variant: :data:`PRIMARY`, or the name of a canary or shadow variant of the model ``name``.
         weight: the percentage of clients this variant serves (``0 <= weight <= 100``; the
-            primary's is what the canaries leave).
+            primary's is what the canaries leave; a shadow's is 0).
+        shadow: for a shadow variant, the percentage of the primary's requests it mirrors
+            (``0 < shadow <= 100``); None for the primary and canaries.
     """
 
     name: str
@@ -78,6 +84,7 @@ class ModelEntry:
     max_queue: int | None = None
     variant: str = PRIMARY
     weight: float = 100.0
+    shadow: float | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -90,7 +97,7 @@ class ModelsFile:
     """The models a server serves, in the file's order.
 
     Attributes:
-        entries: one per model (at least one), each followed by its canary variants'.
+        entries: one per model (at least one), each followed by its canary and shadow variants'.
         default: the name of the model a request naming none of them gets.
         path: the file it was read from, or None for ``MODEL_DIR``'s one model.
     """
@@ -158,8 +165,9 @@ def read_models_file(path: str) -> ModelsFile:
         ValueError: one line starting ``MODELS_FILE (path): `` and naming the entry and key: the
             file cannot be read or parsed, has no models, an unknown key, a source that is not a
             string or names no existing path, a name given twice (as a name or an alias), slots
-            out of range, a variant without a source or with a weight out of [0, 100] (or weights
-            over 100 together), or a ``default`` naming no model (needed with more than one model).
+            out of range, a variant without a source, with a weight out of [0, 100] (or weights
+            over 100 together), a shadow out of (0, 100], both a weight and a shadow or neither,
+            or a ``default`` naming no model (needed with more than one model).
     """
     where = f"MODELS_FILE ({path})"
     try:
@@ -223,28 +231,53 @@ def _entries(where: str, name: str, spec: Any, base: Path) -> list[ModelEntry]:
     variants = spec.get("variants", {})
     if not isinstance(variants, Mapping):
         raise ValueError(f"{where}.variants: must be a table of variants")
-    canaries = []
+    others = []
     for variant, vspec in variants.items():
         vwhere = f"{where}.variants.{variant}"
         if variant == PRIMARY or not variant.strip():
             raise ValueError(f"{vwhere}: a variant's name must be non-empty and not {PRIMARY!r}")
         if not isinstance(vspec, Mapping):
-            raise ValueError(f"{vwhere}: must be a table with 'source' and 'weight'")
+            raise ValueError(f"{vwhere}: must be a table with 'source' and 'weight' or 'shadow'")
         unknown = sorted(set(vspec) - set(VARIANT_KEYS))
         if unknown:
-            raise ValueError(f"{vwhere}: unknown key {unknown[0]!r} (known: source, weight)")
-        weight = vspec.get("weight")
-        if type(weight) not in (int, float) or not 0 <= weight <= 100:
-            raise ValueError(f"{vwhere}.weight: must be a percentage in [0, 100], got {weight!r}")
+            raise ValueError(
+                f"{vwhere}: unknown key {unknown[0]!r} (known: {', '.join(VARIANT_KEYS)})"
+            )
+        weight, shadow = _share(vwhere, vspec)
         vsource, vfetch = _source(vwhere, vspec.get("source"), base)
-        canaries.append(
-            ModelEntry(name, vsource, vfetch, (), **limits, variant=variant, weight=float(weight))
+        others.append(
+            ModelEntry(
+                name, vsource, vfetch, (), **limits, variant=variant, weight=weight, shadow=shadow
+            )
         )
-    rest = 100.0 - sum(c.weight for c in canaries)
+    rest = 100.0 - sum(c.weight for c in others)
     if rest < 0:
         raise ValueError(f"{where}.variants: the weights add up to {100 - rest:g} %, over 100")
     path, fetch = _source(where, source, base)
-    return [ModelEntry(name, path, fetch, tuple(aliases), **limits, weight=rest), *canaries]
+    return [ModelEntry(name, path, fetch, tuple(aliases), **limits, weight=rest), *others]
+
+
+def _share(where: str, spec: Mapping[str, Any]) -> tuple[float, float | None]:
+    """Return a variant's ``weight`` (percent of clients; 0 for a shadow) and ``shadow`` (percent
+    of the primary's requests mirrored; None for a canary): exactly one of the two is given."""
+    weight, shadow = spec.get("weight"), spec.get("shadow")
+    if weight is None and shadow is None:
+        raise ValueError(
+            f"{where}: needs 'weight' (a canary: percent of clients) or 'shadow' (percent of "
+            "requests mirrored)"
+        )
+    if shadow is None:
+        if type(weight) not in (int, float) or not 0 <= weight <= 100:
+            raise ValueError(f"{where}.weight: must be a percentage in [0, 100], got {weight!r}")
+        return float(weight), None
+    if weight is not None:
+        raise ValueError(
+            f"{where}.shadow: a variant has either 'weight' (a canary: percent of clients) or "
+            "'shadow' (percent of requests mirrored), not both"
+        )
+    if type(shadow) not in (int, float) or not 0 < shadow <= 100:
+        raise ValueError(f"{where}.shadow: must be a percentage in (0, 100], got {shadow!r}")
+    return 0.0, float(shadow)
 
 
 def _source(where: str, source: Any, base: Path) -> tuple[str | None, str | None]:

@@ -38,6 +38,43 @@ def token_start(released: str, data: bytes) -> int:
     return len(released) - len(own) if own and released.endswith(own) else 0
 
 
+class TokenTrace:
+    """One choice's engine token stream, passed through unchanged while the ids it gives are kept
+    for a shadow variant to be compared with (``wsgi_app.generation.shadow``); only a request
+    that is mirrored has its streams wrapped, so no other pays for it.
+
+    Args:
+        stream: the engine's token stream (None items are engine ticks).
+
+    Attributes:
+        token_ids: every generated id, in order (an end-of-sequence one included).
+        ended: True when the engine itself ended the stream at the last id (its step had a finish
+            reason: an end-of-sequence id, a full context, a completed grammar), False when the
+            choice ended it (``max_tokens``, a stop string).
+    """
+
+    __slots__ = ("_stream", "token_ids", "ended")
+
+    def __init__(self, stream: Iterator[Step | None]) -> None:
+        self._stream = stream
+        self.token_ids: list[int] = []
+        self.ended = False
+
+    def __iter__(self) -> TokenTrace:
+        return self
+
+    def __next__(self) -> Step | None:
+        step = next(self._stream)
+        if step is not None:
+            self.token_ids.append(step.token_id)
+            self.ended = step.finish_reason is not None
+        return step
+
+    def close(self) -> None:
+        """Close the engine's stream."""
+        self._stream.close()
+
+
 class NamedStops:
     """A :class:`~model.stop.StopMatcher` that also says which stop string matched, when it is one
     of ``reported`` (Anthropic's ``stop_sequence``); the same ``push``/``flush``.

@@ -21,7 +21,7 @@ from model.tokenizer import TextTokenizer
 from model.utf8 import Utf8Decoder
 from wsgi_app.api.completions import Prompt
 from wsgi_app.api.errors import ApiError
-from wsgi_app.generation.choice import BYTE_TOKENIZER, Choice, token_start
+from wsgi_app.generation.choice import BYTE_TOKENIZER, Choice, TokenTrace, token_start
 from wsgi_app.generation.grammars import constraint_failure
 from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.pacer import ClientGone
@@ -79,6 +79,8 @@ class Completion:
         cache_salt: the prefix-cache salt of every choice (the API key's digest and the request's
             ``cache_salt``; see :class:`model.engine.GenerationRequest`).
         grammar: the output constraint every choice keeps to (``GrammarService.prepare``), or None.
+        trace: keep every choice's token ids (:attr:`traces`), for a shadow variant to be
+            compared with.
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class Completion:
         fingerprint: str | None = None,
         cache_salt: str = "",
         grammar: GrammarSource | None = None,
+        trace: bool = False,
     ) -> None:
         self.req = req
         self._engine = engine
@@ -112,6 +115,8 @@ class Completion:
         # usage.prompt_tokens_details only where there is a prefix cache (the bigram keeps its bytes)
         self._reports_cached = engine.prefix_cache is not None
         self.echo_texts: list[str] = []  # per prompt: the text its choices' echo chunk carries
+        # per choice, with ``trace``: the ids its stream gave
+        self.traces: list[TokenTrace] | None = [] if trace else None
         n = req.n
         # A request that may call tools (chat: no echo) has choices that read their calls.
         choice_type, calls = Choice, {}
@@ -127,20 +132,14 @@ class Completion:
             self.echo_texts.append(echo_text)
             for i in range(n):  # choice i of prompt p is index p*n + i, seeded as choice i
                 logprobs = None if req.logprobs is None else wire.new_logprobs(tokenizer)
-                gen = GenerationRequest(
-                    prompt_ids=prompt.ids,
-                    max_tokens=req.max_tokens,
-                    params=req.sampling,
-                    seed=seed,
-                    seq=54 + i,
-                    logprobs=req.logprobs,
-                    ignore_eos=req.ignore_eos,
-                    grammar=grammar,
-                    cache_salt=cache_salt,
-                )
+                gen = choice_request(req, prompt, i, seed, grammar, cache_salt)
+                stream = engine.stream(gen)
+                if self.traces is not None:
+                    stream = TokenTrace(stream)
+                    self.traces.append(stream)
                 choice = choice_type(
                     len(self.choices),
-                    engine.stream(gen),
+                    stream,
                     req.max_tokens,
                     req.stop,
                     echo_text,
@@ -323,6 +322,35 @@ class Completion:
         for _ in self.chunks(events=False):
             pass
         return self.encoder.answer(self.choices, self.usage(), self.pacer.pause)
+
+
+def choice_request(
+    req: GenerationInput,
+    prompt: Prompt,
+    i: int,
+    seed: int,
+    grammar: GrammarSource | None = None,
+    cache_salt: str = "",
+) -> GenerationRequest:
+    """Return what the engine is asked for choice ``i`` of ``prompt`` (its index within the
+    prompt's ``n``): the prompt's ids, the request's ``max_tokens`` and sampling, the seed on
+    stream ``54 + i`` (so that choice ``i`` draws the same numbers whatever the batch), the
+    request's logprobs, ``ignore_eos``, grammar and cache salt. A completion's choices and a shadow
+    variant's copies of them are made by this one function.
+
+    Source: docs/ARCHITECTURE.md §6 (sampling and seeds).
+    """
+    return GenerationRequest(
+        prompt_ids=prompt.ids,
+        max_tokens=req.max_tokens,
+        params=req.sampling,
+        seed=seed,
+        seq=54 + i,
+        logprobs=req.logprobs,
+        ignore_eos=req.ignore_eos,
+        grammar=grammar,
+        cache_salt=cache_salt,
+    )
 
 
 def _echo(prompt: Prompt, req: GenerationInput) -> tuple[str, bytes]:

@@ -9,7 +9,9 @@ succeeds; without it, the failure is its request's alone, as a grammar matcher's
 llguidance enters its error state: the engine's own error path for structured outputs),
 ``mask_spin_s=0.2`` (every token mask of a constrained choice also spins this many CPU seconds where
 it is computed, as a costly grammar's would, and is charged for them), ``compile_spin_s=2`` (every
-compile of an output constraint also spins this many CPU seconds on the compile pool). Never set it
+compile of an output constraint also spins this many CPU seconds on the compile pool),
+``shadow_step_s=0.2`` and ``shadow_fail_at=3`` (a shadow variant's engine only: its steps sleep, or
+it fails before step 3 as the engine's own failure, ``fatal``; ``Faults.for_shadow``). Never set it
 in production.
 """
 
@@ -39,11 +41,20 @@ class Faults:
     matcher_fail_at: int = 0
     mask_spin_s: float = 0.0
     compile_spin_s: float = 0.0
+    shadow_step_s: float = 0.0
+    shadow_fail_at: int = 0
 
     @property
     def grammar(self) -> bool:
         """Whether a fault applies to constrained choices' matchers."""
         return bool(self.matcher_fail_at or self.mask_spin_s)
+
+    def for_shadow(self) -> Faults:
+        """Return the faults of a shadow variant's engine: these, with ``shadow_step_s`` added to
+        every step and, with ``shadow_fail_at``, a failure that is the engine's (``fatal``) at
+        that step instead of ``fail_at``'s."""
+        fails = {"fail_at": self.shadow_fail_at, "fatal": True} if self.shadow_fail_at else {}
+        return dataclasses.replace(self, slow_step_s=self.slow_step_s + self.shadow_step_s, **fails)
 
     @classmethod
     def parse(cls, spec: str) -> Faults:
@@ -74,6 +85,8 @@ _NUMBERS: dict[str, type[int] | type[float]] = {
     "matcher_fail_at": int,
     "mask_spin_s": float,
     "compile_spin_s": float,
+    "shadow_step_s": float,
+    "shadow_fail_at": int,
 }
 _SPIN_BLOCK = bytes(1 << 18)  # hashed by spin(): ~0.2-0.5 ms a block, the GIL released
 

@@ -30,6 +30,7 @@ from wsgi_app.generation.context import GenerationContext
 from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.pacer import ClientGone, Pacer
 from wsgi_app.generation.record import RequestRecord
+from wsgi_app.generation.shadow import Mirror
 from wsgi_app.server.connection import peer_closed, tune_socket
 from wsgi_app.server.end_reason import CLIENT_LEFT, ENGINE_ERROR, FINISHED, STOP
 from wsgi_app.wire import sse
@@ -96,6 +97,7 @@ def admit(
     completion_id: str | None = None,
     cache_salt: str = "",
     grammar: GrammarSource | None = None,
+    mirror: Mirror | None = None,
 ) -> Generation:
     """Take a place in the worker's slots or queue for ``req`` and set up its generation.
 
@@ -113,6 +115,8 @@ def admit(
         completion_id: the answer's id; None for a fresh random one.
         cache_salt: the prefix-cache salt of its choices (``wsgi_app.http.auth.cache_salt``).
         grammar: the request's compiled output constraint (``GrammarService.prepare``), or None.
+        mirror: the shadow variants that mirror the request once it is answered in full
+            (``wsgi_app.generation.shadow``), or None: its choices' token ids are kept for them.
 
     Raises:
         ApiError: 400 when the request's KV cache could never fit the budget, 429 ``server_busy`` when
@@ -157,13 +161,14 @@ def admit(
             fingerprint=ctx.model_version,
             cache_salt=cache_salt,
             grammar=grammar,
+            trace=mirror is not None,
         )
     except BaseException:
         ticket.release()
         raise
     ticket.progress = completion
     record.span.attributes["gen_ai.request.seed"] = str(seed)
-    return Generation(completion, ticket, pacer, record, sock)
+    return Generation(completion, ticket, pacer, record, sock, mirror)
 
 
 def queue_heartbeats(ticket: Ticket, pacer: Pacer, heartbeat_s: float) -> Iterator[None]:
@@ -221,9 +226,11 @@ class Generation:
         record: the request's record.
         sock: the client's connection (``environ["gunicorn.socket"]``), or None: :meth:`close`
             reads its ``end_reason`` mark.
+        mirror: the request's shadow variants (handed its choices' token ids by the first
+            :meth:`settle` if every choice ended on its own), or None.
     """
 
-    __slots__ = ("completion", "ticket", "pacer", "record", "sock", "_events")
+    __slots__ = ("completion", "ticket", "pacer", "record", "sock", "mirror", "_events")
 
     def __init__(
         self,
@@ -232,12 +239,14 @@ class Generation:
         pacer: Pacer,
         record: RequestRecord,
         sock: socket.socket | None = None,
+        mirror: Mirror | None = None,
     ) -> None:
         self.completion = completion
         self.ticket = ticket
         self.pacer = pacer
         self.record = record
         self.sock = sock
+        self.mirror = mirror
         # Made on first iteration: a JSON answer's generation holds no generator (whose frame would
         # refer back to it, a cycle keeping the choices alive until the collector runs).
         self._events: Generator[bytes, None, None] | None = None
@@ -326,8 +335,10 @@ class Generation:
         """End the generation: close its token streams, release its slot, and write its counts,
         finish reasons, tool calls, time to first token, queue wait (and, with ``LOG_PROMPTS=1``,
         texts) on the record, and its ``end_reason`` when every choice ended on its own (``stop`` if
-        one stopped: a stop string, its end, its tool calls; else ``finished``). Runs at least once
-        per admitted request, from :meth:`close` or :meth:`run`; a second call is harmless."""
+        one stopped: a stop string, its end, its tool calls; else ``finished``); then, for a
+        mirrored request answered so, hand its shadows their jobs (queued: they run later, when
+        the worker is idle). Runs at least once per admitted request, from :meth:`close` or
+        :meth:`run`; a second call is harmless."""
         completion, ticket, record = self.completion, self.ticket, self.record
         completion.close()
         ticket.release()
@@ -337,6 +348,10 @@ class Generation:
         reasons = record.finish_reasons = completion.finish_reasons()
         if reasons and None not in reasons:  # a choice that ended before max_tokens stopped
             record.end(FINISHED if all(r == "length" for r in reasons) else STOP)
+        if self.mirror is not None:  # only the first settle knows how the generation ended
+            mirror, self.mirror = self.mirror, None
+            if record.end_reason in (FINISHED, STOP) and None not in reasons:
+                mirror.submit(completion.traces or [])
         if record.ttft_s is None and record.token_times:
             record.ttft_s = record.token_times[0] - record.started
         if record.queue_wait_s is None:  # the first settle fixes the wait (a second one may follow)

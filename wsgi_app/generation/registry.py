@@ -13,6 +13,11 @@ every worker and host, because the variant is a function of the key hashed with 
 is configured with (``VARIANT_SALT``), as nginx's ``split_clients`` does; a request without a key
 gets the primary variant; an operator pins one by name (:meth:`ModelRegistry.pick`'s ``pinned``).
 
+A model may also have shadow variants, which no client is split to: each mirrors a stated
+percentage of the requests its primary variant answers (:meth:`ModelRegistry.mirrored`; the
+request's id hashed with the same salt), run by ``wsgi_app.generation.shadow``. A pinned request
+(the operator's own check) is never mirrored.
+
 Source: docs/ARCHITECTURE.md §12 (several models).
 """
 
@@ -40,8 +45,10 @@ class ServedModel:
         aliases: the other names that pick it.
         generation: its generation context (model, engine, admission, version).
         chat_template: the chat template its chat and Messages requests are rendered with.
-        variant: :data:`PRIMARY`, or the name of a canary variant of the model ``name``.
-        weight: the percentage of clients the variant serves.
+        variant: :data:`PRIMARY`, or the name of a canary or shadow variant of the model ``name``.
+        weight: the percentage of clients the variant serves (0 for a shadow).
+        shadow: for a shadow variant, the percentage of its primary's requests it mirrors; None
+            for the primary and canaries.
     """
 
     name: str
@@ -50,6 +57,7 @@ class ServedModel:
     chat_template: ChatTemplate
     variant: str = PRIMARY
     weight: float = 100.0
+    shadow: float | None = None
 
     @property
     def model(self) -> LoadedModel:
@@ -67,7 +75,7 @@ class ModelRegistry:
 
     Args:
         served: the models and their variants, in the order ``/v1/models`` lists them (at least
-            one primary variant per model, its canaries after it).
+            one primary variant per model, its canaries and shadows after it).
         default: the name of the model a request naming none of them gets.
         salt: the salt clients' keys are hashed with (``VARIANT_SALT``).
 
@@ -86,13 +94,37 @@ class ModelRegistry:
         self._variants = {
             m.name: [v for v in self.served if v.name == m.name] for m in self.primaries
         }
+        # What the client split picks from: the primary and its canaries, never a shadow.
+        self._split = {
+            name: [v for v in variants if v.shadow is None]
+            for name, variants in self._variants.items()
+        }
         self._by_name = {name: m for m in self.primaries for name in (m.name, *m.aliases)}
         self.default = self._by_name[default]
         self.salt = salt
 
     def variants(self, primary: ServedModel) -> list[ServedModel]:
-        """Return the variants of ``primary``'s model: the primary first, then its canaries."""
+        """Return the variants of ``primary``'s model: the primary first, then its canaries and
+        shadows, in the file's order."""
         return self._variants[primary.name]
+
+    def shadows(self) -> list[ServedModel]:
+        """Return every shadow variant of every model, in order."""
+        return [m for m in self.served if m.shadow is not None]
+
+    def mirrored(self, served: ServedModel, request_id: str, pinned: bool) -> list[ServedModel]:
+        """Return the shadow variants that mirror a request ``served`` answers: none unless it is
+        a model's primary variant and was not pinned; else each shadow whose percentage is above
+        the request's :func:`bucket` (its id hashed with the salt: the same request, the same
+        answer on every worker and host).
+        """
+        if pinned or served.variant != PRIMARY:
+            return []
+        variants = self._variants[served.name]
+        if len(variants) == len(self._split[served.name]):  # no shadow: no hash
+            return []
+        point = bucket(self.salt, request_id)
+        return [v for v in variants if v.shadow is not None and point < v.shadow]
 
     def pick(
         self, requested: object, client_key: str | None = None, pinned: str | None = None
@@ -101,8 +133,9 @@ class ModelRegistry:
 
         The model is the one ``requested`` (the body's ``model``, any JSON value) names by name or
         alias, else the default model (an unknown name, a missing or invalid ``model``: the
-        request's own validation answers the latter). Its variant is ``pinned`` when given, else
-        the one :func:`split` gives ``client_key``, else (no key) the primary.
+        request's own validation answers the latter). Its variant is ``pinned`` when given (a
+        shadow too), else the one :func:`split` gives ``client_key`` (never a shadow), else (no
+        key) the primary.
 
         Raises:
             ApiError: 400 naming :data:`PIN_HEADER` when the model has no variant ``pinned``.
@@ -120,13 +153,16 @@ class ModelRegistry:
                 f"The model '{primary.name}' has no variant {pinned!r} (it has {names}).",
                 PIN_HEADER,
             )
+        variants = self._split[primary.name]
         if client_key is None or len(variants) == 1:
             return primary
         return split(variants, bucket(self.salt, client_key))
 
     def failed(self) -> list[str]:
-        """Return the names of the models whose engine's last shared step failed, in order."""
-        return [m.name for m in self.served if not m.generation.engine_ok]
+        """Return the names of the models whose engine's last shared step failed, in order. A
+        shadow's engine is not counted: its failure harms no client's request (its mirrored
+        work is dropped, and counted as failed)."""
+        return [m.name for m in self.served if m.shadow is None and not m.generation.engine_ok]
 
 
 def bucket(salt: str, client_key: str) -> float:

@@ -26,6 +26,7 @@ from wsgi_app.http.auth import cache_salt
 from wsgi_app.http.client_identity import client_identity
 from wsgi_app.http.error_handlers import error_response
 from wsgi_app.http.event_source import RETRY_MS, no_content, parse_last_event_id, stream_id
+from wsgi_app.http.runtime import runtime
 from wsgi_app.http.stream_body import STREAM_HEADERS, EventStreamResponse
 from wsgi_app.server.connection import hang_up
 from wsgi_app.wire.encoder import TEXT_COMPLETION, WireFormat
@@ -78,6 +79,8 @@ def answer(
         framing = EventIds(seed, RETRY_MS, resume_after=-1 if last is None else last[1])
         completion_id = stream_id(seed, query, wire.id_prefix)
     sock = request.environ.get("gunicorn.socket")
+    # A sampled request of a model's primary variant is generated again by its shadows, later.
+    mirror = runtime().mirror(served, record, req, seed, salt, grammar)
     generation = admit(
         served.generation,
         req,
@@ -89,6 +92,7 @@ def answer(
         completion_id,
         cache_salt=salt,
         grammar=grammar,
+        mirror=mirror,
     )
     if req.stream:
         return EventStreamResponse(generation)

@@ -17,15 +17,17 @@ from flask import current_app, request
 from gevent.threadpool import ThreadPool
 
 from model.chat_template import ChatTemplate
-from model.engine import Engine
+from model.engine import Engine, GrammarSource
 from model.loader import LoadedModel
 from model.tokenizer import ByteTokenizer
 from telemetry.observer import Observer
 from telemetry.otlp import NullExporter, SpanExporter
 from wsgi_app.generation.admission import Admission
 from wsgi_app.generation.context import GenerationContext
+from wsgi_app.generation.inputs import GenerationInput
 from wsgi_app.generation.record import RequestRecord
 from wsgi_app.generation.registry import PIN_HEADER, ModelRegistry, ServedModel
+from wsgi_app.generation.shadow import Mirror, ShadowRunner
 from wsgi_app.server.heap import AfterAnswers
 from wsgi_app.server.worker import END_STREAMS_S
 from wsgi_app.settings import Settings
@@ -64,6 +66,7 @@ class Runtime:
             back once the worker is idle, or None.
         health_port: the port of the health socket (gunicorn's second bind), or None; set by
             ``gunicorn_config.post_worker_init``.
+        shadows: the worker's shadow jobs (``wsgi_app.generation.shadow``), or None.
     """
 
     models: ModelRegistry
@@ -76,6 +79,7 @@ class Runtime:
     render_pool: ThreadPool | None = field(default=None, repr=False)
     after_answers: AfterAnswers | None = field(default=None, repr=False)
     health_port: int | None = None
+    shadows: ShadowRunner | None = field(default=None, repr=False)
 
     @property
     def generation(self) -> GenerationContext:
@@ -120,6 +124,25 @@ class Runtime:
         record.served_model = served.name
         record.variant = served.variant
         return served
+
+    def mirror(
+        self,
+        served: ServedModel,
+        record: RequestRecord,
+        req: GenerationInput,
+        seed: int,
+        cache_salt: str = "",
+        grammar: GrammarSource | None = None,
+    ) -> Mirror | None:
+        """Return the shadow variants that mirror a request ``served`` answers (call inside it),
+        or None: only a model's primary variant's requests, never one pinned with
+        ``X-Model-Variant``, each shadow sampling by the request's id
+        (``ModelRegistry.mirrored``)."""
+        if self.shadows is None:
+            return None
+        pinned = request.headers.get(PIN_HEADER) is not None
+        targets = self.models.mirrored(served, record.request_id, pinned)
+        return self.shadows.mirror(targets, record.request_id, req, seed, cache_salt, grammar)
 
     @property
     def settings(self) -> Settings:
@@ -254,6 +277,8 @@ class Runtime:
         if self.stop_at is not None:
             return
         self.stopping = True
+        if self.shadows is not None:
+            self.shadows.stop()
         for served in self.models.served:
             served.generation.stop_in(max(0.0, grace_s - END_STREAMS_S))
 

@@ -1,8 +1,9 @@
 """``GET /v1/models`` and ``GET /v1/models/{model}``: the models this server serves and their aliases.
 
 The model objects are ``wsgi_app.api.models``'s: each model under its name, then each of its
-aliases as a model object of its own (``alias_of`` naming the model). A model with canary variants
-lists them under ``variants``: each one's name, weight (percent of clients) and version.
+aliases as a model object of its own (``alias_of`` naming the model). A model with canary or shadow
+variants lists them under ``variants``: each one's name, weight (percent of clients), a shadow's
+``shadow`` (percent of requests mirrored) and version.
 Completions still accept any ``model`` string and echo it (docs/ARCHITECTURE.md §8): one the server
 does not list goes to the default model; the list tells clients what to send, it does not police them.
 
@@ -17,6 +18,7 @@ from flask import Blueprint, Response
 
 from wsgi_app.api.errors import ApiError
 from wsgi_app.api.models import alias_card, serving_card
+from wsgi_app.generation.registry import ServedModel
 from wsgi_app.http.error_handlers import json_response
 from wsgi_app.http.runtime import Runtime, runtime
 
@@ -31,12 +33,19 @@ def _cards(rt: Runtime) -> list[dict[str, Any]]:
         card = serving_card(served.model, served.name, served.aliases, gen.max_completion_tokens)
         variants = rt.models.variants(served)
         if len(variants) > 1:
-            card["variants"] = [
-                {"variant": v.variant, "weight": v.weight, "version": v.model_version}
-                for v in variants
-            ]
+            card["variants"] = [_variant(v) for v in variants]
         cards += [card, *(alias_card(card, alias) for alias in served.aliases)]
     return cards
+
+
+def _variant(served: ServedModel) -> dict[str, Any]:
+    """Return a variant's entry: its name, weight (percent of clients; 0 for a shadow), a shadow's
+    percentage of requests mirrored, and its version."""
+    entry: dict[str, Any] = {"variant": served.variant, "weight": served.weight}
+    if served.shadow is not None:
+        entry["shadow"] = served.shadow
+    entry["version"] = served.model_version
+    return entry
 
 
 @bp.get("/v1/models")

@@ -81,8 +81,9 @@ def require_loopback() -> None:
 @bp.get("/debug/state")
 def debug_state() -> Response:
     """Slots, queue, in-flight requests and garbage-collector counts of the worker that answers
-    (loopback clients only): those of its default model, and each model's slots and queue under
-    ``models`` (a canary variant's as ``name/variant``)."""
+    (loopback clients only): those of its default model, each model's slots and queue under
+    ``models`` (a canary or shadow variant's as ``name/variant``), and the shadow jobs under
+    ``shadows``."""
     require_loopback()
     rt = runtime()
     state = rt.admission.state()
@@ -98,6 +99,8 @@ def debug_state() -> Response:
         state["prefix_cache"] = prefix_cache.state()
     # the default model's compiled output constraints (structured outputs, tool calls)
     state["grammars"] = rt.generation.grammars.state()
+    if rt.shadows is not None:  # the shadow variants' jobs: waiting and running
+        state["shadows"] = rt.shadows.state()
     # The collector's view: a worker whose full collections stall the hub shows it here first.
     state["gc"] = {
         "frozen": gc.get_freeze_count(),

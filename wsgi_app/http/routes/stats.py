@@ -15,7 +15,7 @@ from typing import Any
 
 from flask import Blueprint, Response, request
 
-from telemetry.exposition import render, scrape_registry, summarize
+from telemetry.exposition import render, scrape_registry, shadow_summary, summarize
 from telemetry.flusher import run_in_thread
 from wsgi_app.api.errors import invalid
 from wsgi_app.http.error_handlers import json_response
@@ -45,7 +45,7 @@ def metrics() -> Response:
 
 def _summary(rt: Runtime) -> dict[str, Any]:
     registry = scrape_registry(rt.observer.registry, rt.settings.prometheus_multiproc_dir)
-    return summarize(registry)
+    return {**summarize(registry), "shadows": shadow_summary(registry)}
 
 
 @bp.get("/stats")
@@ -63,6 +63,9 @@ def stats() -> Response:
     labels), its requests, errors (5xx or an error after the first byte), generated tokens and TTFT
     (``count``, ``mean``, and ``p50``, ``p90`` estimated from the Prometheus histogram's buckets
     by linear interpolation, as ``histogram_quantile``), merged over the workers as the totals are.
+
+    ``shadows`` counts each shadow variant's mirrored requests from the Prometheus metrics
+    (``telemetry.exposition.shadow_summary``).
     """
     rt = runtime()
     obs = rt.observer
@@ -91,6 +94,7 @@ def stats() -> Response:
             "latency": latency,
             "load": {"running": summary["running"], "queued": summary["queued"]},
             "spans": summary["spans"],
+            "shadows": summary["shadows"],
             "workers": workers,
             "models": summary["models"],
         }
