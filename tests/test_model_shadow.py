@@ -33,7 +33,8 @@ from tests.server import GunicornServer, failed_start, wait_until
 from tests.sse import sse_events
 from wsgi_app.generation.choice import TokenTrace
 from wsgi_app.generation.registry import PRIMARY, ServedModel, bucket, split
-from wsgi_app.generation.shadow import QUEUE_BOUND, ChoiceCheck, Divergence, ShadowJob, ShadowRunner
+from wsgi_app.generation.shadow import QUEUE_BOUND, ShadowJob, ShadowRunner
+from wsgi_app.generation.shadow_check import ChoiceCheck, Divergence
 from wsgi_app.models_file import read_models_file
 
 SALT = "shadow-salt"
