@@ -171,7 +171,7 @@ def requests_total(srv: GunicornServer) -> int:
     return int(sum(v for (name, _), v in family.items() if name == "greenserve_requests_total"))
 
 
-_VOLATILE = re.compile(rb'"(id|created)":\s*("[^"]*"|\d+)')
+_VOLATILE = re.compile(rb'"(id|created|created_at)":\s*("[^"]*"|\d+)')
 
 
 def answer(srv: GunicornServer, path: str, body: dict, headers: dict | None = None) -> bytes:
@@ -197,6 +197,8 @@ SAME_WEIGHTS = [
         "/v1/chat/completions",
         {"messages": CHAT, "max_tokens": 9, "temperature": 1, "seed": 5, "n": 2, "stream": True},
     ),
+    ("/v1/responses", {"input": "xy", "max_output_tokens": 8, "temperature": 1, "seed": 4}),
+    ("/v1/messages", {"messages": CHAT, "max_tokens": 8, "temperature": 0}),
 ]
 
 
@@ -319,7 +321,7 @@ def test_only_unpinned_requests_of_the_primary_are_sampled(server):
             ServedModel("half", (), None, None, PRIMARY, 50.0),  # type: ignore[arg-type]
             ServedModel("half", (), None, None, "canary", 50.0),
         ]  # type: ignore[arg-type]
-        primary = split(variants, bucket(SALT, f"user:u-{k}")).variant == PRIMARY
+        primary = split(variants, SALT, f"user:u-{k}").variant == PRIMARY
         if primary and k % 4 != 3 and bucket(SALT, f"half-{k}") < 50:
             want += 1
             settled(server, "half", "copy", before + want)

@@ -62,8 +62,8 @@ def answer(srv: GunicornServer, headers: dict[str, str] | None = None, **body) -
 
 
 def expected_variant(client_key: str) -> str:
-    """The variant ``client_key`` gets: the canary ``v2`` takes [0, 40) of the split."""
-    return "v2" if bucket(SALT, client_key) < 40 else PRIMARY
+    """The variant ``client_key`` gets: the canary ``v2`` of ``loop`` draws it below 40."""
+    return "v2" if bucket(SALT, f"loop\0v2\0{client_key}") < 40 else PRIMARY
 
 
 def test_each_user_always_gets_the_same_variant_on_every_worker(server, models_dir):
@@ -153,12 +153,49 @@ def _variants(canary_weight: float) -> list[ServedModel]:
 @pytest.mark.parametrize(("clients", "slack"), [(10_000, 1.5), (1_000, 3.0)])
 def test_a_ten_percent_canary_lands_near_ten_percent(clients, slack):
     variants = _variants(10.0)
-    picked = [split(variants, bucket(SALT, f"user:client-{n}")).variant for n in range(clients)]
+    picked = [split(variants, SALT, f"user:client-{n}").variant for n in range(clients)]
     share = 100.0 * picked.count("canary") / clients
     assert 10.0 - slack <= share <= 10.0 + slack, share
     # Sticky: the same key, the same variant, whatever asks.
-    again = [split(variants, bucket(SALT, f"user:client-{n}")).variant for n in range(clients)]
+    again = [split(variants, SALT, f"user:client-{n}").variant for n in range(clients)]
     assert again == picked
+
+
+def _canaries(model: str, weights: dict[str, float]) -> list[ServedModel]:
+    """A primary of ``model`` and its canaries of the given weights, in order (no generation)."""
+    rest = 100.0 - sum(weights.values())
+    primary = ServedModel(model, (), None, None, PRIMARY, rest)  # type: ignore[arg-type]
+    return [primary, *(ServedModel(model, (), None, None, v, w) for v, w in weights.items())]  # type: ignore[arg-type]
+
+
+def test_a_canary_set_to_zero_or_removed_moves_only_its_own_clients():
+    keys = [f"session:c-{n}" for n in range(10_000)]
+
+    def picks(variants: list[ServedModel]) -> list[str]:
+        return [split(variants, SALT, key).variant for key in keys]
+
+    both = picks(_canaries("m", {"a": 10.0, "b": 10.0}))
+    # Two of 10 %: the first its weight, the second its weight of the clients the first left.
+    assert 8.5 <= 100 * both.count("a") / len(keys) <= 11.5
+    assert 7.5 <= 100 * both.count("b") / len(keys) <= 10.5
+    for zeroed in (_canaries("m", {"a": 0.0, "b": 10.0}), _canaries("m", {"b": 10.0})):
+        after = picks(zeroed)
+        # Every client of b stays on b; only a's clients move (to b's draw, else the primary).
+        assert all(y == "b" for x, y in zip(both, after, strict=True) if x == "b")
+        assert {(x, y) for x, y in zip(both, after, strict=True) if x != y} <= {
+            ("a", "b"),
+            ("a", PRIMARY),
+        }
+    raised = picks(_canaries("m", {"a": 20.0, "b": 10.0}))
+    assert all(y == "a" for x, y in zip(both, raised, strict=True) if x == "a")
+
+
+def test_two_models_canaries_draw_different_clients():
+    keys = [f"key:k-{n}" for n in range(10_000)]
+    m = {k for k in keys if split(_canaries("m", {"c": 10.0}), SALT, k).variant == "c"}
+    n = {k for k in keys if split(_canaries("n", {"c": 10.0}), SALT, k).variant == "c"}
+    # Independent draws: about 10 % of one's clients are the other's (the same clients: 100 %).
+    assert len(m & n) < 0.2 * len(m), (len(m), len(n), len(m & n))
 
 
 def test_bucket_is_a_fixed_function_of_salt_and_key():

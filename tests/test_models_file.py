@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -292,6 +294,43 @@ def test_a_missing_source_names_the_entry(tmp_path):
         f"models.a.source: '{tmp_path / 'nowhere'}' does not exist (a path, 'bigram' or one of "
         "the fetch names smollm2)"
     )
+
+
+def check_models(path: Path, **env: str) -> subprocess.CompletedProcess:
+    """``greenserve --check-models PATH`` (the command's own code, from this checkout)."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("MODEL_DIR", "MODELS_FILE")}
+    return subprocess.run(
+        [sys.executable, "-m", "wsgi_app.cli", "--check-models", str(path)],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_check_models_says_whether_a_reload_would_apply_a_file(tmp_path):
+    good = tmp_path / "good.toml"
+    good.write_text('default = "a"\n[models.a]\nsource = "bigram"\n[models.b]\nsource = "bigram"\n')
+    out = check_models(good)
+    assert (out.returncode, out.stdout, out.stderr) == (
+        0,
+        f"greenserve: {good}: ok, 2 models (a, b)\n",
+        "",
+    )
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[models.a]\nsource = "nowhere"\n')
+    out = check_models(bad)
+    assert (out.returncode, out.stdout) == (1, "")
+    assert out.stderr == (
+        f"greenserve: not applied: MODELS_FILE ({bad}): models.a.source: "
+        f"'{tmp_path / 'nowhere'}' does not exist (a path, 'bigram' or one of the fetch names "
+        "smollm2)\n"
+    )
+    # The budget is checked as at start: the same line the reload would log.
+    out = check_models(good, MEMORY_BUDGET_MB="1")
+    assert out.returncode == 1 and out.stderr.startswith(
+        "greenserve: not applied: MEMORY_BUDGET_MB (1): the models need "
+    ), out.stderr
 
 
 def test_a_model_that_does_not_load_names_the_entry(tmp_path):

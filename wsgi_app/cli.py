@@ -55,6 +55,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"greenserve {__version__}")
     for flag, env, text in FLAGS:
         p.add_argument(flag, metavar=env, help=f"{text} [{env}]")
+    p.add_argument(
+        "--check-models",
+        nargs="?",
+        const="",
+        metavar="FILE",
+        help=(
+            "check a models file (default: MODELS_FILE) as a reload will, loading every model, "
+            "then exit: 0 when a reload would apply it, 1 with one line saying why not"
+        ),
+    )
     return p
 
 
@@ -95,9 +105,36 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
             sys.exit(1)
         if value is not None:
             os.environ[env] = value  # checked by the configuration, one line naming it if bad
+    if args.check_models is not None:
+        check_models_file(args.check_models)
     _check_server_settings()
     command = gunicorn_argv(extra)
     os.execvp(command[0], command)
+
+
+def check_models_file(path: str) -> NoReturn:
+    """``--check-models``: check the models file at ``path`` (empty: ``MODELS_FILE``) exactly as
+    the master checks it at start and on a reload (``wsgi_app.model_set.check_models``), print one
+    line and exit.
+
+    Raises:
+        SystemExit: code 0 after ``greenserve: FILE: ok, N models (names)`` on stdout; code 1 after
+            ``greenserve: not applied: …`` (the line the reload would log) on stderr.
+    """
+    from wsgi_app.model_set import check_models
+    from wsgi_app.settings import Settings
+
+    if path:
+        os.environ["MODELS_FILE"] = path
+    try:
+        models = check_models(Settings.from_env())
+    except ValueError as exc:
+        print(f"greenserve: not applied: {exc}", file=sys.stderr)
+        sys.exit(1)
+    names = list(dict.fromkeys(entry.name for entry in models.entries))
+    where = models.path or "MODEL_DIR"
+    print(f"greenserve: {where}: ok, {len(names)} models ({', '.join(names)})")
+    sys.exit(0)
 
 
 def _check_server_settings() -> None:

@@ -175,33 +175,15 @@ def _check_config_or_exit():
 
 
 def _checked_models(settings):
-    """Read the models file (or ``MODEL_DIR``), load every model, count them against
-    ``MEMORY_BUDGET_MB`` and check their chat templates, as a worker will; return the models.
+    """Check the models as a worker will load them (``wsgi_app.model_set.check_models``), logging
+    before each GGUF loads; return the models.
 
     Raises:
         ValueError: one line naming the setting, the file and the entry.
     """
-    from model.loader import gguf_file
-    from wsgi_app.http.chat import check_chat_template
-    from wsgi_app.model_set import check_budget, load_models, models_of
+    from wsgi_app.model_set import check_models
 
-    models = models_of(settings, snapshot=False)
-    for entry in models.entries:
-        if entry.source is not None:
-            try:
-                _log_gguf_loading(gguf_file(entry.source))
-            except ValueError as exc:
-                raise ValueError(f"{models.where(entry)}: {exc}") from exc
-    loaded = load_models(models)
-    check_budget(loaded, settings)
-    for entry, model in loaded:
-        try:
-            check_chat_template(model, settings)  # CHAT_TEMPLATE rendered once on a sample
-        except ValueError as exc:
-            if models.path is None:
-                raise
-            raise ValueError(f"{models.where(entry)}: {exc}") from exc
-    return models
+    return check_models(settings, before_load=_log_gguf_loading)
 
 
 def on_reload(server):

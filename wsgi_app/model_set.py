@@ -17,10 +17,11 @@ Source: docs/ARCHITECTURE.md §12 (several models).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from model.fetch import MODELS, fetched_file
-from model.loader import LoadedModel, load_model
+from model.loader import LoadedModel, gguf_file, load_model
 from wsgi_app.api.models import model_card
 from wsgi_app.models_file import (
     PRIMARY,
@@ -150,3 +151,41 @@ def check_budget(loaded: list[tuple[ModelEntry, LoadedModel]], settings: Setting
             f"(weights + KV budget: {'; '.join(parts)}); raise it, lower KV_CACHE_BUDGET_MB or "
             "serve fewer models"
         )
+
+
+def check_models(
+    settings: Settings, before_load: Callable[[str | None], None] | None = None
+) -> ModelsFile:
+    """Check the models ``settings`` name (the models file itself, never the snapshot, else
+    ``MODEL_DIR``'s one) exactly as a worker will serve them: read the file, load every model,
+    count them against ``MEMORY_BUDGET_MB`` and render their chat templates; return the models.
+    The master runs it before any worker starts and on every reload; ``greenserve
+    --check-models`` runs it before a reload is sent.
+
+    Args:
+        settings: the server's settings.
+        before_load: called with each entry's GGUF file (None for a model directory) before it
+            loads: a first load of a GGUF builds its weights cache, seconds of silence.
+
+    Raises:
+        ValueError: one line naming the setting, the file and the entry.
+    """
+    from wsgi_app.http.chat import check_chat_template
+
+    models = models_of(settings, snapshot=False)
+    for entry in models.entries:
+        if entry.source is not None and before_load is not None:
+            try:
+                before_load(gguf_file(entry.source))
+            except ValueError as exc:
+                raise ValueError(f"{models.where(entry)}: {exc}") from exc
+    loaded = load_models(models)
+    check_budget(loaded, settings)
+    for entry, model in loaded:
+        try:
+            check_chat_template(model, settings)  # CHAT_TEMPLATE rendered once on a sample
+        except ValueError as exc:
+            if models.path is None:
+                raise
+            raise ValueError(f"{models.where(entry)}: {exc}") from exc
+    return models

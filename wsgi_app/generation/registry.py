@@ -10,8 +10,9 @@ names the version of the model that answered.
 A model may have canary variants, each serving a stated percentage of the clients: a client (its
 key: the API key, else the ``user`` field, else a session header) always gets the same variant, on
 every worker and host, because the variant is a function of the key hashed with a salt every host
-is configured with (``VARIANT_SALT``), as nginx's ``split_clients`` does; a request without a key
-gets the primary variant; an operator pins one by name (:meth:`ModelRegistry.pick`'s ``pinned``).
+is configured with (``VARIANT_SALT``), in the manner of nginx's ``split_clients``, one draw per
+canary (:func:`split`); a request without a key gets the primary variant; an operator pins one by
+name (:meth:`ModelRegistry.pick`'s ``pinned``).
 
 A model may also have shadow variants, which no client is split to: each mirrors a stated
 percentage of the requests its primary variant answers (:meth:`ModelRegistry.mirrored`; the
@@ -156,7 +157,7 @@ class ModelRegistry:
         variants = self._split[primary.name]
         if client_key is None or len(variants) == 1:
             return primary
-        return split(variants, bucket(self.salt, client_key))
+        return split(variants, self.salt, client_key)
 
     def failed(self) -> list[str]:
         """Return the names of the models whose engine's last shared step failed, in order. A
@@ -176,12 +177,22 @@ def bucket(salt: str, client_key: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64 * 100.0
 
 
-def split(variants: Sequence[ServedModel], point: float) -> ServedModel:
-    """Return the variant a client at ``point`` (:func:`bucket`) gets: the canaries take their
-    weights from 0 upwards, in order; the primary (``variants[0]``) takes the rest."""
-    edge = 0.0
+def split(variants: Sequence[ServedModel], salt: str, client_key: str) -> ServedModel:
+    """Return the variant a client gets: each canary, in order, takes the client when the client's
+    point for that canary (:func:`bucket` of the model's name, the canary's name and the key) is
+    below its weight; the primary (``variants[0]``) takes the rest.
+
+    Each canary draws its clients by a hash of its own, so setting a canary's weight to 0 or
+    removing it moves only its own clients (to the next canary whose draw takes them, else the
+    primary), raising a weight only adds clients, and the clients of one model's canary are not
+    those of another model's. A client drawn by two canaries gets the one listed first, so a canary
+    serves its weight of the clients no canary before it took: a lone canary exactly its weight,
+    two of 10 % each 10 % and 9 %.
+
+    Source: nginx ``ngx_http_split_clients_module`` (a salted key's hash against percentages),
+    one hash per canary as feature-flag rollouts draw one per flag.
+    """
     for variant in variants[1:]:
-        edge += variant.weight
-        if point < edge:
+        if bucket(salt, f"{variant.name}\0{variant.variant}\0{client_key}") < variant.weight:
             return variant
     return variants[0]
