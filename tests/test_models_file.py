@@ -326,10 +326,13 @@ def test_check_models_says_whether_a_reload_would_apply_a_file(tmp_path):
         f"'{tmp_path / 'nowhere'}' does not exist (a path, 'bigram' or one of the fetch names "
         "smollm2)\n"
     )
-    # The budget is checked as at start: the same line the reload would log.
-    out = check_models(good, MEMORY_BUDGET_MB="1")
+    # Every model is loaded, as at start: a source that exists but holds no model is refused.
+    (tmp_path / "empty").mkdir()
+    loads = tmp_path / "loads.toml"
+    loads.write_text('default = "a"\n[models.a]\nsource = "bigram"\n[models.e]\nsource = "empty"\n')
+    out = check_models(loads)
     assert out.returncode == 1 and out.stderr.startswith(
-        "greenserve: not applied: MEMORY_BUDGET_MB (1): the models need "
+        f"greenserve: not applied: MODELS_FILE ({loads}): models.e: "
     ), out.stderr
 
 
