@@ -113,6 +113,19 @@ def slow(models_dir, tmp_path_factory) -> Iterator[GunicornServer]:
     yield from _serve(models_dir, tmp_path_factory, "slow", GREENSERVE_FAULTS="shadow_step_s=0.1")
 
 
+@pytest.fixture(scope="module")
+def masked(models_dir, tmp_path_factory) -> Iterator[GunicornServer]:
+    """``twin`` and its shadow, each mask spun to 10 ms, 0.3 s of masks allowed a request."""
+    yield from _serve(
+        models_dir,
+        tmp_path_factory,
+        "slow",
+        GREENSERVE_FAULTS="mask_spin_s=0.01",
+        MAX_MASK_REQUEST_S="0.3",
+        MAX_MASK_TOKEN_S="0.05",
+    )
+
+
 # -- reading the server's counts ------------------------------------------------------------------
 
 
@@ -576,3 +589,28 @@ def test_a_shadow_with_another_tokenizer_is_refused_at_start(tmp_path, stories_d
         "models.m.variants.story: a shadow's tokenizer must be its primary's (models.m), token "
         "for token: 512 tokens, the primary's 256"
     ]
+
+
+def test_a_constrained_shadow_charges_its_masks_to_a_budget_of_its_own(masked):
+    """20 constrained tokens at a spun 10 ms a mask take ~0.2 s of the client's 0.3 s budget; the
+    shadow's masks take as much again, on a budget of their own (on the client's, it failed)."""
+    body = {"model": "twin", "prompt": "x", "guided_regex": "[a-z]{1,60}", "seed": 1}
+    status, _, raw = masked.complete({**body, "max_tokens": 20})
+    assert status == 200, raw
+    assert settled(masked, "twin", "copy", 1) == {
+        "exact": 1,
+        "diverged": 0,
+        "dropped": 0,
+        **dict.fromkeys(REASONS, 0),
+    }
+
+
+def test_an_answer_without_tokens_is_not_mirrored(server):
+    before = mirrored(server, "twin", "copy")
+    body = {"model": "twin", "prompt": "xyz", "max_tokens": 0, "echo": True}
+    status, _, raw = server.complete(body)
+    assert status == 200, raw
+    # A request after it is mirrored: once both would have run, only that one was (nothing to
+    # compare in an answer of no tokens; it counted as exact before).
+    assert server.complete({"model": "twin", "prompt": "x", "max_tokens": 2})[0] == 200
+    assert settled(server, "twin", "copy", before + 1)["exact"] >= 1

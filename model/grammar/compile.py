@@ -244,6 +244,13 @@ class RequestGrammar:
         self.budget = MaskBudget() if budget is None else budget
         self.offload = offload
 
+    def again(self) -> RequestGrammar:
+        """Return another use of the same compiled grammar: its own matchers and a fresh budget of
+        the same bounds, on the same offload (the request's generation repeated by a shadow
+        variant, charged apart from the request's)."""
+        budget = MaskBudget(self.budget.token_s, self.budget.request_s)
+        return RequestGrammar(self.grammar, budget, self.offload)
+
     def matcher(self) -> TokenMatcher:
         """Return a fresh matcher for one more choice of the request."""
         m = self.grammar.matcher(self.budget, self.offload)

@@ -40,7 +40,8 @@ from typing import Any
 import gevent
 from gevent.event import Event
 
-from model.engine import GenerationRequest, GrammarSource, Step
+from model.engine import GenerationRequest, Step
+from model.grammar.compile import RequestGrammar
 from model.loader import can_ever_fit
 from telemetry.metrics import Metrics
 from wsgi_app.generation.choice import TokenTrace
@@ -100,8 +101,9 @@ class Mirror:
         req: its generation input.
         seed: its effective seed (an unseeded request's drawn one).
         cache_salt: its prefix-cache salt.
-        grammar: its compiled output constraint (the primary's: a shadow's vocabulary is the
-            primary's, ``wsgi_app.model_set.same_vocabulary``), or None.
+        grammar: its use of the compiled output constraint (a shadow's vocabulary is the
+            primary's, ``wsgi_app.model_set.same_vocabulary``; each job gets its own use,
+            ``RequestGrammar.again``, charged apart), or None.
     """
 
     __slots__ = ("runner", "request_id", "targets", "req", "seed", "cache_salt", "grammar")
@@ -114,7 +116,7 @@ class Mirror:
         req: GenerationInput,
         seed: int,
         cache_salt: str = "",
-        grammar: GrammarSource | None = None,
+        grammar: RequestGrammar | None = None,
     ) -> None:
         self.runner = runner
         self.request_id = request_id
@@ -125,17 +127,22 @@ class Mirror:
         self.grammar = grammar
 
     def submit(self, traces: Sequence[TokenTrace]) -> None:
-        """Queue one job per shadow variant, ``traces`` being the primary's ids per choice."""
+        """Queue one job per shadow variant, ``traces`` being the primary's ids per choice; none
+        when the primary generated no token (``max_tokens`` 0: nothing to compare)."""
+        if not any(trace.token_ids for trace in traces):
+            return
         req = self.req
-        requests = tuple(
-            dataclasses.replace(
-                choice_request(req, prompt, i, self.seed, self.grammar, self.cache_salt),
-                logprobs=None,
-            )
-            for prompt in req.prompts
-            for i in range(req.n)
-        )
         for target in self.targets:
+            # Each job its own use of the grammar: its masks charged to a budget of its own.
+            grammar = None if self.grammar is None else self.grammar.again()
+            requests = tuple(
+                dataclasses.replace(
+                    choice_request(req, prompt, i, self.seed, grammar, self.cache_salt),
+                    logprobs=None,
+                )
+                for prompt in req.prompts
+                for i in range(req.n)
+            )
             kv_bytes = sum(
                 target.model.kv_reservation_bytes(len(p.ids), req.max_tokens, req.n)
                 for p in req.prompts
@@ -191,7 +198,7 @@ class ShadowRunner:
         req: GenerationInput,
         seed: int,
         cache_salt: str = "",
-        grammar: GrammarSource | None = None,
+        grammar: RequestGrammar | None = None,
     ) -> Mirror | None:
         """Return the :class:`Mirror` of a request for ``targets``, or None for no target (or a
         stopping worker)."""

@@ -17,7 +17,8 @@ from flask import current_app, request
 from gevent.threadpool import ThreadPool
 
 from model.chat_template import ChatTemplate
-from model.engine import Engine, GrammarSource
+from model.engine import Engine
+from model.grammar.compile import RequestGrammar
 from model.loader import LoadedModel
 from model.tokenizer import ByteTokenizer
 from telemetry.observer import Observer
@@ -132,7 +133,7 @@ class Runtime:
         req: GenerationInput,
         seed: int,
         cache_salt: str = "",
-        grammar: GrammarSource | None = None,
+        grammar: RequestGrammar | None = None,
     ) -> Mirror | None:
         """Return the shadow variants that mirror a request ``served`` answers (call inside it),
         or None: only a model's primary variant's requests, never one pinned with
