@@ -228,7 +228,13 @@ def test_variants_in_the_file(tmp_path):
         ),
         (
             '[models.loop.variants.primary]\nsource = "xyz"\nweight = 5\n',
-            "models.loop.variants.primary: a variant's name must be non-empty and not 'primary'",
+            "models.loop.variants.primary: a variant's name must be letters, digits, '.', '_' or "
+            "'-' (the X-Model-Variant header pins it by name), and not 'primary'",
+        ),
+        (
+            '[models.loop.variants."v 2"]\nsource = "xyz"\nweight = 5\n',
+            "models.loop.variants.v 2: a variant's name must be letters, digits, '.', '_' or "
+            "'-' (the X-Model-Variant header pins it by name), and not 'primary'",
         ),
         (
             '[models.loop.variants.v2]\nsource = "xyz"\nweight = -1\n',

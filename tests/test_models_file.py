@@ -267,7 +267,11 @@ def refused(tmp_path: Path, text: str, name: str = "models.toml", **env: str) ->
         ),
         (
             '[models.a]\nsource = "bigram"\naliases = "b"\n',
-            "models.a.aliases: must be a list of non-empty strings",
+            "models.a.aliases: must be a list of non-empty strings, no outer spaces",
+        ),
+        (
+            '[models.a]\nsource = "bigram"\naliases = [" b"]\n',
+            "models.a.aliases: must be a list of non-empty strings, no outer spaces",
         ),
         (
             '[models.a]\nsource = "bigram"\n[models.b]\nsource = "bigram"\n',
@@ -356,6 +360,14 @@ def test_a_json_models_file_reads_as_toml_does(tmp_path):
     )
     why = refused(tmp_path, '{"models": {"a": {"source": 1}}}', "bad.json")
     assert why == "models.a.source: must be a path, 'bigram' or a fetch name"
+    # A key given twice is refused, as TOML refuses it (JSON would keep the last silently).
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"default": "zz", "default": "a", "models": {"a": {"source": "bigram"}}}')
+    with pytest.raises(ValueError) as info:
+        read_models_file(str(twice))
+    assert str(info.value) == (
+        f"MODELS_FILE ({twice}): cannot read: the key 'default' is given twice in one object"
+    )
 
 
 def test_model_dir_and_models_file_together_are_refused(tmp_path):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import tomllib
 from collections.abc import Mapping
@@ -53,6 +54,7 @@ FETCH_NAMES = ("smollm2",)
 ENTRY_KEYS = ("source", "aliases", "max_slots", "max_queue", "variants")
 VARIANT_KEYS = ("source", "weight", "shadow")
 PRIMARY = "primary"  # the variant an entry's own ``source`` is
+_VARIANT_NAME = re.compile(r"[A-Za-z0-9._-]+")  # a header value as it arrives, unchanged
 SLOT_RANGES = {"max_slots": (1, 100_000), "max_queue": (0, 1_000_000)}  # as MAX_SLOTS, MAX_QUEUE
 
 
@@ -172,7 +174,10 @@ def read_models_file(path: str) -> ModelsFile:
     where = f"MODELS_FILE ({path})"
     try:
         raw = Path(path).read_bytes()
-        data = json.loads(raw) if path.lower().endswith(".json") else tomllib.loads(raw.decode())
+        if path.lower().endswith(".json"):  # a key given twice is refused, as TOML refuses it
+            data = json.loads(raw, object_pairs_hook=_unique_keys)
+        else:
+            data = tomllib.loads(raw.decode())
     except (OSError, UnicodeDecodeError, ValueError) as exc:  # TOMLDecodeError is a ValueError
         raise ValueError(f"{where}: cannot read: {_one_line(exc)}") from None
     if not isinstance(data, dict):
@@ -220,8 +225,10 @@ def _entries(where: str, name: str, spec: Any, base: Path) -> list[ModelEntry]:
         raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(ENTRY_KEYS)})")
     source = spec.get("source")
     aliases = spec.get("aliases", [])
-    if not isinstance(aliases, list) or not all(isinstance(a, str) and a.strip() for a in aliases):
-        raise ValueError(f"{where}.aliases: must be a list of non-empty strings")
+    if not isinstance(aliases, list) or not all(
+        isinstance(a, str) and a.strip() and a == a.strip() for a in aliases
+    ):
+        raise ValueError(f"{where}.aliases: must be a list of non-empty strings, no outer spaces")
     limits = {}
     for key, (low, high) in SLOT_RANGES.items():
         value = spec.get(key)
@@ -234,8 +241,11 @@ def _entries(where: str, name: str, spec: Any, base: Path) -> list[ModelEntry]:
     others = []
     for variant, vspec in variants.items():
         vwhere = f"{where}.variants.{variant}"
-        if variant == PRIMARY or not variant.strip():
-            raise ValueError(f"{vwhere}: a variant's name must be non-empty and not {PRIMARY!r}")
+        if variant == PRIMARY or not _VARIANT_NAME.fullmatch(variant):
+            raise ValueError(
+                f"{vwhere}: a variant's name must be letters, digits, '.', '_' or '-' (the "
+                f"X-Model-Variant header pins it by name), and not {PRIMARY!r}"
+            )
         if not isinstance(vspec, Mapping):
             raise ValueError(f"{vwhere}: must be a table with 'source' and 'weight' or 'shadow'")
         unknown = sorted(set(vspec) - set(VARIANT_KEYS))
@@ -295,6 +305,17 @@ def _source(where: str, source: Any, base: Path) -> tuple[str | None, str | None
             f"{PACKAGED_SOURCE!r} or one of the fetch names {', '.join(FETCH_NAMES)})"
         )
     return str(resolved), None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' object hook: the object, refusing a key given twice (RFC 8259 §4 leaves
+    such an object's meaning open; the last value would silently win)."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ValueError(f"the key {key!r} is given twice in one object")
+        data[key] = value
+    return data
 
 
 def _one_line(exc: Exception) -> str:
