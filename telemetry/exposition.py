@@ -88,7 +88,9 @@ def _by_model(samples: dict[str, list[Any]]) -> dict[str, dict[str, dict[str, An
     rows: dict[tuple[str, str], dict[str, Any]] = {}
 
     def row(key: tuple[str, str]) -> dict[str, Any]:
-        return rows.setdefault(key, {"requests": 0, "errors": 0, "generation_tokens": 0})
+        return rows.setdefault(
+            key, {"requests": 0, "errors": 0, "generation_tokens": 0, "running": 0, "queued": 0}
+        )
 
     for s in samples.get("greenserve_requests_total", []):
         r = row(_model_of(s.labels))
@@ -97,6 +99,12 @@ def _by_model(samples: dict[str, list[Any]]) -> dict[str, dict[str, dict[str, An
             r["errors"] += int(s.value)
     for s in samples.get("greenserve_generation_tokens_total", []):
         row(_model_of(s.labels))["generation_tokens"] += int(s.value)
+    for name, key in (
+        ("greenserve_requests_running", "running"),
+        ("greenserve_requests_queued", "queued"),
+    ):
+        for s in samples.get(name, []):
+            row(_model_of(s.labels))[key] += int(s.value)
     for s in samples.get(_TTFT + "_count", []):
         row(_model_of(s.labels))
     out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -120,8 +128,10 @@ def summarize(registry: CollectorRegistry) -> dict[str, Any]:
         ``ttft``, ``itl``, ``e2e`` and ``queue_wait`` to ``count``, ``mean``, ``p50``, ``p90``,
         ``p99`` in seconds (None when empty).
         ``models`` maps each model that answered (the ``model`` label), then each of its variants
-        (primary first), to ``{"requests", "errors", "generation_tokens", "ttft"}``: ``errors``
-        counted as ``failed``, ``ttft`` its ``count``, ``mean``, ``p50`` and ``p90`` in seconds,
+        (primary first), to ``{"requests", "errors", "generation_tokens", "running", "queued",
+        "ttft"}``: ``errors`` counted as ``failed``, ``running`` and ``queued`` its requests in a
+        slot and waiting for one now (live workers; ``running`` and ``queued`` are their sums over
+        every model), ``ttft`` its ``count``, ``mean``, ``p50`` and ``p90`` in seconds,
         the quantiles interpolated linearly inside the histogram's bucket as Prometheus'
         ``histogram_quantile`` does (None when empty). Requests that picked no model are in the
         totals only.

@@ -13,7 +13,7 @@ conventions (base units, ``_total`` and ``_seconds`` suffixes).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import (
@@ -96,8 +96,10 @@ class Metrics:
         itl: ``greenserve_inter_token_latency_seconds``, gap between consecutive tokens of a request.
         e2e: ``greenserve_e2e_request_latency_seconds``, arrival to last byte, admitted requests.
         queue_wait: ``greenserve_queue_wait_seconds``, arrival to slot (or to giving up waiting).
-        running: ``greenserve_requests_running``, generation slots in use (livesum over workers).
-        queued: ``greenserve_requests_queued``, requests waiting for a slot (livesum over workers).
+        running: ``greenserve_requests_running{model,variant}``, the variant's generation slots in
+            use (livesum over workers).
+        queued: ``greenserve_requests_queued{model,variant}``, requests waiting for one of the
+            variant's slots (livesum over workers).
         spans: ``greenserve_exported_spans_total{result}``, spans ``sent``/``dropped``/``failed``.
         workers: ``greenserve_workers``, live worker processes (1 per worker, livesum).
         workers_ready: ``greenserve_workers_ready``, workers whose ``/ready`` answers 200 (livesum;
@@ -154,6 +156,8 @@ class Metrics:
     shadow_first_divergence: Histogram
     # The prefix cache's totals (hit, miss, evicted) last added: see set_prefix_cache_totals.
     _prefix_seen: list[int] = field(default_factory=lambda: [0, 0, 0], repr=False)
+    # Every (model, variant) declared (declare_models): the load series clear_load zeroes.
+    _served: list[tuple[str, str]] = field(default_factory=list, repr=False)
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None) -> Metrics:
@@ -209,13 +213,15 @@ class Metrics:
             ),
             running=Gauge(
                 "greenserve_requests_running",
-                "Generation slots in use.",
+                "Generation slots in use, by model and variant.",
+                MODEL_LABELS,
                 multiprocess_mode="livesum",
                 registry=r,
             ),
             queued=Gauge(
                 "greenserve_requests_queued",
-                "Requests waiting for a generation slot.",
+                "Requests waiting for a generation slot, by model and variant.",
+                MODEL_LABELS,
                 multiprocess_mode="livesum",
                 registry=r,
             ),
@@ -317,7 +323,6 @@ class Metrics:
         )
         for result in SPAN_RESULTS:  # present from the start, at 0
             m.spans.labels(result=result)
-        m.set_load(0, 0)
         m.workers.set(1)
         m.set_ready(True)  # a new worker is ready: not draining, engine untouched
         return m
@@ -326,13 +331,17 @@ class Metrics:
         """Make the per-model series of every ``(model, variant)`` served, at 0, so that they are
         exported (and ``rate()`` sees their first increase) before the variant's first request.
 
-        Only the series without other labels: the tokens counter and the TTFT histogram.
+        Only the series without other labels: the tokens counter, the TTFT histogram and the
+        running and queued gauges.
 
         Source: Prometheus instrumentation practices, "Avoid missing metrics".
         """
         for model, variant in served:
             self.generation_tokens.labels(model=model, variant=variant)
             self.ttft.labels(model=model, variant=variant)
+            self.running.labels(model=model, variant=variant).set(0)
+            self.queued.labels(model=model, variant=variant).set(0)
+            self._served.append((model, variant))
 
     def observe_request(
         self,
@@ -408,10 +417,17 @@ class Metrics:
         if tool_calls:
             self.tool_calls.inc(tool_calls)
 
-    def set_load(self, running: int, queued: int) -> None:
-        """Set this worker's running and queued request gauges."""
-        self.running.set(running)
-        self.queued.set(queued)
+    def set_load(self, load: Mapping[tuple[str, str], tuple[int, int]]) -> None:
+        """Set this worker's running and queued request gauges of each ``(model, variant)`` in
+        ``load`` to its ``(running, queued)`` request counts."""
+        for (model, variant), (running, queued) in load.items():
+            self.running.labels(model=model, variant=variant).set(running)
+            self.queued.labels(model=model, variant=variant).set(queued)
+
+    def clear_load(self) -> None:
+        """Set the running and queued gauges of every declared model and variant to 0 (a worker
+        that exits leaves no request counted)."""
+        self.set_load(dict.fromkeys(self._served, (0, 0)))
 
     def set_ready(self, ready: bool) -> None:
         """Set whether this worker is ready for traffic (what its ``/ready`` answers)."""

@@ -252,7 +252,9 @@ class Observer:
         # the worker); None observes each request at once.
         self.defer: Callable[[Callable[[], None]], Any] | None = None
         self._pending: list[tuple[FinishedRequest, float]] = []
-        self._load = self._load_written = (0, 0)  # (running, queued): the gauges start at 0
+        # {(model, variant): (running, queued)}: the gauges start at 0 (Metrics.declare_models).
+        self._load: dict[tuple[str, str], tuple[int, int]] = {}
+        self._load_written: dict[tuple[str, str], tuple[int, int]] = {}
         self._load_scheduled = False
 
     def request_done(self, record: FinishedRequest, elapsed_s: float) -> None:
@@ -342,10 +344,11 @@ class Observer:
             variant=record.variant or NO_MODEL,
         )
 
-    def set_load(self, running: int, queued: int) -> None:
-        """The admission listener: update the running and queued gauges (with :attr:`defer`, on the
-        event loop's next turn, once with the turn's last values). Never raises."""
-        self._load = (running, queued)
+    def set_load(self, load: dict[tuple[str, str], tuple[int, int]]) -> None:
+        """The admission listener: update the running and queued gauges of each ``(model,
+        variant)`` in ``load`` to its ``(running, queued)`` request counts (with :attr:`defer`, on
+        the event loop's next turn, once with the turn's last values). Never raises."""
+        self._load = load
         if self.defer is None:
             self._write_load()
         elif not self._load_scheduled:
@@ -360,7 +363,7 @@ class Observer:
         if self._load == self._load_written:
             return
         try:
-            self.metrics.set_load(*self._load)
+            self.metrics.set_load(self._load)
             self._load_written = self._load
         except Exception:
             access_log.exception("could not set the load gauges")

@@ -76,8 +76,10 @@ def test_summary_per_model_and_variant():
     bad = Observation("/v1/completions", 400, "none", "none", 0, 0, None, None, None)
     m.observe_request(**bad._replace(**canary)._asdict())
     m.observe_request(**bad._asdict())  # picked no model: the totals only
+    m.set_load({("loop", "v2"): (2, 1), ("other", "primary"): (1, 0)})
     s = summarize(reg)
     assert (s["requests"], s["failed"]) == (7, 2)
+    assert (s["running"], s["queued"]) == (3, 1)  # the load: the sums of the rows'
     empty = {"count": 0, "mean": None, "p50": None, "p90": None}
     assert s["models"] == {
         "loop": {
@@ -85,6 +87,8 @@ def test_summary_per_model_and_variant():
                 "requests": 3,
                 "errors": 0,
                 "generation_tokens": 12,
+                "running": 0,
+                "queued": 0,
                 # rank 1.5 of 3: half-way through (0.0025, 0.005]; rank 2.7: 0.7 of (0.025, 0.05]
                 "ttft": {
                     "count": 3,
@@ -97,10 +101,21 @@ def test_summary_per_model_and_variant():
                 "requests": 3,
                 "errors": 2,
                 "generation_tokens": 2,
+                "running": 2,
+                "queued": 1,
                 "ttft": {"count": 1, "mean": 0.004, "p50": 0.00375, "p90": pytest.approx(0.00475)},
             },
         },
-        "other": {"primary": {"requests": 0, "errors": 0, "generation_tokens": 0, "ttft": empty}},
+        "other": {
+            "primary": {
+                "requests": 0,
+                "errors": 0,
+                "generation_tokens": 0,
+                "running": 1,
+                "queued": 0,
+                "ttft": empty,
+            }
+        },
     }
 
 
@@ -134,7 +149,7 @@ def test_metrics_are_per_registry_and_summarize_exactly():
     m.observe_request(**failed._asdict())
     refused = Observation("/v1/completions", 400, "none", "none", 0, 0, None, None, None)
     m.observe_request(**refused._asdict())
-    m.set_load(3, 1)
+    m.set_load({("a", "primary"): (2, 0), ("b", "v2"): (1, 1)})
     m.on_span_result("sent", 7)
     m.on_span_result("dropped", 2)
     s = summarize(reg)
@@ -149,7 +164,11 @@ def test_metrics_are_per_registry_and_summarize_exactly():
     itl = s["latency"]["itl"]
     assert itl["count"] == 4 and itl["p50"] == pytest.approx(0.000375)  # in (0.00025, 0.0005]
     assert s["latency"]["queue_wait"]["count"] == 2
-    assert s["models"] == {}  # none of these picked a model: in the totals only
+    # None of these requests picked a model (in the totals only); the load is the models'.
+    assert {
+        m: {v: (r["requests"], r["running"], r["queued"]) for v, r in rows.items()}
+        for m, rows in s["models"].items()
+    } == {"a": {"primary": (0, 2, 0)}, "b": {"v2": (0, 1, 1)}}
     body, content_type = render(reg, None)
     assert content_type.startswith("text/plain")
     names = {f.name for f in text_string_to_metric_families(body.decode())}
@@ -191,7 +210,7 @@ def test_forty_requests_over_two_workers_count_exactly(two_workers, succ_dir):
         m = scrape(srv, port)
         return (
             sum(m["greenserve_requests"].values()) == 40
-            and value(m, "greenserve_requests_running") == 0
+            and value(m, "greenserve_requests_running", **served) == 0
         )
 
     for port in (srv.port, srv.health_port):  # both ports answer with the sum of both workers
@@ -228,8 +247,8 @@ def test_forty_requests_over_two_workers_count_exactly(two_workers, succ_dir):
             assert value(m, hist, hist + "_bucket", le="+Inf", **labels) == 40
         itl = "greenserve_inter_token_latency_seconds"
         assert value(m, itl, itl + "_count") == sum(u["completion_tokens"] - 1 for u in results)
-        assert value(m, "greenserve_requests_running") == 0
-        assert value(m, "greenserve_requests_queued") == 0
+        assert value(m, "greenserve_requests_running", **served) == 0
+        assert value(m, "greenserve_requests_queued", **served) == 0
 
 
 def master_children(master_pid: int) -> set[int]:
@@ -248,6 +267,7 @@ def master_children(master_pid: int) -> set[int]:
 
 def test_killed_worker_leaves_no_running_gauge(succ_dir, serve):
     srv = serve(MODEL_DIR=str(succ_dir), GREENSERVE_FAULTS="slow_step_s=0.02", workers=2)
+    served = {"model": succ_dir.name, "variant": "primary"}  # MODEL_DIR's one model
     readers = []
     body = {"model": "m", "prompt": "a", "max_tokens": 3000, "stream": True}
     for _ in range(6):
@@ -255,7 +275,7 @@ def test_killed_worker_leaves_no_running_gauge(succ_dir, serve):
         r.open()
         assert r.next_frame() == b": ok\n"
         readers.append(r)
-    assert value(scrape(srv), "greenserve_requests_running") == 6
+    assert value(scrape(srv), "greenserve_requests_running", **served) == 6
     # The worker that answers /debug/state while busy holds some of the streams: kill it.
     state = wait_until(
         lambda: (s := srv.state())["slots"]["busy"] > 0 and s, what="a busy worker to answer"
@@ -271,12 +291,12 @@ def test_killed_worker_leaves_no_running_gauge(succ_dir, serve):
 
     def settled() -> bool:
         seen[:] = [scrape(srv)]
-        running = value(seen[0], "greenserve_requests_running")
+        running = value(seen[0], "greenserve_requests_running", **served)
         return running == 0 and len(master_children(srv.proc.pid)) == 2
 
     wait_until(settled, 20, lambda: f"no stream running: {seen[0]['greenserve_requests_running']}")
     assert victim not in master_children(srv.proc.pid)
-    assert value(seen[0], "greenserve_requests_queued") == 0
+    assert value(seen[0], "greenserve_requests_queued", **served) == 0
     assert srv.complete({"model": "m", "prompt": "a", "max_tokens": 2})[0] == 200
 
 

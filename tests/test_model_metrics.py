@@ -24,7 +24,7 @@ from telemetry.quantiles import histogram_quantile
 from tests.loglines import request_line
 from tests.modelfiles import version
 from tests.server import GunicornServer, wait_until
-from tests.sse import sse_json
+from tests.sse import EventReader, sse_json
 
 MODELS_TOML = """
 default = "loop"
@@ -248,3 +248,37 @@ def test_the_log_line_names_the_served_model_and_variant(server, traffic, models
     line = request_line(server, "no-model-pin")
     assert (line["served_model"], line["variant"], line["status"]) == (None, None, 400)
     assert "model_version" not in line
+
+
+def test_the_load_gauges_are_per_model_and_variant(models_dir, serve):
+    # A server of its own: a slow engine and no failing step, so that a stream holds its slot.
+    srv = serve(MODELS_FILE=str(models_dir / "models.toml"), GREENSERVE_FAULTS="slow_step_s=0.02")
+    series = [("loop", "primary"), ("loop", "v2"), ("other", "primary")]
+
+    def lines(name: str, held: tuple[str, str] | None) -> set[str]:
+        return {
+            f'{name}{{model="{m}",variant="{v}"}} {1.0 if (m, v) == held else 0.0}'
+            for m, v in series
+        }
+
+    running, queued = "greenserve_requests_running", "greenserve_requests_queued"
+    # Every model's series, at 0, from the worker's start.
+    assert metric_lines(srv, running) == lines(running, None)
+    assert metric_lines(srv, queued) == lines(queued, None)
+    body = {"model": "loop", "prompt": "x", "max_tokens": 3000, "stream": True}
+    reader = EventReader(srv.port, body, headers={PIN: "v2"})
+    reader.open()
+    try:
+        assert reader.next_frame() == b": ok\n"
+        wait_until(lambda: metric_lines(srv, running) == lines(running, ("loop", "v2")), 10)
+        assert metric_lines(srv, queued) == lines(queued, None)
+        stats = json.loads(srv.get("/stats")[2])
+        assert stats["load"] == {"running": 1, "queued": 0}
+        assert {
+            (m, v): (row["running"], row["queued"])
+            for m, rows in stats["models"].items()
+            for v, row in rows.items()
+        } == {("loop", "primary"): (0, 0), ("loop", "v2"): (1, 0), ("other", "primary"): (0, 0)}
+    finally:
+        reader.close()
+    wait_until(lambda: metric_lines(srv, running) == lines(running, None), 10)

@@ -178,17 +178,25 @@ def test_deferred_observer_queues_until_its_flush(caplog):
 
 def test_deferred_load_gauges_take_the_turns_last_values():
     reg = CollectorRegistry()
-    observer = Observer(reg, Metrics.create(reg), _Flusher(), slow_request_s=0.0)
+    metrics = Metrics.create(reg)
+    metrics.declare_models([("m", "primary"), ("m", "v2")])
+    observer = Observer(reg, metrics, _Flusher(), slow_request_s=0.0)
     scheduled = []
     observer.defer = scheduled.append
-    observer.set_load(1, 0)
-    observer.set_load(2, 1)
-    observer.set_load(1, 1)
+    m, v2 = ("m", "primary"), ("m", "v2")
+    observer.set_load({m: (1, 0), v2: (0, 0)})
+    observer.set_load({m: (2, 1), v2: (0, 0)})
+    observer.set_load({m: (1, 1), v2: (1, 0)})
     assert len(scheduled) == 1
-    assert samples(reg)[("greenserve_requests_running", ())] == 0
+    running = {
+        v: ("greenserve_requests_running", (("model", "m"), ("variant", v)))
+        for v in ("primary", "v2")
+    }
+    queued = ("greenserve_requests_queued", (("model", "m"), ("variant", "primary")))
+    assert samples(reg)[running["primary"]] == 0
     scheduled[0]()
-    assert samples(reg)[("greenserve_requests_running", ())] == 1
-    assert samples(reg)[("greenserve_requests_queued", ())] == 1
-    observer.set_load(0, 0)
+    assert (samples(reg)[running["primary"]], samples(reg)[queued]) == (1, 1)
+    assert samples(reg)[running["v2"]] == 1
+    observer.set_load({m: (0, 0), v2: (1, 0)})
     observer.flush()  # a scrape flushes first: the gauges are current
-    assert samples(reg)[("greenserve_requests_running", ())] == 0
+    assert (samples(reg)[running["primary"]], samples(reg)[running["v2"]]) == (0, 1)

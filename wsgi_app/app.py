@@ -209,9 +209,9 @@ def make_runtime(settings: Settings, clock: Callable[[], float]) -> Runtime:
     shadows: ShadowRunner | None = None
 
     def on_load(_running: int, _queued: int) -> None:
-        # The worker's load gauges count every model's requests.
-        admissions = [s.generation.admission for s in served]
-        observer.set_load(sum(a.busy for a in admissions), sum(a.queued for a in admissions))
+        # One pair of load gauges per model variant: an operator sees which one is saturated.
+        admissions = {(s.name, s.variant): s.generation.admission for s in served}
+        observer.set_load({k: (a.busy, a.queued) for k, a in admissions.items()})
         if shadows is not None:  # a client's request preempts a shadow; an idle worker runs one
             shadows.on_load()
 

@@ -364,7 +364,7 @@ def worker_exit(server, worker):
             state.observer.close()
             # Every request of a worker that reaches this hook was answered or logged: none is
             # lost with it (the master counts a dead worker's last running and queued gauges).
-            state.observer.metrics.set_load(0, 0)
+            state.observer.metrics.clear_load()
 
 
 def _address(sock, scheme):

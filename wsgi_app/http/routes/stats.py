@@ -60,7 +60,8 @@ def stats() -> Response:
     every worker updates each ``STATS_FLUSH_S`` seconds (this worker's own data is flushed first).
 
     ``models`` gives, per model and variant that answered (the metrics' ``model`` and ``variant``
-    labels), its requests, errors (5xx or an error after the first byte), generated tokens and TTFT
+    labels), its requests, errors (5xx or an error after the first byte), generated tokens, requests
+    ``running`` and ``queued`` now (whose sums over the models are ``load``) and TTFT
     (``count``, ``mean``, and ``p50``, ``p90`` estimated from the Prometheus histogram's buckets
     by linear interpolation, as ``histogram_quantile``), merged over the workers as the totals are.
 
