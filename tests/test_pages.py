@@ -94,6 +94,16 @@ def test_status_page_states_the_objective(succ_dir, tmp_path):
         '<th scope="col">Requests</th><th scope="col">Failed</th>' in text
     )
     assert '<tbody id="models"><tr><td colspan="7">—</td></tr></tbody>' in text
+    # The shadows' table, hidden until /stats has a shadow (tests/test_pages_browser.py fills it).
+    assert (
+        '<section class="card chart" aria-labelledby="h-shadows" id="shadows-card" hidden>' in text
+    )
+    assert (
+        '<th scope="col">Model</th><th scope="col">Shadow</th><th scope="col">Mirrored</th>'
+        '<th scope="col" class="wide-only">Exact</th><th scope="col" class="wide-only">Diverged</th>'
+        '<th scope="col" class="wide-only">Dropped</th><th scope="col">Exact %</th></tr></thead> '
+        '<tbody id="shadows"></tbody>' in text
+    )
 
 
 def test_model_names_are_escaped(tmp_path):

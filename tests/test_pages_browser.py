@@ -1,7 +1,10 @@
 """The demo (``/``) and status (``/status``) pages in a real browser (``tests.browser``: Debian's headless
 Chromium driven by Playwright).
 
-The server streams slowly (``GREENSERVE_FAULTS=slow_step_s=0.05``) so that every token is its own update
+A second server serves a bigram with a shadow variant of the same weights (``shadow = 100``), for the
+status page's shadows' table.
+
+The first server streams slowly (``GREENSERVE_FAULTS=slow_step_s=0.05``) so that every token is its own update
 on the page, and requires an API key, which the demo passes as ``api_key``. Screenshots of both pages,
 wide and narrow, are saved under ``test-artifacts/`` at the repository root.
 """
@@ -16,7 +19,8 @@ from playwright.sync_api import Page
 
 from tests.browser import NARROW, WIDE, Watch, needs_chromium, screenshot, stop_running
 from tests.browser import check_page as check_page_from
-from tests.server import GunicornServer
+from tests.modelfiles import write_trained
+from tests.server import GunicornServer, wait_until
 
 KEY = "demo-key-1"
 SLOW_STEP_S = 0.05
@@ -42,6 +46,21 @@ def server(serve_module) -> GunicornServer:
         STATS_FLUSH_S="0.2",
         SLO_TTFT_S="0.5",
     )
+
+
+SHADOWED = (
+    '[models.twin]\nsource = "xyz"\n\n[models.twin.variants.copy]\nsource = "xyz"\nshadow = 100\n'
+)
+
+
+@pytest.fixture(scope="module")
+def shadowed(serve_module, tmp_path_factory) -> GunicornServer:
+    """A server of model ``twin`` (a bigram trained on ``xyz``) whose variant ``copy`` shadows it
+    with the same weights: every request mirrored, every comparison exact."""
+    root = tmp_path_factory.mktemp("shadowed")
+    write_trained(root / "xyz", b"xyz")
+    (root / "models.toml").write_text(SHADOWED)
+    return serve_module(MODELS_FILE=str(root / "models.toml"), STATS_FLUSH_S="0.2")
 
 
 def bearer() -> dict[str, str]:
@@ -215,6 +234,9 @@ def test_status_page_draws_the_charts(server, page):
     assert cells[:4] == ["bigram", "primary", str(row["requests"]), "0"]
     assert cells[4] == str(row["generation_tokens"]) and cells[5].endswith("s")
     assert row["requests"] == stats["totals"]["requests"] - stats["totals"]["by_status"]["401"]
+    # No shadow variant on this server: its table stays hidden and empty.
+    assert stats["shadows"] == {}
+    assert pg.is_hidden("#shadows-card") and pg.locator("#shadows tr").count() == 0
     assert pg.locator("#workers tr").count() == 1
     assert pg.text_content("#workers tr td:nth-child(2)") == "ready"
     screenshot(pg, "status.png")
@@ -227,3 +249,39 @@ def test_status_page_draws_the_charts(server, page):
     pg.wait_for_timeout(200)
     check_page(pg, watch, server)
     screenshot(pg, "status-dark.png")
+
+
+def mirrored(srv: GunicornServer) -> int:
+    """The requests ``srv`` mirrored to ``twin``'s shadow ``copy`` whose outcome is counted."""
+    shadows = json.loads(srv.get("/stats")[2])["shadows"]
+    return shadows.get("twin", {}).get("copy", {}).get("mirrored", 0)
+
+
+def test_status_page_shows_the_shadows(shadowed, page):
+    pg, watch = page
+    for n in (1, 2):
+        body = {"model": "twin", "prompt": "x", "max_tokens": 6, "seed": n}
+        assert shadowed.complete(body)[0] == 200
+        # Each mirrored request's outcome is counted before the next request (which would
+        # otherwise preempt a shadow still running).
+        wait_until(lambda n=n: mirrored(shadowed) == n, what=f"{n} mirrored requests counted")
+    pg.goto(shadowed.url + "/status")
+    pg.wait_for_function("() => Number(document.getElementById('status').dataset.updates) >= 1")
+    assert pg.is_visible("#shadows-card")
+    assert pg.locator("#shadows tr td").all_text_contents() == [
+        "twin",
+        "copy",
+        "2",
+        "2",
+        "0",
+        "0",
+        "100%",
+    ]
+    pg.set_viewport_size(NARROW)
+    check_page(pg, watch, shadowed)
+    # At phone width the table fits without scrolling: the exact, diverged and dropped counts are
+    # hidden, the mirrored ones and their exact share stay.
+    assert pg.locator("#shadows tr td:visible").all_text_contents() == ["twin", "copy", "2", "100%"]
+    wrap = "document.querySelector('#shadows-card .table-wrap')"
+    assert pg.evaluate(f"{wrap}.scrollWidth <= {wrap}.clientWidth")
+    screenshot(pg, "status-shadows-narrow.png")

@@ -1,7 +1,7 @@
 // The status page: poll /stats and /stats/history, fill the tiles, redraw the charts.
 //
-// /stats gives totals, last-minute rates, latency percentiles (since start), load, workers and
-// each model and variant's traffic;
+// /stats gives totals, last-minute rates, latency percentiles (since start), load, workers,
+// each model and variant's traffic and each shadow variant's comparisons;
 // /stats/history gives per-minute series, the TTFT objective and the 7-day error budget. Polling
 // pauses while the tab is hidden; charts are redrawn at their new width when the page is resized.
 
@@ -212,30 +212,40 @@ function renderWorkers(workers) {
   $("workers").replaceChildren(...rows);
 }
 
-// One row per model and variant (/stats' "models": primary first): requests, failed, tokens, TTFT.
-function renderModels(models) {
+// One table row per model and variant of /stats' `byModel` ({model: {variant: counts}}, in its
+// order): the cells `cells(model, variant, counts)` gives, those at `wideOnly` hidden at phone width.
+function variantRows(byModel, cells, wideOnly) {
   const rows = [];
-  for (const [model, variants] of Object.entries(models)) {
+  for (const [model, variants] of Object.entries(byModel)) {
     for (const [variant, m] of Object.entries(variants)) {
       const tr = document.createElement("tr");
-      const cells = [
-        model,
-        variant,
-        formatCount(m.requests),
-        formatCount(m.errors),
-        formatCount(m.generation_tokens),
-        formatDuration(m.ttft.p50),
-        formatDuration(m.ttft.p90),
-      ];
-      cells.forEach((text, i) => {
+      cells(model, variant, m).forEach((text, i) => {
         const td = document.createElement("td");
         td.textContent = text;
-        if (i === 4 || i === 6) td.className = "wide-only";
+        if (wideOnly.includes(i)) td.className = "wide-only";
         tr.append(td);
       });
       rows.push(tr);
     }
   }
+  return rows;
+}
+
+// One row per model and variant (/stats' "models": primary first): requests, failed, tokens, TTFT.
+function renderModels(models) {
+  const rows = variantRows(
+    models,
+    (model, variant, m) => [
+      model,
+      variant,
+      formatCount(m.requests),
+      formatCount(m.errors),
+      formatCount(m.generation_tokens),
+      formatDuration(m.ttft.p50),
+      formatDuration(m.ttft.p90),
+    ],
+    [4, 6],
+  );
   if (!rows.length) {
     const tr = document.createElement("tr");
     const td = document.createElement("td");
@@ -247,12 +257,37 @@ function renderModels(models) {
   $("models").replaceChildren(...rows);
 }
 
+// A share as a percentage, rounded down so that 100% means every one ("–" for none compared).
+function percent(ratio) {
+  return ratio === null ? "–" : `${Math.floor(ratio * 1000) / 10}%`;
+}
+
+// One row per shadow variant (/stats' "shadows"); the card stays hidden while there is none.
+function renderShadows(shadows) {
+  const rows = variantRows(
+    shadows,
+    (model, variant, s) => [
+      model,
+      variant,
+      formatCount(s.mirrored),
+      formatCount(s.exact),
+      formatCount(s.diverged),
+      formatCount(s.dropped),
+      percent(s.exact_ratio),
+    ],
+    [3, 4, 5], // a phone shows the traffic and its exact share: the table fits without scrolling
+  );
+  $("shadows").replaceChildren(...rows);
+  $("shadows-card").hidden = !rows.length;
+}
+
 function render() {
   if (!latest) return;
   const { stats, history } = latest;
   renderTiles(stats, history);
   renderCharts(stats, history);
   renderModels(stats.models);
+  renderShadows(stats.shadows);
   renderWorkers(stats.workers);
 }
 
