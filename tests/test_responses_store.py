@@ -236,11 +236,9 @@ def test_stored_responses_expire(serve):
     wait_until(lambda: srv.get(f"{PATH}/{stored}")[0] == 404, 30, "the response to expire")
 
 
-def test_sqlite_store_bounds_bytes_and_count(tmp_path):
-    record = {"response": {"id": "x"}, "items": ["y" * 100]}
-    size = len(encode_record(record))
-    now = [1000.0]
-    store = SqliteResponseStore(str(tmp_path / "r.db"), 10, 3 * size, 60, clock=lambda: now[0])
+def put_five(store, record: dict, now: list[float]) -> None:
+    """Put ``record`` five times, a second apart, into a store bounded to three of them by bytes:
+    the two oldest are evicted, the three newest kept."""
     for i in range(5):
         now[0] += 1
         store.put("k", f"r{i}", record)
@@ -251,6 +249,14 @@ def test_sqlite_store_bounds_bytes_and_count(tmp_path):
         True,
         True,
     ]
+
+
+def test_sqlite_store_bounds_bytes_and_count(tmp_path):
+    record = {"response": {"id": "x"}, "items": ["y" * 100]}
+    size = len(encode_record(record))
+    now = [1000.0]
+    store = SqliteResponseStore(str(tmp_path / "r.db"), 10, 3 * size, 60, clock=lambda: now[0])
+    put_five(store, record, now)
     assert store.get("other", "r4") is None and not store.delete("other", "r4")
     assert store.delete("k", "r4") and store.get("k", "r4") is None
     now[0] += 61
@@ -289,16 +295,7 @@ def test_redis_store_bounds_bytes_and_count(redis_server):
     size = len(encode_record(record))
     now = [1000.0]
     store = RedisResponseStore(redis_server.url(4), "t:", 10, 3 * size, 60, clock=lambda: now[0])
-    for i in range(5):
-        now[0] += 1
-        store.put("k", f"r{i}", record)
-    assert [store.get("k", f"r{i}") is not None for i in range(5)] == [
-        False,
-        False,
-        True,
-        True,
-        True,
-    ]
+    put_five(store, record, now)
     client = redis_server.client(4)
     assert int(client.get("t:bytes")) == 3 * size and client.zcard("t:index") == 3
     assert store.get("other", "r4") is None and not store.delete("other", "r4")
